@@ -1,0 +1,84 @@
+"""Errors shared by every turnstream package.
+
+One root, two families: bad input in the wire format, and trouble with the event log itself.
+
+    TurnstreamError
+    ├── SchemaError                  bad input; never retried, dead-lettered with its reason
+    │   ├── UndecodableEvent         bytes that are not a valid event (msgpack, type, fields)
+    │   ├── UnsupportedSchemaVersion an event written by a newer turnstream
+    │   ├── InvalidIdentifier        a run / session / key that is not [A-Za-z0-9_-]{1,64}
+    │   └── PayloadTooLarge          an encoded event over the configured size limit
+    └── EventLogError                the log (NATS JetStream) could not do what was asked
+        ├── EventLogUnavailable      transient: no connection, timeout; retry later
+        ├── OutboxFull               the on-disk outbox is at its byte limit; answer 503
+        └── ProvisioningError        a stream or bucket exists with a conflicting config
+
+Third-party errors (nats, msgspec) are translated into these at the adapter boundary, with the
+original chained as ``__cause__``.
+"""
+
+from __future__ import annotations
+
+
+class TurnstreamError(Exception):
+    """Root of every error turnstream raises on purpose."""
+
+
+class SchemaError(TurnstreamError):
+    """Input that does not follow the wire format: never retried."""
+
+
+class UndecodableEvent(SchemaError):
+    """Bytes that cannot be decoded into a known event."""
+
+
+class UnsupportedSchemaVersion(SchemaError):
+    """An event whose schema version this build cannot read."""
+
+    def __init__(self, version: int, supported: int) -> None:
+        self.version = version
+        self.supported = supported
+        super().__init__(
+            f"event schema version v={version} is newer than this build supports "
+            f"(v<={supported}); upgrade turnstream to read it"
+        )
+
+
+class InvalidIdentifier(SchemaError):
+    """A run, session or reward key that cannot be used in a NATS subject."""
+
+    def __init__(self, field: str, value: object, pattern: str) -> None:
+        self.field = field
+        self.value = value
+        super().__init__(
+            f"{field}={value!r} is not a valid identifier: it must match {pattern} "
+            f"(no '.', '*', '>' or spaces, at most 64 characters)"
+        )
+
+
+class PayloadTooLarge(SchemaError):
+    """An encoded event larger than the log accepts."""
+
+    def __init__(self, what: str, size: int, limit: int) -> None:
+        self.size = size
+        self.limit = limit
+        super().__init__(
+            f"{what} is {size} bytes, over the {limit}-byte limit; raise max_payload "
+            f"(nats-server and TURNSTREAM_LOG__MAX_PAYLOAD) or send smaller turns"
+        )
+
+
+class EventLogError(TurnstreamError):
+    """The event log failed to do what was asked."""
+
+
+class EventLogUnavailable(EventLogError):
+    """The log did not answer in time or is not connected: transient, retry later."""
+
+
+class OutboxFull(EventLogError):
+    """The on-disk outbox reached its byte limit while the log is unavailable."""
+
+
+class ProvisioningError(EventLogError):
+    """A stream or bucket could not be created or updated as configured."""

@@ -1,0 +1,198 @@
+"""The events of the log (DESIGN §3) as typed msgspec structs.
+
+Token ids and logprobs are numpy arrays (int32 / float32); the codec carries them as raw
+little-endian bytes, so no per-token Python object is ever made. Constructing an event accepts
+any array-like and converts it once; decoding checks every array's dtype and length.
+
+Why msgspec and not pydantic here: these structs are decoded on the hot path (every turn the
+gateway publishes, every event a fold worker rehydrates). msgspec decodes msgpack straight into
+typed structs with path-naming errors, ignores unknown fields, and is several times faster than
+validating dicts; pydantic stays the tool for settings and HTTP bodies.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+from schemas.ids import validate_id
+
+SCHEMA_VERSION = 1
+
+Int32Array = npt.NDArray[np.int32]
+Float32Array = npt.NDArray[np.float32]
+Int8Array = npt.NDArray[np.int8]
+
+SessionStatus = Literal["completed", "aborted", "truncated", "timeout"]
+TrajectoryStatus = Literal["completed", "aborted", "truncated", "timeout", "open"]
+JSON = dict[str, Any]
+
+
+def as_array(value: object, dtype: str, field: str) -> np.ndarray:
+    """Return ``value`` as a contiguous 1-D little-endian array of ``dtype``.
+
+    Arrays already of that dtype pass through without a copy (the decode path). Lists and
+    arrays of a compatible kind are converted once; anything else is a ValueError naming
+    the field.
+    """
+    want = np.dtype(dtype)
+    if isinstance(value, np.ndarray) and value.dtype == want and value.ndim == 1:
+        return value if value.flags.c_contiguous else np.ascontiguousarray(value)
+    try:
+        arr = np.asarray(value)
+        if arr.ndim != 1 and arr.size == 0:
+            arr = arr.reshape(0)
+        if arr.ndim != 1:
+            raise ValueError(f"{field} must be 1-D, got shape {arr.shape}")
+        if arr.size == 0:
+            return np.empty(0, dtype=want)
+        return np.ascontiguousarray(arr.astype(want, casting="same_kind"))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{field} must be a 1-D array of {want.name}: {exc}") from exc
+
+
+class _Event(msgspec.Struct, kw_only=True, tag_field="type"):
+    """Common envelope: schema version, run, session and the time the event was made."""
+
+    v: int = SCHEMA_VERSION
+    run: str
+    session: str
+    created_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        validate_id(self.run, "run")
+        validate_id(self.session, "session")
+
+
+class SessionOpened(_Event, tag="SessionOpened", kw_only=True):
+    group: str | None = None  # GRPO prompt id: samples of one group are compared
+    metadata: JSON = msgspec.field(default_factory=dict)  # task, env, anything the agent sets
+    model: str = ""
+
+
+class TurnCompleted(_Event, tag="TurnCompleted", kw_only=True):
+    """One completion turn, with its prompt delta-encoded against the previous turn.
+
+    Full prompt of turn t = full_context(t-1)[:prefix_len] + prompt_ids, where
+    full_context(t-1) = full prompt of turn t-1 + its completion_ids. Turn 0 has prefix_len 0.
+    Messages follow the same rule: the conversation of turn t is
+    messages(t-1) + [assistant reply of t-1] truncated to message_prefix_len, + new_messages.
+    """
+
+    turn: int
+    prefix_len: int = 0
+    prompt_ids: np.ndarray  # int32: the prompt tokens after the shared prefix
+    completion_ids: np.ndarray  # int32: exactly the tokens the model sampled
+    logprobs: np.ndarray  # float32, one per completion token
+    message_prefix_len: int = 0
+    new_messages: list[JSON] = msgspec.field(default_factory=list)
+    tools: list[JSON] | None = None
+    sampling: JSON = msgspec.field(default_factory=dict)
+    finish_reason: str = "stop"
+    text: str = ""
+    tool_calls: list[JSON] = msgspec.field(default_factory=list)
+    weight_version: int = 0
+    template_hash: str = ""
+    backend: str = ""
+    timings: dict[str, float] = msgspec.field(default_factory=dict)
+    usage: dict[str, int] = msgspec.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.prompt_ids = as_array(self.prompt_ids, "<i4", "prompt_ids")
+        self.completion_ids = as_array(self.completion_ids, "<i4", "completion_ids")
+        self.logprobs = as_array(self.logprobs, "<f4", "logprobs")
+        if self.turn < 0 or self.prefix_len < 0 or self.message_prefix_len < 0:
+            raise ValueError("turn, prefix_len and message_prefix_len must be >= 0")
+        if len(self.logprobs) != len(self.completion_ids):
+            raise ValueError(
+                f"logprobs has {len(self.logprobs)} entries for "
+                f"{len(self.completion_ids)} completion_ids: they must be equal"
+            )
+
+    @property
+    def assistant_message(self) -> JSON:
+        """The reply as an OpenAI chat message, as the client received it."""
+        message: JSON = {"role": "assistant", "content": self.text or None}
+        if self.tool_calls:
+            message["tool_calls"] = self.tool_calls
+        return message
+
+
+class RewardAssigned(_Event, tag="RewardAssigned", kw_only=True):
+    value: float
+    turn: int | None = None  # None: a reward for the whole episode
+    key: str = "default"  # several named components are summed
+    source: str = ""
+    info: JSON = msgspec.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        validate_id(self.key, "key")
+
+
+class SessionClosed(_Event, tag="SessionClosed", kw_only=True):
+    status: SessionStatus = "completed"
+    reward: float | None = None
+    num_turns: int | None = None  # turns the gateway had served at close; later ones are late
+
+
+class TrajectoryReady(_Event, tag="TrajectoryReady", kw_only=True):
+    """One folded training sample (DESIGN §6). Arrays all have len(input_ids) entries."""
+
+    trajectory_id: str
+    group: str
+    segment: int
+    status: TrajectoryStatus
+    input_ids: np.ndarray  # int32
+    loss_mask: np.ndarray  # int8: 1 where the policy generated the token
+    logprobs: np.ndarray  # float32: sampling logprob of generated tokens, 0 elsewhere
+    versions: np.ndarray  # int32: weight_version of generated tokens, -1 elsewhere
+    prompt_len: int
+    turn_ends: np.ndarray  # int32: end (exclusive) of each turn's completion in input_ids
+    turn_rewards: list[float | None]  # one per turn of this sample
+    reward: float | None
+    num_turns: int
+    finish_reason: str
+    messages: list[JSON]
+    metadata: JSON
+    fold_version: int
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.input_ids = as_array(self.input_ids, "<i4", "input_ids")
+        self.loss_mask = as_array(self.loss_mask, "i1", "loss_mask")
+        self.logprobs = as_array(self.logprobs, "<f4", "logprobs")
+        self.versions = as_array(self.versions, "<i4", "versions")
+        self.turn_ends = as_array(self.turn_ends, "<i4", "turn_ends")
+        n = len(self.input_ids)
+        for name in ("loss_mask", "logprobs", "versions"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"{name} has {len(getattr(self, name))} entries, input_ids {n}")
+
+    @property
+    def response_len(self) -> int:
+        return len(self.input_ids) - self.prompt_len
+
+    @property
+    def min_weight_version(self) -> int:
+        generated = self.versions[self.loss_mask == 1]
+        return int(generated.min()) if len(generated) else -1
+
+    @property
+    def max_weight_version(self) -> int:
+        return int(self.versions.max()) if len(self.versions) else -1
+
+
+SessionEvent = SessionOpened | TurnCompleted | RewardAssigned | SessionClosed
+Event = SessionOpened | TurnCompleted | RewardAssigned | SessionClosed | TrajectoryReady
+EVENT_TYPES: tuple[type[_Event], ...] = (
+    SessionOpened,
+    TurnCompleted,
+    RewardAssigned,
+    SessionClosed,
+    TrajectoryReady,
+)

@@ -1,0 +1,69 @@
+"""Identifiers, NATS subjects and deterministic message ids (DESIGN §3).
+
+Subjects: ``ts.ev.<run>.<session>.<kind>`` for session events, ``ts.traj.<run>`` for folded
+trajectories, ``ts.dlq.<source>`` for dead letters. Message ids (``Nats-Msg-Id``) are derived from
+the event's identity only, so a retry of the same event is absorbed by the stream's duplicate
+window.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from typing import Literal
+
+from schemas.errors import InvalidIdentifier
+
+ID_PATTERN = r"[A-Za-z0-9_-]{1,64}"
+_ID_RE = re.compile(ID_PATTERN)
+
+EVENT_SUBJECT_PREFIX = "ts.ev"
+TRAJ_SUBJECT_PREFIX = "ts.traj"
+DLQ_SUBJECT_PREFIX = "ts.dlq"
+
+EventKind = Literal["open", "turn", "reward", "close"]
+
+
+def validate_id(value: object, field: str = "id") -> str:
+    """Return ``value`` if it is a valid run / session / key id, else raise InvalidIdentifier."""
+    if not isinstance(value, str) or _ID_RE.fullmatch(value) is None:
+        raise InvalidIdentifier(field, value, ID_PATTERN)
+    return value
+
+
+def new_session_id() -> str:
+    """A gateway-made session id: 128 random bits; base64url is already [A-Za-z0-9_-]."""
+    return secrets.token_urlsafe(16)
+
+
+def event_subject(run: str, session: str, kind: EventKind) -> str:
+    return f"{EVENT_SUBJECT_PREFIX}.{run}.{session}.{kind}"
+
+
+def session_subjects(run: str, session: str) -> str:
+    """Filter subject matching every event of one session."""
+    return f"{EVENT_SUBJECT_PREFIX}.{run}.{session}.*"
+
+
+def traj_subject(run: str) -> str:
+    return f"{TRAJ_SUBJECT_PREFIX}.{run}"
+
+
+def dlq_subject(source: str) -> str:
+    return f"{DLQ_SUBJECT_PREFIX}.{source}"
+
+
+def open_msg_id(run: str, session: str) -> str:
+    return f"{run}.{session}.open"
+
+
+def turn_msg_id(run: str, session: str, turn: int) -> str:
+    return f"{run}.{session}.turn.{turn}"
+
+
+def reward_msg_id(run: str, session: str, key: str, turn: int | None) -> str:
+    return f"{run}.{session}.reward.{key}.{'episode' if turn is None else turn}"
+
+
+def close_msg_id(run: str, session: str) -> str:
+    return f"{run}.{session}.close"
