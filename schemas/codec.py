@@ -32,7 +32,7 @@ __all__ = ["DEFAULT_MAX_PAYLOAD", "Codec", "Upcaster"]
 
 DEFAULT_MAX_PAYLOAD = 8 * 1024 * 1024  # matches the embedded nats-server's max_payload
 
-_EXT_DTYPE = {1: np.dtype("<i4"), 2: np.dtype("<f4"), 3: np.dtype("i1")}
+_EXT_DTYPE: dict[int, np.dtype[Any]] = {1: np.dtype("<i4"), 2: np.dtype("<f4"), 3: np.dtype("i1")}
 _DTYPE_EXT = {dtype: code for code, dtype in _EXT_DTYPE.items()}
 
 Upcaster = Callable[[dict[str, Any]], dict[str, Any]]

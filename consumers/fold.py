@@ -1,0 +1,301 @@
+"""The fold (DESIGN §5): one session's events in, its trajectories out. Pure: no I/O, no clock.
+
+Shaped like an event-sourced projection::
+
+    state = initial()
+    for event in events:  # any order, redeliveries included
+        state = apply(state, event)
+    result = finish(state, FoldOptions())
+
+``apply`` only accumulates. It keeps one event per identity (the open, each turn index, each
+reward (key, turn), the close), so neither the order of the events nor their duplicates change
+the result. Everything that needs the whole session (which events are late, rebuilding the
+delta-encoded prompts, cutting segments, rewards) happens in ``finish``.
+
+A two-turn session, delivered out of order and with turn 1 twice; turn 1 extends turn 0's
+context ``[1, 2] + [3]`` by the tool result ``[4]``:
+
+>>> t0 = TurnCompleted(run="r", session="s", turn=0, prompt_ids=[1, 2], completion_ids=[3],
+...                    logprobs=[-0.5])
+>>> t1 = TurnCompleted(run="r", session="s", turn=1, prefix_len=3, prompt_ids=[4],
+...                    completion_ids=[5, 6], logprobs=[-0.25, -1.0], weight_version=7)
+>>> close = SessionClosed(run="r", session="s", reward=1.0, num_turns=2)
+>>> result = fold([close, t1, t0, t1])
+>>> [sample] = result.trajectories
+>>> sample.trajectory_id, sample.input_ids.tolist(), sample.loss_mask.tolist()
+('r/s/0', [1, 2, 3, 4, 5, 6], [0, 0, 1, 0, 1, 1])
+>>> sample.versions.tolist(), sample.logprobs.tolist(), sample.turn_ends.tolist()
+([-1, -1, 0, -1, 7, 7], [0.0, 0.0, -0.5, 0.0, -0.25, -1.0], [3, 6])
+>>> sample.prompt_len, sample.reward, result.forks, result.duplicates
+(2, 1.0, 0, 1)
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from functools import reduce
+from itertools import islice
+from typing import Literal, TypeVar
+
+from consumers._segments import RebuiltTurn, rebuild, sample_arrays, split
+from consumers.errors import FoldError, MissingTurns
+from schemas.codec import Codec
+from schemas.events import (
+    JSON,
+    RewardAssigned,
+    SessionClosed,
+    SessionEvent,
+    SessionOpened,
+    TrajectoryReady,
+    TurnCompleted,
+)
+
+__all__ = [
+    "FOLD_VERSION",
+    "FoldOptions",
+    "FoldResult",
+    "SessionState",
+    "apply",
+    "finish",
+    "fold",
+    "initial",
+]
+
+FOLD_VERSION = 1
+"""Stored in every TrajectoryReady: bump it whenever the same events would fold differently."""
+
+RewardKey = tuple[str, int | None]  # (key, turn); turn None is the episode reward
+
+# Only orders differing duplicates; no size limit, because an event too large for the wire can
+# still be folded when it was built in memory.
+_TIE_BREAK = Codec(max_payload=sys.maxsize)
+_MISSING_SHOWN = 100
+
+_E = TypeVar("_E", SessionOpened, TurnCompleted, RewardAssigned, SessionClosed)
+
+
+@dataclass(frozen=True)
+class FoldOptions:
+    """How a session becomes samples."""
+
+    per_turn: bool = False
+    """Every turn its own sample (step-wise training) instead of one per segment."""
+    final_reward_scope: Literal["last", "all"] = "all"
+    """"all": every sample of the session carries the final reward; "last": only its last
+    sample does, the earlier ones get None."""
+
+    def __post_init__(self) -> None:
+        if self.final_reward_scope not in ("last", "all"):
+            raise ValueError(
+                f"final_reward_scope must be 'last' or 'all', got {self.final_reward_scope!r}"
+            )
+
+
+@dataclass(frozen=True)
+class FoldResult:
+    trajectories: list[TrajectoryReady]
+    forks: int
+    """Turns after turn 0 whose full prompt does not start with the previous turn's full
+    context (history rewritten, truncated, summarized); counted the same in per_turn mode."""
+    late_events: int
+    """Distinct events not folded: turns at or after the close's num_turns, rewards created
+    after the close, and per-turn rewards naming a turn that was not folded."""
+    duplicates: int
+    """Events dropped because another with the same identity was kept."""
+
+
+@dataclass(frozen=True)
+class SessionState:
+    """What ``apply`` has accumulated: one event per identity and the count of repeats."""
+
+    run: str | None = None
+    session: str | None = None
+    opened: SessionOpened | None = None
+    turns: Mapping[int, TurnCompleted] = field(default_factory=dict)
+    rewards: Mapping[RewardKey, RewardAssigned] = field(default_factory=dict)
+    closed: SessionClosed | None = None
+    duplicates: int = 0
+
+
+def initial() -> SessionState:
+    """The state before any event."""
+    return SessionState()
+
+
+def _keep(current: _E | None, incoming: _E) -> _E:
+    """Of two events with one identity, the one first by (created_at, encoded bytes).
+
+    That order is total, so the survivor does not depend on which arrived first.
+    """
+    if current is None or current is incoming:
+        return incoming
+    if current.created_at != incoming.created_at:
+        return current if current.created_at < incoming.created_at else incoming
+    return current if _TIE_BREAK.encode(current) <= _TIE_BREAK.encode(incoming) else incoming
+
+
+def apply(state: SessionState, event: SessionEvent) -> SessionState:
+    """Return a new state with ``event`` accumulated; ``state`` is left unchanged.
+
+    A redelivered event (same identity as one already applied) only adds to ``duplicates``.
+    Raises FoldError for an event of another session, or one that is not a session event.
+    """
+    if not isinstance(event, SessionOpened | TurnCompleted | RewardAssigned | SessionClosed):
+        raise FoldError(
+            f"run={getattr(event, 'run', '?')} session={getattr(event, 'session', '?')}: "
+            f"cannot fold a {type(event).__name__}; the fold takes SessionOpened, "
+            f"TurnCompleted, RewardAssigned and SessionClosed"
+        )
+    if state.run is None:
+        state = replace(state, run=event.run, session=event.session)
+    elif (event.run, event.session) != (state.run, state.session):
+        raise FoldError(
+            f"run={state.run} session={state.session}: got a {type(event).__name__} of "
+            f"run={event.run} session={event.session}; a fold takes the events of one session"
+        )
+    if isinstance(event, TurnCompleted):
+        current_turn = state.turns.get(event.turn)
+        turns = {**state.turns, event.turn: _keep(current_turn, event)}
+        return replace(state, turns=turns, duplicates=state.duplicates + (current_turn is not None))
+    if isinstance(event, RewardAssigned):
+        key: RewardKey = (event.key, event.turn)
+        current_reward = state.rewards.get(key)
+        rewards = {**state.rewards, key: _keep(current_reward, event)}
+        return replace(
+            state, rewards=rewards, duplicates=state.duplicates + (current_reward is not None)
+        )
+    if isinstance(event, SessionOpened):
+        return replace(
+            state,
+            opened=_keep(state.opened, event),
+            duplicates=state.duplicates + (state.opened is not None),
+        )
+    return replace(
+        state,
+        closed=_keep(state.closed, event),
+        duplicates=state.duplicates + (state.closed is not None),
+    )
+
+
+def _turns_to_fold(
+    run: str, session: str, turns: Mapping[int, TurnCompleted], closed: SessionClosed | None
+) -> tuple[list[TurnCompleted], int]:
+    """Turns 0..n-1 in order and the number of late turns; MissingTurns if there is a gap."""
+    limit = closed.num_turns if closed is not None else None
+    if limit is None:
+        expected = max(turns, default=-1) + 1
+        why = f"turn {expected - 1} is present"
+    elif limit < 0:
+        raise FoldError(
+            f"run={run} session={session}: the close says num_turns={limit}, which is "
+            f"negative; the close is corrupt, dead-letter the session"
+        )
+    else:
+        expected = limit
+        why = f"the close says num_turns={limit}"
+    present = sum(1 for index in turns if index < expected)
+    if present < expected:
+        # islice: a corrupt num_turns must not make us list a billion indices.
+        gaps = islice((i for i in range(expected) if i not in turns), _MISSING_SHOWN)
+        raise MissingTurns(run, session, list(gaps), expected, why, expected - present)
+    return [turns[index] for index in range(expected)], len(turns) - expected
+
+
+def _is_late(reward: RewardAssigned, closed: SessionClosed | None, num_turns: int) -> bool:
+    after_close = closed is not None and reward.created_at > closed.created_at
+    no_such_turn = reward.turn is not None and not 0 <= reward.turn < num_turns
+    return after_close or no_such_turn
+
+
+def _final_reward(closed: SessionClosed | None, episode: list[RewardAssigned]) -> float | None:
+    if closed is not None and closed.reward is not None:
+        return closed.reward
+    # fsum is exactly rounded, so the sum does not depend on the order of the components.
+    return math.fsum(r.value for r in episode) if episode else None
+
+
+def _turn_rewards(per_turn: list[RewardAssigned]) -> dict[int, float]:
+    values: dict[int, list[float]] = {}
+    for reward in per_turn:
+        assert reward.turn is not None
+        values.setdefault(reward.turn, []).append(reward.value)
+    return {turn: math.fsum(components) for turn, components in values.items()}
+
+
+def _created_at(
+    state: SessionState, turns: list[TurnCompleted], rewards: list[RewardAssigned]
+) -> float:
+    """The time of the result, from the events only: re-folding must give the same bytes."""
+    if state.closed is not None:
+        return state.closed.created_at
+    times = [event.created_at for event in (*turns, *rewards)]
+    if state.opened is not None:
+        times.append(state.opened.created_at)
+    return max(times, default=0.0)
+
+
+def finish(state: SessionState, options: FoldOptions = FoldOptions()) -> FoldResult:
+    """Fold the accumulated events into trajectories.
+
+    Raises MissingTurns when turns 0..n-1 are not all present (n: the close's num_turns, else
+    one past the highest turn seen), FoldError when a turn's delta does not fit the turn before.
+    A session with no close folds as status "open", with no final reward and nothing late.
+    """
+    if state.run is None or state.session is None:
+        return FoldResult(trajectories=[], forks=0, late_events=0, duplicates=state.duplicates)
+    run, session, closed = state.run, state.session, state.closed
+    turns, late_turns = _turns_to_fold(run, session, state.turns, closed)
+    rewards = [r for r in state.rewards.values() if not _is_late(r, closed, len(turns))]
+    late_rewards = len(state.rewards) - len(rewards)
+
+    rebuilt = rebuild(run, session, turns)
+    samples = split(rebuilt, options.per_turn)
+    forks = sum(1 for turn in rebuilt[1:] if not turn.extends)
+    final_reward = _final_reward(closed, [r for r in rewards if r.turn is None])
+    turn_rewards = _turn_rewards([r for r in rewards if r.turn is not None])
+    opened = state.opened
+    base_metadata: JSON = dict(opened.metadata) if opened is not None else {}
+    base_metadata.update(model=opened.model if opened is not None else "", forks=forks)
+    created_at = _created_at(state, turns, rewards)
+
+    def trajectory(index: int, sample: list[RebuiltTurn]) -> TrajectoryReady:
+        arrays = sample_arrays(sample)
+        last = sample[-1]
+        is_last = index == len(samples) - 1
+        return TrajectoryReady(
+            run=run,
+            session=session,
+            created_at=created_at,
+            trajectory_id=f"{run}/{session}/{index}",
+            group=opened.group if opened is not None and opened.group else session,
+            segment=index,
+            status=closed.status if closed is not None else "open",
+            input_ids=arrays.input_ids,
+            loss_mask=arrays.loss_mask,
+            logprobs=arrays.logprobs,
+            versions=arrays.versions,
+            prompt_len=sample[0].prompt_len,
+            turn_ends=arrays.turn_ends,
+            turn_rewards=[turn_rewards.get(turn.event.turn) for turn in sample],
+            reward=final_reward if is_last or options.final_reward_scope == "all" else None,
+            num_turns=len(sample),
+            finish_reason=last.event.finish_reason,
+            messages=[*last.conversation, last.event.assistant_message],
+            metadata={**base_metadata, "first_turn": sample[0].event.turn},
+            fold_version=FOLD_VERSION,
+        )
+
+    return FoldResult(
+        trajectories=[trajectory(index, sample) for index, sample in enumerate(samples)],
+        forks=forks,
+        late_events=late_turns + late_rewards,
+        duplicates=state.duplicates,
+    )
+
+
+def fold(events: Iterable[SessionEvent], options: FoldOptions = FoldOptions()) -> FoldResult:
+    """All of one session's events, in any order and with any repeats, to its trajectories."""
+    return finish(reduce(apply, events, initial()), options)

@@ -1,0 +1,106 @@
+"""Settings of the event log: connection, streams, buckets, publisher (plain pydantic models).
+
+The composition root (``turnstream.settings``) nests these in each service's settings, so they
+are filled from CLI flags, ``TURNSTREAM_*`` env vars or a TOML file; nothing here reads the
+environment.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = ["LogSettings", "PublisherSettings", "StreamNames", "check_retry_horizon"]
+
+MiB = 1024 * 1024
+DAY = 86_400.0
+
+
+class StreamNames(BaseModel):
+    """Names of the streams and KV buckets turnstream provisions."""
+
+    model_config = ConfigDict(frozen=True)
+
+    events: str = "EVENTS"
+    trajectories: str = "TRAJ"
+    dead_letters: str = "DLQ"
+    policy_bucket: str = "ts_policy"  # PolicyUpdated: weight_version per run
+    sessions_bucket: str = "ts_sessions"  # reaper: last activity per open session
+    folded_bucket: str = "ts_folded"  # fold worker: markers of sessions already folded
+
+
+class LogSettings(BaseModel):
+    """Where the log is and how its streams are configured."""
+
+    model_config = ConfigDict(frozen=True)
+
+    url: str | None = Field(
+        None, description="NATS URL(s), comma separated; unset: start an embedded nats-server"
+    )
+    store_dir: Path = Field(Path("data/nats"), description="embedded server's JetStream store")
+    port: int = Field(0, ge=0, le=65535, description="embedded server port; 0 picks a free one")
+    max_payload: int = Field(8 * MiB, gt=0, description="largest event in bytes (server and codec)")
+    sync_always: bool = Field(
+        False, description="embedded server fsyncs every write (survives power loss, slower)"
+    )
+    replicas: int = Field(1, ge=1, le=5, description="stream replicas (3 on a cluster)")
+    duplicate_window_s: float = Field(
+        120.0, gt=0, description="JetStream dedup window; must exceed the publisher retry horizon"
+    )
+    events_max_age_s: float = Field(30 * DAY, ge=0, description="EVENTS retention; 0 = forever")
+    events_max_bytes: int = Field(-1, description="EVENTS size cap in bytes; -1 = unlimited")
+    trajectories_max_age_s: float = Field(30 * DAY, ge=0, description="TRAJ retention; 0 = forever")
+    trajectories_max_bytes: int = Field(-1, description="TRAJ size cap in bytes; -1 = unlimited")
+    dead_letters_max_age_s: float = Field(90 * DAY, ge=0, description="DLQ retention")
+    session_idle_ttl_s: float = Field(7 * DAY, ge=0, description="TTL of reaper session entries")
+    folded_marker_ttl_s: float = Field(30 * DAY, ge=0, description="TTL of fold markers")
+    ping_interval_s: float = Field(2.0, gt=0, description="client ping; a hung server is noticed")
+    max_outstanding_pings: int = Field(2, ge=1, description="unanswered pings before reconnect")
+    connect_timeout_s: float = Field(2.0, gt=0, description="per connection attempt")
+    connect_wait_s: float = Field(
+        5.0, gt=0, description="how long the first connect keeps trying before it fails"
+    )
+    names: StreamNames = StreamNames()
+
+
+class PublisherSettings(BaseModel):
+    """How events are published: ack timeout, retries, pipelining, the on-disk outbox."""
+
+    model_config = ConfigDict(frozen=True)
+
+    ack_timeout_s: float = Field(2.0, gt=0, description="wait for one JetStream ack")
+    max_attempts: int = Field(4, ge=1, description="tries with the same Msg-Id before spooling")
+    backoff_initial_s: float = Field(0.05, ge=0, description="first retry delay, doubled each try")
+    backoff_max_s: float = Field(1.0, ge=0, description="cap on one retry delay")
+    max_inflight_bytes: int = Field(32 * MiB, gt=0, description="pipelined publishes in flight")
+    outbox_path: Path | None = Field(
+        None, description="append-only outbox file for events the log could not take; unset: off"
+    )
+    outbox_max_bytes: int = Field(256 * MiB, gt=0, description="outbox size; full -> 503")
+    outbox_drain_interval_s: float = Field(1.0, gt=0, description="outbox drain retry period")
+
+    @property
+    def retry_horizon_s(self) -> float:
+        """Longest time between the first and the last try of one event."""
+        delays = sum(
+            min(self.backoff_initial_s * 2**i, self.backoff_max_s)
+            for i in range(self.max_attempts - 1)
+        )
+        return float(self.max_attempts * self.ack_timeout_s + delays)
+
+    @model_validator(mode="after")
+    def _backoff_order(self) -> PublisherSettings:
+        if self.backoff_max_s < self.backoff_initial_s:
+            raise ValueError("backoff_max_s must be >= backoff_initial_s")
+        return self
+
+
+def check_retry_horizon(log: LogSettings, publisher: PublisherSettings) -> None:
+    """Retries reuse the Msg-Id; they are only deduplicated inside the stream's window."""
+    if log.duplicate_window_s <= publisher.retry_horizon_s:
+        raise ValueError(
+            f"log.duplicate_window_s={log.duplicate_window_s}s must exceed the publisher's retry "
+            f"horizon of {publisher.retry_horizon_s:.1f}s (max_attempts x ack_timeout_s + "
+            f"backoff), or a retried event could be stored twice"
+        )

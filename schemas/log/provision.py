@@ -1,0 +1,194 @@
+"""Create or update the streams and KV buckets from settings; running it twice changes nothing.
+
+Streams: EVENTS (``ts.ev.>``, direct get on, so a fold worker can read one session's events by
+subject), TRAJ (``ts.traj.>``), DLQ (``ts.dlq.>``). Buckets: policy versions, reaper idle state,
+fold markers. A setting that differs from the live config is updated in place; one JetStream
+cannot change (storage type, for one) raises ProvisioningError naming both values.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from nats.js import JetStreamContext
+from nats.js import api as js_api
+from nats.js import errors as js_errors
+
+from schemas.errors import EventLogUnavailable, ProvisioningError
+from schemas.ids import DLQ_SUBJECT_PREFIX, EVENT_SUBJECT_PREFIX, TRAJ_SUBJECT_PREFIX
+from schemas.log.config import LogSettings
+
+__all__ = ["ProvisionAction", "desired_streams", "provision"]
+
+log = logging.getLogger(__name__)
+
+Action = Literal["created", "updated", "unchanged"]
+
+# The fields we own; anything else on a live stream (set by an operator) is left alone.
+_OWNED = (
+    "subjects",
+    "max_age",
+    "max_bytes",
+    "duplicate_window",
+    "num_replicas",
+    "storage",
+    "allow_direct",
+    "discard",
+    "retention",
+    "max_msgs_per_subject",
+)
+
+
+@dataclass(frozen=True)
+class ProvisionAction:
+    name: str
+    action: Action
+    changed: tuple[str, ...] = ()
+
+
+def _stream(
+    name: str,
+    subjects: list[str],
+    max_age: float,
+    max_bytes: int,
+    s: LogSettings,
+    duplicate_window: float | None = None,
+) -> js_api.StreamConfig:
+    window = s.duplicate_window_s if duplicate_window is None else duplicate_window
+    if max_age:
+        window = min(window, max_age)  # JetStream refuses a window longer than the retention
+    return js_api.StreamConfig(
+        name=name,
+        subjects=subjects,
+        retention=js_api.RetentionPolicy.LIMITS,
+        storage=js_api.StorageType.FILE,
+        num_replicas=s.replicas,
+        max_age=max_age or None,
+        max_bytes=max_bytes,
+        duplicate_window=window,
+        discard=js_api.DiscardPolicy.OLD,
+        allow_direct=True,
+        max_msgs_per_subject=-1,
+    )
+
+
+def desired_streams(s: LogSettings) -> list[js_api.StreamConfig]:
+    n = s.names
+    return [
+        _stream(n.events, [f"{EVENT_SUBJECT_PREFIX}.>"], s.events_max_age_s, s.events_max_bytes, s),
+        _stream(
+            n.trajectories,
+            [f"{TRAJ_SUBJECT_PREFIX}.>"],
+            s.trajectories_max_age_s,
+            s.trajectories_max_bytes,
+            s,
+        ),
+        _stream(n.dead_letters, [f"{DLQ_SUBJECT_PREFIX}.>"], s.dead_letters_max_age_s, -1, s),
+    ]
+
+
+def desired_buckets(s: LogSettings) -> list[js_api.KeyValueConfig]:
+    n = s.names
+    return [
+        js_api.KeyValueConfig(
+            bucket=n.policy_bucket, history=5, replicas=s.replicas, storage=js_api.StorageType.FILE
+        ),
+        js_api.KeyValueConfig(
+            bucket=n.sessions_bucket,
+            history=1,
+            replicas=s.replicas,
+            ttl=s.session_idle_ttl_s or None,
+            storage=js_api.StorageType.FILE,
+        ),
+        js_api.KeyValueConfig(
+            bucket=n.folded_bucket,
+            history=1,
+            replicas=s.replicas,
+            ttl=s.folded_marker_ttl_s or None,
+            storage=js_api.StorageType.FILE,
+        ),
+    ]
+
+
+def _norm(value: Any) -> Any:
+    """Compare configs as the server reports them: 0 / None / -1 all mean 'no limit'."""
+    if value in (None, 0, 0.0, -1):
+        return None
+    if isinstance(value, list):
+        return sorted(value)
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return getattr(value, "value", value)
+
+
+def _diff(live: js_api.StreamConfig, want: js_api.StreamConfig) -> list[str]:
+    return [f for f in _OWNED if _norm(getattr(live, f)) != _norm(getattr(want, f))]
+
+
+async def _ensure_stream(js: JetStreamContext, want: js_api.StreamConfig) -> ProvisionAction:
+    assert want.name is not None
+    try:
+        info = await js.stream_info(want.name)
+    except js_errors.NotFoundError:
+        await js.add_stream(config=want)
+        return ProvisionAction(want.name, "created")
+    changed = _diff(info.config, want)
+    if not changed:
+        return ProvisionAction(want.name, "unchanged")
+    if "storage" in changed:
+        raise ProvisioningError(
+            f"stream {want.name} uses {_norm(info.config.storage)} storage but settings ask for "
+            f"{_norm(want.storage)}; JetStream cannot change that in place: migrate the stream"
+        )
+    updated = js_api.StreamConfig.from_response(info.config.as_dict())
+    for field in changed:
+        setattr(updated, field, getattr(want, field))
+    await js.update_stream(config=updated)
+    return ProvisionAction(want.name, "updated", tuple(changed))
+
+
+async def _ensure_bucket(js: JetStreamContext, want: js_api.KeyValueConfig) -> ProvisionAction:
+    stream = f"KV_{want.bucket}"
+    try:
+        info = await js.stream_info(stream)
+    except js_errors.NotFoundError:
+        await js.create_key_value(config=want)
+        return ProvisionAction(want.bucket, "created")
+    live = info.config
+    wanted = {
+        "max_age": want.ttl,
+        "max_msgs_per_subject": want.history,
+        "num_replicas": want.replicas,
+    }
+    changed = [f for f, v in wanted.items() if _norm(getattr(live, f)) != _norm(v)]
+    if not changed:
+        return ProvisionAction(want.bucket, "unchanged")
+    updated = js_api.StreamConfig.from_response(live.as_dict())
+    for field in changed:
+        setattr(updated, field, wanted[field])
+    await js.update_stream(config=updated)
+    return ProvisionAction(want.bucket, "updated", tuple(changed))
+
+
+async def provision(js: JetStreamContext, settings: LogSettings) -> list[ProvisionAction]:
+    """Make the live streams and buckets match ``settings``; returns what was done to each."""
+    actions: list[ProvisionAction] = []
+    try:
+        for stream in desired_streams(settings):
+            actions.append(await _ensure_stream(js, stream))
+        for bucket in desired_buckets(settings):
+            actions.append(await _ensure_bucket(js, bucket))
+    except js_errors.APIError as exc:
+        raise ProvisioningError(
+            f"JetStream refused the stream/bucket configuration: {exc}"
+        ) from exc
+    except (TimeoutError, js_errors.Error, OSError) as exc:
+        raise EventLogUnavailable(
+            f"cannot provision streams: the log did not answer ({exc})"
+        ) from exc
+    for action in actions:
+        if action.action != "unchanged":
+            log.info("provision %s: %s %s", action.name, action.action, ",".join(action.changed))
+    return actions
