@@ -1,1 +1,54 @@
-"""placeholder"""
+"""Event models, codec, subjects and errors: the contract every turnstream package shares."""
+
+from schemas.codec import DEFAULT_MAX_PAYLOAD, Codec, Upcaster
+from schemas.errors import (
+    EventLogError,
+    EventLogUnavailable,
+    InvalidIdentifier,
+    OutboxFull,
+    PayloadTooLarge,
+    ProvisioningError,
+    SchemaError,
+    TurnstreamError,
+    UndecodableEvent,
+    UnsupportedSchemaVersion,
+)
+from schemas.events import (
+    SCHEMA_VERSION,
+    Event,
+    RewardAssigned,
+    SessionClosed,
+    SessionEvent,
+    SessionOpened,
+    TrajectoryReady,
+    TurnCompleted,
+)
+from schemas.ids import validate_id
+from schemas.routing import Route, route
+
+__all__ = [
+    "DEFAULT_MAX_PAYLOAD",
+    "SCHEMA_VERSION",
+    "Codec",
+    "Event",
+    "EventLogError",
+    "EventLogUnavailable",
+    "InvalidIdentifier",
+    "OutboxFull",
+    "PayloadTooLarge",
+    "ProvisioningError",
+    "RewardAssigned",
+    "Route",
+    "SchemaError",
+    "SessionClosed",
+    "SessionEvent",
+    "SessionOpened",
+    "TrajectoryReady",
+    "TurnCompleted",
+    "TurnstreamError",
+    "UndecodableEvent",
+    "UnsupportedSchemaVersion",
+    "Upcaster",
+    "route",
+    "validate_id",
+]

@@ -1,0 +1,303 @@
+"""Publishing events to JetStream: deterministic Msg-Id, awaited ack, retries, outbox.
+
+We do not use nats-py's ``publish_async`` futures: a server-side error can leave them pending
+forever (nats.py issue #985). Instead every publish carries a reply subject under one inbox
+subscription of ours, and every wait for an ack has a deadline. A publish that gets no ack in
+time is retried with the *same* Msg-Id, so the stream's duplicate window absorbs the copies; once
+the tries are spent the event goes to the on-disk outbox (when configured), which drains in order
+on its own. While the outbox holds anything, new events are appended behind it: the log sees
+every event in the order it was acknowledged to the caller.
+
+``publish_many`` pipelines: it sends a window of events (bounded by in-flight bytes) before
+waiting for their acks, and sends the stragglers through the retry path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import msgspec
+import nats.errors
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from schemas.codec import Codec
+from schemas.errors import EventLogError, EventLogUnavailable, OutboxFull, PayloadTooLarge
+from schemas.events import Event
+from schemas.log.config import PublisherSettings
+from schemas.log.outbox import Outbox, OutboxRecord
+from schemas.routing import route
+
+__all__ = ["JetStreamPublisher", "PublishReceipt", "Publisher", "PublisherStats"]
+
+log = logging.getLogger(__name__)
+
+_MSG_ID = "Nats-Msg-Id"
+
+
+@dataclass(frozen=True)
+class PublishReceipt:
+    """Where an event landed: a stream sequence, or the outbox (``spooled``)."""
+
+    msg_id: str
+    stream: str | None = None
+    seq: int | None = None
+    duplicate: bool = False
+    spooled: bool = False
+
+
+class Publisher(Protocol):
+    """The port the gateway and the workers publish through."""
+
+    async def publish(self, event: Event) -> PublishReceipt: ...
+
+    async def publish_many(self, events: Sequence[Event]) -> list[PublishReceipt]: ...
+
+
+@dataclass
+class PublisherStats:
+    published: int = 0  # acknowledged by JetStream (duplicates included)
+    duplicates: int = 0  # acknowledged as already stored (a retry that had landed)
+    retried: int = 0  # extra tries after a missing or failed ack
+    spooled: int = 0  # appended to the outbox
+    drained: int = 0  # outbox records acknowledged by JetStream
+    failed: int = 0  # raised to the caller: nothing stored, the caller must answer an error
+
+
+class _PubAck(msgspec.Struct):
+    stream: str = ""
+    seq: int = 0
+    duplicate: bool = False
+    error: dict[str, object] | None = None
+
+
+class _Transient(Exception):
+    """One try failed in a way a later try may not."""
+
+
+_ack_decoder = msgspec.json.Decoder(_PubAck)
+
+
+class JetStreamPublisher:
+    """The Publisher over a nats-py connection. Call ``start()`` before use, ``close()`` after."""
+
+    def __init__(
+        self,
+        nc: NATS,
+        settings: PublisherSettings | None = None,
+        codec: Codec | None = None,
+        outbox: Outbox | None = None,
+    ) -> None:
+        self._nc = nc
+        self.settings = settings or PublisherSettings()
+        self.codec = codec or Codec()
+        self.outbox = outbox
+        self.stats = PublisherStats()
+        self._inbox = ""
+        self._waiting: dict[str, asyncio.Future[bytes]] = {}
+        self._next_token = 0
+        self._outbox_lock = asyncio.Lock()
+        self._drain_lock = asyncio.Lock()
+        self._kick = asyncio.Event()
+        self._drainer: asyncio.Task[None] | None = None
+        self._sub: object | None = None
+
+    async def start(self) -> JetStreamPublisher:
+        self._inbox = self._nc.new_inbox()
+        self._sub = await self._nc.subscribe(f"{self._inbox}.*", cb=self._on_ack)
+        if self.outbox is not None:
+            self._drainer = asyncio.create_task(self._drain_loop(), name="outbox-drain")
+        return self
+
+    async def close(self) -> None:
+        if self._drainer is not None:
+            self._drainer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._drainer
+            self._drainer = None
+        if self._sub is not None:
+            with contextlib.suppress(nats.errors.Error):
+                await self._sub.unsubscribe()  # type: ignore[attr-defined]
+            self._sub = None
+
+    # -- acks -------------------------------------------------------------------------------
+
+    async def _on_ack(self, msg: Msg) -> None:
+        future = self._waiting.pop(msg.subject[len(self._inbox) + 1 :], None)
+        if future is not None and not future.done():
+            future.set_result(msg.data)
+
+    async def _send(self, subject: str, payload: bytes, msg_id: str) -> asyncio.Future[bytes]:
+        """Publish once with a reply subject; the future gets the raw ack."""
+        self._next_token += 1
+        token = str(self._next_token)
+        future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        self._waiting[token] = future
+        try:
+            await self._nc.publish(
+                subject, payload, reply=f"{self._inbox}.{token}", headers={_MSG_ID: msg_id}
+            )
+        except nats.errors.MaxPayloadError as exc:
+            self._waiting.pop(token, None)
+            raise PayloadTooLarge(msg_id, len(payload), self._nc.max_payload) from exc
+        except (nats.errors.Error, OSError) as exc:  # closed, reconnecting with a full buffer
+            self._waiting.pop(token, None)
+            future.set_exception(_Transient(f"{type(exc).__name__}: {exc}"))
+        return future
+
+    def _receipt(self, msg_id: str, raw: bytes) -> PublishReceipt:
+        ack = _ack_decoder.decode(raw) if raw else _PubAck(error={"description": "no responders"})
+        if ack.error is not None:
+            code = ack.error.get("code")
+            text = f"JetStream error {code}: {ack.error.get('description')}"
+            if code == 503 or not raw:  # JetStream recovering / no stream listening yet
+                raise _Transient(text)
+            raise EventLogError(f"publish of {msg_id} refused: {text}")
+        self.stats.published += 1
+        self.stats.duplicates += ack.duplicate
+        return PublishReceipt(msg_id, ack.stream, ack.seq, ack.duplicate)
+
+    async def _await_ack(self, future: asyncio.Future[bytes], msg_id: str) -> PublishReceipt:
+        try:
+            raw = await asyncio.wait_for(future, self.settings.ack_timeout_s)
+        except TimeoutError as exc:
+            raise _Transient(f"no ack within {self.settings.ack_timeout_s}s") from exc
+        return self._receipt(msg_id, raw)
+
+    async def _publish_with_retry(
+        self, subject: str, payload: bytes, msg_id: str
+    ) -> PublishReceipt:
+        s = self.settings
+        last = ""
+        for attempt in range(s.max_attempts):
+            if attempt:
+                self.stats.retried += 1
+                await asyncio.sleep(min(s.backoff_initial_s * 2 ** (attempt - 1), s.backoff_max_s))
+            try:
+                return await self._await_ack(await self._send(subject, payload, msg_id), msg_id)
+            except _Transient as exc:
+                last = str(exc)
+        raise EventLogUnavailable(
+            f"JetStream did not acknowledge {msg_id} on {subject} after {s.max_attempts} tries "
+            f"({last}); is nats-server up and the stream provisioned (`turnstream provision`)?"
+        )
+
+    # -- public -----------------------------------------------------------------------------
+
+    async def publish(self, event: Event) -> PublishReceipt:
+        """Publish ``event``; returns once JetStream (or the outbox) holds it durably."""
+        subject, msg_id = route(event)
+        return await self.publish_raw(subject, self.codec.encode(event), msg_id)
+
+    async def publish_raw(self, subject: str, payload: bytes, msg_id: str) -> PublishReceipt:
+        if self.outbox is not None and self.outbox.pending_bytes:
+            return await self._spool(subject, payload, msg_id)  # keep order behind the backlog
+        try:
+            return await self._publish_with_retry(subject, payload, msg_id)
+        except EventLogUnavailable:
+            if self.outbox is None:
+                self.stats.failed += 1
+                raise
+            return await self._spool(subject, payload, msg_id)
+        except EventLogError:
+            self.stats.failed += 1
+            raise
+
+    async def publish_many(self, events: Sequence[Event]) -> list[PublishReceipt]:
+        """Publish ``events`` pipelined; same guarantees as ``publish`` for each."""
+        routed = [(*route(e), self.codec.encode(e)) for e in events]
+        return await self.publish_many_raw([(s, p, m) for s, m, p in routed])
+
+    async def publish_many_raw(
+        self, items: Sequence[tuple[str, bytes, str]]
+    ) -> list[PublishReceipt]:
+        """Pipelined ``publish_raw`` of (subject, payload, msg_id) items."""
+        results: list[PublishReceipt | None] = [None] * len(items)
+        start = 0
+        while start < len(items):
+            if self.outbox is not None and self.outbox.pending_bytes:
+                for i in range(start, len(items)):
+                    results[i] = await self.publish_raw(*items[i])
+                break
+            # Fill a window up to the in-flight byte budget (at least one event).
+            end, window_bytes = start, 0
+            while end < len(items) and (
+                end == start
+                or window_bytes + len(items[end][1]) <= self.settings.max_inflight_bytes
+            ):
+                window_bytes += len(items[end][1])
+                end += 1
+            sent = [await self._send(s, p, m) for s, p, m in items[start:end]]
+            await asyncio.wait(sent, timeout=self.settings.ack_timeout_s)
+            for i, future in zip(range(start, end), sent, strict=True):
+                subject, payload, msg_id = items[i]
+                try:
+                    if not future.done():
+                        raise _Transient("no ack in the pipelined window")
+                    results[i] = self._receipt(msg_id, future.result())
+                except _Transient:
+                    future.cancel()
+                    self.stats.retried += 1
+                    results[i] = await self.publish_raw(subject, payload, msg_id)
+            start = end
+        return [r for r in results if r is not None]
+
+    # -- outbox -----------------------------------------------------------------------------
+
+    async def _spool(self, subject: str, payload: bytes, msg_id: str) -> PublishReceipt:
+        assert self.outbox is not None
+        async with self._outbox_lock:
+            try:
+                await asyncio.to_thread(self.outbox.append, OutboxRecord(subject, msg_id, payload))
+            except OutboxFull:
+                self.stats.failed += 1
+                raise
+        self.stats.spooled += 1
+        self._kick.set()
+        log.warning("log unavailable: spooled %s to the outbox", msg_id)
+        return PublishReceipt(msg_id, spooled=True)
+
+    async def drain_outbox(self) -> int:
+        """Publish spooled events in order; returns how many were acknowledged.
+
+        Stops (raising EventLogUnavailable) at the first event the log still does not take;
+        the next call resumes there.
+        """
+        outbox = self.outbox
+        if outbox is None:
+            return 0
+        drained = 0
+        async with self._drain_lock:
+            while True:
+                records = await asyncio.to_thread(lambda: list(outbox.pending()))
+                for offset, record in records:
+                    await self._publish_with_retry(record.subject, record.payload, record.msg_id)
+                    outbox.advance(offset)
+                    drained += 1
+                    self.stats.drained += 1
+                async with self._outbox_lock:
+                    if outbox.reset_if_drained():
+                        break
+        if drained:
+            log.info("outbox drained: %d events published", drained)
+        return drained
+
+    async def _drain_loop(self) -> None:
+        assert self.outbox is not None
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._kick.wait(), self.settings.outbox_drain_interval_s)
+            self._kick.clear()
+            if not self.outbox.pending_bytes:
+                continue
+            try:
+                await self.drain_outbox()
+            except EventLogUnavailable as exc:
+                log.info("outbox drain waits for the log: %s", exc)
+            except EventLogError:
+                log.exception("outbox drain stopped on an event the log refuses")
