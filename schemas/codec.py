@@ -92,7 +92,8 @@ class Codec:
             raise PayloadTooLarge("event payload", len(data), self.max_payload)
         try:
             event: Event = self._decoder.decode(data)
-        except msgspec.DecodeError as exc:  # ValidationError is a subclass: typed checks failed
+        # ValidationError subclasses DecodeError; ext_hook's ValueError escapes msgspec as is.
+        except (msgspec.DecodeError, ValueError) as exc:
             return self._decode_versioned(data, exc)
         if event.v != SCHEMA_VERSION:
             return self._decode_versioned(data, None)
@@ -120,7 +121,7 @@ class Codec:
         while version < SCHEMA_VERSION:
             upcast = self._upcasters.get(version)
             if upcast is None:
-                raise UnsupportedSchemaVersion(version, SCHEMA_VERSION)
+                raise UnsupportedSchemaVersion(version, SCHEMA_VERSION, missing_upcaster=True)
             raw = upcast(raw)
             version += 1
             raw["v"] = version

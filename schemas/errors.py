@@ -35,13 +35,20 @@ class UndecodableEvent(SchemaError):
 class UnsupportedSchemaVersion(SchemaError):
     """An event whose schema version this build cannot read."""
 
-    def __init__(self, version: int, supported: int) -> None:
+    def __init__(self, version: int, supported: int, *, missing_upcaster: bool = False) -> None:
         self.version = version
         self.supported = supported
-        super().__init__(
-            f"event schema version v={version} is newer than this build supports "
-            f"(v<={supported}); upgrade turnstream to read it"
-        )
+        if missing_upcaster:
+            message = (
+                f"event schema version v={version} is older than this build's v={supported} "
+                f"and no upcaster from v={version} is registered; add one to the Codec"
+            )
+        else:
+            message = (
+                f"event schema version v={version} is newer than this build supports "
+                f"(v<={supported}); upgrade turnstream to read it"
+            )
+        super().__init__(message)
 
 
 class InvalidIdentifier(SchemaError):

@@ -101,6 +101,6 @@ def check_retry_horizon(log: LogSettings, publisher: PublisherSettings) -> None:
     if log.duplicate_window_s <= publisher.retry_horizon_s:
         raise ValueError(
             f"log.duplicate_window_s={log.duplicate_window_s}s must exceed the publisher's retry "
-            f"horizon of {publisher.retry_horizon_s:.1f}s (max_attempts x ack_timeout_s + "
+            f"horizon of {publisher.retry_horizon_s:g}s (max_attempts x ack_timeout_s + "
             f"backoff), or a retried event could be stored twice"
         )

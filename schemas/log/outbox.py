@@ -45,7 +45,11 @@ class Outbox:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self.path.open("ab")
         self._end = self._recover()
-        self._cursor = min(self._read_cursor(), self._end)
+        self._cursor = self._read_cursor()
+        if self._cursor > self._end:
+            # The file was truncated after a drain but the cursor was not reset (a crash in
+            # between): a stale cursor would hide every record appended from now on.
+            self.advance(0)
 
     @property
     def pending_bytes(self) -> int:
@@ -111,10 +115,12 @@ class Outbox:
         if self._cursor < self._end:
             return False
         if self._end:
+            # Cursor first: a crash between the two re-drains records (deduplicated by their
+            # Msg-Id) rather than hiding new ones behind a stale cursor.
+            self.advance(0)
             self._file.truncate(0)
             os.fsync(self._file.fileno())
             self._end = 0
-            self.advance(0)
         return True
 
     def close(self) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -106,6 +106,7 @@ class JetStreamPublisher:
         self._kick = asyncio.Event()
         self._drainer: asyncio.Task[None] | None = None
         self._sub: object | None = None
+        self._closing = False
 
     async def start(self) -> JetStreamPublisher:
         self._inbox = self._nc.new_inbox()
@@ -115,14 +116,17 @@ class JetStreamPublisher:
         return self
 
     async def close(self) -> None:
+        self._closing = True
         if self._drainer is not None:
             self._drainer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._drainer
             self._drainer = None
         if self._sub is not None:
-            with contextlib.suppress(nats.errors.Error):
-                await self._sub.unsubscribe()  # type: ignore[attr-defined]
+            # unsubscribe() flushes, which waits for a reconnect while the server is down.
+            with contextlib.suppress(nats.errors.Error, TimeoutError):
+                async with asyncio.timeout(1.0):
+                    await self._sub.unsubscribe()  # type: ignore[attr-defined]
             self._sub = None
 
     # -- acks -------------------------------------------------------------------------------
@@ -164,7 +168,8 @@ class JetStreamPublisher:
 
     async def _await_ack(self, future: asyncio.Future[bytes], msg_id: str) -> PublishReceipt:
         try:
-            raw = await asyncio.wait_for(future, self.settings.ack_timeout_s)
+            async with asyncio.timeout(self.settings.ack_timeout_s):
+                raw = await future
         except TimeoutError as exc:
             raise _Transient(f"no ack within {self.settings.ack_timeout_s}s") from exc
         return self._receipt(msg_id, raw)
@@ -216,36 +221,56 @@ class JetStreamPublisher:
     async def publish_many_raw(
         self, items: Sequence[tuple[str, bytes, str]]
     ) -> list[PublishReceipt]:
-        """Pipelined ``publish_raw`` of (subject, payload, msg_id) items."""
-        results: list[PublishReceipt | None] = [None] * len(items)
-        start = 0
-        while start < len(items):
-            if self.outbox is not None and self.outbox.pending_bytes:
-                for i in range(start, len(items)):
-                    results[i] = await self.publish_raw(*items[i])
-                break
-            # Fill a window up to the in-flight byte budget (at least one event).
-            end, window_bytes = start, 0
-            while end < len(items) and (
-                end == start
-                or window_bytes + len(items[end][1]) <= self.settings.max_inflight_bytes
-            ):
-                window_bytes += len(items[end][1])
-                end += 1
-            sent = [await self._send(s, p, m) for s, p, m in items[start:end]]
-            await asyncio.wait(sent, timeout=self.settings.ack_timeout_s)
-            for i, future in zip(range(start, end), sent, strict=True):
-                subject, payload, msg_id = items[i]
+        """Pipelined ``publish_raw`` of (subject, payload, msg_id) items.
+
+        Keeps up to ``max_inflight_bytes`` unacknowledged (always at least one event), freeing
+        budget as each ack arrives; an event without an ack by its deadline goes through the
+        retry path (same Msg-Id) once the window is collected.
+        """
+        if self.outbox is not None and self.outbox.pending_bytes:
+            return [await self.publish_raw(*item) for item in items]  # stay behind the backlog
+        budget = self.settings.max_inflight_bytes
+        timeout = self.settings.ack_timeout_s
+        loop = asyncio.get_running_loop()
+        inflight = 0
+        freed = asyncio.Event()
+        sent: list[tuple[asyncio.Future[bytes], float]] = []
+
+        def release(size: int) -> Callable[[asyncio.Future[bytes]], None]:
+            def done(_: asyncio.Future[bytes]) -> None:
+                nonlocal inflight
+                inflight -= size
+                freed.set()
+
+            return done
+
+        for subject, payload, msg_id in items:
+            while inflight and inflight + len(payload) > budget:
+                freed.clear()
+                oldest = next((f, d) for f, d in sent if not f.done())
                 try:
-                    if not future.done():
-                        raise _Transient("no ack in the pipelined window")
-                    results[i] = self._receipt(msg_id, future.result())
-                except _Transient:
-                    future.cancel()
-                    self.stats.retried += 1
-                    results[i] = await self.publish_raw(subject, payload, msg_id)
-            start = end
-        return [r for r in results if r is not None]
+                    async with asyncio.timeout_at(oldest[1]):
+                        await freed.wait()
+                except TimeoutError:
+                    oldest[0].cancel()  # past its deadline: collected below, then retried
+            future = await self._send(subject, payload, msg_id)
+            inflight += len(payload)
+            future.add_done_callback(release(len(payload)))
+            sent.append((future, loop.time() + timeout))
+
+        receipts: list[PublishReceipt] = []
+        for (future, deadline), (subject, payload, msg_id) in zip(sent, items, strict=True):
+            if not future.done():
+                await asyncio.wait([future], timeout=max(deadline - loop.time(), 0))
+            try:
+                if not future.done() or future.cancelled():
+                    raise _Transient("no ack within the pipelined deadline")
+                receipts.append(self._receipt(msg_id, future.result()))
+            except _Transient:
+                future.cancel()
+                self.stats.retried += 1
+                receipts.append(await self.publish_raw(subject, payload, msg_id))
+        return receipts
 
     # -- outbox -----------------------------------------------------------------------------
 
@@ -289,9 +314,12 @@ class JetStreamPublisher:
 
     async def _drain_loop(self) -> None:
         assert self.outbox is not None
-        while True:
+        while not self._closing:
+            # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancel that arrives
+            # as the wait completes, and close() would then wait on this loop forever.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._kick.wait(), self.settings.outbox_drain_interval_s)
+                async with asyncio.timeout(self.settings.outbox_drain_interval_s):
+                    await self._kick.wait()
             self._kick.clear()
             if not self.outbox.pending_bytes:
                 continue
