@@ -38,7 +38,9 @@ class LogSettings(BaseModel):
     url: str | None = Field(
         None, description="NATS URL(s), comma separated; unset: start an embedded nats-server"
     )
-    store_dir: Path = Field(Path("data/nats"), description="embedded server's JetStream store")
+    store_dir: Path | None = Field(
+        None, description="embedded server JetStream store; unset: <data_dir>/nats"
+    )
     port: int = Field(0, ge=0, le=65535, description="embedded server port; 0 picks a free one")
     max_payload: int = Field(8 * MiB, gt=0, description="largest event in bytes (server and codec)")
     sync_always: bool = Field(

@@ -36,7 +36,11 @@ async def connect(
     async def error_cb(exc: Exception) -> None:
         log.warning("nats %s: %s: %s", name, type(exc).__name__, exc)
 
+    client: list[NATS] = []  # set once connected; the callbacks need it to tell close from loss
+
     async def disconnected_cb() -> None:
+        if client and (client[0].is_closed or client[0].is_draining):
+            return  # a close() we asked for
         log.warning("nats %s: disconnected from %s; reconnecting", name, url)
 
     async def reconnected_cb() -> None:
@@ -70,4 +74,5 @@ async def connect(
             f"`turnstream up` (embedded) or check --log.url"
         ) from exc
     nc.options["max_reconnect_attempts"] = -1
+    client.append(nc)
     return nc

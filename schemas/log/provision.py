@@ -188,7 +188,7 @@ async def provision(js: JetStreamContext, settings: LogSettings) -> list[Provisi
         raise EventLogUnavailable(
             f"cannot provision streams: the log did not answer ({exc})"
         ) from exc
-    for action in actions:
-        if action.action != "unchanged":
-            log.info("provision %s: %s %s", action.name, action.action, ",".join(action.changed))
+    done = [f"{a.name} {a.action}" for a in actions if a.action != "unchanged"]
+    if done:
+        log.info("provisioned: %s", ", ".join(done))
     return actions

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from hypothesis import strategies as st
 
+from schemas.delta import common_message_prefix_len, common_prefix_len
 from schemas.events import (
     JSON,
     RewardAssigned,
@@ -61,15 +62,6 @@ class TurnSpec:
         return {"role": "assistant", "content": self.text or None}
 
 
-def common_prefix_len(a: Sequence[object], b: Sequence[object]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def turn_events(
     specs: Sequence[TurnSpec], *, run: str = RUN, session: str = SESSION
 ) -> list[TurnCompleted]:
@@ -83,7 +75,7 @@ def turn_events(
         if spec.prefix_len is not None:
             assert spec.prefix_len <= prefix_len, "a forced prefix_len must share those tokens"
             prefix_len = spec.prefix_len
-        message_prefix_len = common_prefix_len(history, spec.messages)
+        message_prefix_len = common_message_prefix_len(history, spec.messages)
         events.append(
             TurnCompleted(
                 run=run,

@@ -1,0 +1,37 @@
+"""Delta encoding of a turn's prompt against the previous turn's full context (DESIGN §3).
+
+A multi-turn session's prompt usually repeats everything before it; storing only the length of
+the shared prefix and the new tokens makes the log grow with a session's unique tokens, not with
+its turns squared. The same rule applies to the conversation's messages.
+
+>>> common_prefix_len([1, 2, 3, 9], [1, 2, 3, 4, 5])
+3
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["common_message_prefix_len", "common_prefix_len"]
+
+
+def common_prefix_len(a: Sequence[int] | np.ndarray, b: Sequence[int] | np.ndarray) -> int:
+    """Length of the longest common prefix of two token sequences (vectorized)."""
+    x = np.asarray(a, dtype=np.int64)
+    y = np.asarray(b, dtype=np.int64)
+    n = min(len(x), len(y))
+    mismatch = np.flatnonzero(x[:n] != y[:n])
+    return int(mismatch[0]) if len(mismatch) else n
+
+
+def common_message_prefix_len(a: Sequence[Any], b: Sequence[Any]) -> int:
+    """Length of the longest common prefix of two message lists (compared as values)."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

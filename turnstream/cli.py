@@ -1,0 +1,174 @@
+"""The ``turnstream`` command: ``turnstream COMMAND [--flags]``; ``turnstream COMMAND --help``.
+
+Each command is a settings model (flags, ``TURNSTREAM_*`` env, ``--config`` TOML) whose
+``cli_cmd`` runs it. Errors turnstream raises on purpose are printed as one clear line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from pydantic import Field, ValidationError
+from pydantic_settings import CliApp, SettingsConfigDict
+from rich.console import Console
+from rich.logging import RichHandler
+from rich.table import Table
+
+from schemas import TurnstreamError
+from turnstream.settings import ServiceSettings, with_toml
+from turnstream.stack import open_log
+
+__all__ = ["main"]
+
+console = Console(stderr=True)
+
+
+def _actions_table(actions: Sequence[object]) -> Table:
+    table = Table("stream / bucket", "action", "changed", title="provisioning")
+    for a in actions:
+        table.add_row(a.name, a.action, ", ".join(a.changed))  # type: ignore[attr-defined]
+    return table
+
+
+class NatsCommand(ServiceSettings):
+    """Run an embedded nats-server with JetStream and turnstream's streams until Ctrl-C."""
+
+    model_config = SettingsConfigDict(cli_prog_name="turnstream nats")
+
+    def cli_cmd(self) -> None:
+        asyncio.run(self._run())
+
+    async def _run(self) -> None:
+        settings = self.model_copy(update={"log": self.log.model_copy(update={"url": None})})
+        async with open_log(settings, name="turnstream-nats") as event_log:
+            console.print(_actions_table(event_log.provisioned))
+            console.print(f"nats-server ready at [bold]{event_log.url}[/] (Ctrl-C stops it)")
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, stop.set)
+            await stop.wait()
+
+
+class ProvisionCommand(ServiceSettings):
+    """Create or update the streams and KV buckets on a running NATS (--log.url)."""
+
+    model_config = SettingsConfigDict(cli_prog_name="turnstream provision")
+
+    def cli_cmd(self) -> None:
+        if self.log.url is None:
+            raise TurnstreamError("provision needs --log.url (or TURNSTREAM_LOG__URL)")
+        asyncio.run(self._run())
+
+    async def _run(self) -> None:
+        async with open_log(self, name="turnstream-provision") as event_log:
+            console.print(_actions_table(event_log.provisioned))
+
+
+class StatusCommand(ServiceSettings):
+    """Streams and buckets of a running NATS (--log.url): messages, bytes, sequences."""
+
+    model_config = SettingsConfigDict(cli_prog_name="turnstream status")
+
+    def cli_cmd(self) -> None:
+        if self.log.url is None:
+            raise TurnstreamError("status needs --log.url (or TURNSTREAM_LOG__URL)")
+        asyncio.run(self._run())
+
+    async def _run(self) -> None:
+        async with open_log(self, name="turnstream-status") as event_log:
+            table = Table("stream", "messages", "bytes", "first seq", "last seq", "subjects")
+            for info in await event_log.js.streams_info():
+                st = info.state
+                table.add_row(
+                    info.config.name,
+                    f"{st.messages:,}",
+                    f"{st.bytes:,}",
+                    str(st.first_seq),
+                    str(st.last_seq),
+                    ", ".join(info.config.subjects or []),
+                )
+            console.print(table)
+
+
+class DemoCommand(ServiceSettings):
+    """The main job on the embedded default: agents' sessions -> the log -> trajectories."""
+
+    model_config = SettingsConfigDict(cli_prog_name="turnstream demo")
+
+    sessions: int = Field(4, ge=1, le=10_000, description="simulated agent sessions")
+
+    def cli_cmd(self) -> None:
+        from turnstream.demo import run_demo
+
+        asyncio.run(run_demo(self, self.sessions, console))
+
+
+COMMANDS: dict[str, type[ServiceSettings]] = {
+    "demo": DemoCommand,
+    "nats": NatsCommand,
+    "provision": ProvisionCommand,
+    "status": StatusCommand,
+}
+
+
+def _usage() -> str:
+    lines = ["usage: turnstream COMMAND [--flags]   (turnstream COMMAND --help for its flags)", ""]
+    for name, cls in COMMANDS.items():
+        lines.append(f"  {name:<10} {(cls.__doc__ or '').strip().splitlines()[0]}")
+    lines += [
+        "",
+        "Config: flags > TURNSTREAM_* env vars (nested with __) > --config FILE.toml > defaults.",
+    ]
+    return "\n".join(lines)
+
+
+def _pop_config(argv: list[str]) -> Path | None:
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            path = argv[i + 1]
+            del argv[i : i + 2]
+            return Path(path)
+        if arg.startswith("--config="):
+            del argv[i]
+            return Path(arg.split("=", 1)[1])
+    env = os.environ.get("TURNSTREAM_CONFIG")
+    return Path(env) if env else None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    name = args.pop(0)
+    if name not in COMMANDS:
+        console.print(f"[red]error:[/] unknown command {name!r}\n{_usage()}")
+        return 2
+    logging.basicConfig(
+        level=os.environ.get("TURNSTREAM_LOG_LEVEL", "INFO"),
+        format="%(message)s",
+        handlers=[RichHandler(console=console, show_path=False)],
+    )
+    logging.getLogger("nats").setLevel(logging.WARNING)
+    try:
+        CliApp.run(with_toml(COMMANDS[name], _pop_config(args)), cli_args=args)
+    except ValidationError as exc:
+        console.print(f"[red]error:[/] invalid settings for `turnstream {name}`:\n{exc}")
+        return 2
+    except (TurnstreamError, FileNotFoundError) as exc:
+        console.print(f"[red]error:[/] {exc}")
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""The embedded stack's event log: a nats-server of our own unless a URL is given."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+
+from schemas.log import NatsServer, ProvisionAction, connect, provision
+from turnstream.settings import ServiceSettings
+
+__all__ = ["EventLog", "open_log"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EventLog:
+    nc: NATS
+    js: JetStreamContext
+    url: str
+    server: NatsServer | None  # None when connected to an external server
+    provisioned: list[ProvisionAction]
+
+
+@contextlib.asynccontextmanager
+async def open_log(settings: ServiceSettings, *, name: str) -> AsyncIterator[EventLog]:
+    """Connect to ``settings.log.url``, or start an embedded nats-server; provision; yield."""
+    server: NatsServer | None = None
+    url = settings.log.url
+    if url is None:
+        server = NatsServer(
+            settings.nats_store_dir,
+            port=settings.log.port,
+            max_payload=settings.log.max_payload,
+            sync_always=settings.log.sync_always,
+        ).start()
+        url = server.url
+        log.info("embedded nats-server at %s, store %s", url, settings.nats_store_dir)
+    try:
+        nc = await connect(url, settings.log, name=name)
+        try:
+            js = nc.jetstream()
+            actions = await provision(js, settings.log)
+            yield EventLog(nc, js, url, server, actions)
+        finally:
+            with contextlib.suppress(OSError):
+                await nc.drain()
+    finally:
+        if server is not None:
+            server.stop()
