@@ -1,0 +1,34 @@
+"""Reading a session back from the EVENTS stream: only its events, in stream order."""
+
+from __future__ import annotations
+
+import pytest
+
+from consumers import fold
+from consumers.rehydrate import read_session
+from schemas import route
+from schemas.log import JetStreamPublisher
+from tests.conftest import Log
+from tests.helpers.sessions import append_only, session_events
+
+pytestmark = pytest.mark.integration
+
+
+async def test_a_session_reads_back_exactly_and_folds_like_the_original(log: Log) -> None:
+    mine = session_events(append_only(6), session="mine")
+    other = session_events(append_only(3), session="other")
+    interleaved = [e for pair in zip(mine, other, strict=False) for e in pair] + mine[len(other) :]
+    pub = await JetStreamPublisher(log.nc).start()
+    await pub.publish_many(interleaved)
+    await pub.close()
+
+    events = await read_session(log.js, mine[0].run, "mine")
+
+    assert [route(e).msg_id for e in events] == [route(e).msg_id for e in mine]
+    assert fold(events).trajectories[0].input_ids.tolist() == (
+        fold(mine).trajectories[0].input_ids.tolist()
+    )
+
+
+async def test_an_unknown_session_reads_back_empty(log: Log) -> None:
+    assert await read_session(log.js, "run", "nobody") == []
