@@ -11,7 +11,7 @@ its turns squared. The same rule applies to the conversation's messages.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -35,3 +35,30 @@ def common_message_prefix_len(a: Sequence[Any], b: Sequence[Any]) -> int:
             break
         n += 1
     return n
+
+
+class PromptDelta(NamedTuple):
+    """A turn's prompt and conversation as TurnCompleted stores them."""
+
+    prefix_len: int
+    prompt_ids: np.ndarray  # int32: the tokens after the shared prefix
+    message_prefix_len: int
+    new_messages: list[Any]
+
+
+def encode_delta(
+    context: Sequence[int] | np.ndarray,
+    conversation: Sequence[Any],
+    prompt: Sequence[int] | np.ndarray,
+    messages: Sequence[Any],
+) -> PromptDelta:
+    """Delta-encode ``prompt``/``messages`` against the previous turn's full ``context`` (its
+    prompt + completion) and ``conversation`` (its messages + its assistant reply)."""
+    prefix_len = common_prefix_len(context, prompt)
+    message_prefix_len = common_message_prefix_len(conversation, messages)
+    return PromptDelta(
+        prefix_len,
+        np.asarray(prompt, dtype=np.int32)[prefix_len:],
+        message_prefix_len,
+        list(messages[message_prefix_len:]),
+    )

@@ -30,7 +30,7 @@ from schemas import (
     TrajectoryReady,
     TurnCompleted,
 )
-from schemas.delta import common_message_prefix_len, common_prefix_len
+from schemas.delta import encode_delta
 from schemas.events import JSON
 from schemas.ids import new_session_id
 from schemas.log import JetStreamPublisher, Outbox
@@ -90,20 +90,15 @@ def session_events(
     for t, turn in enumerate(turns):
         prompt = render(turn.messages)
         completion = list((turn.reply + "<|im_end|>").encode())
-        prefix = common_prefix_len(context, prompt)
-        mprefix = common_message_prefix_len(history, turn.messages)
         events.append(
             TurnCompleted(
                 run=run,
                 session=session,
                 turn=t,
                 created_at=time.time(),
-                prefix_len=prefix,
-                prompt_ids=np.array(prompt[prefix:]),
+                **encode_delta(context, history, prompt, turn.messages)._asdict(),
                 completion_ids=np.array(completion),
                 logprobs=-rng.exponential(0.3, len(completion)),
-                message_prefix_len=mprefix,
-                new_messages=turn.messages[mprefix:],
                 text=turn.reply,
                 finish_reason="stop",
                 backend="scripted",

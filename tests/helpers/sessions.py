@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from hypothesis import strategies as st
 
-from schemas.delta import common_message_prefix_len, common_prefix_len
+from schemas.delta import encode_delta
 from schemas.events import (
     JSON,
     RewardAssigned,
@@ -70,24 +70,23 @@ def turn_events(
     context: list[int] = []
     history: list[JSON] = []
     for index, spec in enumerate(specs):
-        prompt = list(spec.prompt)
-        prefix_len = common_prefix_len(context, prompt)
+        delta = encode_delta(context, history, spec.prompt, spec.messages)
         if spec.prefix_len is not None:
-            assert spec.prefix_len <= prefix_len, "a forced prefix_len must share those tokens"
-            prefix_len = spec.prefix_len
-        message_prefix_len = common_message_prefix_len(history, spec.messages)
+            assert spec.prefix_len <= delta.prefix_len, "a forced prefix_len must share tokens"
+            forced = np.asarray(spec.prompt, dtype=np.int32)[spec.prefix_len :]
+            delta = delta._replace(prefix_len=spec.prefix_len, prompt_ids=forced)
         events.append(
             TurnCompleted(
                 run=run,
                 session=session,
                 turn=index,
                 created_at=spec.created_at,
-                prefix_len=prefix_len,
-                prompt_ids=np.array(prompt[prefix_len:], dtype=np.int32),
+                prefix_len=delta.prefix_len,
+                prompt_ids=delta.prompt_ids,
                 completion_ids=np.array(spec.completion, dtype=np.int32),
                 logprobs=np.array(spec.completion_logprobs, dtype=np.float32),
-                message_prefix_len=message_prefix_len,
-                new_messages=list(spec.messages[message_prefix_len:]),
+                message_prefix_len=delta.message_prefix_len,
+                new_messages=delta.new_messages,
                 text=spec.text,
                 weight_version=spec.weight_version,
                 finish_reason=spec.finish_reason,
