@@ -1,0 +1,77 @@
+"""The one small interface every inference backend implements (DESIGN §4).
+
+Token ids and sampling parameters in; token ids and their logprobs out, streamed. The gateway
+owns tokenization and chat templates: a backend never sees text it must tokenize, and what it
+streams back is exactly what the model sampled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+__all__ = ["Backend", "GenerationChunk", "SamplingParams", "TopLogprob"]
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What the gateway asks of one generation.
+
+    ``logprobs`` are always returned for every sampled token: they are the log-probabilities
+    under the distribution the token was sampled from (logits / temperature; the raw logits when
+    temperature is 0, i.e. greedy). ``top_logprobs`` > 0 also returns that many alternatives per
+    position, from the same distribution.
+    """
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: Sequence[int] = ()  # generation ends after emitting one of these
+    top_logprobs: int = 0
+
+
+@dataclass(frozen=True)
+class TopLogprob:
+    token_id: int
+    logprob: float
+
+
+@dataclass(frozen=True)
+class GenerationChunk:
+    """One or more newly sampled tokens, in order. The last chunk has ``finish_reason`` set
+    ("stop": a stop token was sampled, and is included in ``token_ids``; "length": max_tokens)."""
+
+    token_ids: list[int]
+    logprobs: list[float]  # one per token
+    top_logprobs: list[list[TopLogprob]] | None = None  # one list per token when asked
+    finish_reason: FinishReason | None = None
+    weight_version: int | None = None  # policy version that sampled these tokens, if known
+    extra: dict[str, float] = field(default_factory=dict)  # backend timings etc.
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """An inference server (or in-process model) behind the gateway."""
+
+    @property
+    def id(self) -> str:
+        """Stable name of this backend replica, recorded in every TurnCompleted."""
+        ...
+
+    @property
+    def max_context(self) -> int:
+        """Longest prompt + completion the model accepts, in tokens."""
+        ...
+
+    def generate(
+        self, prompt_ids: Sequence[int], params: SamplingParams
+    ) -> AsyncIterator[GenerationChunk]:
+        """Stream the completion of ``prompt_ids``. Raises BackendError (gateway.errors) when
+        the backend fails; cancelling the iteration stops the generation."""
+        ...
+
+    async def close(self) -> None: ...
