@@ -11,7 +11,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from pydantic import Field, ValidationError
@@ -110,18 +110,29 @@ class DemoCommand(ServiceSettings):
         asyncio.run(run_demo(self, self.sessions, console))
 
 
-COMMANDS: dict[str, type[ServiceSettings]] = {
-    "demo": DemoCommand,
-    "nats": NatsCommand,
-    "provision": ProvisionCommand,
-    "status": StatusCommand,
+def _gateway() -> type[ServiceSettings]:
+    from turnstream.gateway_service import GatewayCommand  # torch/transformers: import on use
+
+    return GatewayCommand
+
+
+# name -> (one-line help, the command's settings class, imported only when it runs)
+COMMANDS: dict[str, tuple[str, Callable[[], type[ServiceSettings]]]] = {
+    "demo": (DemoCommand.__doc__ or "", lambda: DemoCommand),
+    "gateway": (
+        "Run the OpenAI-compatible gateway; every turn is published before it answers.",
+        _gateway,
+    ),
+    "nats": (NatsCommand.__doc__ or "", lambda: NatsCommand),
+    "provision": (ProvisionCommand.__doc__ or "", lambda: ProvisionCommand),
+    "status": (StatusCommand.__doc__ or "", lambda: StatusCommand),
 }
 
 
 def _usage() -> str:
     lines = ["usage: turnstream COMMAND [--flags]   (turnstream COMMAND --help for its flags)", ""]
-    for name, cls in COMMANDS.items():
-        lines.append(f"  {name:<10} {(cls.__doc__ or '').strip().splitlines()[0]}")
+    for name, (doc, _) in COMMANDS.items():
+        lines.append(f"  {name:<10} {doc.strip().splitlines()[0]}")
     lines += [
         "",
         "Config: flags > TURNSTREAM_* env vars (nested with __) > --config FILE.toml > defaults.",
@@ -158,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     logging.getLogger("nats").setLevel(logging.WARNING)
     try:
-        CliApp.run(with_toml(COMMANDS[name], _pop_config(args)), cli_args=args)
+        CliApp.run(with_toml(COMMANDS[name][1](), _pop_config(args)), cli_args=args)
     except ValidationError as exc:
         console.print(f"[red]error:[/] invalid settings for `turnstream {name}`:\n{exc}")
         return 2

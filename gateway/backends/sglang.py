@@ -1,0 +1,250 @@
+"""SGLang's native ``/generate`` as a Backend: token ids in, token ids and logprobs out.
+
+    POST {base_url}/generate
+    {"input_ids": [151644, 872, ...],
+     "sampling_params": {"max_new_tokens": 256, "temperature": 1.0, "top_p": 1.0,
+                         "stop_token_ids": [151645], "sampling_seed": 7},
+     "return_logprob": true, "top_logprobs_num": 5, "logprob_start_len": -1, "stream": true}
+
+    data: {"text": ..., "output_ids": [13048, 11],
+           "meta_info": {"prompt_tokens": 12, "cached_tokens": 0, "finish_reason": null,
+                         "output_token_logprobs": [[-0.01, 13048, null], [-0.3, 11, null]],
+                         "output_top_logprobs": [[[-0.01, 13048, null], [-4.6, 9707, null]], ...]}}
+    ...
+    data: {..., "meta_info": {..., "finish_reason": {"type": "stop", "matched": 151645}}}
+    data: [DONE]
+
+By default SGLang streams *cumulative* ``output_ids`` and logprob lists (everything generated
+so far in every event); with the server flag ``--incremental-streaming-output`` it streams only
+the new ones: pass ``incremental_streaming=True`` to match. Either way each GenerationChunk holds
+only the new tokens. ``logprob_start_len: -1`` asks for logprobs of the output only, not of
+the prompt. ``sampling_seed`` is omitted when no seed is given. SGLang reports the logprobs of
+the temperature-scaled distribution it sampled from (unless started with
+SGLANG_RETURN_ORIGINAL_LOGPROB). A numeric ``meta_info.weight_version`` (set by SGLang's
+``update_weights_*`` endpoints) is passed on as the chunk's ``weight_version``.
+
+Written against SGLang 0.4.x/0.5.x; it cannot run here (no GPU): tests/unit/
+test_remote_backends.py checks the translation against payloads shaped as SGLang produces them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
+from typing import Any
+
+import httpx
+
+from gateway.backends.base import FinishReason, GenerationChunk, SamplingParams, TopLogprob
+from gateway.backends.payload import as_float, as_int, as_int_list, as_list, member
+from gateway.backends.sse import post_event_stream
+from gateway.errors import BackendError
+
+__all__ = ["SGLangBackend", "SGLangStreamReader", "generate_request"]
+
+_FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length"}
+
+
+class SGLangBackend:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        backend_id: str,
+        max_context: int,
+        client: httpx.AsyncClient | None = None,
+        incremental_streaming: bool = False,
+        timeout_s: float = 600.0,
+        connect_timeout_s: float = 5.0,
+    ) -> None:
+        self._url = f"{base_url.rstrip('/')}/generate"
+        self._id = backend_id
+        self._max_context = max_context
+        self._incremental = incremental_streaming
+        self._owns_client = client is None
+        self._client = client if client is not None else httpx.AsyncClient()
+        self._timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
+        self._where = f"SGLang at {self._url}"
+
+    @property
+    def id(self) -> str:
+        return self._id
+
+    @property
+    def max_context(self) -> int:
+        return self._max_context
+
+    async def generate(
+        self, prompt_ids: Sequence[int], params: SamplingParams
+    ) -> AsyncIterator[GenerationChunk]:
+        body = generate_request(prompt_ids, params)
+        reader = SGLangStreamReader(
+            prompt_len=len(prompt_ids),
+            top_logprobs=params.top_logprobs,
+            incremental=self._incremental,
+            where=self._where,
+        )
+        stream = post_event_stream(
+            self._client, self._url, body, server="SGLang", http_timeout=self._timeout
+        )
+        async with aclosing(stream) as events:
+            async for event in events:
+                chunk = reader.read(event)
+                if chunk is not None:
+                    yield chunk
+        if not reader.finished:
+            raise BackendError(f"{self._where}: the stream ended without a finish_reason")
+
+    async def close(self) -> None:
+        if self._owns_client:
+            await self._client.aclose()
+
+
+def generate_request(prompt_ids: Sequence[int], params: SamplingParams) -> dict[str, Any]:
+    """The JSON body of one streamed /generate request."""
+    sampling: dict[str, Any] = {
+        "max_new_tokens": params.max_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "stop_token_ids": list(params.stop_token_ids),
+    }
+    if params.seed is not None:
+        sampling["sampling_seed"] = params.seed
+    return {
+        "input_ids": list(prompt_ids),
+        "sampling_params": sampling,
+        "return_logprob": True,
+        "top_logprobs_num": params.top_logprobs,
+        "logprob_start_len": -1,
+        "stream": True,
+    }
+
+
+class SGLangStreamReader:
+    """Turns the events of one stream into chunks of new tokens; remembers how many were seen."""
+
+    def __init__(self, *, prompt_len: int, top_logprobs: int, incremental: bool, where: str):
+        self._prompt_len = prompt_len
+        self._top_logprobs = top_logprobs
+        self._incremental = incremental
+        self._where = where
+        self._emitted: list[int] = []  # output tokens already passed on
+        self.finished = False
+
+    def read(self, event: dict[str, Any]) -> GenerationChunk | None:
+        where = self._where
+        if self.finished:
+            raise BackendError(f"{where} sent an event after finish_reason")
+        meta = member(event, "meta_info", where)
+        triples = _triples(member(meta, "output_token_logprobs", where), where)
+        token_ids = _output_ids(event, triples, where)
+        if len(triples) != len(token_ids):
+            raise BackendError(f"{where} sent {len(token_ids)} ids and {len(triples)} logprobs")
+        start = 0 if self._incremental else len(self._emitted)
+        new_ids = token_ids[start:]
+        new_triples = triples[start:]
+        completion_tokens = member(meta, "completion_tokens", where)
+        if completion_tokens is not None:
+            completion_tokens = as_int(completion_tokens, "completion_tokens", where)
+        total = len(self._emitted) + len(new_ids)
+        # Both checks catch a stream read in the wrong mode before it loses or repeats tokens.
+        if (not self._incremental and token_ids[:start] != self._emitted) or (
+            completion_tokens is not None and completion_tokens != total
+        ):
+            mode = "incremental" if self._incremental else "cumulative"
+            raise BackendError(
+                f"{where} sent output ids {token_ids[:8]}... (completion_tokens "
+                f"{completion_tokens}) after {len(self._emitted)} tokens, which does not fit "
+                f"{mode} streaming: does --incremental-streaming-output match the backend's "
+                "incremental_streaming setting?"
+            )
+        if [token_id for _, token_id in new_triples] != new_ids:
+            raise BackendError(f"{where}: output_token_logprobs do not match output_ids")
+        top = self._top(member(meta, "output_top_logprobs", where), start, len(token_ids))
+        finish_reason = _finish_reason(member(meta, "finish_reason", where), where)
+        self._emitted.extend(new_ids)
+        self.finished = finish_reason is not None
+        if not new_ids and finish_reason is None:
+            return None
+        return GenerationChunk(
+            token_ids=new_ids,
+            logprobs=[logprob for logprob, _ in new_triples],
+            top_logprobs=top,
+            finish_reason=finish_reason,
+            weight_version=_weight_version(member(meta, "weight_version", where)),
+            extra=self._extra(meta) if finish_reason is not None else {},
+        )
+
+    def _top(self, value: Any, start: int, count: int) -> list[list[TopLogprob]] | None:
+        if self._top_logprobs <= 0:
+            return None
+        positions = as_list(value or [], "output_top_logprobs", self._where)
+        if len(positions) != count:
+            raise BackendError(
+                f"{self._where} sent {len(positions)} output_top_logprobs for {count} tokens"
+            )
+        top = []
+        for position in positions[start:]:
+            ranked = _triples(position, self._where)[: self._top_logprobs]
+            top.append([TopLogprob(token_id, logprob) for logprob, token_id in ranked])
+        return top
+
+    def _extra(self, meta: Any) -> dict[str, float]:
+        where = self._where
+        extra: dict[str, float] = {}
+        prompt_tokens = member(meta, "prompt_tokens", where)
+        if prompt_tokens is not None:
+            if as_int(prompt_tokens, "prompt_tokens", where) != self._prompt_len:
+                raise BackendError(
+                    f"{where} counted {prompt_tokens} prompt tokens, {self._prompt_len} sent"
+                )
+            extra["prompt_tokens"] = float(prompt_tokens)
+        extra["completion_tokens"] = float(len(self._emitted))
+        cached = member(meta, "cached_tokens", where)
+        if cached is not None:
+            extra["cached_prompt_tokens"] = float(as_int(cached, "cached_tokens", where))
+        return extra
+
+
+def _output_ids(event: dict[str, Any], triples: list[tuple[float, int]], where: str) -> list[int]:
+    for key in ("output_ids", "token_ids"):
+        value = event.get(key)
+        if value is not None:
+            return as_int_list(value, key, where)
+    # Older servers send no ids when a tokenizer is loaded; the logprob triples carry them.
+    return [token_id for _, token_id in triples]
+
+
+def _triples(value: Any, where: str) -> list[tuple[float, int]]:
+    """SGLang's ``[logprob, token_id, text_or_null]`` entries as (logprob, token_id)."""
+    if value is None:
+        return []
+    entries = []
+    for entry in as_list(value, "logprob list", where):
+        items = as_list(entry, "logprob entry", where)
+        if len(items) < 2:
+            raise BackendError(f"{where}: a logprob entry should be [logprob, token_id, text]")
+        entries.append(
+            (as_float(items[0], "logprob", where), as_int(items[1], "logprob token id", where))
+        )
+    return entries
+
+
+def _finish_reason(value: Any, where: str) -> FinishReason | None:
+    if value is None:
+        return None
+    kind = member(value, "type", where) if isinstance(value, dict) else value
+    reason = _FINISH_REASONS.get(kind) if isinstance(kind, str) else None
+    if reason is None:
+        # {"type": "abort", "message": ...}: the request was dropped; nothing to record.
+        raise BackendError(f"{where} ended the generation with finish_reason {value!r:.300}")
+    return reason
+
+
+def _weight_version(value: Any) -> int | None:
+    # SGLang reports it as a string ("default" until weights are first updated).
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.isdigit():
+        return int(value)
+    return None

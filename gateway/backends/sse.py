@@ -1,0 +1,84 @@
+"""Server-sent JSON events from a remote inference server, over httpx.
+
+The one place where httpx errors become gateway errors (STYLE: translate at the adapter
+boundary): a server that cannot be reached is ``BackendUnavailable`` (the router may try another
+replica); anything else that goes wrong (an HTTP error status, a timeout, a broken stream, an
+event that is not JSON, an ``{"error": ...}`` event) is ``BackendError``. Every message names the
+server and its URL.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import httpx
+
+from gateway.errors import BackendError, BackendUnavailable
+
+__all__ = ["post_event_stream"]
+
+_BODY_EXCERPT = 500  # characters of an error body worth putting in a message
+
+
+async def post_event_stream(
+    client: httpx.AsyncClient,
+    url: str,
+    body: dict[str, Any],
+    *,
+    server: str,
+    http_timeout: httpx.Timeout,
+) -> AsyncGenerator[dict[str, Any], None]:
+    """POST ``body`` as JSON and yield the object of every ``data:`` line until ``[DONE]``.
+
+    Close the iterator (``contextlib.aclosing``) to stop early: that closes the connection, which
+    is how vLLM and SGLang learn to abort the request.
+    """
+    try:
+        async with client.stream("POST", url, json=body, timeout=http_timeout) as response:
+            if response.status_code != httpx.codes.OK:
+                raise await _status_error(response, url, server)
+            async for line in response.aiter_lines():
+                # Only single-line "data:" events are used by these servers; comments
+                # (": ping") and blank separators are skipped.
+                if not line.startswith("data:"):
+                    continue
+                payload = line[len("data:") :].strip()
+                if payload == "[DONE]":
+                    return
+                yield _decode_event(payload, url, server)
+    except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+        raise BackendUnavailable(
+            f"cannot connect to {server} at {url} ({exc}); is the server running?"
+        ) from exc
+    except httpx.TimeoutException as exc:
+        raise BackendError(f"{server} at {url} timed out ({type(exc).__name__})") from exc
+    except httpx.HTTPError as exc:
+        raise BackendError(f"{server} at {url} failed mid-request: {exc!r}") from exc
+
+
+async def _status_error(response: httpx.Response, url: str, server: str) -> BackendError:
+    detail = (await response.aread()).decode("utf-8", errors="replace")[:_BODY_EXCERPT]
+    message = f"{server} at {url} answered HTTP {response.status_code}: {detail}"
+    # 503: starting up, overloaded or shutting down; another replica may take the request.
+    if response.status_code == httpx.codes.SERVICE_UNAVAILABLE:
+        return BackendUnavailable(message)
+    return BackendError(message)
+
+
+def _decode_event(payload: str, url: str, server: str) -> dict[str, Any]:
+    try:
+        event = json.loads(payload)
+    except ValueError as exc:
+        raise BackendError(
+            f"{server} at {url} sent an event that is not JSON: {payload[:_BODY_EXCERPT]!r}"
+        ) from exc
+    if not isinstance(event, dict):
+        raise BackendError(f"{server} at {url} sent a non-object event: {payload[:200]!r}")
+    error = event.get("error")
+    if error is not None:
+        # Both servers report failures after the 200 header as a final {"error": {...}} event.
+        message = error.get("message", error) if isinstance(error, dict) else error
+        raise BackendError(f"{server} at {url} reported an error mid-stream: {message}")
+    return event

@@ -1,0 +1,101 @@
+"""Errors of the gateway, and the one table that maps them to OpenAI error bodies.
+
+    GatewayError                         (TurnstreamError)
+    ├── InvalidRequest           400     malformed JSON, bad fields, unsupported parameters
+    ├── Unauthorized             401     missing or wrong bearer key
+    ├── SessionNotFound          404     no such session
+    ├── SessionClosed            409     a turn or reward on a closed session
+    ├── ContextLengthExceeded    413     prompt (+ max_tokens) over the model's context length
+    ├── BackendError             502     the inference backend failed or returned garbage
+    │   └── BackendUnavailable   503     no replica could take the request
+    └── (schemas) EventLogUnavailable / OutboxFull -> 503: the turn could not be made durable
+
+Every error reaches the client as ``{"error": {"message", "type", "param", "code"}}`` with the
+status from ``ERROR_TABLE``; nothing else decides a status code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from schemas.errors import EventLogUnavailable, OutboxFull, SchemaError, TurnstreamError
+
+__all__ = [
+    "ERROR_TABLE",
+    "BackendError",
+    "BackendUnavailable",
+    "ContextLengthExceeded",
+    "ErrorSpec",
+    "GatewayError",
+    "InvalidRequest",
+    "SessionClosed",
+    "SessionNotFound",
+    "Unauthorized",
+    "error_spec",
+]
+
+
+class GatewayError(TurnstreamError):
+    """Root of the gateway's errors. ``param`` names the offending request field, if any."""
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class InvalidRequest(GatewayError):
+    pass
+
+
+class Unauthorized(GatewayError):
+    pass
+
+
+class SessionNotFound(GatewayError):
+    pass
+
+
+class SessionClosed(GatewayError):
+    pass
+
+
+class ContextLengthExceeded(GatewayError):
+    pass
+
+
+class BackendError(GatewayError):
+    pass
+
+
+class BackendUnavailable(BackendError):
+    pass
+
+
+@dataclass(frozen=True)
+class ErrorSpec:
+    status: int
+    type: str
+    code: str
+
+
+# Most specific first: the first matching class decides.
+ERROR_TABLE: tuple[tuple[type[BaseException], ErrorSpec], ...] = (
+    (InvalidRequest, ErrorSpec(400, "invalid_request_error", "invalid_request")),
+    (SchemaError, ErrorSpec(400, "invalid_request_error", "invalid_request")),
+    (Unauthorized, ErrorSpec(401, "authentication_error", "invalid_api_key")),
+    (SessionNotFound, ErrorSpec(404, "invalid_request_error", "session_not_found")),
+    (SessionClosed, ErrorSpec(409, "invalid_request_error", "session_closed")),
+    (ContextLengthExceeded, ErrorSpec(413, "invalid_request_error", "context_length_exceeded")),
+    (BackendUnavailable, ErrorSpec(503, "server_error", "backend_unavailable")),
+    (BackendError, ErrorSpec(502, "server_error", "backend_error")),
+    (OutboxFull, ErrorSpec(503, "server_error", "log_unavailable")),
+    (EventLogUnavailable, ErrorSpec(503, "server_error", "log_unavailable")),
+)
+_INTERNAL = ErrorSpec(500, "server_error", "internal_error")
+
+
+def error_spec(exc: BaseException) -> ErrorSpec:
+    for cls, spec in ERROR_TABLE:
+        if isinstance(exc, cls):
+            return spec
+    return _INTERNAL

@@ -1,0 +1,52 @@
+"""Prometheus metrics of one gateway (its own registry, so several apps can live in a process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = ["GatewayMetrics"]
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.request_latency = Histogram(
+            "turnstream_gateway_request_seconds",
+            "HTTP request latency",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.tokens_in = Counter(
+            "turnstream_gateway_prompt_tokens",
+            "prompt tokens sent to the backend",
+            registry=self.registry,
+        )
+        self.tokens_out = Counter(
+            "turnstream_gateway_completion_tokens",
+            "tokens sampled by the backend",
+            registry=self.registry,
+        )
+        self.publish_latency = Histogram(
+            "turnstream_gateway_publish_seconds",
+            "time until JetStream acked a turn",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.outbox_depth = Gauge(
+            "turnstream_gateway_outbox_bytes", "bytes waiting in the outbox", registry=self.registry
+        )
+        self.errors = Counter(
+            "turnstream_gateway_errors",
+            "error responses by status code",
+            ["code"],
+            registry=self.registry,
+        )
+        self.turns = Counter(
+            "turnstream_gateway_turns",
+            "turns completed and published",
+            ["kind"],
+            registry=self.registry,
+        )

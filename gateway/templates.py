@@ -1,0 +1,150 @@
+"""Chat templates and tokenization, owned by the gateway (DESIGN §4, tokens in / tokens out).
+
+When a request extends the session's previous turn, its prompt ids are
+
+    previous prompt ids + the completion ids the model sampled
+    + encode(end-of-turn text the model did not produce + the new messages' text)
+
+so the tokens of a turn the model produced are never re-tokenized. The new messages' text is
+found by rendering the conversation with and without them and taking the difference; the
+end-of-turn text is what the template writes after an assistant message's content (for ChatML,
+``<|im_end|>\\n``), minus the stop token the model sampled itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from gateway.errors import InvalidRequest
+
+__all__ = ["ChatTemplate", "message_key", "template_messages"]
+
+JSON = dict[str, Any]
+_SENTINEL = "\x00turnstream-sentinel\x00"
+
+
+def _arguments_object(arguments: object) -> object:
+    """OpenAI sends tool-call arguments as a JSON string; HF templates expect the object."""
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except json.JSONDecodeError:
+            return arguments
+    return arguments
+
+
+def template_messages(messages: Sequence[JSON]) -> list[JSON]:
+    """Messages as HF chat templates expect them (arguments as objects, text content)."""
+    out = []
+    for message in messages:
+        m = {k: v for k, v in message.items() if v is not None}
+        if m.get("tool_calls"):
+            m["tool_calls"] = [
+                {
+                    **call,
+                    "function": {
+                        **call["function"],
+                        "arguments": _arguments_object(call["function"].get("arguments")),
+                    },
+                }
+                for call in m["tool_calls"]
+            ]
+        out.append(m)
+    return out
+
+
+def message_key(message: JSON) -> tuple[object, ...]:
+    """What must be equal for a message sent back by a client to count as the same message."""
+    calls = tuple(
+        (
+            (c.get("function") or {}).get("name"),
+            json.dumps(
+                _arguments_object((c.get("function") or {}).get("arguments")), sort_keys=True
+            ),
+        )
+        for c in message.get("tool_calls") or ()
+    )
+    return (
+        message.get("role"),
+        message.get("content") or "",
+        calls,
+        message.get("tool_call_id"),
+        message.get("name"),
+    )
+
+
+class ChatTemplate:
+    """A tokenizer and its chat template, with the text arithmetic of prefix extension."""
+
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, stop_token_ids: Sequence[int] = ()
+    ) -> None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("the tokenizer has no chat_template; serve a chat model")
+        self.tokenizer = tokenizer
+        self.hash = hashlib.sha256(str(tokenizer.chat_template).encode()).hexdigest()[:16]
+        eos = tokenizer.eos_token_id
+        ids = list(stop_token_ids) + ([eos] if isinstance(eos, int) else [])
+        self.stop_token_ids: tuple[int, ...] = tuple(dict.fromkeys(ids))
+        self.turn_end_text = self._turn_end_text()
+
+    def _turn_end_text(self) -> str:
+        """The template's text between an assistant message's content and the next message."""
+        convo = [{"role": "user", "content": "hi"}]
+        base = self.render(convo, None, generation=True)
+        full = self.render(
+            [*convo, {"role": "assistant", "content": _SENTINEL}], None, generation=False
+        )
+        if not full.startswith(base) or _SENTINEL not in full:
+            raise ValueError("chat template does not render an assistant reply after its prompt")
+        return full[full.index(_SENTINEL) + len(_SENTINEL) :]
+
+    def render(
+        self, messages: Sequence[JSON], tools: list[JSON] | None, *, generation: bool
+    ) -> str:
+        try:
+            text = self.tokenizer.apply_chat_template(
+                template_messages(messages),
+                tools=tools,  # type: ignore[arg-type]  # list[dict] is what HF documents
+                add_generation_prompt=generation,
+                tokenize=False,
+            )
+        except Exception as exc:  # jinja raises anything: a template error is the request's
+            raise InvalidRequest(f"the chat template cannot render these messages: {exc}") from exc
+        return str(text)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def prompt_ids(self, messages: Sequence[JSON], tools: list[JSON] | None) -> list[int]:
+        """The full render of a conversation, ready for the model's reply."""
+        return self.encode(self.render(messages, tools, generation=True))
+
+    def continuation_ids(
+        self,
+        conversation: Sequence[JSON],
+        completion_ids: Sequence[int],
+        new_messages: Sequence[JSON],
+        tools: list[JSON] | None,
+    ) -> list[int] | None:
+        """Token ids to append after the previous prompt + ``completion_ids`` so the prompt
+        holds ``new_messages``; None when the template does not render them as a pure suffix
+        (then the caller renders the whole conversation, and the turn forks)."""
+        base = self.render(conversation, tools, generation=False)
+        full = self.render([*conversation, *new_messages], tools, generation=True)
+        if not full.startswith(base):
+            return None
+        tail = self.turn_end_text
+        if completion_ids and completion_ids[-1] in self.stop_token_ids:
+            sampled = self.decode(completion_ids[-1:], skip_special_tokens=False)
+            if tail.startswith(sampled):
+                tail = tail[len(sampled) :]
+        return self.encode(tail + full[len(base) :])

@@ -1,0 +1,341 @@
+"""The gateway as agents use it: a real `turnstream gateway` process, the real `openai` SDK,
+the tiny local model (overfit to call a tool), and a real nats-server holding the events.
+
+What the client received is compared, token for token, with what the log recorded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from consumers.rehydrate import read_session
+from schemas import SessionClosed, SessionEvent, SessionOpened, TurnCompleted
+from schemas.log import NatsServer, connect
+from tests.helpers.gateway_process import GatewayProcess
+from tests.helpers.tiny_model import TOOLS, WEATHER_QUESTION, WEATHER_RESULT
+
+pytestmark = pytest.mark.integration
+
+FAST_PUBLISH = ("--publisher.ack-timeout-s", "1", "--publisher.max-attempts", "3")
+
+
+@pytest.fixture(scope="module")
+def gateway(
+    nats_server: NatsServer, tool_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[GatewayProcess]:
+    process = GatewayProcess(
+        nats_server.url, tool_model_dir, tmp_path_factory.mktemp("gateway"), *FAST_PUBLISH
+    )
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tool_model_dir: Path) -> Any:
+    return AutoTokenizer.from_pretrained(tool_model_dir)
+
+
+def events_of(server: NatsServer, session: str, run: str = "e2e") -> list[SessionEvent]:
+    async def read() -> list[SessionEvent]:
+        nc = await connect(server.url)
+        try:
+            return await read_session(nc.jetstream(), run, session)
+        finally:
+            await nc.close()
+
+    return asyncio.run(read())
+
+
+def turns_of(events: list[SessionEvent]) -> list[TurnCompleted]:
+    return sorted((e for e in events if isinstance(e, TurnCompleted)), key=lambda e: e.turn)
+
+
+def full_prompts(turns: list[TurnCompleted]) -> list[list[int]]:
+    prompts: list[list[int]] = []
+    context: list[int] = []
+    for turn in turns:
+        prompt = context[: turn.prefix_len] + turn.prompt_ids.tolist()
+        prompts.append(prompt)
+        context = prompt + turn.completion_ids.tolist()
+    return prompts
+
+
+def client_for(session: dict[str, Any]) -> openai.OpenAI:
+    return openai.OpenAI(base_url=str(session["base_url"]), api_key="unused", max_retries=0)
+
+
+def assistant_turn(message: Any) -> dict[str, Any]:
+    """The reply as an agent sends it back next turn."""
+    return dict(message.model_dump(exclude_none=True))
+
+
+def test_a_four_turn_session_is_recorded_token_for_token(
+    gateway: GatewayProcess, nats_server: NatsServer, tokenizer: Any
+) -> None:
+    session = gateway.session(group="weather-1", metadata={"task": "weather"})
+    client = client_for(session)
+    messages: list[dict[str, Any]] = [*WEATHER_QUESTION]
+    replies = []
+    for t in range(4):
+        reply = client.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            tools=TOOLS,
+            temperature=0,
+            max_tokens=48,
+            logprobs=True,
+            top_logprobs=2,
+        )
+        replies.append(reply)
+        message = reply.choices[0].message
+        messages.append(assistant_turn(message))
+        if message.tool_calls:
+            messages += [
+                {"role": "tool", "tool_call_id": c.id, "content": WEATHER_RESULT}
+                for c in message.tool_calls
+            ]
+        else:
+            messages.append({"role": "user", "content": f"And on day {t + 1}?"})
+    closed = httpx.post(f"{gateway.url}/v1/sessions/{session['session_id']}/close", json={})
+    assert closed.status_code == 200 and closed.json()["status"] == "completed"
+
+    events = events_of(nats_server, str(session["session_id"]))
+    turns = turns_of(events)
+    assert isinstance(events[0], SessionOpened) and events[0].group == "weather-1"
+    assert isinstance(events[-1], SessionClosed) and events[-1].num_turns == 4
+    assert [t.turn for t in turns] == [0, 1, 2, 3]
+    prompts = full_prompts(turns)
+    for t in range(1, 4):
+        # tokens in, tokens out: the prompt extends the previous prompt + sampled completion
+        previous = prompts[t - 1] + turns[t - 1].completion_ids.tolist()
+        assert prompts[t][: len(previous)] == previous
+        assert turns[t].prefix_len == len(previous)
+        assert len(turns[t].new_messages) >= 2  # reply + tool result / user message only
+    for reply, turn in zip(replies, turns, strict=True):
+        choice = reply.choices[0]
+        assert reply.usage is not None
+        assert reply.usage.completion_tokens == len(turn.completion_ids)
+        assert reply.usage.prompt_tokens == turn.prefix_len + len(turn.prompt_ids)
+        assert choice.logprobs is not None and choice.logprobs.content is not None
+        assert np.allclose([c.logprob for c in choice.logprobs.content], turn.logprobs, atol=1e-6)
+        text = tokenizer.decode(turn.completion_ids.tolist(), skip_special_tokens=True)
+        if choice.message.tool_calls:
+            assert choice.finish_reason == "tool_calls"
+            assert "<tool_call>" in text
+        else:
+            assert choice.message.content == text
+    first = replies[0].choices[0]
+    assert first.finish_reason == "tool_calls", "the overfit model calls its tool on turn 0"
+    assert first.message.tool_calls is not None
+    assert first.message.tool_calls[0].function.name == "get_weather"
+    assert turns[0].tool_calls[0]["function"]["name"] == "get_weather"
+
+
+async def test_async_streaming_records_exactly_the_streamed_tokens(
+    gateway: GatewayProcess, nats_server: NatsServer, tokenizer: Any
+) -> None:
+    session = gateway.session()
+    client = openai.AsyncOpenAI(base_url=str(session["base_url"]), api_key="x", max_retries=0)
+    messages: list[dict[str, Any]] = [*WEATHER_QUESTION]
+    streamed: list[tuple[str, list[Any], str | None, Any]] = []
+    for _ in range(2):
+        stream = await client.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            tools=TOOLS,
+            temperature=0,
+            max_tokens=40,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        content, calls, finish, usage = "", [], None, None
+        async for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for choice in chunk.choices:
+                content += choice.delta.content or ""
+                calls += choice.delta.tool_calls or []
+                finish = choice.finish_reason or finish
+        streamed.append((content, calls, finish, usage))
+        reply: dict[str, Any] = {"role": "assistant", "content": content or None}
+        if calls:
+            reply["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": c.function.arguments},
+                }
+                for c in calls
+            ]
+        messages.append(reply)
+        messages += [
+            {"role": "tool", "tool_call_id": c.id, "content": WEATHER_RESULT} for c in calls
+        ]
+        if not calls:
+            messages.append({"role": "user", "content": "Thanks. Tomorrow?"})
+    await client.close()
+
+    turns = turns_of(events_of(nats_server, str(session["session_id"])))
+    assert len(turns) == 2
+    for (content, calls, finish, usage), turn in zip(streamed, turns, strict=True):
+        assert usage is not None and usage.completion_tokens == len(turn.completion_ids)
+        assert finish == turn.finish_reason
+        assert content == (turn.text or "")
+        assert [c.function.name for c in calls] == [c["function"]["name"] for c in turn.tool_calls]
+    assert streamed[0][2] == "tool_calls"
+    assert turns[1].prefix_len == len(full_prompts(turns)[0]) + len(turns[0].completion_ids)
+
+
+def test_x_session_id_header_opens_the_session_implicitly(
+    gateway: GatewayProcess, nats_server: NatsServer
+) -> None:
+    client = openai.OpenAI(
+        base_url=f"{gateway.url}/v1",
+        api_key="x",
+        max_retries=0,
+        default_headers={"X-Session-Id": "hdr-session-1"},
+    )
+    reply = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=8, seed=3
+    )
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    events = events_of(nats_server, "hdr-session-1")
+    assert isinstance(events[0], SessionOpened)
+    assert [type(e) for e in events[1:]] == [TurnCompleted]
+    models = client.models.list()
+    assert [m.id for m in models.data] == [reply.model]
+
+
+def test_completions_take_token_ids_and_record_them(
+    gateway: GatewayProcess, nats_server: NatsServer
+) -> None:
+    session = gateway.session()
+    client = client_for(session)
+    ids = [72, 101, 108, 108, 111]
+    reply = client.completions.create(
+        model="tiny", prompt=ids, max_tokens=6, temperature=0, logprobs=1
+    )
+    [turn] = turns_of(events_of(nats_server, str(session["session_id"])))
+    assert turn.prompt_ids.tolist() == ids
+    assert reply.usage is not None and reply.usage.completion_tokens == len(turn.completion_ids)
+    assert reply.choices[0].logprobs is not None
+    assert np.allclose(reply.choices[0].logprobs.token_logprobs or [], turn.logprobs, atol=1e-6)
+
+
+# -- errors --------------------------------------------------------------------------------------
+
+
+def test_every_error_has_its_status_and_an_openai_body(gateway: GatewayProcess) -> None:
+    session = gateway.session()
+    chat = f"{session['base_url']}/chat/completions"
+    ok_body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+    malformed = httpx.post(chat, content=b"{not json", headers={"content-type": "application/json"})
+    assert malformed.status_code == 400
+    assert malformed.json()["error"]["type"] == "invalid_request_error"
+
+    client = client_for(session)
+    with pytest.raises(openai.BadRequestError, match="temperature") as bad:
+        client.chat.completions.create(model="tiny", messages=ok_body["messages"], temperature=7)
+    assert bad.value.status_code == 400
+
+    missing = openai.OpenAI(base_url=f"{gateway.url}/sessions/nope/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.NotFoundError, match="no session 'nope'"):
+        missing.chat.completions.create(model="tiny", messages=ok_body["messages"])
+
+    too_long = [{"role": "user", "content": "x" * 5000}]
+    with pytest.raises(openai.APIStatusError, match=r"exceeds the model's context length") as big:
+        client.chat.completions.create(model="tiny", messages=too_long)
+    assert big.value.status_code == 413
+
+    no_header = httpx.post(f"{gateway.url}/v1/chat/completions", json=ok_body)
+    assert no_header.status_code == 400 and "X-Session-Id" in no_header.json()["error"]["message"]
+
+    assert httpx.post(f"{gateway.url}/v1/sessions/{session['session_id']}/close").status_code == 200
+    with pytest.raises(openai.ConflictError, match="is closed") as closed:
+        client.chat.completions.create(model="tiny", messages=ok_body["messages"])
+    assert closed.value.status_code == 409
+    reward = httpx.post(
+        f"{gateway.url}/v1/sessions/{session['session_id']}/reward", json={"value": 1}
+    )
+    assert reward.status_code == 409
+
+    metrics = httpx.get(f"{gateway.url}/metrics").text
+    assert 'turnstream_gateway_errors_total{code="413"}' in metrics
+
+
+def test_bearer_keys_guard_the_api(
+    nats_server: NatsServer, tool_model_dir: Path, tmp_path: Path
+) -> None:
+    process = GatewayProcess(nats_server.url, tool_model_dir, tmp_path, "--api-keys", '["k1"]')
+    try:
+        assert httpx.get(f"{process.url}/health").status_code == 200  # open for probes
+        wrong = openai.OpenAI(base_url=f"{process.url}/v1", api_key="nope", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            wrong.models.list()
+        right = openai.OpenAI(base_url=f"{process.url}/v1", api_key="k1", max_retries=0)
+        assert right.models.list().data
+    finally:
+        process.stop()
+
+
+def test_a_paused_log_delays_the_answer_and_loses_nothing(
+    gateway: GatewayProcess, nats_server: NatsServer
+) -> None:
+    session = gateway.session()
+    client = client_for(session)
+    ask = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    results: list[Any] = []
+
+    nats_server.pause()
+    worker = threading.Thread(
+        target=lambda: results.append(_outcome(lambda: client.chat.completions.create(**ask)))
+    )
+    worker.start()
+    threading.Event().wait(1.5)
+    nats_server.resume()
+    worker.join(60)
+
+    [outcome] = results
+    turns = turns_of(events_of(nats_server, str(session["session_id"])))
+    if isinstance(outcome, openai.APIStatusError):
+        assert outcome.status_code == 503  # told to retry: then nothing may be recorded as received
+    else:
+        assert [t.turn for t in turns] == [0], "a turn the client received must be in the log"
+        assert outcome.usage.completion_tokens == len(turns[0].completion_ids)
+
+
+def test_an_unreachable_log_answers_503_and_the_session_goes_on(
+    gateway: GatewayProcess, nats_server: NatsServer
+) -> None:
+    session = gateway.session()
+    client = client_for(session)
+    ask = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    nats_server.kill()
+    try:
+        with pytest.raises(openai.APIStatusError, match="did not acknowledge") as down:
+            client.chat.completions.create(**ask)
+        assert down.value.status_code == 503
+    finally:
+        nats_server.restart()
+    reply = client.chat.completions.create(**ask)  # the publisher reconnects; same turn index
+    [turn] = turns_of(events_of(nats_server, str(session["session_id"])))
+    assert turn.turn == 0 and reply.usage is not None
+    assert reply.usage.completion_tokens == len(turn.completion_ids)
+
+
+def _outcome(call: Any) -> Any:
+    try:
+        return call()
+    except openai.APIStatusError as exc:
+        return exc

@@ -1,0 +1,585 @@
+"""vLLM and SGLang backends: request and response translation.
+
+Neither server can run here (no GPU), so these tests stand in for them with ``httpx.MockTransport``
+handlers that answer with SSE bodies shaped as the projects document and emit them (vLLM >= 0.10.2
+``/v1/completions`` with ``return_token_ids`` and ``return_tokens_as_token_ids``; SGLang's native
+``/generate`` with ``return_logprob``, cumulative and ``--incremental-streaming-output`` modes).
+They pin the exact request JSON (token ids in, no text), the chunks produced (new tokens only,
+logprobs, top logprobs, finish reason) and the error translation. They do not prove that a live
+server of a given version still speaks this dialect: that needs a GPU run against the real server.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.backends.base import Backend, GenerationChunk, SamplingParams, TopLogprob
+from gateway.backends.sglang import SGLangBackend
+from gateway.backends.vllm import VLLMBackend
+from gateway.errors import BackendError, BackendUnavailable
+
+PROMPT = [151644, 872, 198, 9707, 151645, 198, 151644, 77091, 198]
+IM_END = 151645
+PARAMS = SamplingParams(
+    max_tokens=16, temperature=0.7, top_p=0.9, seed=7, stop_token_ids=(IM_END,), top_logprobs=2
+)
+
+Handler = Callable[[httpx.Request], httpx.Response]
+
+
+def sse(*events: dict[str, Any] | str) -> bytes:
+    lines = [f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n" for e in events]
+    return "".join(lines).encode()
+
+
+def answer(body: bytes, status: int = 200) -> Handler:
+    def handle(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(status, content=body, headers={"content-type": "text/event-stream"})
+
+    return handle
+
+
+class Recorder:
+    """A MockTransport handler that keeps every request's JSON body."""
+
+    def __init__(self, handler: Handler) -> None:
+        self.handler = handler
+        self.requests: list[httpx.Request] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.requests.append(request)
+        return self.handler(request)
+
+    @property
+    def bodies(self) -> list[dict[str, Any]]:
+        return [json.loads(request.content) for request in self.requests]
+
+
+def vllm(handler: Handler, base_url: str = "http://gpu-1:8000") -> VLLMBackend:
+    client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    return VLLMBackend(
+        base_url, "Qwen/Qwen2.5-7B-Instruct", backend_id="vllm-1", max_context=32768, client=client
+    )
+
+
+def sglang(handler: Handler, *, incremental: bool = False) -> SGLangBackend:
+    client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    return SGLangBackend(
+        "http://gpu-2:30000/",
+        backend_id="sglang-1",
+        max_context=32768,
+        client=client,
+        incremental_streaming=incremental,
+    )
+
+
+async def collect(backend: Backend, params: SamplingParams = PARAMS) -> list[GenerationChunk]:
+    return [chunk async for chunk in backend.generate(PROMPT, params)]
+
+
+# ---- vLLM payloads ------------------------------------------------------------------------------
+
+
+def vllm_event(
+    text: str,
+    token_ids: list[int],
+    logprobs: list[float] | None,
+    top: list[dict[str, float]] | None = None,
+    finish_reason: str | None = None,
+    *,
+    with_token_ids: bool = True,  # False: a server that predates return_token_ids
+    **extra: Any,
+) -> dict[str, Any]:
+    """One streamed choice, as vLLM's OpenAIServingCompletion emits it."""
+    choice: dict[str, Any] = {
+        "index": 0,
+        "text": text,
+        "logprobs": None,
+        "finish_reason": finish_reason,
+        "stop_reason": None,
+    }
+    if logprobs is not None:
+        choice["logprobs"] = {
+            "text_offset": list(range(len(token_ids))),
+            "token_logprobs": logprobs,
+            "tokens": [f"token_id:{i}" for i in token_ids],
+            "top_logprobs": top,
+        }
+    if with_token_ids:
+        choice["token_ids"] = token_ids
+    choice.update(extra)
+    return {
+        "id": "cmpl-3f9c",
+        "object": "text_completion",
+        "created": 1735689600,
+        "model": "Qwen/Qwen2.5-7B-Instruct",
+        "choices": [choice],
+        "usage": None,
+    }
+
+
+VLLM_USAGE = {
+    "id": "cmpl-3f9c",
+    "object": "text_completion",
+    "created": 1735689600,
+    "model": "Qwen/Qwen2.5-7B-Instruct",
+    "choices": [],
+    "usage": {
+        "prompt_tokens": len(PROMPT),
+        "completion_tokens": 3,
+        "total_tokens": len(PROMPT) + 3,
+        "prompt_tokens_details": {"cached_tokens": 8},
+    },
+}
+
+VLLM_STREAM = sse(
+    vllm_event(
+        "Hi",
+        [13048],
+        [-0.01],
+        # vLLM adds the sampled token to the top-k dict: k + 1 entries, not ordered by logprob.
+        [{"token_id:13048": -0.01, "token_id:9707": -4.6}],
+        prompt_token_ids=PROMPT,
+    ),
+    vllm_event(
+        "!",
+        [0],
+        [-2.5],
+        [{"token_id:0": -2.5, "token_id:11": -0.2, "token_id:13": -1.9}],
+    ),
+    vllm_event(
+        "<|im_end|>",
+        [IM_END],
+        [-0.05],
+        [{f"token_id:{IM_END}": -0.05, "token_id:198": -3.1}],
+        "stop",
+    ),
+    VLLM_USAGE,
+    "[DONE]",
+)
+
+
+async def test_vllm_sends_token_ids_and_the_documented_fields() -> None:
+    recorder = Recorder(answer(VLLM_STREAM))
+    await collect(vllm(recorder, base_url="http://gpu-1:8000/v1/"))
+    [request] = recorder.requests
+    assert request.method == "POST"
+    assert str(request.url) == "http://gpu-1:8000/v1/completions"
+    assert recorder.bodies == [
+        {
+            "model": "Qwen/Qwen2.5-7B-Instruct",
+            "prompt": PROMPT,
+            "max_tokens": 16,
+            "temperature": 0.7,
+            "top_p": 0.9,
+            "seed": 7,
+            "stop_token_ids": [IM_END],
+            "logprobs": 2,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+            "skip_special_tokens": False,
+            "include_stop_str_in_output": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    ]
+
+
+async def test_vllm_without_seed_or_top_logprobs_asks_for_sampled_logprobs_only() -> None:
+    recorder = Recorder(answer(VLLM_STREAM))
+    chunks = await collect(vllm(recorder), SamplingParams(max_tokens=16))
+    body = recorder.bodies[0]
+    assert "seed" not in body
+    assert body["logprobs"] == 0
+    assert [chunk.top_logprobs for chunk in chunks] == [None, None, None]
+
+
+async def test_vllm_stream_becomes_chunks_of_tokens_and_logprobs() -> None:
+    chunks = await collect(vllm(answer(VLLM_STREAM)))
+    assert [(c.token_ids, c.logprobs, c.finish_reason) for c in chunks] == [
+        ([13048], [-0.01], None),
+        ([0], [-2.5], None),
+        ([IM_END], [-0.05], "stop"),
+    ]
+    # The k most likely, best first; the sampled token only when it is among them.
+    assert [c.top_logprobs for c in chunks] == [
+        [[TopLogprob(13048, -0.01), TopLogprob(9707, -4.6)]],
+        [[TopLogprob(11, -0.2), TopLogprob(13, -1.9)]],
+        [[TopLogprob(IM_END, -0.05), TopLogprob(198, -3.1)]],
+    ]
+    # The usage event that follows the finish is folded into the last chunk.
+    assert chunks[-1].extra == {
+        "prompt_tokens": 9.0,
+        "completion_tokens": 3.0,
+        "cached_prompt_tokens": 8.0,
+    }
+    assert chunks[0].extra == {}
+
+
+async def test_vllm_length_finish_and_an_empty_final_choice() -> None:
+    body = sse(
+        vllm_event("Hi", [13048], [-0.01], [{"token_id:13048": -0.01}]),
+        vllm_event("", [], [], [], "length"),
+        "[DONE]",
+    )
+    chunks = await collect(vllm(answer(body)), SamplingParams(max_tokens=1, top_logprobs=1))
+    assert [(c.token_ids, c.finish_reason) for c in chunks] == [([13048], None), ([], "length")]
+
+
+async def test_vllm_before_return_token_ids_reads_ids_from_logprob_tokens() -> None:
+    body = sse(
+        vllm_event("Hi", [13048], [-0.01], [{"token_id:13048": -0.01}], with_token_ids=False),
+        vllm_event(
+            "", [IM_END], [-0.3], [{f"token_id:{IM_END}": -0.3}], "stop", with_token_ids=False
+        ),
+        "[DONE]",
+    )
+    chunks = await collect(vllm(answer(body)), SamplingParams(max_tokens=4, top_logprobs=1))
+    assert [c.token_ids for c in chunks] == [[13048], [IM_END]]
+
+
+async def test_vllm_closing_the_iteration_closes_the_connection() -> None:
+    """Cancelling the generation must reach the server: vLLM aborts on disconnect."""
+    stream = TrackedStream(VLLM_STREAM)
+    backend = vllm(lambda request: httpx.Response(200, stream=stream))
+    generation = aiter(backend.generate(PROMPT, PARAMS))
+    first = await anext(generation)
+    assert first.token_ids == [13048]
+    assert not stream.closed
+    await generation.aclose()  # type: ignore[attr-defined]
+    assert stream.closed
+
+
+class TrackedStream(httpx.AsyncByteStream):
+    def __init__(self, body: bytes) -> None:
+        self.lines = body.splitlines(keepends=True)
+        self.closed = False
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        for line in self.lines:
+            yield line
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+@pytest.mark.parametrize(
+    ("body", "match"),
+    [
+        pytest.param(
+            sse(vllm_event("Hi", [1], [-0.1], [{"token_id:1": -0.1}])),
+            "without a finish_reason",
+            id="cut off",
+        ),
+        pytest.param(b"data: {not json\n\n", "not JSON", id="malformed JSON"),
+        pytest.param(sse([1, 2]), "non-object event", id="not an object"),  # type: ignore[arg-type]
+        pytest.param(
+            sse(
+                {
+                    "error": {
+                        "message": "CUDA out of memory",
+                        "type": "InternalServerError",
+                        "code": 500,
+                    }
+                }
+            ),
+            "CUDA out of memory",
+            id="error event",
+        ),
+        pytest.param(sse(vllm_event("", [], [], [], "abort")), "'abort'", id="aborted"),
+        pytest.param(
+            sse(vllm_event("Hi", [1, 2], [-0.1], [{}])), "1 logprobs for 2 tokens", id="misaligned"
+        ),
+        pytest.param(
+            sse(vllm_event("Hi", [1], None, with_token_ids=False)),
+            "vLLM >= 0.10.2",
+            id="text without ids",
+        ),
+        pytest.param(sse(vllm_event("Hi", [1], None)), "without the logprobs", id="no logprobs"),
+        pytest.param(
+            sse(vllm_event("Hi", [1], [-0.1], [{"Hi": -0.1}])),
+            "return_tokens_as_token_ids",
+            id="text keys",
+        ),
+        pytest.param(
+            sse(vllm_event("Hi", [1], [-0.1], [{"token_id:1": -0.1}], prompt_token_ids=[1, 2])),
+            "different prompt",
+            id="prompt echoed differently",
+        ),
+        pytest.param(
+            sse(
+                vllm_event("Hi", [1], [-0.1], [{"token_id:1": -0.1}], "stop"),
+                {**VLLM_USAGE, "usage": {"prompt_tokens": 3, "completion_tokens": 1}},
+            ),
+            "counted 3 prompt tokens, 9 sent",
+            id="usage disagrees",
+        ),
+    ],
+)
+async def test_vllm_unexpected_payloads_are_backend_errors_naming_the_url(
+    body: bytes, match: str
+) -> None:
+    with pytest.raises(BackendError, match=match) as caught:
+        await collect(vllm(answer(body)), SamplingParams(max_tokens=4, top_logprobs=1))
+    assert not isinstance(caught.value, BackendUnavailable)
+    assert "http://gpu-1:8000/v1/completions" in str(caught.value)
+
+
+# ---- SGLang payloads ----------------------------------------------------------------------------
+
+SGLANG_TOKENS = [(13048, -0.01), (0, -2.5), (IM_END, -0.05)]
+SGLANG_TOP = [
+    [[-0.01, 13048, None], [-4.6, 9707, None]],
+    [[-0.2, 11, None], [-1.9, 13, None]],
+    [[-0.05, IM_END, None], [-3.1, 198, None]],
+]
+
+
+def sglang_event(
+    start: int, end: int, finish: dict[str, Any] | None, *, ids_key: str | None = "output_ids"
+) -> dict[str, Any]:
+    """Tokens [start:end) of SGLANG_TOKENS as SGLang's tokenizer manager sends them."""
+    event: dict[str, Any] = {
+        "text": None if finish is None else "Hi!<|im_end|>",
+        "meta_info": {
+            "id": "9b1e2c",
+            "finish_reason": finish,
+            "prompt_tokens": len(PROMPT),
+            "weight_version": "3",
+            "completion_tokens": end,
+            "cached_tokens": 8,
+            "output_token_logprobs": [[lp, tid, None] for tid, lp in SGLANG_TOKENS[start:end]],
+            "output_top_logprobs": SGLANG_TOP[start:end],
+            "e2e_latency": 0.12,
+        },
+    }
+    if ids_key is not None:
+        event[ids_key] = [tid for tid, _ in SGLANG_TOKENS[start:end]]
+    return event
+
+
+STOP = {"type": "stop", "matched": IM_END}
+CUMULATIVE = sse(
+    sglang_event(0, 1, None), sglang_event(0, 2, None), sglang_event(0, 3, STOP), "[DONE]"
+)
+INCREMENTAL = sse(
+    sglang_event(0, 1, None), sglang_event(1, 2, None), sglang_event(2, 3, STOP), "[DONE]"
+)
+EXPECTED_SGLANG = [
+    GenerationChunk(
+        [13048], [-0.01], [[TopLogprob(13048, -0.01), TopLogprob(9707, -4.6)]], None, 3
+    ),
+    GenerationChunk([0], [-2.5], [[TopLogprob(11, -0.2), TopLogprob(13, -1.9)]], None, 3),
+    GenerationChunk(
+        [IM_END],
+        [-0.05],
+        [[TopLogprob(IM_END, -0.05), TopLogprob(198, -3.1)]],
+        "stop",
+        3,
+        {"prompt_tokens": 9.0, "completion_tokens": 3.0, "cached_prompt_tokens": 8.0},
+    ),
+]
+
+
+async def test_sglang_sends_input_ids_and_sampling_params() -> None:
+    recorder = Recorder(answer(CUMULATIVE))
+    await collect(sglang(recorder))
+    assert str(recorder.requests[0].url) == "http://gpu-2:30000/generate"
+    assert recorder.bodies == [
+        {
+            "input_ids": PROMPT,
+            "sampling_params": {
+                "max_new_tokens": 16,
+                "temperature": 0.7,
+                "top_p": 0.9,
+                "stop_token_ids": [IM_END],
+                "sampling_seed": 7,
+            },
+            "return_logprob": True,
+            "top_logprobs_num": 2,
+            "logprob_start_len": -1,
+            "stream": True,
+        }
+    ]
+
+
+async def test_sglang_without_seed_leaves_it_to_the_server() -> None:
+    recorder = Recorder(answer(CUMULATIVE))
+    chunks = await collect(sglang(recorder), SamplingParams(max_tokens=16))
+    assert "sampling_seed" not in recorder.bodies[0]["sampling_params"]
+    assert recorder.bodies[0]["top_logprobs_num"] == 0
+    assert [c.top_logprobs for c in chunks] == [None, None, None]
+
+
+@pytest.mark.parametrize(
+    ("body", "incremental"),
+    [
+        pytest.param(CUMULATIVE, False, id="cumulative"),
+        pytest.param(INCREMENTAL, True, id="incremental"),
+    ],
+)
+async def test_sglang_stream_emits_only_the_new_tokens(body: bytes, incremental: bool) -> None:
+    assert await collect(sglang(answer(body), incremental=incremental)) == EXPECTED_SGLANG
+
+
+async def test_sglang_without_output_ids_reads_them_from_the_logprobs() -> None:
+    body = sse(
+        *(sglang_event(0, end, STOP if end == 3 else None, ids_key=None) for end in (1, 2, 3)),
+        "[DONE]",
+    )
+    chunks = await collect(sglang(answer(body)))
+    assert [c.token_ids for c in chunks] == [[13048], [0], [IM_END]]
+
+
+async def test_sglang_length_finish() -> None:
+    body = sse(
+        sglang_event(0, 1, None), sglang_event(0, 2, {"type": "length", "length": 2}), "[DONE]"
+    )
+    chunks = await collect(sglang(answer(body)), SamplingParams(max_tokens=2, top_logprobs=2))
+    assert [(c.token_ids, c.finish_reason) for c in chunks] == [([13048], None), ([0], "length")]
+
+
+@pytest.mark.parametrize(
+    ("body", "incremental", "match"),
+    [
+        pytest.param(
+            sse(sglang_event(0, 1, None), "[DONE]"), False, "without a finish_reason", id="cut off"
+        ),
+        pytest.param(
+            sse(sglang_event(0, 1, {"type": "abort", "message": "Abort before prefill"})),
+            False,
+            "Abort before prefill",
+            id="aborted",
+        ),
+        pytest.param(
+            sse({"error": {"message": "input_ids too long"}}),
+            False,
+            "input_ids too long",
+            id="error event",
+        ),
+        pytest.param(
+            INCREMENTAL,
+            False,
+            "does --incremental-streaming-output match",
+            id="incremental read as cumulative",
+        ),
+        pytest.param(
+            CUMULATIVE,
+            True,
+            "does --incremental-streaming-output match",
+            id="cumulative read as incremental",
+        ),
+        pytest.param(
+            sse({**sglang_event(0, 1, None), "output_ids": [42]}),
+            False,
+            "do not match output_ids",
+            id="ids disagree with logprobs",
+        ),
+        pytest.param(
+            sse(
+                {
+                    **sglang_event(0, 1, STOP),
+                    "meta_info": {**sglang_event(0, 1, STOP)["meta_info"], "prompt_tokens": 4},
+                }
+            ),
+            False,
+            "counted 4 prompt tokens, 9 sent",
+            id="prompt length disagrees",
+        ),
+        pytest.param(
+            sse({"text": "Hi"}),
+            False,
+            "expected an object holding 'output_token_logprobs'",
+            id="no meta_info",
+        ),
+        pytest.param(
+            sse(sglang_event(0, 1, STOP), sglang_event(0, 2, None)),
+            False,
+            "after finish_reason",
+            id="after finish",
+        ),
+    ],
+)
+async def test_sglang_unexpected_payloads_are_backend_errors_naming_the_url(
+    body: bytes, incremental: bool, match: str
+) -> None:
+    with pytest.raises(BackendError, match=match) as caught:
+        await collect(sglang(answer(body), incremental=incremental))
+    assert "http://gpu-2:30000/generate" in str(caught.value)
+
+
+# ---- transport errors, both backends ------------------------------------------------------------
+
+BACKENDS = [pytest.param(vllm, id="vllm"), pytest.param(sglang, id="sglang")]
+
+
+def refuse(request: httpx.Request) -> httpx.Response:
+    raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
+
+
+def time_out(request: httpx.Request) -> httpx.Response:
+    raise httpx.ReadTimeout("timed out", request=request)
+
+
+def drop(request: httpx.Request) -> httpx.Response:
+    raise httpx.RemoteProtocolError("peer closed connection without sending complete message body")
+
+
+@pytest.mark.parametrize("make", BACKENDS)
+@pytest.mark.parametrize(
+    ("handler", "error", "match"),
+    [
+        pytest.param(
+            refuse, BackendUnavailable, "cannot connect.*Connection refused", id="refused"
+        ),
+        pytest.param(
+            answer(b'{"detail": "loading"}', 503), BackendUnavailable, "HTTP 503", id="503"
+        ),
+        pytest.param(
+            answer(b"Internal Server Error", 500),
+            BackendError,
+            "HTTP 500: Internal Server Error",
+            id="500",
+        ),
+        pytest.param(
+            answer(b'{"object": "error", "message": "bad"}', 400),
+            BackendError,
+            "HTTP 400.*bad",
+            id="400",
+        ),
+        pytest.param(time_out, BackendError, "timed out", id="timeout"),
+        pytest.param(drop, BackendError, "failed mid-request", id="dropped"),
+    ],
+)
+async def test_transport_errors_are_translated(
+    make: Callable[[Handler], Backend], handler: Handler, error: type[BackendError], match: str
+) -> None:
+    backend = make(handler)
+    with pytest.raises(error, match=match) as caught:
+        await collect(backend)
+    assert (
+        type(caught.value) is error
+    )  # a timeout is not "unavailable": the router keeps the replica
+    assert "http://gpu-" in str(caught.value)
+    assert isinstance(caught.value.__cause__, httpx.HTTPError | type(None))
+
+
+@pytest.mark.parametrize("make", BACKENDS)
+async def test_protocol_and_client_ownership(make: Callable[[Handler], Backend]) -> None:
+    backend = make(answer(b""))
+    assert isinstance(backend, Backend)
+    assert backend.max_context == 32768
+    await backend.close()
+    # An injected client belongs to the caller: close() leaves it open.
+    assert not backend._client.is_closed  # type: ignore[attr-defined]
+
+
+async def test_own_client_is_closed() -> None:
+    backend = SGLangBackend("http://gpu-3:30000", backend_id="sglang-3", max_context=4096)
+    await backend.close()
+    assert backend._client.is_closed

@@ -1,0 +1,185 @@
+"""``turnstream gateway``: the OpenAI-compatible gateway as a service.
+
+Assembles the parts (the log, the publisher and its outbox, the tokenizer and chat template, the
+backend, the session service) and serves them with uvicorn. ``build_gateway`` is also what the
+embedded stack mounts in-process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import uvicorn
+from fastapi import FastAPI
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+from transformers import AutoTokenizer
+
+from gateway.app import create_app
+from gateway.backends.base import Backend
+from gateway.metrics import GatewayMetrics
+from gateway.serving import ChatService
+from gateway.sessions import SessionStore
+from gateway.templates import ChatTemplate
+from gateway.tools import get_parser
+from schemas.errors import TurnstreamError
+from schemas.log import JetStreamPublisher, Outbox
+from turnstream.settings import ServiceSettings
+from turnstream.stack import EventLog, open_log
+
+__all__ = ["GatewayCommand", "GatewaySettings", "build_gateway"]
+
+log = logging.getLogger(__name__)
+
+
+class GatewaySettings(ServiceSettings):
+    """Run the OpenAI-compatible gateway; every turn is published to the log before it answers."""
+
+    model_config = SettingsConfigDict(cli_prog_name="turnstream gateway")
+
+    host: str = Field("127.0.0.1", description="address to listen on")
+    port: int = Field(8000, ge=0, le=65535, description="port to listen on")
+    backend: Literal["local", "vllm", "sglang"] = Field("local", description="inference backend")
+    backend_urls: list[str] = Field(
+        default_factory=list, description="vllm/sglang replica URLs (sticky, least-loaded)"
+    )
+    model: Path | None = Field(
+        None,
+        description="local HF model dir (tokenizer + chat template; weights for local); "
+        "unset: the built-in tiny model, created on first use",
+    )
+    model_name: str | None = Field(None, description="model name reported to clients")
+    tool_parser: str = Field("hermes", description="tool-call format the model writes")
+    api_keys: list[str] = Field(default_factory=list, description="bearer keys; empty: no auth")
+    max_concurrency: int = Field(4, ge=1, description="local backend: concurrent generations")
+    max_inflight_per_replica: int = Field(32, ge=1, description="remote: requests per replica")
+    max_context: int | None = Field(None, description="remote: context length of the model")
+
+    @property
+    def model_dir(self) -> Path:
+        from gateway.model import ensure_tiny_model
+
+        return self.model or ensure_tiny_model(self.data_dir / "models")
+
+
+@dataclass
+class Gateway:
+    app: FastAPI
+    service: ChatService
+    publisher: JetStreamPublisher
+    backend: Backend
+
+
+def _backend(settings: GatewaySettings, model_dir: Path, name: str) -> Backend:
+    if settings.backend == "local":
+        from gateway.backends.local import LocalBackend
+
+        return LocalBackend.load(model_dir, max_concurrency=settings.max_concurrency)
+    if not settings.backend_urls:
+        raise TurnstreamError(f"--backend {settings.backend} needs --backend-urls URL [URL ...]")
+    if settings.max_context is None:
+        raise TurnstreamError(f"--backend {settings.backend} needs --max-context (the model's)")
+    from gateway.backends.router import ReplicaRouter
+
+    replicas: list[Backend]
+    if settings.backend == "vllm":
+        from gateway.backends.vllm import VLLMBackend
+
+        replicas = [
+            VLLMBackend(url, name, backend_id=f"vllm-{i}", max_context=settings.max_context)
+            for i, url in enumerate(settings.backend_urls)
+        ]
+    else:
+        from gateway.backends.sglang import SGLangBackend
+
+        replicas = [
+            SGLangBackend(url, backend_id=f"sglang-{i}", max_context=settings.max_context)
+            for i, url in enumerate(settings.backend_urls)
+        ]
+    return ReplicaRouter(replicas, max_inflight_per_replica=settings.max_inflight_per_replica)
+
+
+@contextlib.asynccontextmanager
+async def build_gateway(settings: GatewaySettings, event_log: EventLog) -> AsyncIterator[Gateway]:
+    """The gateway app on ``event_log``; publisher, backend and policy watch live as long as it."""
+    model_dir = settings.model_dir
+    name = settings.model_name or model_dir.name
+    tokenizer: Any = AutoTokenizer.from_pretrained(model_dir)
+    backend = _backend(settings, model_dir, name)
+    outbox = (
+        Outbox(settings.publisher.outbox_path, settings.publisher.outbox_max_bytes)
+        if settings.publisher.outbox_path is not None
+        else None
+    )
+    publisher = await JetStreamPublisher(event_log.nc, settings.publisher, outbox=outbox).start()
+    metrics = GatewayMetrics()
+    service = ChatService(
+        template=ChatTemplate(tokenizer),
+        backend=backend,
+        publisher=publisher,
+        sessions=SessionStore(),
+        parser=get_parser(settings.tool_parser),
+        run=settings.run,
+        model_name=name,
+        metrics=metrics,
+        weight_version=lambda: int(getattr(backend, "weight_version", 0)),
+    )
+    watcher: asyncio.Task[None] | None = None
+    if hasattr(backend, "watch_policy"):
+        kv = await event_log.js.key_value(settings.log.names.policy_bucket)
+        watcher = asyncio.create_task(backend.watch_policy(kv, settings.run), name="policy-watch")
+
+    async def health() -> dict[str, Any]:
+        if outbox is not None:
+            metrics.outbox_depth.set(outbox.pending_bytes)
+        connected = event_log.nc.is_connected
+        return {
+            "status": "ok" if connected or outbox is not None else "degraded",
+            "log": "connected" if connected else "reconnecting",
+            "weight_version": service.weight_version(),
+        }
+
+    app = create_app(service, api_keys=settings.api_keys, health=health)
+    try:
+        yield Gateway(app, service, publisher, backend)
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+        await publisher.close()
+        await backend.close()
+        if outbox is not None:
+            outbox.close()
+
+
+class GatewayCommand(GatewaySettings):
+    __doc__ = GatewaySettings.__doc__
+
+    def cli_cmd(self) -> None:
+        asyncio.run(self._serve())
+
+    async def _serve(self) -> None:
+        async with (
+            open_log(self, name="turnstream-gateway") as event_log,
+            build_gateway(self, event_log) as gateway,
+        ):
+            config = uvicorn.Config(
+                gateway.app, host=self.host, port=self.port, log_level="warning", lifespan="off"
+            )
+            server = uvicorn.Server(config)
+            log.info(
+                "gateway on http://%s:%d (backend %s, log %s, run %s)",
+                self.host,
+                self.port,
+                gateway.backend.id,
+                event_log.url,
+                self.run,
+            )
+            await server.serve()
