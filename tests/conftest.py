@@ -20,6 +20,8 @@ from nats.js import errors as js_errors
 
 from schemas.log import LogSettings, NatsServer, connect, provision
 
+pytest_plugins = ["tests.conftest_model"]
+
 # Fast failure detection so fault tests take seconds: ping every 0.5 s, 2 missed -> reconnect.
 FAST_LOG = LogSettings(ping_interval_s=0.5, max_outstanding_pings=2, connect_timeout_s=1.0)
 

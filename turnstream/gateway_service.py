@@ -19,7 +19,7 @@ import uvicorn
 from fastapi import FastAPI
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, GenerationConfig
 
 from gateway.app import create_app
 from gateway.backends.base import Backend
@@ -111,6 +111,12 @@ async def build_gateway(settings: GatewaySettings, event_log: EventLog) -> Async
     model_dir = settings.model_dir
     name = settings.model_name or model_dir.name
     tokenizer: Any = AutoTokenizer.from_pretrained(model_dir)
+    # Every end token the model may sample closes its turn, not only the tokenizer's eos.
+    try:
+        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    except OSError:  # no generation_config.json: the tokenizer's eos is all there is
+        eos = None
+    stop_ids = [eos] if isinstance(eos, int) else list(eos or [])
     backend = _backend(settings, model_dir, name)
     outbox = (
         Outbox(settings.publisher.outbox_path, settings.publisher.outbox_max_bytes)
@@ -120,7 +126,7 @@ async def build_gateway(settings: GatewaySettings, event_log: EventLog) -> Async
     publisher = await JetStreamPublisher(event_log.nc, settings.publisher, outbox=outbox).start()
     metrics = GatewayMetrics()
     service = ChatService(
-        template=ChatTemplate(tokenizer),
+        template=ChatTemplate(tokenizer, stop_token_ids=stop_ids),
         backend=backend,
         publisher=publisher,
         sessions=SessionStore(),

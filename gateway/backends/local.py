@@ -1,0 +1,431 @@
+"""The ``local`` backend: a Hugging Face causal LM run in this process with torch (DESIGN §4).
+
+Each generation is a decode loop on a worker thread (never on the event loop): one prefill of
+the prompt, then one token per forward pass against its own KV cache, under
+``torch.inference_mode``. Tokens come back to the event loop one chunk each through an
+``asyncio.Queue`` fed with ``call_soon_threadsafe``. Several sessions decode concurrently, one
+thread each, up to ``max_concurrency``; the rest wait their turn.
+
+A generation runs entirely on the weights that were current when it started: ``load_weights``
+builds a new model beside the old one and swaps the reference, so in-flight turns finish on the
+old weights and report the old ``weight_version``, and no turn ever mixes two versions. The
+price is a second copy of the weights while a load is in progress.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import secrets
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from nats.js.kv import KeyValue
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from gateway.backends.base import FinishReason, GenerationChunk, SamplingParams, TopLogprob
+from gateway.backends.policy_watch import watch_policy
+from gateway.errors import BackendError, BackendUnavailable, ContextLengthExceeded, InvalidRequest
+
+__all__ = ["LocalBackend", "SampledToken", "read_checkpoint", "sample_token"]
+
+
+@dataclass(frozen=True)
+class _Policy:
+    """A model and the weight version it holds; replaced whole, never mutated."""
+
+    model: PreTrainedModel
+    version: int
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    token_id: int
+    logprob: float
+    top_logprobs: list[TopLogprob] | None
+
+
+def sample_token(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+) -> SampledToken:
+    """Pick the next token from one position's ``logits`` (shape ``[vocab]``, float32).
+
+    The logprobs are those of the distribution the token is drawn from, ``logits /
+    temperature`` (raw logits when greedy), over the whole vocabulary: a trainer recomputing
+    them with a forward pass gets the same numbers. ``top_p`` only narrows which tokens may be
+    drawn; it does not renormalize the reported logprobs.
+    """
+    if params.temperature == 0:
+        logprobs = torch.log_softmax(logits, dim=-1)
+        token = int(torch.argmax(logprobs))
+    else:
+        logprobs = torch.log_softmax(logits / params.temperature, dim=-1)
+        probs = logprobs.exp()
+        if params.top_p < 1.0:
+            probs = _nucleus(probs, params.top_p)
+        token = int(torch.multinomial(probs, 1, generator=generator))
+    top = None
+    if params.top_logprobs > 0:
+        values, ids = torch.topk(logprobs, min(params.top_logprobs, logprobs.numel()))
+        top = [
+            TopLogprob(token_id=i, logprob=v)
+            for i, v in zip(ids.tolist(), values.tolist(), strict=True)
+        ]
+    return SampledToken(token, float(logprobs[token]), top)
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Zero every token outside the smallest set whose mass reaches ``top_p``."""
+    sorted_probs, order = torch.sort(probs, descending=True)
+    # Keep a token when the mass before it is still short of top_p: the most likely token always
+    # stays, and so does the one that crosses the threshold.
+    keep = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) < top_p
+    return torch.zeros_like(probs).scatter(-1, order[keep], sorted_probs[keep])
+
+
+def read_checkpoint(checkpoint: Path, device: torch.device) -> dict[str, torch.Tensor]:
+    """The state dict in a ``.safetensors`` file, or in a directory holding ``model.safetensors``
+    or a sharded ``model.safetensors.index.json`` (what ``save_pretrained`` writes)."""
+    if checkpoint.is_file():
+        return load_file(checkpoint, device=str(device))
+    single = checkpoint / "model.safetensors"
+    if single.is_file():
+        return load_file(single, device=str(device))
+    index = checkpoint / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        state: dict[str, torch.Tensor] = {}
+        for shard in shards:
+            state.update(load_file(checkpoint / shard, device=str(device)))
+        return state
+    raise FileNotFoundError(
+        f"{checkpoint} is neither a .safetensors file nor a directory with model.safetensors "
+        "or model.safetensors.index.json"
+    )
+
+
+class _WorkerEnded:
+    """Marks the end of a worker, in the chunk queue."""
+
+
+_WORKER_ENDED = _WorkerEnded()
+
+
+@dataclass
+class _Job:
+    """One generation's link between its worker thread and its async consumer."""
+
+    policy: _Policy
+    prompt_ids: list[int]
+    params: SamplingParams
+    emit: Callable[[GenerationChunk | BaseException | _WorkerEnded], None]
+    cancelled: threading.Event
+    submitted_at: float
+
+
+class LocalBackend:
+    """A causal LM in this process, behind the ``Backend`` protocol. Sees only token ids."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        *,
+        backend_id: str = "local-0",
+        max_context: int | None = None,
+        eos_token_ids: Sequence[int] | None = None,
+        max_concurrency: int = 4,
+        weight_version: int = 0,
+    ) -> None:
+        if max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be at least 1, not {max_concurrency}")
+        model.train(False)
+        self._id = backend_id
+        self._policy = _Policy(model, weight_version)
+        self._max_context = max_context or int(model.config.max_position_embeddings)
+        self._vocab_size = int(model.config.vocab_size)
+        self._eos_token_ids = frozenset(
+            _model_eos_ids(model) if eos_token_ids is None else eos_token_ids
+        )
+        self._executor = ThreadPoolExecutor(
+            max_workers=max_concurrency, thread_name_prefix=f"{backend_id}-decode"
+        )
+        # Loads are serialized so versions land in the order they were asked for.
+        self._load_lock = asyncio.Lock()
+        self._counter_lock = threading.Lock()
+        self._decode_steps = 0
+        self._running: set[threading.Event] = set()  # the cancel flag of each generation
+        self._closed = False
+
+    @classmethod
+    def load(
+        cls,
+        path: Path,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        max_concurrency: int = 4,
+        backend_id: str = "local-0",
+        max_context: int | None = None,
+        weight_version: int = 0,
+    ) -> LocalBackend:
+        """Load a Hugging Face model directory with ``from_pretrained``. Blocks: call it at
+        startup, or through ``asyncio.to_thread``."""
+        model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        # nn.Module.to moves in place; PreTrainedModel.to's decorated signature confuses mypy,
+        # and device_map= would need accelerate.
+        torch.nn.Module.to(model, torch.device(device))
+        return cls(
+            model,
+            backend_id=backend_id,
+            max_context=max_context,
+            max_concurrency=max_concurrency,
+            weight_version=weight_version,
+        )
+
+    @property
+    def id(self) -> str:
+        return self._id
+
+    @property
+    def max_context(self) -> int:
+        return self._max_context
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def weight_version(self) -> int:
+        """The version new generations start on (in-flight ones may still be on an older one)."""
+        return self._policy.version
+
+    @property
+    def in_flight(self) -> int:
+        """Generations started and not yet finished, queued ones included (a load measure)."""
+        return len(self._running)
+
+    @property
+    def decode_steps(self) -> int:
+        """Forward passes run so far, all generations together."""
+        return self._decode_steps
+
+    async def generate(
+        self, prompt_ids: Sequence[int], params: SamplingParams
+    ) -> AsyncIterator[GenerationChunk]:
+        self._check_request(prompt_ids, params)
+        loop = asyncio.get_running_loop()
+        chunks: asyncio.Queue[GenerationChunk | BaseException | _WorkerEnded] = asyncio.Queue()
+        cancelled = threading.Event()
+
+        def emit(item: GenerationChunk | BaseException | _WorkerEnded) -> None:
+            try:
+                loop.call_soon_threadsafe(chunks.put_nowait, item)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                cancelled.set()
+
+        job = _Job(self._policy, list(prompt_ids), params, emit, cancelled, time.perf_counter())
+        self._running.add(cancelled)
+        try:
+            try:
+                worker = loop.run_in_executor(self._executor, self._decode, job)
+            except RuntimeError as exc:  # the executor was shut down by close()
+                raise BackendUnavailable(f"backend {self._id} is closed") from exc
+            # Queued after the worker's last chunk (both travel through the loop's FIFO), so it
+            # is only read when the worker stopped without finishing: close() cancelled it.
+            worker.add_done_callback(lambda _: chunks.put_nowait(_WORKER_ENDED))
+            while True:
+                item = await chunks.get()
+                if isinstance(item, _WorkerEnded):
+                    raise BackendUnavailable(
+                        f"backend {self._id} was closed before the generation finished"
+                    )
+                if isinstance(item, BaseException):
+                    raise BackendError(
+                        f"backend {self._id} failed while generating "
+                        f"(prompt of {len(job.prompt_ids)} tokens): {item!r}"
+                    ) from item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            # Reached on completion, on error, and when the consumer stops iterating (client
+            # gone, task cancelled): the worker sees the flag before its next forward pass.
+            cancelled.set()
+            self._running.discard(cancelled)
+
+    async def load_weights(self, checkpoint: Path, version: int) -> None:
+        """Make the weights in ``checkpoint`` (see ``read_checkpoint``) the policy of every
+        generation that starts from now on, as ``version``. Generations already running finish
+        on the weights they started with. Raises BackendError if the checkpoint does not fit
+        the model; the current weights then stay."""
+        async with self._load_lock:
+            current = self._policy
+            try:
+                model = await asyncio.to_thread(_model_with_weights, current.model, checkpoint)
+            except Exception as exc:
+                raise BackendError(
+                    f"backend {self._id} could not load checkpoint {checkpoint} as "
+                    f"weight_version {version}; still serving weight_version "
+                    f"{current.version}: {exc}"
+                ) from exc
+            self._policy = _Policy(model, version)
+
+    async def watch_policy(self, kv: KeyValue, run: str) -> None:
+        """Follow ``run``'s PolicyUpdated entries in the ``ts_policy`` bucket ``kv`` until
+        cancelled, loading each newer checkpoint (see ``gateway.backends.policy_watch``)."""
+        await watch_policy(kv, run, self)
+
+    async def close(self) -> None:
+        self._closed = True
+        for cancelled in list(self._running):
+            cancelled.set()
+        # Workers stop within one forward pass; waiting for them must not block the loop.
+        await asyncio.to_thread(self._executor.shutdown, wait=True, cancel_futures=True)
+
+    def _check_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        if self._closed:
+            raise BackendUnavailable(f"backend {self._id} is closed")
+        if not prompt_ids:
+            raise InvalidRequest("the prompt is empty: a generation needs at least one token")
+        if params.max_tokens < 1:
+            raise InvalidRequest(
+                f"max_tokens must be at least 1, not {params.max_tokens}", param="max_tokens"
+            )
+        if params.temperature < 0:
+            raise InvalidRequest(
+                f"temperature must not be negative, not {params.temperature}", param="temperature"
+            )
+        if not 0 < params.top_p <= 1:
+            raise InvalidRequest(f"top_p must be in (0, 1], not {params.top_p}", param="top_p")
+        if params.top_logprobs < 0:
+            raise InvalidRequest(
+                f"top_logprobs must not be negative, not {params.top_logprobs}",
+                param="top_logprobs",
+            )
+        total = len(prompt_ids) + params.max_tokens
+        if total > self._max_context:
+            raise ContextLengthExceeded(
+                f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) "
+                f"is {total} tokens, over the context length of {self._max_context} of backend "
+                f"{self._id}; shorten the conversation or lower max_tokens"
+            )
+        bad = next((t for t in prompt_ids if not 0 <= t < self._vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(
+                f"token id {bad} is outside the vocabulary of backend {self._id} "
+                f"(0..{self._vocab_size - 1})"
+            )
+
+    def _decode(self, job: _Job) -> None:
+        """The worker thread's loop. Every outcome, errors included, goes through ``emit``."""
+        try:
+            with torch.inference_mode():
+                self._decode_loop(job)
+        except Exception as exc:
+            job.emit(exc)
+
+    def _decode_loop(self, job: _Job) -> None:
+        started = time.perf_counter()
+        model, params = job.policy.model, job.params
+        device = model.device
+        generator = torch.Generator(device=device)
+        # A request without a seed still gets its own generator: sharing the global one across
+        # threads would make seeded requests depend on what else is running.
+        generator.manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
+        stops = self._eos_token_ids | frozenset(params.stop_token_ids)
+        input_ids = torch.tensor([job.prompt_ids], dtype=torch.long, device=device)
+        past_key_values = None
+        prefill_s = 0.0
+        for step in range(params.max_tokens):
+            if job.cancelled.is_set():
+                return
+            output = model(
+                input_ids=input_ids,
+                past_key_values=past_key_values,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            with self._counter_lock:
+                self._decode_steps += 1
+            past_key_values = output.past_key_values
+            sampled = sample_token(output.logits[0, -1].float(), params, generator)
+            finish: FinishReason | None = None
+            if sampled.token_id in stops:
+                finish = "stop"
+            elif step == params.max_tokens - 1:
+                finish = "length"
+            if step == 0:
+                prefill_s = time.perf_counter() - started
+            extra: dict[str, float] = {}
+            if finish is not None:
+                extra = {
+                    "queue_s": started - job.submitted_at,
+                    "prefill_s": prefill_s,
+                    "decode_s": time.perf_counter() - started - prefill_s,
+                }
+            job.emit(
+                GenerationChunk(
+                    token_ids=[sampled.token_id],
+                    logprobs=[sampled.logprob],
+                    top_logprobs=None if sampled.top_logprobs is None else [sampled.top_logprobs],
+                    finish_reason=finish,
+                    weight_version=job.policy.version,
+                    extra=extra,
+                )
+            )
+            if finish is not None:
+                return
+            input_ids = torch.tensor([[sampled.token_id]], dtype=torch.long, device=device)
+
+
+def _model_eos_ids(model: PreTrainedModel) -> list[int]:
+    """End-of-turn ids: the generation config's (a chat model's ``<|im_end|>`` lives there),
+    else the model config's."""
+    eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+    if eos is None:
+        eos = model.config.eos_token_id
+    if eos is None:
+        return []
+    return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
+
+
+def _model_with_weights(current: PreTrainedModel, checkpoint: Path) -> PreTrainedModel:
+    """A copy of ``current`` holding the weights in ``checkpoint``; ``current`` is untouched,
+    so generations running on it are not disturbed. Runs on a worker thread."""
+    state = read_checkpoint(Path(checkpoint), current.device)
+    expected = current.state_dict()
+    unexpected = sorted(state.keys() - expected.keys())
+    aliases = _aliases(expected)
+    missing = sorted(k for k in expected.keys() - state.keys() if not aliases[k] & state.keys())
+    wrong_shape = sorted(
+        f"{k} {tuple(state[k].shape)} != {tuple(expected[k].shape)}"
+        for k in state.keys() & expected.keys()
+        if state[k].shape != expected[k].shape
+    )
+    if unexpected or missing or wrong_shape:
+        raise ValueError(
+            "checkpoint does not match the model: "
+            f"missing {missing[:5]}, unexpected {unexpected[:5]}, wrong shape {wrong_shape[:5]}"
+        )
+    model = copy.deepcopy(current)
+    # copy_ into the existing parameters keeps tied weights tied and casts to the model's dtype.
+    model.load_state_dict(state, strict=False)
+    model.train(False)
+    return model
+
+
+def _aliases(state: dict[str, torch.Tensor]) -> dict[str, frozenset[str]]:
+    """For each key, every key naming the same storage: tied weights (``lm_head.weight`` and
+    ``model.embed_tokens.weight`` of tied embeddings) appear twice in a module's state dict,
+    while a checkpoint holds them once."""
+    by_storage: dict[tuple[int, int], set[str]] = {}
+    for key, tensor in state.items():
+        by_storage.setdefault((tensor.data_ptr(), tensor.numel()), set()).add(key)
+    return {key: frozenset(keys) for keys in by_storage.values() for key in keys}

@@ -1,0 +1,141 @@
+"""Following PolicyUpdated: the trainer updates the served policy through the log alone (§3).
+
+The trainer puts ``{"version": int, "checkpoint": "/abs/path"}`` under the run's key in the
+``ts_policy`` KV bucket. ``watch_policy`` follows that key and has the backend load every version
+newer than the one it serves. Starting the watch delivers the key's current value first, so a
+gateway (re)started mid-run catches up before it serves many turns on stale weights.
+
+What to do with an entry is decided by the pure ``decide`` below; the loop only fetches and acts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Protocol
+
+from nats.js.kv import KeyValue
+
+__all__ = ["PolicyTarget", "PolicyUpdate", "decide", "parse_policy_update", "watch_policy"]
+
+logger = logging.getLogger(__name__)
+
+
+class PolicyTarget(Protocol):
+    """What a backend must offer to follow the trainer's policy."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def weight_version(self) -> int: ...
+
+    async def load_weights(self, checkpoint: Path, version: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class PolicyUpdate:
+    version: int
+    checkpoint: Path
+
+
+def parse_policy_update(raw: bytes) -> PolicyUpdate:
+    """Decode a ``ts_policy`` value; ValueError names what is wrong with it."""
+    try:
+        doc = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"not JSON: {exc}") from exc
+    if not isinstance(doc, dict):
+        raise ValueError(f"expected a JSON object, got {type(doc).__name__}")
+    version, checkpoint = doc.get("version"), doc.get("checkpoint")
+    # bool is an int in Python; a version of `true` is a trainer bug, not version 1.
+    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+        raise ValueError(f'"version" must be a non-negative integer, got {version!r}')
+    if not isinstance(checkpoint, str) or not checkpoint:
+        raise ValueError(f'"checkpoint" must be a non-empty path string, got {checkpoint!r}')
+    return PolicyUpdate(version, Path(checkpoint))
+
+
+Decision = Literal["load", "ignore"]
+
+
+def decide(current_version: int, update: PolicyUpdate) -> Decision:
+    """Load only what moves the policy forward: the bucket keeps history and a redelivered or
+    late older entry must not roll the weights back."""
+    return "load" if update.version > current_version else "ignore"
+
+
+async def watch_policy(
+    kv: KeyValue, run: str, target: PolicyTarget, *, retry_delay_s: float = 1.0
+) -> None:
+    """Follow ``run``'s key in the KV bucket ``kv``  until cancelled.
+
+    A value that does not parse or a checkpoint that does not load is logged and skipped; the
+    backend keeps serving the version it has. If the watch itself fails (the broker is
+    unreachable), it is re-established after ``retry_delay_s``.
+    """
+    while True:
+        try:
+            watcher = await kv.watch(run)
+        except Exception as exc:
+            logger.warning(
+                "cannot watch policy key %r for backend %s, retrying in %.1fs: %r",
+                run,
+                target.id,
+                retry_delay_s,
+                exc,
+            )
+            await asyncio.sleep(retry_delay_s)
+            continue
+        try:
+            async for entry in watcher:
+                # None marks "initial values delivered"; deletes carry no version to go to.
+                if entry is None or entry.operation is not None or not entry.value:
+                    continue
+                await _apply(entry.value, entry.revision, run, target)
+        finally:
+            try:
+                await watcher.stop()  # type: ignore[no-untyped-call]  # nats-py
+            except Exception as exc:  # the connection may already be gone; nothing to release
+                logger.debug("stopping policy watcher for %r: %r", run, exc)
+        # The iteration only ends when the watcher was stopped under us: watch again.
+        await asyncio.sleep(retry_delay_s)
+
+
+async def _apply(raw: bytes, revision: int, run: str, target: PolicyTarget) -> None:
+    try:
+        update = parse_policy_update(raw)
+    except ValueError as exc:
+        logger.warning("ignoring policy entry %d of run %r: %s", revision, run, exc)
+        return
+    if decide(target.weight_version, update) == "ignore":
+        logger.info(
+            "run %r policy version %d is not newer than backend %s's %d; ignored",
+            run,
+            update.version,
+            target.id,
+            target.weight_version,
+        )
+        return
+    try:
+        await target.load_weights(update.checkpoint, update.version)
+    except Exception as exc:  # keep serving the weights we have; the next version may load
+        logger.error(
+            "backend %s could not load run %r policy version %d from %s: %s",
+            target.id,
+            run,
+            update.version,
+            update.checkpoint,
+            exc,
+        )
+        return
+    logger.info(
+        "backend %s now serves run %r policy version %d from %s",
+        target.id,
+        run,
+        update.version,
+        update.checkpoint,
+    )
