@@ -62,6 +62,7 @@ class _Turn:
     logprobs: bool
     top_logprobs: int
     sampling: JSON
+    forced_text: str = ""  # tool-call opening appended to the prompt to enforce tool_choice
     started: float = field(default_factory=time.perf_counter)
     backend_id: str = ""  # the replica that served the turn
     finish: str = "length"  # set from the backend's last chunk
@@ -239,6 +240,15 @@ class ChatService:
         use_tools = bool(req.tools) and req.tool_choice != "none"
         tools = req.tools if use_tools else None
         prompt_ids = self._chat_prompt(session, messages, tools)
+        # "required" / a named function: open the call in the prompt, so the model cannot
+        # decline it; these tokens are the gateway's: prompt tokens, not the policy's actions.
+        forced = ""
+        if use_tools and req.tool_choice == "required":
+            forced = self.parser.forced_prefix(None)
+        elif use_tools and isinstance(req.tool_choice, dict):
+            forced = self.parser.forced_prefix(req.tool_choice["function"]["name"])
+        if forced:
+            prompt_ids += self.template.encode(forced)
         top = req.top_logprobs or 0
         params = self._params(
             session, len(prompt_ids), req.token_budget, req.temperature, req.top_p, req.seed, top
@@ -255,6 +265,7 @@ class ChatService:
             req.logprobs,
             top,
             _sampling_record(params, req.stop_strings, req.tool_choice),
+            forced,
         )
 
     def prepare_completion(self, session: Session, req: CompletionRequest) -> _Turn:
@@ -318,7 +329,7 @@ class ChatService:
         tool_calls: list[JSON] = []
         finish = turn.finish
         if turn.parse_tools:
-            parsed = self.parser.parse(text)
+            parsed = self.parser.parse(turn.forced_text + text)
             content = parsed.content
             tool_calls = [
                 {
@@ -458,9 +469,11 @@ class ChatService:
             sent, sent_tokens, ttft = 0, 0, None
             async for _ in self._tokens(turn, detok):
                 ttft = ttft or time.perf_counter()
-                limit = (
-                    self.parser.content_safe_prefix_len(detok.text) if turn.parse_tools else None
-                )
+                limit = None
+                if turn.parse_tools:  # hold back what may still turn out to be a tool call
+                    forced = turn.forced_text
+                    safe = self.parser.content_safe_prefix_len(forced + detok.text)
+                    limit = max(safe - len(forced), 0)
                 text = detok.streamable(limit)
                 if len(text) > sent:
                     lp = (

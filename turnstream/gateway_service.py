@@ -23,6 +23,8 @@ from transformers import AutoTokenizer, GenerationConfig
 
 from gateway.app import create_app
 from gateway.backends.base import Backend
+from gateway.backends.local import LocalBackend
+from gateway.backends.policy_watch import PolicyTarget, PolicyVersion, watch_policy
 from gateway.metrics import GatewayMetrics
 from gateway.serving import ChatService
 from gateway.sessions import SessionStore
@@ -58,6 +60,12 @@ class GatewaySettings(ServiceSettings):
     tool_parser: str = Field("hermes", description="tool-call format the model writes")
     api_keys: list[str] = Field(default_factory=list, description="bearer keys; empty: no auth")
     max_concurrency: int = Field(4, ge=1, description="local backend: concurrent generations")
+    torch_threads: int | None = Field(
+        None,
+        ge=1,
+        description="local backend: torch intra-op threads; unset: 1 for models "
+        "under 100M parameters (thread hand-offs cost more than they save), else torch's default",
+    )
     max_inflight_per_replica: int = Field(32, ge=1, description="remote: requests per replica")
     max_context: int | None = Field(None, description="remote: context length of the model")
 
@@ -78,9 +86,15 @@ class Gateway:
 
 def _backend(settings: GatewaySettings, model_dir: Path, name: str) -> Backend:
     if settings.backend == "local":
-        from gateway.backends.local import LocalBackend
+        import torch
 
-        return LocalBackend.load(model_dir, max_concurrency=settings.max_concurrency)
+        backend = LocalBackend.load(model_dir, max_concurrency=settings.max_concurrency)
+        threads = settings.torch_threads
+        if threads is None and backend.num_parameters < 100_000_000:
+            threads = 1
+        if threads is not None:
+            torch.set_num_threads(threads)
+        return backend
     if not settings.backend_urls:
         raise TurnstreamError(f"--backend {settings.backend} needs --backend-urls URL [URL ...]")
     if settings.max_context is None:
@@ -125,6 +139,11 @@ async def build_gateway(settings: GatewaySettings, event_log: EventLog) -> Async
     )
     publisher = await JetStreamPublisher(event_log.nc, settings.publisher, outbox=outbox).start()
     metrics = GatewayMetrics()
+    kv = await event_log.js.key_value(settings.log.names.policy_bucket)
+    # The local backend loads each new checkpoint itself; remote ones are updated by the
+    # trainer, and the gateway only follows the version to record it on every turn.
+    policy: PolicyTarget = backend if isinstance(backend, LocalBackend) else PolicyVersion()
+    watcher = asyncio.create_task(watch_policy(kv, settings.run, policy), name="policy-watch")
     service = ChatService(
         template=ChatTemplate(tokenizer, stop_token_ids=stop_ids),
         backend=backend,
@@ -134,12 +153,8 @@ async def build_gateway(settings: GatewaySettings, event_log: EventLog) -> Async
         run=settings.run,
         model_name=name,
         metrics=metrics,
-        weight_version=lambda: int(getattr(backend, "weight_version", 0)),
+        weight_version=lambda: policy.weight_version,
     )
-    watcher: asyncio.Task[None] | None = None
-    if hasattr(backend, "watch_policy"):
-        kv = await event_log.js.key_value(settings.log.names.policy_bucket)
-        watcher = asyncio.create_task(backend.watch_policy(kv, settings.run), name="policy-watch")
 
     async def health() -> dict[str, Any]:
         if outbox is not None:
@@ -155,10 +170,9 @@ async def build_gateway(settings: GatewaySettings, event_log: EventLog) -> Async
     try:
         yield Gateway(app, service, publisher, backend)
     finally:
-        if watcher is not None:
-            watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watcher
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
         await publisher.close()
         await backend.close()
         if outbox is not None:

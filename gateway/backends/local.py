@@ -26,12 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from nats.js.kv import KeyValue
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from gateway.backends.base import FinishReason, GenerationChunk, SamplingParams, TopLogprob
-from gateway.backends.policy_watch import watch_policy
 from gateway.errors import BackendError, BackendUnavailable, ContextLengthExceeded, InvalidRequest
 
 __all__ = ["LocalBackend", "SampledToken", "read_checkpoint", "sample_token"]
@@ -202,6 +200,10 @@ class LocalBackend:
         return self._vocab_size
 
     @property
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self._policy.model.parameters())
+
+    @property
     def weight_version(self) -> int:
         """The version new generations start on (in-flight ones may still be on an older one)."""
         return self._policy.version
@@ -276,11 +278,6 @@ class LocalBackend:
                     f"{current.version}: {exc}"
                 ) from exc
             self._policy = _Policy(model, version)
-
-    async def watch_policy(self, kv: KeyValue, run: str) -> None:
-        """Follow ``run``'s PolicyUpdated entries in the ``ts_policy`` bucket ``kv`` until
-        cancelled, loading each newer checkpoint (see ``gateway.backends.policy_watch``)."""
-        await watch_policy(kv, run, self)
 
     async def close(self) -> None:
         self._closed = True

@@ -139,3 +139,22 @@ async def _apply(raw: bytes, revision: int, run: str, target: PolicyTarget) -> N
         update.version,
         update.checkpoint,
     )
+
+
+class PolicyVersion:
+    """A PolicyTarget for backends whose weights a trainer updates directly (vLLM, SGLang):
+    the gateway only follows the version, so each turn records the policy that served it."""
+
+    def __init__(self, version: int = 0) -> None:
+        self._version = version
+
+    @property
+    def id(self) -> str:
+        return "policy-version"
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    async def load_weights(self, checkpoint: Path, version: int) -> None:
+        self._version = version

@@ -57,6 +57,13 @@ class ToolCallParser(Protocol):
         """
         ...
 
+    def forced_prefix(self, function: str | None) -> str:
+        """Text that opens a tool call in this format, appended to the prompt to enforce
+        ``tool_choice``: any call (``function`` None, "required") or that function's. The
+        gateway parses ``forced_prefix + completion``; the forced tokens are prompt tokens,
+        not the policy's actions."""
+        ...
+
 
 def as_content(text: str) -> ParsedOutput:
     """The whole text as content: no tool call, or tool-call text that could not be parsed."""

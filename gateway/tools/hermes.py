@@ -59,5 +59,10 @@ class HermesParser:
             return as_content(text)  # truncated: an opening tag with no closing tag
         return ParsedOutput(content=content_before(text, start), tool_calls=calls)
 
+    def forced_prefix(self, function: str | None) -> str:
+        if function is None:
+            return "<tool_call>\n"
+        return '<tool_call>\n{"name": ' + json.dumps(function) + ', "arguments": '
+
     def content_safe_prefix_len(self, text: str) -> int:
         return held_back_prefix_len(text, OPEN_TAG)

@@ -59,6 +59,11 @@ ParsedToolCall(name='g', arguments='{}')])
             return as_content(text)
         return ParsedOutput(content=None, tool_calls=calls)
 
+    def forced_prefix(self, function: str | None) -> str:
+        if function is None:
+            return '{"name": "'
+        return '{"name": ' + json.dumps(function) + ', "parameters": '
+
     def content_safe_prefix_len(self, text: str) -> int:
         # Nothing is streamed until the first non-blank characters rule a call out.
         head = text.lstrip()

@@ -56,5 +56,10 @@ class MistralParser:
         # As with hermes, whatever follows the calls (usually nothing) is dropped.
         return ParsedOutput(content=content_before(text, start), tool_calls=calls)
 
+    def forced_prefix(self, function: str | None) -> str:
+        if function is None:
+            return "[TOOL_CALLS]"
+        return '[TOOL_CALLS][{"name": ' + json.dumps(function) + ', "arguments": '
+
     def content_safe_prefix_len(self, text: str) -> int:
         return held_back_prefix_len(text, TOOL_CALLS)

@@ -7,6 +7,7 @@ What the client received is compared, token for token, with what the log recorde
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -341,3 +342,34 @@ def _outcome(call: Any) -> Any:
         return call()
     except openai.APIStatusError as exc:
         return exc
+
+
+@pytest.mark.parametrize(
+    "choice",
+    ["required", {"type": "function", "function": {"name": "get_weather"}}],
+    ids=["required", "named"],
+)
+def test_tool_choice_forces_a_call_with_the_forced_tokens_in_the_prompt(
+    gateway: GatewayProcess, nats_server: NatsServer, tokenizer: Any, choice: Any
+) -> None:
+    session = gateway.session()
+    reply = client_for(session).chat.completions.create(
+        model="tiny",
+        messages=WEATHER_QUESTION,
+        tools=TOOLS,
+        tool_choice=choice,
+        temperature=0,
+        max_tokens=96,
+    )
+    assert reply.choices[0].finish_reason == "tool_calls"
+    [call] = reply.choices[0].message.tool_calls or []
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    [turn] = turns_of(events_of(nats_server, str(session["session_id"])))
+    prompt = tokenizer.decode(turn.prompt_ids.tolist(), skip_special_tokens=False)
+    forced = "<tool_call>\n" + (
+        "" if choice == "required" else '{"name": "get_weather", "arguments": '
+    )
+    # the call's opening is the gateway's doing: prompt tokens (loss mask 0), not sampled ones
+    assert prompt.endswith("<|im_start|>assistant\n" + forced)
+    assert turn.sampling["tool_choice"] == choice

@@ -93,9 +93,9 @@ async def test_the_current_version_is_loaded_when_the_watch_starts(
     log: Log, backend: LocalBackend, other_weights: Path
 ) -> None:
     """A gateway restarted mid-run catches up with the trainer before anything new is put.
-    (Through the backend's own ``watch_policy``, as the gateway service starts it.)"""
+    (Through ``watch_policy`` with the backend as its target, as the gateway service does.)"""
     await put(log, "run-b", 4, other_weights)
-    task = asyncio.create_task(backend.watch_policy(await log.js.key_value("ts_policy"), "run-b"))
+    task = asyncio.create_task(watch_policy(await log.js.key_value("ts_policy"), "run-b", backend))
     try:
         await eventually(lambda: backend.weight_version == 4, 10, "weight_version 4 loaded")
     finally:
