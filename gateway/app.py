@@ -114,20 +114,20 @@ def create_app(
 
     @app.get("/v1/sessions/{session_id}")
     async def get_session(session_id: str) -> JSON:
-        return service.sessions.get(session_id).describe()
+        return (await service.session(session_id)).describe()
 
     @app.post("/v1/sessions/{session_id}/reward")
     async def reward(session_id: str, body: RewardRequest) -> JSON:
-        return await service.reward(service.sessions.get(session_id), body)
+        return await service.reward(await service.session(session_id), body)
 
     @app.post("/v1/sessions/{session_id}/close")
     async def close(session_id: str, body: CloseSessionRequest | None = None) -> JSON:
-        return await service.close(service.sessions.get(session_id), body or CloseSessionRequest())
+        return await service.close(await service.session(session_id), body or CloseSessionRequest())
 
     # -- OpenAI API, per session and with X-Session-Id ---------------------------------------
 
     async def chat(session_id: str, body: ChatCompletionRequest) -> Response:
-        session = service.sessions.get(session_id)
+        session = await service.session(session_id)
         if body.stream:
             stream = await service.chat_stream(session, body)
             return StreamingResponse(stream, media_type="text/event-stream")
@@ -138,7 +138,7 @@ def create_app(
             raise InvalidRequest(
                 "stream=true is supported on chat/completions only", param="stream"
             )
-        return await service.complete(service.sessions.get(session_id), body)
+        return await service.complete(await service.session(session_id), body)
 
     def models() -> JSON:
         return {
@@ -163,7 +163,7 @@ def create_app(
 
     @app.get("/sessions/{session_id}/v1/models")
     async def session_models(session_id: str) -> JSON:
-        service.sessions.get(session_id)
+        await service.session(session_id)
         return models()
 
     @app.post("/v1/chat/completions")

@@ -13,7 +13,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -35,7 +35,7 @@ from gateway.protocol import (
 from gateway.sessions import Session, SessionStore
 from gateway.templates import ChatTemplate, message_key
 from gateway.tools import ToolCallParser
-from schemas import RewardAssigned, SessionClosed, SessionOpened, TurnCompleted
+from schemas import RewardAssigned, SessionClosed, SessionEvent, SessionOpened, TurnCompleted
 from schemas.delta import common_message_prefix_len, common_prefix_len
 from schemas.ids import new_session_id
 from schemas.log import Publisher
@@ -97,6 +97,7 @@ class ChatService:
         model_name: str,
         metrics: GatewayMetrics,
         weight_version: Callable[[], int] = lambda: 0,
+        recover: Callable[[str], Awaitable[Sequence[SessionEvent]]] | None = None,
     ) -> None:
         self.template = template
         self.backend = backend
@@ -107,12 +108,13 @@ class ChatService:
         self.model_name = model_name
         self.metrics = metrics
         self.weight_version = weight_version
+        self._recover = recover  # reads a session's events from the log
 
     # -- sessions ---------------------------------------------------------------------------
 
     async def open_session(self, req: CreateSessionRequest) -> Session:
         session_id = req.session_id or new_session_id()
-        existing = self.sessions.find(session_id)
+        existing = await self.find_session(session_id)
         if existing is not None:
             return existing  # idempotent: a client retrying its create gets the same session
         session = Session(req.run or self.run, session_id, req.group, req.metadata)
@@ -128,6 +130,22 @@ class ChatService:
         )
         return self.sessions.add(session)
 
+    async def find_session(self, session_id: str) -> Session | None:
+        """A session held here, else one recovered from its events in the log."""
+        session = self.sessions.find(session_id)
+        if session is not None or self._recover is None:
+            return session
+        recovered = Session.from_events(await self._recover(session_id))
+        if recovered is None:
+            return None
+        # Another request may have recovered it while we read the log.
+        return self.sessions.find(session_id) or self.sessions.add(recovered)
+
+    async def session(self, session_id: str) -> Session:
+        """The session, or SessionNotFound naming what to do."""
+        session = await self.find_session(session_id)
+        return session if session is not None else self.sessions.get(session_id)
+
     async def session_from_header(self, session_id: str | None) -> Session:
         if not session_id:
             raise InvalidRequest(
@@ -135,7 +153,7 @@ class ChatService:
                 "POST /v1/sessions and use its base_url",
                 param="X-Session-Id",
             )
-        session = self.sessions.find(session_id)
+        session = await self.find_session(session_id)
         if session is None:
             session = await self.open_session(CreateSessionRequest(session_id=session_id))
         return session

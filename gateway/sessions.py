@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from gateway.errors import SessionClosed, SessionNotFound
+from schemas.delta import replay_context
+from schemas.events import SessionClosed as SchemaSessionClosed
+from schemas.events import SessionEvent, SessionOpened, TurnCompleted
 
 __all__ = ["Session", "SessionStore"]
 
@@ -47,6 +51,37 @@ class Session:
                 f"session {self.id} (run {self.run}) is closed ({self.status}); "
                 f"open a new session for a new episode"
             )
+
+    @classmethod
+    def from_events(cls, events: Sequence[SessionEvent]) -> Session | None:
+        """The state after ``events`` (one session's, from the log), or None if there are none.
+
+        A gateway that restarted, or a second gateway, continues such a session where it
+        stopped: the next turn gets the next index and extends the recorded tokens."""
+        if not events:
+            return None
+        opened = next((e for e in events if isinstance(e, SessionOpened)), None)
+        turns = sorted(
+            {e.turn: e for e in events if isinstance(e, TurnCompleted)}.values(),
+            key=lambda e: e.turn,
+        )
+        closed = next((e for e in events if isinstance(e, SchemaSessionClosed)), None)
+        first = events[0]
+        session = cls(
+            run=first.run,
+            id=first.session,
+            group=opened.group if opened else None,
+            metadata=dict(opened.metadata) if opened else {},
+            created_at=(opened or first).created_at,
+            next_turn=len(turns),
+        )
+        if turns:
+            session.context_ids, session.conversation = replay_context(turns)
+            session.last_completion_ids = turns[-1].completion_ids.tolist()
+            session.tools = next((t.tools for t in reversed(turns) if t.tools is not None), None)
+        if closed is not None:
+            session.closed, session.status = True, closed.status
+        return session
 
     def describe(self) -> JSON:
         return {

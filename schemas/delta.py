@@ -62,3 +62,17 @@ def encode_delta(
         message_prefix_len,
         list(messages[message_prefix_len:]),
     )
+
+
+def replay_context(turns: Sequence[Any]) -> tuple[np.ndarray, list[Any]]:
+    """The full context (prompt + completion ids) and the conversation (messages + reply)
+    after the last of ``turns`` (TurnCompleted events of turns 0..n-1, in order): what the
+    next turn's prompt extends. The fold does the same with validation and per-token arrays."""
+    context = np.empty(0, dtype=np.int32)
+    conversation: list[Any] = []
+    for turn in turns:
+        prompt = np.concatenate([context[: turn.prefix_len], turn.prompt_ids])
+        context = np.concatenate([prompt, turn.completion_ids]).astype(np.int32)
+        conversation = [*conversation[: turn.message_prefix_len], *turn.new_messages]
+        conversation.append(turn.assistant_message)
+    return context, conversation

@@ -21,7 +21,6 @@ from rich.table import Table
 from rich.text import Text
 
 from consumers import FoldResult, fold
-from consumers.rehydrate import read_session
 from schemas import (
     Event,
     RewardAssigned,
@@ -33,7 +32,7 @@ from schemas import (
 from schemas.delta import encode_delta
 from schemas.events import JSON
 from schemas.ids import new_session_id
-from schemas.log import JetStreamPublisher, Outbox
+from schemas.log import JetStreamPublisher, Outbox, read_session
 from turnstream.settings import ServiceSettings
 from turnstream.stack import open_log
 

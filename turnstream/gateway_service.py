@@ -31,7 +31,7 @@ from gateway.sessions import SessionStore
 from gateway.templates import ChatTemplate
 from gateway.tools import get_parser
 from schemas.errors import TurnstreamError
-from schemas.log import JetStreamPublisher, Outbox
+from schemas.log import JetStreamPublisher, Outbox, read_session
 from turnstream.settings import ServiceSettings
 from turnstream.stack import EventLog, open_log
 
@@ -154,6 +154,9 @@ async def build_gateway(settings: GatewaySettings, event_log: EventLog) -> Async
         model_name=name,
         metrics=metrics,
         weight_version=lambda: policy.weight_version,
+        recover=lambda session_id: read_session(
+            event_log.js, None, session_id, stream=settings.log.names.events
+        ),
     )
 
     async def health() -> dict[str, Any]:

@@ -5,6 +5,7 @@ from schemas.log.connection import connect
 from schemas.log.outbox import Outbox, OutboxRecord
 from schemas.log.provision import ProvisionAction, provision
 from schemas.log.publisher import JetStreamPublisher, Publisher, PublisherStats, PublishReceipt
+from schemas.log.reader import read_session
 from schemas.log.server import NatsServer, find_nats_server, free_port
 
 __all__ = [
@@ -24,4 +25,5 @@ __all__ = [
     "find_nats_server",
     "free_port",
     "provision",
+    "read_session",
 ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,9 +20,8 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from consumers.rehydrate import read_session
 from schemas import SessionClosed, SessionEvent, SessionOpened, TurnCompleted
-from schemas.log import NatsServer, connect
+from schemas.log import NatsServer, connect, read_session
 from tests.helpers.gateway_process import GatewayProcess
 from tests.helpers.tiny_model import TOOLS, WEATHER_QUESTION, WEATHER_RESULT
 
@@ -373,3 +373,66 @@ def test_tool_choice_forces_a_call_with_the_forced_tokens_in_the_prompt(
     # the call's opening is the gateway's doing: prompt tokens (loss mask 0), not sampled ones
     assert prompt.endswith("<|im_start|>assistant\n" + forced)
     assert turn.sampling["tool_choice"] == choice
+
+
+def test_a_policy_update_in_the_log_reloads_the_served_weights(
+    gateway: GatewayProcess, nats_server: NatsServer, tool_model_dir: Path
+) -> None:
+    async def publish_policy(version: int) -> None:
+        nc = await connect(nats_server.url)
+        try:
+            kv = await nc.jetstream().key_value("ts_policy")
+            checkpoint = str(tool_model_dir / "model.safetensors")
+            await kv.put("e2e", json.dumps({"version": version, "checkpoint": checkpoint}).encode())
+        finally:
+            await nc.close()
+
+    asyncio.run(publish_policy(7))
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{gateway.url}/health").json()["weight_version"] != 7:
+        assert time.monotonic() < deadline, "the gateway did not load version 7"
+        time.sleep(0.1)
+    session = gateway.session()
+    client_for(session).chat.completions.create(
+        model="tiny", messages=WEATHER_QUESTION, max_tokens=4
+    )
+    [turn] = turns_of(events_of(nats_server, str(session["session_id"])))
+    assert turn.weight_version == 7
+
+
+def test_a_restarted_gateway_continues_a_session_from_the_log(
+    gateway: GatewayProcess, nats_server: NatsServer, tool_model_dir: Path, tmp_path: Path
+) -> None:
+    session = gateway.session()
+    messages: list[dict[str, Any]] = [*WEATHER_QUESTION]
+    first = client_for(session).chat.completions.create(
+        model="tiny", messages=messages, tools=TOOLS, temperature=0, max_tokens=96
+    )
+    messages.append(assistant_turn(first.choices[0].message))
+    messages += [
+        {"role": "tool", "tool_call_id": c.id, "content": WEATHER_RESULT}
+        for c in first.choices[0].message.tool_calls or []
+    ]
+
+    # Another gateway process (a restart, or a second replica) has none of it in memory.
+    other = GatewayProcess(nats_server.url, tool_model_dir, tmp_path, *FAST_PUBLISH)
+    try:
+        again = openai.OpenAI(
+            base_url=f"{other.url}/v1",
+            api_key="x",
+            max_retries=0,
+            default_headers={"X-Session-Id": str(session["session_id"])},
+        )
+        again.chat.completions.create(
+            model="tiny", messages=messages, tools=TOOLS, temperature=0, max_tokens=40
+        )
+        described = httpx.get(f"{other.url}/v1/sessions/{session['session_id']}").json()
+    finally:
+        other.stop()
+
+    assert described["turns"] == 2
+    turns = turns_of(events_of(nats_server, str(session["session_id"])))
+    assert [t.turn for t in turns] == [0, 1], "turn 1 must not reuse turn 0's Msg-Id"
+    context = full_prompts(turns)[0] + turns[0].completion_ids.tolist()
+    assert turns[1].prefix_len == len(context)  # still tokens in, tokens out
+    assert [m["role"] for m in turns[1].new_messages] == ["tool"]

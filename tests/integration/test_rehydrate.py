@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 
 from consumers import fold
-from consumers.rehydrate import read_session
 from schemas import route
-from schemas.log import JetStreamPublisher
+from schemas.log import JetStreamPublisher, read_session
 from tests.conftest import Log
 from tests.helpers.sessions import append_only, session_events
 
