@@ -16,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway.errors import InvalidRequest, Unauthorized, error_spec
+from gateway.errors import InvalidRequest, Unauthorized, error_body, error_spec
 from gateway.protocol import (
     ChatCompletionRequest,
     CloseSessionRequest,
@@ -24,7 +24,7 @@ from gateway.protocol import (
     CreateSessionRequest,
     RewardRequest,
 )
-from gateway.serving import ChatService, _error_body
+from gateway.serving import ChatService
 from schemas.errors import TurnstreamError
 
 __all__ = ["create_app"]
@@ -50,7 +50,7 @@ def create_app(
         metrics.errors.labels(str(spec.status)).inc()
         if spec.status >= 500:
             log.error("%s: %s", type(exc).__name__, exc, exc_info=spec.status == 500)
-        return JSONResponse({"error": _error_body(exc)}, status_code=spec.status)
+        return JSONResponse({"error": error_body(exc)}, status_code=spec.status)
 
     @app.exception_handler(TurnstreamError)
     async def _turnstream_error(request: Request, exc: TurnstreamError) -> JSONResponse:

@@ -31,6 +31,7 @@ __all__ = [
     "SessionClosed",
     "SessionNotFound",
     "Unauthorized",
+    "error_body",
     "error_spec",
 ]
 
@@ -99,3 +100,18 @@ def error_spec(exc: BaseException) -> ErrorSpec:
         if isinstance(exc, cls):
             return spec
     return _INTERNAL
+
+
+def error_body(exc: BaseException) -> dict[str, object]:
+    """The OpenAI error body for ``exc``; unexpected errors do not leak their details."""
+    spec = error_spec(exc)
+    if isinstance(exc, TurnstreamError):
+        message = str(exc)
+    else:
+        message = f"internal error ({type(exc).__name__}); the gateway log has the details"
+    return {
+        "message": message,
+        "type": spec.type,
+        "param": getattr(exc, "param", None),
+        "code": spec.code,
+    }

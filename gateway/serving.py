@@ -22,7 +22,7 @@ import numpy as np
 from gateway.backends.base import Backend, GenerationChunk, SamplingParams
 from gateway.backends.router import ReplicaRouter
 from gateway.decoding import Detokenizer
-from gateway.errors import ContextLengthExceeded, GatewayError, InvalidRequest, error_spec
+from gateway.errors import ContextLengthExceeded, InvalidRequest, error_body
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import (
     ChatCompletionRequest,
@@ -504,7 +504,7 @@ class ChatService:
             try:
                 result = await self._finish_turn(turn, detok, ttft)
             except Exception as exc:
-                yield _sse({"error": _error_body(exc)})
+                yield _sse({"error": error_body(exc)})
                 return
             rest = (
                 (result.content or "")[sent:]
@@ -644,17 +644,6 @@ def _sampling_record(params: SamplingParams, stop: Sequence[str], tool_choice: o
     if tool_choice is not None:
         record["tool_choice"] = tool_choice
     return record
-
-
-def _error_body(exc: BaseException) -> JSON:
-    spec = error_spec(exc)
-    message = str(exc) if isinstance(exc, GatewayError | Exception) else type(exc).__name__
-    return {
-        "message": message,
-        "type": spec.type,
-        "param": getattr(exc, "param", None),
-        "code": spec.code,
-    }
 
 
 def _sse(payload: JSON) -> bytes:
