@@ -37,7 +37,7 @@ import httpx
 
 from gateway.backends.base import FinishReason, GenerationChunk, SamplingParams, TopLogprob
 from gateway.backends.payload import as_float, as_int, as_int_list, as_list, member
-from gateway.backends.sse import post_event_stream
+from gateway.backends.sse import ClientPool, post_event_stream
 from gateway.errors import BackendError
 
 __all__ = ["SGLangBackend", "SGLangStreamReader", "generate_request"]
@@ -62,7 +62,9 @@ class SGLangBackend:
         self._max_context = max_context
         self._incremental = incremental_streaming
         self._owns_client = client is None
-        self._client = client if client is not None else httpx.AsyncClient()
+        self._client: httpx.AsyncClient | ClientPool = (
+            client if client is not None else ClientPool()
+        )
         self._timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
         self._where = f"SGLang at {self._url}"
 

@@ -9,21 +9,50 @@ server and its URL.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import AsyncGenerator
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import httpx
 
 from gateway.errors import BackendError, BackendUnavailable
 
-__all__ = ["post_event_stream"]
+__all__ = ["ClientPool", "post_event_stream"]
 
 _BODY_EXCERPT = 500  # characters of an error body worth putting in a message
 
 
+class ClientPool:
+    """Several small httpx clients taking requests in turn.
+
+    httpcore 1.0 does work proportional to its pool's size for every request and closes idle
+    connections once a pool holds more than ``max_keepalive_connections`` in all; one client at
+    64 concurrent streams cost milliseconds of CPU per request (benchmarks/gateway_overhead.py).
+    Small pools keep connections reused and cheap."""
+
+    def __init__(self, clients: int = 8, keepalive_per_client: int = 32) -> None:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=keepalive_per_client)
+        self._clients = [httpx.AsyncClient(limits=limits) for _ in range(clients)]
+        self._turn = itertools.cycle(self._clients)
+
+    def stream(
+        self, method: str, url: str, **kwargs: Any
+    ) -> AbstractAsyncContextManager[httpx.Response]:
+        return next(self._turn).stream(method, url, **kwargs)
+
+    @property
+    def is_closed(self) -> bool:
+        return all(client.is_closed for client in self._clients)
+
+    async def aclose(self) -> None:
+        for client in self._clients:
+            await client.aclose()
+
+
 async def post_event_stream(
-    client: httpx.AsyncClient,
+    client: httpx.AsyncClient | ClientPool,
     url: str,
     body: dict[str, Any],
     *,
@@ -39,13 +68,18 @@ async def post_event_stream(
         async with client.stream("POST", url, json=body, timeout=http_timeout) as response:
             if response.status_code != httpx.codes.OK:
                 raise await _status_error(response, url, server)
-            async for line in response.aiter_lines():
+            lines = response.aiter_lines()
+            async for line in lines:
                 # Only single-line "data:" events are used by these servers; comments
                 # (": ping") and blank separators are skipped.
                 if not line.startswith("data:"):
                     continue
                 payload = line[len("data:") :].strip()
                 if payload == "[DONE]":
+                    # Read to the end, as the OpenAI SDK does: a response left unread makes
+                    # httpcore close the connection, and every turn would pay a new one.
+                    async for _ in lines:
+                        pass
                     return
                 yield _decode_event(payload, url, server)
     except (httpx.ConnectError, httpx.ConnectTimeout) as exc:

@@ -45,7 +45,7 @@ import httpx
 
 from gateway.backends.base import FinishReason, GenerationChunk, SamplingParams, TopLogprob
 from gateway.backends.payload import as_float, as_int, as_int_list, as_list, member
-from gateway.backends.sse import post_event_stream
+from gateway.backends.sse import ClientPool, post_event_stream
 from gateway.errors import BackendError
 
 __all__ = ["StreamEvent", "VLLMBackend", "completion_request", "parse_stream_event"]
@@ -73,7 +73,9 @@ class VLLMBackend:
         self._id = backend_id
         self._max_context = max_context
         self._owns_client = client is None
-        self._client = client if client is not None else httpx.AsyncClient()
+        self._client: httpx.AsyncClient | ClientPool = (
+            client if client is not None else ClientPool()
+        )
         # timeout_s bounds the wait for each next event, not the whole generation.
         self._timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
         self._where = f"vLLM at {self._url}"
