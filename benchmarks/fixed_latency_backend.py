@@ -1,0 +1,343 @@
+"""A fixed-latency stand-in for vLLM's OpenAI-compatible server (benchmarks only, not product).
+
+It speaks the subset of ``POST /v1/completions`` that ``gateway.backends.vllm.VLLMBackend`` uses
+(token-id ``prompt``, ``stream: true``, ``return_token_ids``, ``return_tokens_as_token_ids``,
+``logprobs: k``, ``stream_options.include_usage``) and answers every request with the same fixed
+tokens after a fixed delay::
+
+    data: {"id": ..., "choices": [{"index": 0, "text": "T", "token_ids": [84],
+           "prompt_token_ids": [...],                  # first event only, as vLLM does
+           "logprobs": {"tokens": ["token_id:84"], "token_logprobs": [-0.1],
+                        "top_logprobs": [{"token_id:84": -0.1, ...}], "text_offset": [0]},
+           "finish_reason": null, "stop_reason": null}], "usage": null}
+    ...                                                # one event per token (--tokens-per-event)
+    data: {... "finish_reason": "stop" ...}            # on the last token
+    data: {"id": ..., "choices": [], "usage": {"prompt_tokens": P, "completion_tokens": N, ...}}
+    data: [DONE]
+
+plus ``GET /health`` and ``GET /stats`` (connections accepted, completions served: a client that
+opens a new connection per request shows up as connections ~ completions).
+
+Timing: the response headers go out at once (as a streaming server sends them); the first event
+after ``--ttft-ms``, each further event ``--itl-ms`` after the previous one. With ``--itl-ms 0``
+(the default) all events leave in one write after ``--ttft-ms``: the client still parses one
+event per token, but the server pays one timer and one write per request, so its own CPU cost is
+as small as possible and the same whichever client (the gateway or the benchmark) sends the
+request. ``max_tokens`` smaller than the token list cuts it (``finish_reason: "length"``).
+
+The HTTP/1.1 server is a bare ``asyncio.Protocol`` (keep-alive, ``Content-Length`` bodies,
+chunked responses): no framework, so what it costs is small next to what is measured. Run::
+
+    .venv/bin/python benchmarks/fixed_latency_backend.py --port 8100 --tokens 84,104,101,258
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import time
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["BackendConfig", "serve"]
+
+_MAX_HEADER = 64 * 1024
+_STATUS_TEXT = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed"}
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    tokens: tuple[int, ...]  # the completion, every time (the last one is usually the stop id)
+    texts: tuple[str, ...]  # text of each token (what vLLM puts in "text")
+    ttft_s: float = 0.020
+    itl_s: float = 0.0
+    tokens_per_event: int = 1
+    model: str = "fixed-latency"
+
+
+@dataclass
+class Stats:
+    connections: int = 0
+    open_connections: int = 0
+    completions: int = 0
+    bad_requests: int = 0
+
+
+class Completions:
+    """The events of one answer, pre-encoded per (top-k, token count); only the first event
+    (which echoes the prompt ids) and the usage event are built per request."""
+
+    def __init__(self, config: BackendConfig) -> None:
+        self.config = config
+        self._cache: dict[tuple[int, int], list[dict[str, Any]]] = {}
+        self._encoded: dict[tuple[int, int], list[bytes]] = {}
+
+    def _choices(self, k: int, n: int) -> list[dict[str, Any]]:
+        key = (k, n)
+        if key not in self._cache:
+            config = self.config
+            step = config.tokens_per_event
+            choices = []
+            for start in range(0, n, step):
+                ids = list(config.tokens[start : min(start + step, n)])
+                logprobs = [round(-0.05 - 0.01 * (start + i), 4) for i in range(len(ids))]
+                top = [
+                    {
+                        f"token_id:{token}": lp,
+                        **{f"token_id:{(token + j) % 256}": lp - j for j in range(1, k)},
+                    }
+                    for token, lp in zip(ids, logprobs, strict=True)
+                ]
+                offsets = [sum(len(t) for t in config.texts[: start + i]) for i in range(len(ids))]
+                last = start + len(ids) >= n
+                choices.append(
+                    {
+                        "index": 0,
+                        "text": "".join(config.texts[start : start + len(ids)]),
+                        "logprobs": {
+                            "text_offset": offsets,
+                            "token_logprobs": logprobs,
+                            "tokens": [f"token_id:{t}" for t in ids],
+                            "top_logprobs": top,
+                        },
+                        "finish_reason": (
+                            ("stop" if n == len(config.tokens) else "length") if last else None
+                        ),
+                        "stop_reason": None,
+                        "token_ids": ids,
+                    }
+                )
+            self._cache[key] = choices
+            self._encoded[key] = [
+                _sse(self._event([choice], None)) for choice in choices[1:]
+            ]  # events 2.. are identical for every request
+        return self._cache[key]
+
+    def _event(self, choices: list[dict[str, Any]], usage: dict[str, int] | None) -> dict[str, Any]:
+        return {
+            "id": "cmpl-fixed",
+            "object": "text_completion",
+            "created": 0,
+            "model": self.config.model,
+            "choices": choices,
+            "usage": usage,
+        }
+
+    def events(self, prompt: list[int], k: int, max_tokens: int) -> list[bytes]:
+        n = max(1, min(len(self.config.tokens), max_tokens))
+        choices = self._choices(k, n)
+        first = {**choices[0], "prompt_token_ids": prompt}
+        usage = {
+            "prompt_tokens": len(prompt),
+            "total_tokens": len(prompt) + n,
+            "completion_tokens": n,
+        }
+        return [
+            _sse(self._event([first], None)),
+            *self._encoded[(k, n)],
+            _sse(self._event([], usage)),
+            b"data: [DONE]\n\n",
+        ]
+
+
+def _sse(event: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n%b\r\n" % (len(data), data)
+
+
+class HTTPConnection(asyncio.Protocol):
+    """One keep-alive HTTP/1.1 connection; requests are answered in order."""
+
+    def __init__(self, completions: Completions, stats: Stats) -> None:
+        self.completions = completions
+        self.config = completions.config
+        self.stats = stats
+        self.transport: asyncio.Transport | None = None
+        self.buffer = bytearray()
+        self.busy = False  # a streamed answer is under way: later requests wait in the buffer
+        self.timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        self.stats.connections += 1
+        self.stats.open_connections += 1
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.stats.open_connections -= 1
+        if self.timer is not None:
+            self.timer.cancel()
+        self.transport = None
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        self._next_request()
+
+    def _next_request(self) -> None:
+        while not self.busy and self.transport is not None:
+            end = self.buffer.find(b"\r\n\r\n")
+            if end < 0:
+                if len(self.buffer) > _MAX_HEADER:
+                    self._respond(400, {"error": "headers too large"}, close=True)
+                return
+            head = bytes(self.buffer[:end]).decode("latin-1").split("\r\n")
+            try:
+                method, path, _ = head[0].split(" ", 2)
+            except ValueError:
+                self._respond(400, {"error": "bad request line"}, close=True)
+                return
+            headers = {}
+            for line in head[1:]:
+                name, _, value = line.partition(":")
+                headers[name.strip().lower()] = value.strip()
+            length = int(headers.get("content-length", "0"))
+            if len(self.buffer) < end + 4 + length:
+                return  # the body is still coming
+            body = bytes(self.buffer[end + 4 : end + 4 + length])
+            del self.buffer[: end + 4 + length]
+            close = headers.get("connection", "").lower() == "close"
+            self._handle(method, path.split("?", 1)[0], body, close)
+
+    def _handle(self, method: str, path: str, body: bytes, close: bool) -> None:
+        if path == "/health":
+            self._respond(200, {"status": "ok"}, close=close)
+        elif path == "/stats":
+            self._respond(200, vars(self.stats), close=close)
+        elif path == "/v1/completions":
+            if method != "POST":
+                self._respond(405, {"error": "POST only"}, close=close)
+                return
+            self._complete(body, close)
+        else:
+            self._respond(404, {"error": f"no route {path}"}, close=close)
+
+    def _complete(self, body: bytes, close: bool) -> None:
+        try:
+            request = json.loads(body)
+            prompt = request["prompt"]
+            if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
+                raise ValueError("prompt must be a list of token ids")
+            if request.get("stream") is not True:
+                raise ValueError("only stream=true is implemented")
+            k = int(request.get("logprobs") or 0)
+            max_tokens = int(request.get("max_tokens") or len(self.config.tokens))
+        except (ValueError, KeyError, TypeError) as exc:
+            self.stats.bad_requests += 1
+            self._respond(400, {"error": {"message": str(exc)}}, close=close)
+            return
+        events = self.completions.events(prompt, k, max_tokens)
+        assert self.transport is not None
+        self.transport.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
+            b"cache-control: no-cache\r\ntransfer-encoding: chunked\r\n\r\n"
+        )
+        self.busy = True
+        loop = asyncio.get_running_loop()
+        if self.config.itl_s <= 0:
+            payload = b"".join(events)
+            self.timer = loop.call_later(self.config.ttft_s, self._finish, [payload], close)
+        else:
+            self.timer = loop.call_later(self.config.ttft_s, self._stream, events, 0, close)
+
+    def _stream(self, events: list[bytes], i: int, close: bool) -> None:
+        # Token events one by one; the usage event and [DONE] leave with the last token.
+        if self.transport is None:
+            return
+        tokens = len(events) - 2
+        if i < tokens - 1:
+            self.transport.write(_chunk(events[i]))
+            loop = asyncio.get_running_loop()
+            self.timer = loop.call_later(self.config.itl_s, self._stream, events, i + 1, close)
+        else:
+            self._finish([b"".join(events[i:])], close)
+
+    def _finish(self, parts: list[bytes], close: bool) -> None:
+        self.timer = None
+        if self.transport is None:
+            return
+        self.transport.write(b"".join(_chunk(p) for p in parts) + b"0\r\n\r\n")
+        self.stats.completions += 1
+        self.busy = False
+        if close:
+            self.transport.close()
+            return
+        if self.buffer:
+            self._next_request()
+
+    def _respond(self, status: int, payload: object, *, close: bool) -> None:
+        assert self.transport is not None
+        data = json.dumps(payload).encode()
+        self.transport.write(
+            f"HTTP/1.1 {status} {_STATUS_TEXT.get(status, 'Error')}\r\n"
+            f"content-type: application/json\r\ncontent-length: {len(data)}\r\n"
+            f"{'connection: close' + chr(13) + chr(10) if close else ''}\r\n".encode()
+            + data
+        )
+        if close:
+            self.transport.close()
+
+
+async def serve(config: BackendConfig, host: str, port: int) -> None:
+    loop = asyncio.get_running_loop()
+    completions = Completions(config)
+    stats = Stats()
+    server = await loop.create_server(
+        lambda: HTTPConnection(completions, stats), host, port, backlog=1024
+    )
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    print(
+        f"fixed-latency backend on http://{host}:{port} ({len(config.tokens)} tokens, "
+        f"ttft {config.ttft_s * 1000:g} ms, itl {config.itl_s * 1000:g} ms)",
+        flush=True,
+    )
+    async with server:
+        await stop.wait()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8100)
+    parser.add_argument(
+        "--tokens",
+        default=None,
+        help="comma-separated completion token ids (default: the bytes of --text, then 258)",
+    )
+    parser.add_argument("--text", default="The answer: 42.", help="completion text (byte ids)")
+    parser.add_argument("--stop-id", type=int, default=258, help="appended stop token id")
+    parser.add_argument("--ttft-ms", type=float, default=20.0, help="delay of the first event")
+    parser.add_argument("--itl-ms", type=float, default=0.0, help="delay between events")
+    parser.add_argument("--tokens-per-event", type=int, default=1)
+    parser.add_argument("--model", default="fixed-latency")
+    args = parser.parse_args()
+    if args.tokens:
+        tokens = tuple(int(t) for t in args.tokens.split(","))
+        texts = tuple(chr(t) if t < 128 else "" for t in tokens)
+    else:
+        raw = args.text.encode()
+        tokens = (*raw, args.stop_id)
+        texts = (*(chr(b) if b < 128 else "" for b in raw), "<|im_end|>")
+    config = BackendConfig(
+        tokens=tokens,
+        texts=texts,
+        ttft_s=args.ttft_ms / 1000,
+        itl_s=args.itl_ms / 1000,
+        tokens_per_event=max(1, args.tokens_per_event),
+        model=args.model,
+    )
+    started = time.perf_counter()
+    try:
+        asyncio.run(serve(config, args.host, args.port))
+    finally:
+        print(f"fixed-latency backend stopped after {time.perf_counter() - started:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,242 @@
+"""Runs ``turnstream gateway`` exactly as the CLI does, and observes it from the outside.
+
+``benchmarks/gateway_overhead.py`` starts the gateway through this script, which calls
+``turnstream.cli.main(["gateway", ...])`` unchanged and adds:
+
+* ``--gc-log FILE``: every collection of the oldest generation (wall-clock start, pause in ms,
+  objects collected) and per-generation counts and total pause, written as JSON at exit. The
+  gateway process imports transformers (which imports torch) and loads a tokenizer: several
+  hundred thousand long-lived objects that every full collection walks again.
+* ``--gc-freeze``: an experiment, not the product: on SIGUSR2 (sent by the benchmark once the
+  gateway has started and answered a request), ``gc.collect(); gc.freeze()``, which moves every
+  object alive then out of the collector's reach, as a service would do at the end of startup.
+* ``--experiment NAME`` (repeatable), experiments too, each the smallest change that tests one
+  suggestion of the benchmark's report, applied by patching at runtime (the product's files are
+  untouched):
+
+  - ``drain-sse``: ``post_event_stream`` reads the response to its end after ``[DONE]``, as the
+    OpenAI SDK does, so that httpcore returns the connection to the pool instead of closing it
+    (the shipped code returns at ``[DONE]``: one new TCP connection per backend request);
+  - ``pool``: the vLLM backend's one httpx client becomes 8 clients used in turn, each keeping
+    up to 32 idle connections (httpx's default keeps 20, httpcore 1.0 closes idle connections
+    whenever its pool holds more than that in total, and does O(connections) work per
+    connection on every request, so one large pool costs milliseconds per request at 64).
+* ``--profile FILE``: a ``cProfile.Profile`` that SIGUSR1 switches on and off (the benchmark
+  does so at the edges of its measured windows), so that startup is not in the profile;
+  written at exit (``pstats`` format).
+
+Usage::
+
+    python benchmarks/gateway_launcher.py [--gc-log F] [--gc-freeze] [--experiment NAME]
+        [--profile F] -- gateway --flags...
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+
+class ProfileSwitch:
+    """SIGUSR1 turns the profiler on, the next one off, and so on.
+
+    Full collections are kept out of the profile (cProfile would charge a 100+ ms pause to
+    whichever function happened to allocate) and counted in ``full_gc_s`` instead. Younger
+    collections are short and frequent and stay in, spread over the allocating code.
+    """
+
+    def __init__(self) -> None:
+        self.profile = cProfile.Profile()
+        self.on = False
+        self.switches = 0
+        self.full_gc_s = 0.0
+        self.full_gcs = 0
+        self._paused_at: float | None = None
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        if self.on:
+            self.profile.disable()
+        else:
+            self.profile.enable()
+        self.on = not self.on
+        self.switches += 1
+
+    def full_gc(self, phase: str) -> None:
+        if not self.on:
+            return
+        if phase == "start":
+            self.profile.disable()
+            self._paused_at = time.perf_counter()
+        elif self._paused_at is not None:
+            self.full_gc_s += time.perf_counter() - self._paused_at
+            self.full_gcs += 1
+            self._paused_at = None
+            self.profile.enable()
+
+
+class GCRecorder:
+    def __init__(self, switch: ProfileSwitch | None = None) -> None:
+        self.switch = switch
+        self.started: float | None = None
+        self.counts = [0, 0, 0]
+        self.pause_s = [0.0, 0.0, 0.0]
+        self.full: list[dict[str, float]] = []
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if self.switch is not None and info["generation"] == 2:
+            self.switch.full_gc(phase)
+        if phase == "start":
+            self.started = time.perf_counter()
+            return
+        if self.started is None:
+            return
+        pause = time.perf_counter() - self.started
+        generation = int(info["generation"])
+        self.counts[generation] += 1
+        self.pause_s[generation] += pause
+        if generation == 2:
+            self.full.append(
+                {
+                    "at": time.time() - pause,  # wall clock: lines up with the benchmark's phases
+                    "pause_ms": round(pause * 1000, 3),
+                    "collected": int(info["collected"]),
+                }
+            )
+        self.started = None
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "counts": self.counts,
+            "pause_ms_total": [round(s * 1000, 3) for s in self.pause_s],
+            "full_collections": self.full,
+            "frozen_objects": gc.get_freeze_count(),
+        }
+
+
+def patch_drain_sse() -> None:
+    """``gateway.backends.sse.post_event_stream``, reading on after ``[DONE]`` to the end."""
+    from collections.abc import AsyncGenerator
+
+    import httpx
+
+    from gateway.backends import sse, vllm
+    from gateway.errors import BackendError, BackendUnavailable
+
+    async def post_event_stream(
+        client: httpx.AsyncClient,
+        url: str,
+        body: dict[str, Any],
+        *,
+        server: str,
+        http_timeout: httpx.Timeout,
+    ) -> AsyncGenerator[dict[str, Any], None]:
+        try:
+            async with client.stream("POST", url, json=body, timeout=http_timeout) as response:
+                if response.status_code != httpx.codes.OK:
+                    raise await sse._status_error(response, url, server)
+                done = False
+                async for line in response.aiter_lines():
+                    if done or not line.startswith("data:"):
+                        continue
+                    payload = line[len("data:") :].strip()
+                    if payload == "[DONE]":
+                        done = True  # the change: read on to the end of the body
+                        continue
+                    yield sse._decode_event(payload, url, server)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            raise BackendUnavailable(f"cannot connect to {server} at {url} ({exc})") from exc
+        except httpx.TimeoutException as exc:
+            raise BackendError(f"{server} at {url} timed out ({type(exc).__name__})") from exc
+        except httpx.HTTPError as exc:
+            raise BackendError(f"{server} at {url} failed mid-request: {exc!r}") from exc
+
+    vllm.post_event_stream = post_event_stream  # type: ignore[attr-defined]  # not in __all__
+
+
+def patch_pool() -> None:
+    """The vLLM backend's httpx client replaced by 8 clients taking requests in turn, each with
+    a keep-alive pool of 32: no pool closes idle connections, and none grows large (httpcore
+    1.0 does O(connections) work per connection on every request it assigns)."""
+    import itertools
+
+    import httpx
+
+    from gateway.backends.vllm import VLLMBackend
+
+    class Clients:
+        def __init__(self, n: int) -> None:
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=32)
+            self.clients = [httpx.AsyncClient(limits=limits) for _ in range(n)]
+            self.turn = itertools.cycle(self.clients)
+
+        def stream(self, *args: Any, **kwargs: Any) -> Any:
+            return next(self.turn).stream(*args, **kwargs)
+
+        async def aclose(self) -> None:
+            for client in self.clients:
+                await client.aclose()
+
+    original = VLLMBackend.__init__
+
+    def init(self: VLLMBackend, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("client") is None:
+            kwargs["client"] = Clients(8)
+        original(self, *args, **kwargs)
+
+    VLLMBackend.__init__ = init  # type: ignore[method-assign]  # an experiment, on purpose
+
+
+EXPERIMENTS = {"drain-sse": patch_drain_sse, "pool": patch_pool}
+
+
+def freeze(signum: int, frame: FrameType | None) -> None:
+    gc.collect()
+    gc.freeze()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gc-log", type=Path, default=None)
+    parser.add_argument("--gc-freeze", action="store_true")
+    parser.add_argument("--profile", type=Path, default=None)
+    parser.add_argument("--experiment", action="append", default=[], choices=sorted(EXPERIMENTS))
+    parser.add_argument("cli_args", nargs=argparse.REMAINDER)
+    args = parser.parse_args()
+    cli_args = args.cli_args[1:] if args.cli_args[:1] == ["--"] else args.cli_args
+
+    from turnstream.cli import main as cli_main
+
+    for name in args.experiment:
+        EXPERIMENTS[name]()
+    if args.gc_freeze:
+        signal.signal(signal.SIGUSR2, freeze)
+    switch = ProfileSwitch() if args.profile is not None else None
+    if switch is not None:
+        signal.signal(signal.SIGUSR1, switch)
+    recorder = GCRecorder(switch)
+    gc.callbacks.append(recorder)
+    try:
+        return cli_main(cli_args)
+    finally:
+        gc.callbacks.remove(recorder)
+        if args.gc_log is not None:
+            args.gc_log.write_text(json.dumps(recorder.report()))
+        if switch is not None and args.profile is not None:
+            if switch.on:
+                switch.profile.disable()
+            switch.profile.dump_stats(args.profile)
+            args.profile.with_suffix(".gc.json").write_text(
+                json.dumps({"full_gcs": switch.full_gcs, "full_gc_s": switch.full_gc_s})
+            )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1022 @@
+"""Benchmark: what the gateway adds, the same load sent straight to a backend and through it.
+
+Run it from the repository root::
+
+    .venv/bin/python benchmarks/gateway_overhead.py           # full run, about 3.5 minutes
+    .venv/bin/python benchmarks/gateway_overhead.py --quick   # about 35 s, noisier
+
+Setup (all on this machine, started and stopped by this script)
+---------------------------------------------------------------
+* **Backend**: ``benchmarks/fixed_latency_backend.py`` in its own process, a bare-asyncio
+  stand-in for vLLM's ``/v1/completions`` that answers every request with the same 16 tokens
+  (``"The answer: 42."`` + ``<|im_end|>``, one SSE event per token, with logprobs, a usage
+  event and ``[DONE]``) after a fixed ``--ttft-ms`` (20 ms). The same process answers the same
+  request body in both paths, and costs ~0.15-0.5 ms of CPU per request.
+* **Gateway**: ``turnstream gateway --backend vllm`` in its own process (uvicorn), on the tiny
+  ChatML model's tokenizer and template (``gateway.model.ensure_tiny_model``), publishing to a
+  nats-server (file store, ``schemas.log.NatsServer``) that this script starts. It is started
+  through ``benchmarks/gateway_launcher.py``, which runs ``turnstream.cli.main`` unchanged and
+  records the garbage collector's full collections (and, on request, runs the experiments and
+  the profiler described below). Logging as shipped unless ``--gateway-log-level`` says
+  otherwise. ``--max-inflight-per-replica`` is the highest concurrency (64; the product default
+  is 32), so that the router's queue does not hold requests back.
+* **Load generator**: this process, closed loop: ``c`` workers, each sending its next request as
+  soon as the previous one is answered, over ``httpx.AsyncClient`` s (HTTP/1.1 keep-alive), one
+  per 8 workers: httpcore 1.0's pool does O(connections) work per connection on every request,
+  so one pool of 64 connections cost 3.7 ms of CPU per request here and made the load
+  generator the bottleneck (0.8-0.9 ms with pools of 8). Its objects are ``gc.freeze()`` d
+  after start-up, so its own collector pauses do not show up as latency.
+
+The two paths
+-------------
+* ``direct``: the request the gateway itself would send to vLLM (``completion_request`` of
+  ``gateway.backends.vllm``: token-id prompt, ``stream: true``, logprobs, ``return_token_ids``)
+  posted straight to the backend and read to the end (past ``[DONE]``, as the OpenAI SDK does,
+  which keeps the connection reusable), each event parsed as JSON: what an agent would see
+  without turnstream.
+* ``gateway``: ``POST /v1/chat/completions`` (not streamed, ``max_tokens`` 16) with an
+  ``X-Session-Id``; each worker runs sessions of ``--turns-per-session`` turns (4): every turn
+  sends the whole conversation so far (system + user, then per turn the assistant's reply and a
+  new user message), the way an agent does, so the gateway extends the previous turn's tokens.
+  A session's first request opens it (a ``SessionOpened`` event) and every request publishes a
+  ``TurnCompleted`` and waits for JetStream's ack before the answer is returned. The direct path
+  sends, turn for turn, the token ids of the same conversations.
+
+For each concurrency (1, 16, 64) the phases alternate which path goes first over ``rounds``
+rounds; a phase is ``warmup_s`` of untimed load then ``measure_s`` of measured load with the same
+workers. Latency = requests started and finished inside the measured window (all rounds pooled);
+throughput = requests finished inside the window / its length. ``added_ms_pXX`` = gateway pXX -
+direct pXX; ``throughput_ratio`` = gateway / direct requests/s.
+
+Checked in the run: every answer has the backend's tokens (direct) or text and id (gateway);
+after each gateway phase the EVENTS stream grew by exactly one TurnCompleted per gateway answer
+plus one SessionOpened per session (nothing was answered without being published), and at the
+end the per-kind subject counts agree too. Any failed request aborts the run.
+
+Also reported per concurrency and path: CPU milliseconds per request of each process (backend,
+gateway, nats-server, this load generator; from /proc, warm-up included), TCP connections the
+backend accepted per request, and for the gateway the mean server-side request time and
+publish-to-ack time (from its /metrics) and its full garbage collections during the phases.
+
+Diagnostics (not for the headline figures)
+------------------------------------------
+* ``--gateway-log-level WARNING``: the gateway with less logging (a product setting).
+* ``--gateway-gc-freeze``: experiment: ``gc.freeze()`` in the gateway once it has answered its
+  first request.
+* ``--gateway-experiment drain-sse`` / ``pool``: experiments that patch the gateway's backend
+  client at runtime (see ``gateway_launcher.py``): read the SSE response past ``[DONE]`` so the
+  connection is reused; spread the backend requests over 8 small httpx pools.
+* ``--profile-gateway FILE``: cProfile in the gateway during the measured windows of the odd
+  rounds (the even rounds give the unprofiled CPU per request); prints the busy time by
+  component (functions of shared code such as json, asyncio streams, h11 or the tokenizer
+  charged to their callers) and the top functions.
+
+Reading the output: progress and result lines first; the LAST line is one JSON object with
+``added_ms_p50_c64``, ``added_ms_p99_c64``, ``throughput_ratio_c64`` (and the same for every
+concurrency), ``targets``, per-concurrency details, machine info and date. On a 2-core machine
+the backend, the gateway, nats-server and the load generator share the cores: at 16 and 64 the
+direct path is limited by the load generator's CPU (~0.85 ms per request) and the gateway path
+by the gateway's (~3.5-4.5 ms per request on one event loop), so the c=64 latencies are mostly
+queueing; CPU per request says where the time went.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime as dt
+import gc
+import importlib.metadata
+import importlib.util
+import json
+import logging
+import os
+import platform
+import pstats
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from gateway.backends.base import SamplingParams
+from gateway.backends.vllm import completion_request
+from schemas.log import LogSettings, NatsServer, connect, find_nats_server, free_port
+
+REPO = Path(__file__).resolve().parent.parent
+BACKEND_SCRIPT = Path(__file__).resolve().parent / "fixed_latency_backend.py"
+LAUNCHER_SCRIPT = Path(__file__).resolve().parent / "gateway_launcher.py"
+RUN = "bench"
+STREAM = LogSettings().names.events
+REPLY = "The answer: 42."  # what the fixed backend says (its tokens are these bytes + <|im_end|>)
+SYSTEM = "You are a coding agent. Answer in one short sentence."
+QUESTIONS = [
+    "What is 6 times 7? Reply with the number only, then stop.",
+    "And 6 times 8? Check it twice.",
+    "Now add the two results and explain in one line.",
+    "Last one: divide that by two.",
+    "Summarize everything you computed so far.",
+]
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How much work each measurement does (``--quick`` shrinks it)."""
+
+    warmup_s: float
+    measure_s: float
+    rounds: int  # even: each path goes first in half of them
+
+
+FULL = Plan(warmup_s=1.0, measure_s=6.0, rounds=4)
+QUICK = Plan(warmup_s=0.5, measure_s=1.5, rounds=2)
+
+
+def say(line: str = "") -> None:
+    print(line, flush=True)
+
+
+# -- processes --------------------------------------------------------------------------------
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process from /proc (children not included)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def own_cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+@dataclass
+class Procs:
+    backend: subprocess.Popen[bytes]
+    gateway: subprocess.Popen[bytes]
+    nats: NatsServer
+
+    def toggle_profile(self) -> None:
+        self.gateway.send_signal(signal.SIGUSR1)  # see gateway_launcher.py
+
+    def cpu(self) -> dict[str, float]:
+        assert self.nats.pid is not None
+        return {
+            "backend": cpu_seconds(self.backend.pid),
+            "gateway": cpu_seconds(self.gateway.pid),
+            "nats": cpu_seconds(self.nats.pid),
+            "loadgen": own_cpu_seconds(),
+        }
+
+
+async def wait_http(url: str, proc: subprocess.Popen[bytes], what: str, within_s: float) -> None:
+    deadline = time.monotonic() + within_s
+    async with httpx.AsyncClient() as client:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{what} exited with code {proc.returncode} on start")
+            with contextlib.suppress(httpx.HTTPError):
+                if (await client.get(url, timeout=1.0)).status_code == 200:
+                    return
+            await asyncio.sleep(0.1)
+    raise RuntimeError(f"{what} not healthy at {url} within {within_s:.0f} s")
+
+
+def spawn(cmd: list[str], log_path: Path, env: Mapping[str, str]) -> subprocess.Popen[bytes]:
+    with log_path.open("wb") as log_file:
+        return subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, cwd=REPO, env=env)
+
+
+def stop_process(proc: subprocess.Popen[bytes], sig: int = signal.SIGINT, wait: float = 20) -> None:
+    if proc.poll() is not None:
+        return
+    proc.send_signal(sig)
+    try:
+        proc.wait(wait)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+# -- the two paths ----------------------------------------------------------------------------
+
+
+@dataclass
+class Conversation:
+    """Turn k of a session: the chat messages and the prompt ids the gateway sends for them."""
+
+    messages: list[list[dict[str, str]]]
+    prompt_ids: list[list[int]]
+    stop_token_ids: tuple[int, ...]
+    completion_ids: list[int]
+
+
+def build_conversation(model_dir: Path, turns: int) -> Conversation:
+    from transformers import AutoTokenizer
+
+    from gateway.templates import ChatTemplate
+
+    template = ChatTemplate(AutoTokenizer.from_pretrained(model_dir))
+    history: list[dict[str, str]] = [{"role": "system", "content": SYSTEM}]
+    messages, prompt_ids = [], []
+    for k in range(turns):
+        if k:
+            history.append({"role": "assistant", "content": REPLY})
+        history.append({"role": "user", "content": QUESTIONS[k % len(QUESTIONS)]})
+        messages.append(list(history))
+        prompt_ids.append(template.prompt_ids(history, None))
+    im_end = template.stop_token_ids[0]
+    return Conversation(
+        messages, prompt_ids, template.stop_token_ids, [*template.encode(REPLY), im_end]
+    )
+
+
+@dataclass
+class PhaseCounts:
+    requests: int = 0
+    sessions: int = 0
+
+
+class LoadPath:
+    name: str
+    counts: PhaseCounts
+
+    def worker(self, wid: int, tag: str) -> Callable[[], Awaitable[None]]:
+        raise NotImplementedError
+
+
+class Direct(LoadPath):
+    name = "direct"
+
+    def __init__(
+        self, clients: list[httpx.AsyncClient], per: int, url: str, model: str, conv: Conversation
+    ):
+        self.clients, self.per = clients, per
+        self.url = f"{url}/v1/completions"
+        params = SamplingParams(
+            max_tokens=len(conv.completion_ids),
+            temperature=1.0,
+            top_p=1.0,
+            seed=None,
+            stop_token_ids=conv.stop_token_ids,
+            top_logprobs=0,
+        )
+        self.bodies = [completion_request(model, ids, params) for ids in conv.prompt_ids]
+        self.expected = conv.completion_ids
+        self.counts = PhaseCounts()
+
+    def worker(self, wid: int, tag: str) -> Callable[[], Awaitable[None]]:
+        turn = 0
+        client = self.clients[wid // self.per]
+
+        async def step() -> None:
+            nonlocal turn
+            body = self.bodies[turn]
+            turn = (turn + 1) % len(self.bodies)
+            tokens: list[int] = []
+            async with client.stream("POST", self.url, json=body) as response:
+                if response.status_code != 200:
+                    detail = (await response.aread())[:300]
+                    raise RuntimeError(f"direct: HTTP {response.status_code}: {detail!r}")
+                done = False
+                async for line in response.aiter_lines():
+                    # Read on after [DONE] to the end of the body, as the OpenAI SDK does: an
+                    # HTTP/1.1 response left unread closes the connection instead of reusing it.
+                    if done or not line.startswith("data:"):
+                        continue
+                    payload = line[5:].strip()
+                    if payload == "[DONE]":
+                        done = True
+                        continue
+                    for choice in json.loads(payload)["choices"]:
+                        tokens.extend(choice["token_ids"])
+            if tokens != self.expected:
+                raise RuntimeError(f"direct: got tokens {tokens}, expected {self.expected}")
+            self.counts.requests += 1
+
+        return step
+
+
+class Gateway(LoadPath):
+    name = "gateway"
+
+    def __init__(
+        self, clients: list[httpx.AsyncClient], per: int, url: str, model: str, conv: Conversation
+    ):
+        self.clients, self.per = clients, per
+        self.url = f"{url}/v1/chat/completions"
+        self.bodies = [
+            {"model": model, "messages": m, "max_tokens": len(conv.completion_ids)}
+            for m in conv.messages
+        ]
+        self.counts = PhaseCounts()
+
+    def worker(self, wid: int, tag: str) -> Callable[[], Awaitable[None]]:
+        turn, session = 0, 0
+        client = self.clients[wid // self.per]
+
+        async def step() -> None:
+            nonlocal turn, session
+            sid = f"{tag}-w{wid}-s{session}"
+            response = await client.post(
+                self.url, json=self.bodies[turn], headers={"X-Session-Id": sid}
+            )
+            if response.status_code != 200:
+                raise RuntimeError(f"gateway: HTTP {response.status_code}: {response.text[:300]}")
+            answer = response.json()
+            content = answer["choices"][0]["message"]["content"]
+            if content != REPLY or answer["id"] != f"chatcmpl-{sid}-{turn}":
+                raise RuntimeError(f"gateway: unexpected answer {answer}")
+            self.counts.requests += 1
+            self.counts.sessions += turn == 0
+            turn += 1
+            if turn == len(self.bodies):
+                turn, session = 0, session + 1
+
+        return step
+
+
+# -- phases -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Phase:
+    path: str
+    concurrency: int
+    round: int
+    latencies_s: list[float]
+    window_s: float
+    completed_in_window: int
+    requests: int  # all answered in the phase (warm-up and drain included)
+    sessions: int
+    cpu_s: dict[str, float]
+    gateway_metrics: dict[str, float] = field(default_factory=dict)
+    backend_connections: int = 0  # TCP connections the backend accepted during the phase
+    wall: tuple[float, float] = (0.0, 0.0)  # time.time() at the phase's start and end
+
+    @property
+    def throughput(self) -> float:
+        return self.completed_in_window / self.window_s
+
+
+async def run_phase(
+    path: LoadPath,
+    concurrency: int,
+    plan: Plan,
+    tag: str,
+    procs: Procs,
+    rnd: int,
+    on_window_edge: Callable[[], None] | None = None,
+) -> Phase:
+    path.counts = PhaseCounts()
+    samples: list[tuple[float, float]] = []
+    stop = False
+
+    async def worker(wid: int) -> None:
+        step = path.worker(wid, tag)
+        while not stop:
+            t0 = time.perf_counter()
+            await step()
+            samples.append((t0, time.perf_counter()))
+
+    cpu0 = procs.cpu()
+    wall0 = time.time()
+    tasks = [asyncio.create_task(worker(w)) for w in range(concurrency)]
+    try:
+        await asyncio.sleep(plan.warmup_s)
+        t_start = time.perf_counter()
+        if on_window_edge is not None:
+            on_window_edge()
+        await asyncio.sleep(plan.measure_s)
+        t_end = time.perf_counter()
+        if on_window_edge is not None:
+            on_window_edge()
+        stop = True
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        raise
+    cpu1 = procs.cpu()
+    return Phase(
+        path=path.name,
+        concurrency=concurrency,
+        round=rnd,
+        latencies_s=[t1 - t0 for t0, t1 in samples if t0 >= t_start and t1 <= t_end],
+        window_s=t_end - t_start,
+        completed_in_window=sum(1 for _, t1 in samples if t_start <= t1 <= t_end),
+        requests=path.counts.requests,
+        sessions=path.counts.sessions,
+        cpu_s={k: cpu1[k] - cpu0[k] for k in cpu0},
+        wall=(wall0, time.time()),
+    )
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """The few Prometheus series this benchmark reads from the gateway's /metrics."""
+    wanted = {
+        "turnstream_gateway_publish_seconds_sum": "publish_sum",
+        "turnstream_gateway_publish_seconds_count": "publish_count",
+        'turnstream_gateway_request_seconds_sum{route="/v1/chat/completions"}': "request_sum",
+        'turnstream_gateway_request_seconds_count{route="/v1/chat/completions"}': "request_count",
+    }
+    out = dict.fromkeys(wanted.values(), 0.0)
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name in wanted:
+            out[wanted[name]] = float(value)
+    return out
+
+
+async def stream_messages(js: Any) -> int:
+    return int((await js.stream_info(STREAM)).state.messages)
+
+
+async def count_subjects(js: Any, subject: str) -> int:
+    """Messages on ``subject`` (wildcards allowed) in EVENTS, via a throwaway consumer."""
+    sub = await js.pull_subscribe(subject, stream=STREAM)
+    try:
+        return int((await sub.consumer_info()).num_pending)
+    finally:
+        await sub.unsubscribe()
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    rank = q / 100 * (len(ordered) - 1)
+    lo = int(rank)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
+
+
+def summarize(phases: list[Phase]) -> dict[str, Any]:
+    lat = [x * 1000 for p in phases for x in p.latencies_s]
+    window = sum(p.window_s for p in phases)
+    requests = sum(p.requests for p in phases)
+    cpu = {k: sum(p.cpu_s[k] for p in phases) for k in phases[0].cpu_s}
+    out: dict[str, Any] = {
+        "requests_measured": len(lat),
+        "p50_ms": round(pct(lat, 50), 3),
+        "p90_ms": round(pct(lat, 90), 3),
+        "p99_ms": round(pct(lat, 99), 3),
+        "mean_ms": round(statistics.fmean(lat), 3),
+        "throughput_rps": round(sum(p.completed_in_window for p in phases) / window, 1),
+        "round_throughputs_rps": [round(p.throughput, 1) for p in phases],
+        "round_p50_ms": [round(pct([x * 1000 for x in p.latencies_s], 50), 3) for p in phases],
+        "cpu_ms_per_request": {k: round(1000 * v / requests, 3) for k, v in cpu.items()},
+        "backend_connections_per_request": round(
+            sum(p.backend_connections for p in phases) / requests, 3
+        ),
+    }
+    metrics = [p.gateway_metrics for p in phases if p.gateway_metrics]
+    if metrics:
+        pubs = sum(m["publish_count"] for m in metrics)
+        reqs = sum(m["request_count"] for m in metrics)
+        out["gateway_server_ms_mean"] = round(
+            1000 * sum(m["request_sum"] for m in metrics) / max(reqs, 1), 3
+        )
+        out["gateway_publish_ms_mean"] = round(
+            1000 * sum(m["publish_sum"] for m in metrics) / max(pubs, 1), 3
+        )
+    return out
+
+
+# -- main -------------------------------------------------------------------------------------
+
+
+def machine_info() -> dict[str, Any]:
+    try:
+        nats_server = subprocess.run(
+            [find_nats_server(), "--version"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+    except Exception as exc:  # report, don't fail the benchmark over a version string
+        nats_server = f"unknown ({exc})"
+    versions = {}
+    for dist in ("fastapi", "starlette", "uvicorn", "h11", "httpx", "nats-py", "transformers"):
+        try:
+            versions[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            versions[dist] = "unknown"
+    return {
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "cpu_count": os.cpu_count(),
+        "python": sys.version.split()[0],
+        "nats_server": nats_server,
+        "uvloop": importlib.util.find_spec("uvloop") is not None,
+        "httptools": importlib.util.find_spec("httptools") is not None,
+        **versions,
+    }
+
+
+# Where a function's own time goes: the first rule that matches its file (or, for C functions,
+# its name). Functions no rule claims (the standard library, builtins, h11, anyio, json,
+# transformers, numpy, ...) pass their time on to their callers, in proportion to the time each
+# caller spent in them, so that e.g. json.loads counts for whoever parsed what.
+PROFILE_CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
+    ("idle (waiting in epoll)", ("select.epoll",)),
+    ("HTTP server (uvicorn)", ("/uvicorn/",)),
+    ("framework (starlette, fastapi)", ("/starlette/", "/fastapi/")),
+    ("request validation (pydantic)", ("/pydantic/", "/pydantic_core/")),
+    ("detokenizer", ("/gateway/decoding.py", "/gateway/templates.py:decode")),
+    ("prompt: chat template + tokenizer", ("/gateway/templates.py",)),
+    (
+        "backend stream parsing (sse, vllm)",
+        ("/gateway/backends/sse.py", "/gateway/backends/vllm.py"),
+    ),
+    ("backend stream parsing (sse, vllm)", ("/gateway/backends/payload.py",)),
+    ("replica router", ("/gateway/backends/router.py",)),
+    ("backend HTTP client (httpx, httpcore)", ("/httpx/", "/httpcore/")),
+    ("publish (schemas, codec, nats-py)", ("/schemas/", "/nats/")),
+    ("logging (logging, rich)", ("/logging/", "/rich/")),
+    ("metrics (prometheus_client)", ("/prometheus_client/",)),
+    ("gateway: app, serving, sessions, protocol", ("/gateway/",)),
+    ("event loop (asyncio)", ("asyncio/base_events.py", "asyncio/events.py", "/selectors.py")),
+]
+
+
+def _category(func: tuple[str, int, str]) -> str | None:
+    file, _, name = func
+    where = f"{file}:{name}"
+    for category, needles in PROFILE_CATEGORIES:
+        if any(needle in where for needle in needles):
+            return category
+    return None
+
+
+def profile_breakdown(stats: pstats.Stats) -> dict[str, float]:
+    """Seconds of own time per category, shared functions attributed to their callers."""
+    raw: dict[Any, Any] = stats.stats  # type: ignore[attr-defined]  # pstats keeps it untyped
+    memo: dict[Any, dict[str, float]] = {}
+
+    def share(func: Any, visiting: frozenset[Any]) -> dict[str, float]:
+        if func in memo:
+            return memo[func]
+        category = _category(func)
+        if category is not None:
+            memo[func] = {category: 1.0}
+            return memo[func]
+        callers = {c: e for c, e in raw[func][4].items() if c not in visiting and c in raw}
+        if not callers:
+            return {f"unattributed: {Path(func[0]).name}:{func[2]}"[:70]: 1.0}
+        weights = {c: e[2] for c, e in callers.items()}
+        if sum(weights.values()) <= 0:
+            weights = {c: float(e[0]) for c, e in callers.items()}
+        total = sum(weights.values()) or 1.0
+        out: dict[str, float] = {}
+        for caller, weight in weights.items():
+            for category, fraction in share(caller, visiting | {func}).items():
+                out[category] = out.get(category, 0.0) + fraction * weight / total
+        if len(visiting) == 0:
+            memo[func] = out
+        return out
+
+    seconds: dict[str, float] = {}
+    for func, (_, _, tottime, _, _) in raw.items():
+        for category, fraction in share(func, frozenset()).items():
+            seconds[category] = seconds.get(category, 0.0) + tottime * fraction
+    return dict(sorted(seconds.items(), key=lambda kv: -kv[1]))
+
+
+def print_profile(path: Path, top: int, requests: int, cpu_ms: float) -> dict[str, Any]:
+    """The profiled windows' time by category and the top functions by own time."""
+    stats = pstats.Stats(str(path))
+    breakdown = profile_breakdown(stats)
+    idle = breakdown.pop("idle (waiting in epoll)", 0.0)
+    gc_file = path.with_suffix(".gc.json")
+    if gc_file.exists():  # full collections were kept out of the profile: see the launcher
+        breakdown["full garbage collections (gen 2)"] = json.loads(gc_file.read_text())["full_gc_s"]
+        breakdown = dict(sorted(breakdown.items(), key=lambda kv: -kv[1]))
+    busy = sum(breakdown.values())
+    say(
+        f"\ngateway profile ({path}): measured windows only, {requests:,} requests, "
+        f"{busy:.2f} s busy + {idle:.2f} s idle under cProfile (which slows Python calls: use the "
+        f"shares; 'est. ms' = share x {cpu_ms:.2f} ms, the gateway's CPU per request in this "
+        f"run's unprofiled (even) rounds)"
+    )
+    say(f"  {'where':<46}{'share':>8}{'ms/req (profiled)':>19}{'est. ms':>9}")
+    categories = []
+    for category, secs in breakdown.items():
+        share = secs / busy
+        categories.append(
+            {
+                "category": category,
+                "share": round(share, 4),
+                "profiled_ms_per_request": round(1000 * secs / max(requests, 1), 3),
+                "estimated_ms_per_request": round(share * cpu_ms, 3),
+            }
+        )
+        if share >= 0.002:
+            say(
+                f"  {category:<46}{share:>8.1%}{1000 * secs / max(requests, 1):>19.3f}"
+                f"{share * cpu_ms:>9.3f}"
+            )
+    say(f"\ntop {top} functions by own time (profiled windows)")
+    stats.sort_stats("tottime").print_stats(top)
+    raw: dict[Any, Any] = stats.stats  # type: ignore[attr-defined]
+    rows = [
+        {
+            "function": f"{Path(file).name}:{line}:{fn}",
+            "calls": calls,
+            "tottime_s": round(tottime, 3),
+            "cumtime_s": round(cumtime, 3),
+        }
+        for (file, line, fn), (_, calls, tottime, cumtime, _) in sorted(
+            raw.items(), key=lambda kv: -kv[1][2]
+        )[:top]
+    ]
+    return {"categories": categories, "top_functions": rows, "busy_s": busy, "idle_s": idle}
+
+
+async def bench(args: argparse.Namespace, plan: Plan, tmp: Path) -> dict[str, Any]:
+    from gateway.model import ensure_tiny_model
+
+    levels = [int(c) for c in args.concurrency.split(",")]
+    t0 = time.perf_counter()
+    model_dir = ensure_tiny_model(Path(args.model_cache))
+    conv = build_conversation(model_dir, args.turns_per_session)
+    say(f"tiny model and tokenizer ready in {time.perf_counter() - t0:.1f} s ({model_dir})")
+
+    nats = NatsServer(tmp / "nats").start()
+    backend_port, gateway_port = free_port(), free_port()
+    backend_url = f"http://127.0.0.1:{backend_port}"
+    gateway_url = f"http://127.0.0.1:{gateway_port}"
+    tokens = ",".join(str(t) for t in conv.completion_ids)
+    backend_cmd = [sys.executable, str(BACKEND_SCRIPT), "--port", str(backend_port)]
+    backend_cmd += ["--tokens", tokens, "--ttft-ms", str(args.ttft_ms)]
+    backend_cmd += ["--itl-ms", str(args.itl_ms)]
+    gc_log = tmp / "gateway-gc.json"
+    gateway_cmd = [sys.executable, str(LAUNCHER_SCRIPT), "--gc-log", str(gc_log)]
+    if args.profile_gateway:
+        gateway_cmd += ["--profile", str(args.profile_gateway)]
+    if args.gateway_gc_freeze:
+        gateway_cmd += ["--gc-freeze"]
+    for name in args.gateway_experiment:
+        gateway_cmd += ["--experiment", name]
+    gateway_cmd += ["--", "gateway", "--backend", "vllm"]
+    gateway_cmd += ["--backend-urls", json.dumps([backend_url]), "--max-context", "4096"]
+    gateway_cmd += ["--model", str(model_dir), "--log.url", nats.url, "--port", str(gateway_port)]
+    gateway_cmd += ["--data-dir", str(tmp / "data"), "--run", RUN]
+    gateway_cmd += ["--max-inflight-per-replica", str(args.max_inflight_per_replica)]
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    if args.gateway_log_level:
+        env["TURNSTREAM_LOG_LEVEL"] = args.gateway_log_level
+    t0 = time.perf_counter()
+    log_dir = tmp / "logs"
+    log_dir.mkdir()
+    try:
+        backend = spawn(backend_cmd, log_dir / "backend.log", os.environ)
+    except BaseException:
+        nats.stop()
+        raise
+    try:
+        gateway = spawn(gateway_cmd, log_dir / "gateway.log", env)
+    except BaseException:
+        stop_process(backend, signal.SIGTERM)
+        nats.stop()
+        raise
+    procs = Procs(backend, gateway, nats)
+    nc = None
+    try:
+        await wait_http(f"{backend_url}/health", backend, "fixed-latency backend", 30)
+        await wait_http(f"{gateway_url}/health", gateway, "gateway", 120)
+        say(
+            f"backend (pid {backend.pid}), gateway (pid {gateway.pid}), nats-server "
+            f"(pid {nats.pid}) up in {time.perf_counter() - t0:.1f} s"
+        )
+        nc = await connect(nats.url, name="gateway-bench")
+        # This process imported transformers and torch too: keep their objects out of the
+        # collector, so that the load generator's own pauses do not show up as latency.
+        gc.collect()
+        gc.freeze()
+        js = nc.jetstream()
+        # Several small pools: httpcore's pool does O(connections) work per connection on every
+        # request, which at 64 connections in one pool makes the load generator the bottleneck.
+        per = args.workers_per_client
+        limits = httpx.Limits(max_connections=per + 2, max_keepalive_connections=per + 2)
+        async with contextlib.AsyncExitStack() as stack:
+            clients = [
+                await stack.enter_async_context(httpx.AsyncClient(limits=limits, timeout=60.0))
+                for _ in range(-(-max(levels) // per))
+            ]
+            client = clients[0]
+            model_name = model_dir.name
+            paths: dict[str, LoadPath] = {
+                "direct": Direct(clients, per, backend_url, model_name, conv),
+                "gateway": Gateway(clients, per, gateway_url, model_name, conv),
+            }
+            # One request each way first: connections, lazy imports, the first session.
+            for load in paths.values():
+                load.counts = PhaseCounts()
+                await load.worker(0, "first")()
+            first = paths["gateway"].counts
+            if args.gateway_gc_freeze:
+                gateway.send_signal(signal.SIGUSR2)  # gc.collect(); gc.freeze() in the gateway
+                await asyncio.sleep(1.0)
+            phases = await run_levels(
+                args, plan, levels, paths, procs, js, client, gateway_url, backend_url
+            )
+            backend_stats = (await client.get(f"{backend_url}/stats")).json()
+        totals = await final_check(js, phases, first)
+    except BaseException:
+        for log_file in sorted(log_dir.iterdir()):
+            say(f"--- {log_file.name} (tail) ---\n{log_file.read_text(errors='replace')[-4000:]}")
+        raise
+    finally:
+        if nc is not None:
+            await nc.close()
+        stop_process(gateway, signal.SIGINT, 60 if args.profile_gateway else 20)
+        stop_process(backend, signal.SIGTERM)
+        nats.stop()
+    gc_report = json.loads(gc_log.read_text()) if gc_log.exists() else None
+    return {
+        "levels": levels,
+        "phases": phases,
+        "backend_stats": backend_stats,
+        "totals": totals,
+        "gateway_gc": gc_report,
+    }
+
+
+async def run_levels(
+    args: argparse.Namespace,
+    plan: Plan,
+    levels: list[int],
+    paths: dict[str, LoadPath],
+    procs: Procs,
+    js: Any,
+    client: httpx.AsyncClient,
+    gateway_url: str,
+    backend_url: str,
+) -> list[Phase]:
+    phases: list[Phase] = []
+    say(
+        f"\nclosed loop, {plan.rounds} rounds per concurrency, each path per round: "
+        f"{plan.warmup_s:g} s warm-up + {plan.measure_s:g} s measured"
+    )
+    for c in levels:
+        for rnd in range(plan.rounds):
+            order = ("direct", "gateway") if rnd % 2 == 0 else ("gateway", "direct")
+            line = []
+            for name in order:
+                tag = f"c{c}r{rnd}"
+                if name == "gateway":
+                    before_msgs = await stream_messages(js)
+                    before = parse_metrics((await client.get(f"{gateway_url}/metrics")).text)
+                conns = (await client.get(f"{backend_url}/stats")).json()["connections"]
+                # Profiled: the gateway phases of odd rounds; even rounds give unprofiled CPU.
+                profiled = name == "gateway" and args.profile_gateway and rnd % 2 == 1
+                edge = procs.toggle_profile if profiled else None
+                phase = await run_phase(paths[name], c, plan, tag, procs, rnd, edge)
+                phase.backend_connections = (await client.get(f"{backend_url}/stats")).json()[
+                    "connections"
+                ] - conns
+                if name == "gateway":
+                    after = parse_metrics((await client.get(f"{gateway_url}/metrics")).text)
+                    phase.gateway_metrics = {k: after[k] - before[k] for k in after}
+                    grown = await stream_messages(js) - before_msgs
+                    expected = phase.requests + phase.sessions
+                    if grown != expected:
+                        raise RuntimeError(
+                            f"c={c} round {rnd}: EVENTS grew by {grown} messages; {phase.requests}"
+                            f" turns answered + {phase.sessions} sessions opened = {expected}"
+                        )
+                phases.append(phase)
+                line.append(
+                    f"{name} {phase.throughput:>7,.0f} req/s "
+                    f"p50 {pct(phase.latencies_s, 50) * 1000:6.2f} ms "
+                    f"p99 {pct(phase.latencies_s, 99) * 1000:6.2f} ms"
+                )
+            say(f"  c={c:<3} round {rnd + 1}/{plan.rounds}: " + " | ".join(line))
+    return phases
+
+
+async def final_check(js: Any, phases: list[Phase], first: PhaseCounts) -> dict[str, int]:
+    gw = [p for p in phases if p.path == "gateway"]
+    turns = sum(p.requests for p in gw) + first.requests
+    sessions = sum(p.sessions for p in gw) + first.sessions
+    # The script sends its first requests after the gateway came up: the stream starts empty.
+    stored = await stream_messages(js)
+    stored_turns = await count_subjects(js, f"ts.ev.{RUN}.*.turn")
+    stored_opens = await count_subjects(js, f"ts.ev.{RUN}.*.open")
+    if (stored_turns, stored_opens, stored) != (turns, sessions, turns + sessions):
+        raise RuntimeError(
+            f"EVENTS holds {stored} messages ({stored_turns} TurnCompleted, {stored_opens} "
+            f"SessionOpened); the gateway answered {turns} turns in {sessions} sessions"
+        )
+    say(
+        f"\nchecked: EVENTS holds {stored_turns:,} TurnCompleted (= gateway answers) and "
+        f"{stored_opens:,} SessionOpened (= sessions)"
+    )
+    return {"gateway_turns": turns, "gateway_sessions": sessions, "events_stored": stored}
+
+
+def gc_in_phases(gc_report: dict[str, Any] | None, phases: list[Phase]) -> dict[str, Any]:
+    """The gateway's full (generation 2) collections during ``phases`` (warm-up included)."""
+    if gc_report is None:
+        return {"count": 0, "pause_ms": 0.0, "max_pause_ms": 0.0}
+    pauses = [
+        gc["pause_ms"]
+        for gc in gc_report["full_collections"]
+        if any(p.wall[0] <= gc["at"] <= p.wall[1] for p in phases)
+    ]
+    return {
+        "count": len(pauses),
+        "pause_ms": round(sum(pauses), 1),
+        "max_pause_ms": round(max(pauses, default=0.0), 1),
+    }
+
+
+def report(result: dict[str, Any]) -> dict[str, Any]:
+    phases: list[Phase] = result["phases"]
+    figures: dict[str, Any] = {}
+    details: dict[str, Any] = {}
+    say(
+        f"\n{'':49}{'CPU ms per request':^36}{'backend':>10}\n"
+        f"{'c':>3} {'path':<8}{'req/s':>9}{'p50 ms':>9}{'p90 ms':>9}{'p99 ms':>9}{'mean ms':>9}"
+        f"{'backend':>9}{'gateway':>9}{'nats':>9}{'loadgen':>9}{'conns/req':>10}"
+    )
+    for c in result["levels"]:
+        per = {
+            name: summarize([p for p in phases if p.concurrency == c and p.path == name])
+            for name in ("direct", "gateway")
+        }
+        for name, s in per.items():
+            cpu = s["cpu_ms_per_request"]
+            say(
+                f"{c:>3} {name:<8}{s['throughput_rps']:>9,.1f}{s['p50_ms']:>9.2f}"
+                f"{s['p90_ms']:>9.2f}{s['p99_ms']:>9.2f}{s['mean_ms']:>9.2f}"
+                f"{cpu['backend']:>9.3f}{cpu['gateway']:>9.3f}{cpu['nats']:>9.3f}"
+                f"{cpu['loadgen']:>9.3f}{s['backend_connections_per_request']:>10.2f}"
+            )
+        d, g = per["direct"], per["gateway"]
+        added = {q: round(g[f"{q}_ms"] - d[f"{q}_ms"], 3) for q in ("p50", "p90", "p99", "mean")}
+        ratio = round(g["throughput_rps"] / d["throughput_rps"], 3)
+        gw_phases = [p for p in phases if p.concurrency == c and p.path == "gateway"]
+        g["gc_full_collections"] = gc_in_phases(result["gateway_gc"], gw_phases)
+        say(
+            f"{c:>3} added   p50 {added['p50']:+.2f} ms, p99 {added['p99']:+.2f} ms, "
+            f"throughput ratio {ratio:.3f}; gateway server-side mean "
+            f"{g.get('gateway_server_ms_mean', float('nan')):.2f} ms of which publish->ack "
+            f"{g.get('gateway_publish_ms_mean', float('nan')):.2f} ms; gateway full GCs "
+            f"{g['gc_full_collections']['count']} ({g['gc_full_collections']['pause_ms']:.0f} ms)"
+        )
+        figures[f"added_ms_p50_c{c}"] = added["p50"]
+        figures[f"added_ms_p99_c{c}"] = added["p99"]
+        figures[f"throughput_ratio_c{c}"] = ratio
+        details[f"c{c}"] = {
+            "direct": d,
+            "gateway": g,
+            "added_ms": added,
+            "throughput_ratio": ratio,
+            "round_added_ms_p50": [
+                round(gp - dp, 3)
+                for gp, dp in zip(g["round_p50_ms"], d["round_p50_ms"], strict=True)
+            ],
+        }
+    return {"figures": figures, "details": details}
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="shorter phases (< 60 s)")
+    parser.add_argument("--concurrency", default="1,16,64", help="comma-separated levels")
+    parser.add_argument("--ttft-ms", type=float, default=20.0, help="backend's fixed latency")
+    parser.add_argument(
+        "--itl-ms", type=float, default=0.0, help="backend's delay between token events"
+    )
+    parser.add_argument("--turns-per-session", type=int, default=4)
+    parser.add_argument(
+        "--workers-per-client", type=int, default=8, help="load workers sharing one httpx pool"
+    )
+    parser.add_argument("--max-inflight-per-replica", type=int, default=None)
+    parser.add_argument(
+        "--gateway-log-level", default=None, help="TURNSTREAM_LOG_LEVEL (default: as shipped)"
+    )
+    parser.add_argument("--rounds", type=int, default=None, help="override the plan's rounds")
+    parser.add_argument("--measure-s", type=float, default=None, help="override measured seconds")
+    parser.add_argument(
+        "--model-cache",
+        default=str(Path(tempfile.gettempdir()) / "turnstream-bench-models"),
+        help="where the tiny model is created once and reused",
+    )
+    parser.add_argument(
+        "--gateway-gc-freeze",
+        action="store_true",
+        help="experiment: gc.freeze() in the gateway process after its imports",
+    )
+    parser.add_argument(
+        "--gateway-experiment",
+        action="append",
+        default=[],
+        choices=["drain-sse", "pool"],
+        help="experiment (repeatable): patch the gateway at runtime, see gateway_launcher.py",
+    )
+    parser.add_argument("--profile-gateway", type=Path, default=None, help="cProfile output file")
+    parser.add_argument("--profile-top", type=int, default=30)
+    parser.add_argument(
+        "--store-dir", default=None, help="parent of the temporary nats store (default: tmp)"
+    )
+    args = parser.parse_args()
+    if args.profile_gateway and (args.rounds or 2) < 2:
+        parser.error("--profile-gateway profiles odd rounds and needs at least 2")
+    plan = QUICK if args.quick else FULL
+    if args.rounds is not None or args.measure_s is not None:
+        plan = Plan(plan.warmup_s, args.measure_s or plan.measure_s, args.rounds or plan.rounds)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    if args.max_inflight_per_replica is None:
+        args.max_inflight_per_replica = max(levels)
+    started = time.perf_counter()
+    info = machine_info()
+    say(
+        f"turnstream gateway overhead benchmark ({'quick' if args.quick else 'full'}) on "
+        f"{info['platform']}, {info['cpu_count']} CPUs, Python {info['python']}, "
+        f"{info['nats_server']}"
+    )
+    say(
+        f"backend: 16 tokens after {args.ttft_ms:g} ms (itl {args.itl_ms:g} ms); gateway: "
+        f"sessions of {args.turns_per_session} turns, max_inflight_per_replica "
+        f"{args.max_inflight_per_replica}, log level {args.gateway_log_level or 'as shipped'}"
+        + (", gc.freeze() after start" if args.gateway_gc_freeze else "")
+        + "".join(f", EXPERIMENT {name}" for name in args.gateway_experiment)
+        + (", UNDER cProfile in odd rounds" if args.profile_gateway else "")
+    )
+    with tempfile.TemporaryDirectory(prefix="ts-gwbench-", dir=args.store_dir) as tmp:
+        result = await bench(args, plan, Path(tmp))
+    out = report(result)
+    profile = None
+    if args.profile_gateway:
+        gateway_phases = [p for p in result["phases"] if p.path == "gateway"]
+        profiled = [p for p in gateway_phases if p.round % 2 == 1]
+        plain = [p for p in gateway_phases if p.round % 2 == 0]
+        cpu_ms = 1000 * sum(p.cpu_s["gateway"] for p in plain) / sum(p.requests for p in plain)
+        profile = print_profile(
+            args.profile_gateway,
+            args.profile_top,
+            sum(p.completed_in_window for p in profiled),
+            cpu_ms,
+        )
+    duration = time.perf_counter() - started
+    top = max(levels)
+    added, ratio = (
+        out["figures"][f"added_ms_p50_c{top}"],
+        out["figures"][f"throughput_ratio_c{top}"],
+    )
+    targets = {
+        f"added_ms_p50_c{top}_max": 1.0,
+        f"throughput_ratio_c{top}_min": 0.9,
+        "met": added <= 1.0 and ratio >= 0.9,
+    }
+    say(
+        f"\ntargets at c={top}: added p50 {added:+.2f} ms (<= 1 ms), throughput ratio "
+        f"{ratio:.3f} (>= 0.9): {'met' if targets['met'] else 'NOT met'}"
+    )
+    figures: dict[str, Any] = {
+        **out["figures"],
+        "targets": targets,
+        "details": out["details"],
+        "backend_stats": result["backend_stats"],
+        **result["totals"],
+        "gateway_gc": {
+            k: v for k, v in (result["gateway_gc"] or {}).items() if k != "full_collections"
+        },
+        "settings": {
+            "ttft_ms": args.ttft_ms,
+            "itl_ms": args.itl_ms,
+            "completion_tokens": 16,
+            "turns_per_session": args.turns_per_session,
+            "max_inflight_per_replica": args.max_inflight_per_replica,
+            "gateway_log_level": args.gateway_log_level or "as shipped",
+            "warmup_s": plan.warmup_s,
+            "measure_s": plan.measure_s,
+            "rounds": plan.rounds,
+            "profiled": bool(args.profile_gateway),
+            "gateway_gc_freeze": args.gateway_gc_freeze,
+            "gateway_experiments": args.gateway_experiment,
+        },
+        **({"gateway_profile": profile} if profile else {}),
+        "mode": "quick" if args.quick else "full",
+        "duration_s": round(duration, 1),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        **info,
+    }
+    say(f"\ndone in {duration:.1f} s")
+    say(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.ERROR)
+    asyncio.run(main())
