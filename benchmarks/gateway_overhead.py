@@ -82,6 +82,7 @@ queueing; CPU per request says where the time went.
 
 from __future__ import annotations
 
+import abc
 import argparse
 import asyncio
 import contextlib
@@ -247,12 +248,13 @@ class PhaseCounts:
     sessions: int = 0
 
 
-class LoadPath:
+class LoadPath(abc.ABC):
     name: str
     counts: PhaseCounts
 
+    @abc.abstractmethod
     def worker(self, wid: int, tag: str) -> Callable[[], Awaitable[None]]:
-        raise NotImplementedError
+        """One closed-loop worker's request function."""
 
 
 class Direct(LoadPath):
