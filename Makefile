@@ -32,7 +32,7 @@ unit: setup
 	$(BIN)/python -m pytest -q tests/unit
 
 bench: setup
-	@set -e; for b in benchmarks/*.py; do \
+	@set -e; for b in $$(ls benchmarks/*.py | grep -v '/_'); do \
 		echo "== $$b"; PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python $$b $(BENCH_ARGS); \
 	done
 

@@ -7,7 +7,7 @@ Run it from the repository root::
 
 Setup (all on this machine, started and stopped by this script)
 ---------------------------------------------------------------
-* **Backend**: ``benchmarks/fixed_latency_backend.py`` in its own process, a bare-asyncio
+* **Backend**: ``benchmarks/_fixed_latency_backend.py`` in its own process, a bare-asyncio
   stand-in for vLLM's ``/v1/completions`` that answers every request with the same 16 tokens
   (``"The answer: 42."`` + ``<|im_end|>``, one SSE event per token, with logprobs, a usage
   event and ``[DONE]``) after a fixed ``--ttft-ms`` (20 ms). The same process answers the same
@@ -15,7 +15,7 @@ Setup (all on this machine, started and stopped by this script)
 * **Gateway**: ``turnstream gateway --backend vllm`` in its own process (uvicorn), on the tiny
   ChatML model's tokenizer and template (``gateway.model.ensure_tiny_model``), publishing to a
   nats-server (file store, ``schemas.log.NatsServer``) that this script starts. It is started
-  through ``benchmarks/gateway_launcher.py``, which runs ``turnstream.cli.main`` unchanged and
+  through ``benchmarks/_gateway_launcher.py``, which runs ``turnstream.cli.main`` unchanged and
   records the garbage collector's full collections (and, on request, runs the experiments and
   the profiler described below). Logging as shipped unless ``--gateway-log-level`` says
   otherwise. ``--max-inflight-per-replica`` is the highest concurrency (64; the product default
@@ -64,7 +64,7 @@ Diagnostics (not for the headline figures)
 * ``--gateway-gc-freeze``: experiment: ``gc.freeze()`` in the gateway once it has answered its
   first request.
 * ``--gateway-experiment drain-sse`` / ``pool``: experiments that patch the gateway's backend
-  client at runtime (see ``gateway_launcher.py``): read the SSE response past ``[DONE]`` so the
+  client at runtime (see ``_gateway_launcher.py``): read the SSE response past ``[DONE]`` so the
   connection is reused; spread the backend requests over 8 small httpx pools.
 * ``--profile-gateway FILE``: cProfile in the gateway during the measured windows of the odd
   rounds (the even rounds give the unprofiled CPU per request); prints the busy time by
@@ -113,8 +113,8 @@ from gateway.backends.vllm import completion_request
 from schemas.log import LogSettings, NatsServer, connect, find_nats_server, free_port
 
 REPO = Path(__file__).resolve().parent.parent
-BACKEND_SCRIPT = Path(__file__).resolve().parent / "fixed_latency_backend.py"
-LAUNCHER_SCRIPT = Path(__file__).resolve().parent / "gateway_launcher.py"
+BACKEND_SCRIPT = Path(__file__).resolve().parent / "_fixed_latency_backend.py"
+LAUNCHER_SCRIPT = Path(__file__).resolve().parent / "_gateway_launcher.py"
 RUN = "bench"
 STREAM = LogSettings().names.events
 REPLY = "The answer: 42."  # what the fixed backend says (its tokens are these bytes + <|im_end|>)
@@ -168,7 +168,7 @@ class Procs:
     nats: NatsServer
 
     def toggle_profile(self) -> None:
-        self.gateway.send_signal(signal.SIGUSR1)  # see gateway_launcher.py
+        self.gateway.send_signal(signal.SIGUSR1)  # see _gateway_launcher.py
 
     def cpu(self) -> dict[str, float]:
         assert self.nats.pid is not None
@@ -925,7 +925,7 @@ async def main() -> None:
         action="append",
         default=[],
         choices=["drain-sse", "pool"],
-        help="experiment (repeatable): patch the gateway at runtime, see gateway_launcher.py",
+        help="experiment (repeatable): patch the gateway at runtime, see _gateway_launcher.py",
     )
     parser.add_argument("--profile-gateway", type=Path, default=None, help="cProfile output file")
     parser.add_argument("--profile-top", type=int, default=30)

@@ -27,7 +27,7 @@
 
 Usage::
 
-    python benchmarks/gateway_launcher.py [--gc-log F] [--gc-freeze] [--experiment NAME]
+    python benchmarks/_gateway_launcher.py [--gc-log F] [--gc-freeze] [--experiment NAME]
         [--profile F] -- gateway --flags...
 """
 

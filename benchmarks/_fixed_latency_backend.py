@@ -28,7 +28,7 @@ request. ``max_tokens`` smaller than the token list cuts it (``finish_reason: "l
 The HTTP/1.1 server is a bare ``asyncio.Protocol`` (keep-alive, ``Content-Length`` bodies,
 chunked responses): no framework, so what it costs is small next to what is measured. Run::
 
-    .venv/bin/python benchmarks/fixed_latency_backend.py --port 8100 --tokens 84,104,101,258
+    .venv/bin/python benchmarks/_fixed_latency_backend.py --port 8100 --tokens 84,104,101,258
 """
 
 from __future__ import annotations
