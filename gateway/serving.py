@@ -37,7 +37,7 @@ from gateway.templates import ChatTemplate, message_key
 from gateway.tools import ToolCallParser
 from schemas import RewardAssigned, SessionClosed, SessionEvent, SessionOpened, TurnCompleted
 from schemas.delta import common_message_prefix_len, common_prefix_len
-from schemas.ids import new_session_id
+from schemas.ids import new_session_id, validate_id
 from schemas.log import Publisher
 
 __all__ = ["ChatService", "TurnResult"]
@@ -132,6 +132,8 @@ class ChatService:
 
     async def find_session(self, session_id: str) -> Session | None:
         """A session held here, else one recovered from its events in the log."""
+        # Before it reaches a subject filter, where '*' or '>' would be wildcards.
+        validate_id(session_id, "session id")
         session = self.sessions.find(session_id)
         if session is not None or self._recover is None:
             return session

@@ -261,6 +261,15 @@ def test_every_error_has_its_status_and_an_openai_body(gateway: GatewayProcess) 
         client.chat.completions.create(model="tiny", messages=too_long)
     assert big.value.status_code == 413
 
+    for bad_id in ("a*b", "a.b", "x" * 65):
+        wildcard = httpx.post(f"{gateway.url}/sessions/{bad_id}/v1/chat/completions", json=ok_body)
+        assert wildcard.status_code == 400, wildcard.text
+        assert "session id" in wildcard.json()["error"]["message"]
+        header = httpx.post(
+            f"{gateway.url}/v1/chat/completions", json=ok_body, headers={"X-Session-Id": bad_id}
+        )
+        assert header.status_code == 400, header.text
+
     no_header = httpx.post(f"{gateway.url}/v1/chat/completions", json=ok_body)
     assert no_header.status_code == 400 and "X-Session-Id" in no_header.json()["error"]["message"]
 
