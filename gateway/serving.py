@@ -384,7 +384,10 @@ class ChatService:
             logprobs=np.asarray(detok.logprobs, dtype=np.float32),
             message_prefix_len=message_prefix,
             new_messages=turn.messages[message_prefix:],
-            tools=turn.tools if turn.tools != session.tools or session.next_turn == 0 else None,
+            # None: same tools as the previous turn; [] : tools removed.
+            tools=(turn.tools or [])
+            if turn.tools != session.tools or session.next_turn == 0
+            else None,
             sampling=turn.sampling,
             finish_reason=finish,
             text=content or "",

@@ -78,7 +78,9 @@ class Session:
         if turns:
             session.context_ids, session.conversation = replay_context(turns)
             session.last_completion_ids = turns[-1].completion_ids.tolist()
-            session.tools = next((t.tools for t in reversed(turns) if t.tools is not None), None)
+            latest = next((t.tools for t in reversed(turns) if t.tools is not None), None)
+            session.tools = latest or None  # [] recorded a removal
+
         if closed is not None:
             session.closed, session.status = True, closed.status
         return session

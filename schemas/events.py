@@ -89,7 +89,7 @@ class TurnCompleted(_Event, tag="TurnCompleted", kw_only=True):
     logprobs: np.ndarray  # float32, one per completion token
     message_prefix_len: int = 0
     new_messages: list[JSON] = msgspec.field(default_factory=list)
-    tools: list[JSON] | None = None
+    tools: list[JSON] | None = None  # only when changed: None = as the previous turn, [] = none
     sampling: JSON = msgspec.field(default_factory=dict)
     finish_reason: str = "stop"
     text: str = ""
