@@ -15,6 +15,7 @@ from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.background import BackgroundTask
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.errors import InvalidRequest, Unauthorized, error_body, error_spec
@@ -117,7 +118,11 @@ def create_app(
         session = await service.session(session_id)
         if body.stream:
             stream = await service.chat_stream(session, body)
-            return StreamingResponse(stream, media_type="text/event-stream")
+            return StreamingResponse(
+                stream,
+                media_type="text/event-stream",
+                background=BackgroundTask(stream.release_if_unstarted),
+            )
         return JSONResponse(await service.chat(session, body))
 
     async def complete(session_id: str, body: CompletionRequest) -> JSON:

@@ -40,7 +40,7 @@ from schemas.delta import common_message_prefix_len, common_prefix_len
 from schemas.ids import new_session_id, validate_id
 from schemas.log import Publisher
 
-__all__ = ["ChatService", "TurnResult"]
+__all__ = ["ChatService", "ChatStream", "TurnResult"]
 
 log = logging.getLogger(__name__)
 JSON = dict[str, Any]
@@ -80,6 +80,29 @@ class TurnResult:
     detok: Detokenizer
     prompt_tokens: int
     weight_version: int
+
+
+class ChatStream:
+    """The SSE chunks of one streamed turn, owning the session's lock.
+
+    The generator releases the lock when it ends; ``release_if_unstarted`` (run by the
+    response once it is done) releases it when the client left before the first chunk was
+    pulled, where the generator's ``finally`` never runs and the session would stay locked."""
+
+    def __init__(self, service: ChatService, turn: _Turn, req: ChatCompletionRequest) -> None:
+        self._started = False
+        self._lock = turn.session.lock
+        self._chunks = service._stream_chat(turn, req, self._mark_started)
+
+    def _mark_started(self) -> None:
+        self._started = True
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self._chunks
+
+    async def release_if_unstarted(self) -> None:
+        if not self._started and self._lock.locked():
+            self._lock.release()
 
 
 class ChatService:
@@ -448,9 +471,7 @@ class ChatService:
 
     # -- streaming --------------------------------------------------------------------------
 
-    async def chat_stream(
-        self, session: Session, req: ChatCompletionRequest
-    ) -> AsyncIterator[bytes]:
+    async def chat_stream(self, session: Session, req: ChatCompletionRequest) -> ChatStream:
         """Validate and prepare the turn now (errors get their status code), then return the
         SSE stream, which holds the session's lock until it ends."""
         await session.lock.acquire()
@@ -460,10 +481,13 @@ class ChatService:
         except BaseException:
             session.lock.release()
             raise
-        return self._stream_chat(turn, req)
+        return ChatStream(self, turn, req)
 
-    async def _stream_chat(self, turn: _Turn, req: ChatCompletionRequest) -> AsyncIterator[bytes]:
+    async def _stream_chat(
+        self, turn: _Turn, req: ChatCompletionRequest, started: Callable[[], None]
+    ) -> AsyncIterator[bytes]:
         session = turn.session
+        started()
         try:
             detok = Detokenizer(self.template.decode, turn.stop_strings)
             created = int(time.time())
