@@ -52,16 +52,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
 import gc
-import importlib.metadata
-import json
 import logging
 import os
-import platform
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -70,6 +64,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _common import finish, machine_info, say
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
@@ -80,7 +75,7 @@ from schemas.log.config import LogSettings
 from schemas.log.connection import connect
 from schemas.log.provision import provision
 from schemas.log.publisher import JetStreamPublisher
-from schemas.log.server import NatsServer, find_nats_server
+from schemas.log.server import NatsServer
 
 KB = 1024
 MB = 1_000_000  # throughput unit: 10^6 payload bytes
@@ -122,10 +117,6 @@ QUICK = Plan(
     },
 )
 SIZES = {"1kb": 1 * KB, "512kb": 512 * KB}
-
-
-def say(line: str = "") -> None:
-    print(line, flush=True)
 
 
 # -- events -----------------------------------------------------------------------------------
@@ -409,30 +400,6 @@ async def _publish_sizes(
 # -- main -------------------------------------------------------------------------------------
 
 
-def machine_info() -> dict[str, Any]:
-    try:
-        nats_server = subprocess.run(
-            [find_nats_server(), "--version"], capture_output=True, text=True, timeout=10
-        ).stdout.strip()
-    except Exception as exc:  # report, don't fail the benchmark over a version string
-        nats_server = f"unknown ({exc})"
-    versions = {}
-    for dist in ("nats-py", "msgspec", "numpy"):
-        try:
-            versions[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            versions[dist] = "unknown"
-    return {
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "processor": platform.processor(),
-        "cpu_count": os.cpu_count(),
-        "python": sys.version.split()[0],
-        "nats_server": nats_server,
-        **versions,
-    }
-
-
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller counts (< 60 s)")
@@ -446,7 +413,7 @@ async def main() -> None:
     plan = QUICK if args.quick else FULL
     rng = np.random.default_rng(args.seed)
     started = time.perf_counter()
-    info = machine_info()
+    info = machine_info("nats-py", "msgspec", "numpy")
     say(
         f"turnstream codec/publish benchmark ({'quick' if args.quick else 'full'}) on "
         f"{info['platform']}, {info['cpu_count']} CPUs, Python {info['python']}, "
@@ -466,13 +433,8 @@ async def main() -> None:
         "publish_ratio_seq_512kb": publish["publish_ratio_seq_512kb"],
         **{k: v for k, v in publish.items() if not k.startswith("publish_ratio_")},
         "codec": codec,
-        "mode": "quick" if args.quick else "full",
-        "duration_s": round(duration, 1),
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        **info,
     }
-    say(f"\ndone in {duration:.1f} s")
-    say(json.dumps(figures))
+    finish(figures, quick=args.quick, duration_s=duration, info=info)
 
 
 if __name__ == "__main__":

@@ -86,14 +86,12 @@ import abc
 import argparse
 import asyncio
 import contextlib
-import datetime as dt
 import gc
 import importlib.metadata
 import importlib.util
 import json
 import logging
 import os
-import platform
 import pstats
 import signal
 import statistics
@@ -107,10 +105,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from _common import finish, say
+from _common import machine_info as common_machine_info
 
 from gateway.backends.base import SamplingParams
 from gateway.backends.vllm import completion_request
-from schemas.log import LogSettings, NatsServer, connect, find_nats_server, free_port
+from schemas.log import LogSettings, NatsServer, connect, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 BACKEND_SCRIPT = Path(__file__).resolve().parent / "_fixed_latency_backend.py"
@@ -140,10 +140,6 @@ class Plan:
 
 FULL = Plan(warmup_s=1.0, measure_s=6.0, rounds=4)
 QUICK = Plan(warmup_s=0.5, measure_s=1.5, rounds=2)
-
-
-def say(line: str = "") -> None:
-    print(line, flush=True)
 
 
 # -- processes --------------------------------------------------------------------------------
@@ -499,28 +495,12 @@ def summarize(phases: list[Phase]) -> dict[str, Any]:
 
 
 def machine_info() -> dict[str, Any]:
-    try:
-        nats_server = subprocess.run(
-            [find_nats_server(), "--version"], capture_output=True, text=True, timeout=10
-        ).stdout.strip()
-    except Exception as exc:  # report, don't fail the benchmark over a version string
-        nats_server = f"unknown ({exc})"
-    versions = {}
-    for dist in ("fastapi", "starlette", "uvicorn", "h11", "httpx", "nats-py", "transformers"):
-        try:
-            versions[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            versions[dist] = "unknown"
     return {
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "processor": platform.processor(),
-        "cpu_count": os.cpu_count(),
-        "python": sys.version.split()[0],
-        "nats_server": nats_server,
+        **common_machine_info(
+            "fastapi", "starlette", "uvicorn", "h11", "httpx", "nats-py", "transformers"
+        ),
         "uvloop": importlib.util.find_spec("uvloop") is not None,
         "httptools": importlib.util.find_spec("httptools") is not None,
-        **versions,
     }
 
 
@@ -1010,13 +990,8 @@ async def main() -> None:
             "gateway_experiments": args.gateway_experiment,
         },
         **({"gateway_profile": profile} if profile else {}),
-        "mode": "quick" if args.quick else "full",
-        "duration_s": round(duration, 1),
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        **info,
     }
-    say(f"\ndone in {duration:.1f} s")
-    say(json.dumps(figures))
+    finish(figures, quick=args.quick, duration_s=duration, info=info)
 
 
 if __name__ == "__main__":

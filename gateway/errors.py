@@ -45,31 +45,31 @@ class GatewayError(TurnstreamError):
 
 
 class InvalidRequest(GatewayError):
-    pass
+    """Malformed JSON, bad fields, unsupported parameters (400)."""
 
 
 class Unauthorized(GatewayError):
-    pass
+    """A missing or wrong bearer key (401)."""
 
 
 class SessionNotFound(GatewayError):
-    pass
+    """No such session here or in the log (404)."""
 
 
 class SessionClosed(GatewayError):
-    pass
+    """A turn, reward or close on a closed session (409)."""
 
 
 class ContextLengthExceeded(GatewayError):
-    pass
+    """Prompt (+ max_tokens) over the model's context length (413)."""
 
 
 class BackendError(GatewayError):
-    pass
+    """The inference backend failed or returned garbage (502)."""
 
 
 class BackendUnavailable(BackendError):
-    pass
+    """No replica could take the request (503)."""
 
 
 @dataclass(frozen=True)

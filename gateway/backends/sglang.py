@@ -37,7 +37,7 @@ import httpx
 
 from gateway.backends.base import FinishReason, GenerationChunk, SamplingParams, TopLogprob
 from gateway.backends.payload import as_float, as_int, as_int_list, as_list, member
-from gateway.backends.sse import ClientPool, post_event_stream
+from gateway.backends.sse import RemoteBackend
 from gateway.errors import BackendError
 
 __all__ = ["SGLangBackend", "SGLangStreamReader", "generate_request"]
@@ -45,7 +45,7 @@ __all__ = ["SGLangBackend", "SGLangStreamReader", "generate_request"]
 _FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length"}
 
 
-class SGLangBackend:
+class SGLangBackend(RemoteBackend):
     def __init__(
         self,
         base_url: str,
@@ -57,24 +57,16 @@ class SGLangBackend:
         timeout_s: float = 600.0,
         connect_timeout_s: float = 5.0,
     ) -> None:
-        self._url = f"{base_url.rstrip('/')}/generate"
-        self._id = backend_id
-        self._max_context = max_context
-        self._incremental = incremental_streaming
-        self._owns_client = client is None
-        self._client: httpx.AsyncClient | ClientPool = (
-            client if client is not None else ClientPool()
+        super().__init__(
+            f"{base_url.rstrip('/')}/generate",
+            "SGLang",
+            backend_id=backend_id,
+            max_context=max_context,
+            client=client,
+            timeout_s=timeout_s,
+            connect_timeout_s=connect_timeout_s,
         )
-        self._timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
-        self._where = f"SGLang at {self._url}"
-
-    @property
-    def id(self) -> str:
-        return self._id
-
-    @property
-    def max_context(self) -> int:
-        return self._max_context
+        self._incremental = incremental_streaming
 
     async def generate(
         self, prompt_ids: Sequence[int], params: SamplingParams
@@ -86,9 +78,7 @@ class SGLangBackend:
             incremental=self._incremental,
             where=self._where,
         )
-        stream = post_event_stream(
-            self._client, self._url, body, server="SGLang", http_timeout=self._timeout
-        )
+        stream = self._events(body)
         async with aclosing(stream) as events:
             async for event in events:
                 chunk = reader.read(event)
@@ -96,10 +86,6 @@ class SGLangBackend:
                     yield chunk
         if not reader.finished:
             raise BackendError(f"{self._where}: the stream ended without a finish_reason")
-
-    async def close(self) -> None:
-        if self._owns_client:
-            await self._client.aclose()
 
 
 def generate_request(prompt_ids: Sequence[int], params: SamplingParams) -> dict[str, Any]:

@@ -19,7 +19,7 @@ import httpx
 
 from gateway.errors import BackendError, BackendUnavailable
 
-__all__ = ["ClientPool", "post_event_stream"]
+__all__ = ["ClientPool", "RemoteBackend", "post_event_stream"]
 
 _BODY_EXCERPT = 500  # characters of an error body worth putting in a message
 
@@ -49,6 +49,52 @@ class ClientPool:
     async def aclose(self) -> None:
         for client in self._clients:
             await client.aclose()
+
+
+class RemoteBackend:
+    """What the HTTP backends (vLLM, SGLang) share: endpoint, identity, client, timeouts.
+
+    A client passed in (tests, a shared pool) is the caller's to close; one made here is ours.
+    ``timeout_s`` bounds the wait for each next event, not the whole generation."""
+
+    def __init__(
+        self,
+        url: str,
+        server: str,
+        *,
+        backend_id: str,
+        max_context: int,
+        client: httpx.AsyncClient | None,
+        timeout_s: float,
+        connect_timeout_s: float,
+    ) -> None:
+        self._url = url
+        self._server = server
+        self._id = backend_id
+        self._max_context = max_context
+        self._owns_client = client is None
+        self._client: httpx.AsyncClient | ClientPool = (
+            client if client is not None else ClientPool()
+        )
+        self._timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
+        self._where = f"{server} at {url}"
+
+    @property
+    def id(self) -> str:
+        return self._id
+
+    @property
+    def max_context(self) -> int:
+        return self._max_context
+
+    def _events(self, body: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
+        return post_event_stream(
+            self._client, self._url, body, server=self._server, http_timeout=self._timeout
+        )
+
+    async def close(self) -> None:
+        if self._owns_client:
+            await self._client.aclose()
 
 
 async def post_event_stream(

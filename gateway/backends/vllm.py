@@ -45,7 +45,7 @@ import httpx
 
 from gateway.backends.base import FinishReason, GenerationChunk, SamplingParams, TopLogprob
 from gateway.backends.payload import as_float, as_int, as_int_list, as_list, member
-from gateway.backends.sse import ClientPool, post_event_stream
+from gateway.backends.sse import RemoteBackend
 from gateway.errors import BackendError
 
 __all__ = ["StreamEvent", "VLLMBackend", "completion_request", "parse_stream_event"]
@@ -54,7 +54,7 @@ _TOKEN_ID_PREFIX = "token_id:"
 _FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length"}
 
 
-class VLLMBackend:
+class VLLMBackend(RemoteBackend):
     def __init__(
         self,
         base_url: str,
@@ -68,34 +68,23 @@ class VLLMBackend:
     ) -> None:
         # Accept the base URL with or without the /v1 an OpenAI client would be given.
         root = base_url.rstrip("/").removesuffix("/v1")
-        self._url = f"{root}/v1/completions"
-        self._model = model
-        self._id = backend_id
-        self._max_context = max_context
-        self._owns_client = client is None
-        self._client: httpx.AsyncClient | ClientPool = (
-            client if client is not None else ClientPool()
+        super().__init__(
+            f"{root}/v1/completions",
+            "vLLM",
+            backend_id=backend_id,
+            max_context=max_context,
+            client=client,
+            timeout_s=timeout_s,
+            connect_timeout_s=connect_timeout_s,
         )
-        # timeout_s bounds the wait for each next event, not the whole generation.
-        self._timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
-        self._where = f"vLLM at {self._url}"
-
-    @property
-    def id(self) -> str:
-        return self._id
-
-    @property
-    def max_context(self) -> int:
-        return self._max_context
+        self._model = model
 
     async def generate(
         self, prompt_ids: Sequence[int], params: SamplingParams
     ) -> AsyncIterator[GenerationChunk]:
         sent = list(prompt_ids)
         body = completion_request(self._model, sent, params)
-        stream = post_event_stream(
-            self._client, self._url, body, server="vLLM", http_timeout=self._timeout
-        )
+        stream = self._events(body)
         finished: GenerationChunk | None = None
         usage: dict[str, float] = {}
         async with aclosing(stream) as events:
@@ -121,10 +110,6 @@ class VLLMBackend:
                 f"{self._where} counted {prompt_tokens:.0f} prompt tokens, {len(sent)} sent"
             )
         yield replace(finished, extra={**finished.extra, **usage})
-
-    async def close(self) -> None:
-        if self._owns_client:
-            await self._client.aclose()
 
 
 def completion_request(
