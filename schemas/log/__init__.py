@@ -5,7 +5,7 @@ from schemas.log.connection import connect
 from schemas.log.outbox import Outbox, OutboxRecord
 from schemas.log.provision import ProvisionAction, provision
 from schemas.log.publisher import JetStreamPublisher, Publisher, PublisherStats, PublishReceipt
-from schemas.log.reader import read_session
+from schemas.log.reader import StoredMessage, read_session, read_session_messages
 from schemas.log.server import NatsServer, find_nats_server, free_port
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "Publisher",
     "PublisherSettings",
     "PublisherStats",
+    "StoredMessage",
     "StreamNames",
     "check_retry_horizon",
     "connect",
@@ -26,4 +27,5 @@ __all__ = [
     "free_port",
     "provision",
     "read_session",
+    "read_session_messages",
 ]

@@ -58,6 +58,8 @@ class Publisher(Protocol):
 
     async def publish_many(self, events: Sequence[Event]) -> list[PublishReceipt]: ...
 
+    async def publish_raw(self, subject: str, payload: bytes, msg_id: str) -> PublishReceipt: ...
+
 
 @dataclass
 class PublisherStats:

@@ -6,7 +6,7 @@ import pytest
 
 from consumers import fold
 from schemas import route
-from schemas.log import JetStreamPublisher, read_session
+from schemas.log import JetStreamPublisher, read_session, read_session_messages
 from tests.conftest import Log
 from tests.helpers.sessions import append_only, session_events
 
@@ -31,3 +31,19 @@ async def test_a_session_reads_back_exactly_and_folds_like_the_original(log: Log
 
 async def test_an_unknown_session_reads_back_empty(log: Log) -> None:
     assert await read_session(log.js, "run", "nobody") == []
+
+
+async def test_a_session_longer_than_one_batch_reads_back_whole(log: Log) -> None:
+    events = session_events(append_only(7), session="long")
+    noise = session_events(append_only(2), session="noise")
+    pub = await JetStreamPublisher(log.nc).start()
+    await pub.publish_many([*events[:4], *noise, *events[4:]])
+    await pub.close()
+
+    small = await read_session_messages(log.js, events[0].run, "long", batch=2)
+    whole = await read_session_messages(log.js, events[0].run, "long")
+
+    assert small == whole
+    assert len(whole) == len(events)
+    assert [m.seq for m in whole] == sorted(m.seq for m in whole)
+    assert all(m.subject.startswith(f"ts.ev.{events[0].run}.long.") for m in whole)

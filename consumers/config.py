@@ -1,0 +1,115 @@
+"""Settings of the consumers: fold worker, reaper, shard writer (plain pydantic models).
+
+The composition root (``turnstream``) nests these in each service's settings, so they are filled
+from CLI flags, ``TURNSTREAM_*`` env vars or a TOML file; nothing here reads the environment.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = ["ConsumerSettings", "FoldWorkerSettings", "ReaperSettings", "ShardWriterSettings"]
+
+MiB = 1024 * 1024
+
+
+class ConsumerSettings(BaseModel):
+    """A durable pull consumer: how much is in flight, how long before a redelivery."""
+
+    model_config = ConfigDict(frozen=True)
+
+    durable: str = Field(description="durable consumer name, shared by every process of the kind")
+    batch: int = Field(32, ge=1, description="messages per fetch (never above max_ack_pending)")
+    max_ack_pending: int = Field(256, ge=1, description="delivered, not yet acked, per consumer")
+    ack_wait_s: float = Field(30.0, gt=0, description="redelivery after this without ack/progress")
+    max_deliver: int = Field(10, ge=2, description="deliveries before a message is dead-lettered")
+    backoff_s: tuple[float, ...] = Field(
+        (1.0, 5.0, 30.0, 60.0), description="nak delays for retries, one per delivery, last repeats"
+    )
+    fetch_timeout_s: float = Field(1.0, gt=0, description="longest wait of one fetch")
+
+    @property
+    def fetch_batch(self) -> int:
+        # A pull request for more than max_ack_pending can never be filled: the server holds it
+        # until it expires, and every fetch would take the full timeout.
+        return min(self.batch, self.max_ack_pending)
+
+    def retry_delay_s(self, delivery: int) -> float:
+        """Delay before the next try of a message delivered ``delivery`` times (1 = first)."""
+        if not self.backoff_s:
+            return 0.0
+        return self.backoff_s[min(delivery, len(self.backoff_s)) - 1]
+
+
+class FoldWorkerSettings(ConsumerSettings):
+    """``turnstream worker``: closes in, trajectories out."""
+
+    durable: str = "fold"
+    concurrency: int = Field(8, ge=1, description="sessions folded at once per process")
+    per_turn: bool = Field(
+        False,
+        description="every turn its own sample (a session's metadata.fold.per_turn overrides)",
+    )
+    final_reward_scope: Literal["last", "all"] = Field(
+        "all", description="'all': every segment carries the final reward; 'last': the last only"
+    )
+    rehydrate_batch: int = Field(
+        1024, ge=1, description="events per direct-get batch when reading a session back"
+    )
+
+    @model_validator(mode="after")
+    def _concurrency_fits(self) -> FoldWorkerSettings:
+        if self.concurrency > self.max_ack_pending:
+            raise ValueError("concurrency must be <= max_ack_pending")
+        return self
+
+
+class ReaperSettings(BaseModel):
+    """The reaper closes sessions nobody closed, so they are folded, not lost."""
+
+    model_config = ConfigDict(frozen=True)
+
+    enabled: bool = Field(True, description="run the reaper in this worker process")
+    idle_timeout_s: float = Field(
+        1800.0, gt=0, description="a session with no event for this long is closed as 'timeout'"
+    )
+    scan_interval_s: float = Field(10.0, gt=0, description="how often idle sessions are looked for")
+    durable: str = Field("reaper", description="durable consumer that tracks session activity")
+    batch: int = Field(256, ge=1, description="events per fetch")
+    max_ack_pending: int = Field(4096, ge=1, description="events in flight")
+    flush_interval_s: float = Field(
+        0.5, gt=0, description="activity is written to the sessions bucket at least this often"
+    )
+
+
+class ShardWriterSettings(BaseModel):
+    """``turnstream shard-writer``: TRAJ in, Parquet shards out, each trajectory exactly once."""
+
+    model_config = ConfigDict(frozen=True)
+
+    target: str | None = Field(
+        None,
+        description="directory or pyarrow filesystem URI (s3://bucket/prefix); "
+        "unset: <data_dir>/shards",
+    )
+    durable: str = Field("shard-writer", description="durable consumer on TRAJ")
+    batch: int = Field(256, ge=1, description="trajectories per fetch")
+    max_rows: int = Field(20_000, ge=1, description="rotate a shard at this many rows")
+    max_bytes: int = Field(128 * MiB, ge=1, description="rotate at this much buffered data")
+    max_age_s: float = Field(30.0, gt=0, description="rotate a non-empty shard at this age")
+    compression_level: int | None = Field(None, description="zstd level; unset: pyarrow default")
+    fetch_timeout_s: float = Field(1.0, gt=0, description="longest wait of one fetch")
+
+    @property
+    def max_ack_pending(self) -> int:
+        # Trajectories are acked only once their shard is committed, so a full buffer plus one
+        # fetch must fit; otherwise the consumer stalls before the row limit is reached.
+        return self.max_rows + self.batch
+
+    @property
+    def ack_wait_s(self) -> float:
+        # A buffered trajectory waits up to max_age_s for its shard; redelivering it meanwhile
+        # would only make work. Progress is not signalled per message, so wait long enough.
+        return self.max_age_s * 2 + 30.0
