@@ -1,18 +1,41 @@
-"""Consumers of the event log: the pure fold, and the workers built around it."""
+"""Consumers of the event log: the pure fold, the fold worker, the reaper, the shard writer."""
 
 from __future__ import annotations
 
+from consumers.config import (
+    ConsumerSettings,
+    FoldWorkerSettings,
+    ReaperSettings,
+    ShardWriterSettings,
+)
+from consumers.dispositions import DeadLetterIt, Disposition, Retry, disposition
 from consumers.errors import ConsumerError, FoldError, MissingTurns
 from consumers.fold import FOLD_VERSION, FoldOptions, FoldResult, apply, finish, fold, initial
+from consumers.reaper import Reaper, ReaperStats, SessionActivity
+from consumers.worker import FoldMarker, FoldWorker, WorkerStats
 
 __all__ = [
     "FOLD_VERSION",
     "ConsumerError",
+    "ConsumerSettings",
+    "DeadLetterIt",
+    "Disposition",
     "FoldError",
+    "FoldMarker",
     "FoldOptions",
     "FoldResult",
+    "FoldWorker",
+    "FoldWorkerSettings",
     "MissingTurns",
+    "Reaper",
+    "ReaperSettings",
+    "ReaperStats",
+    "Retry",
+    "SessionActivity",
+    "ShardWriterSettings",
+    "WorkerStats",
     "apply",
+    "disposition",
     "finish",
     "fold",
     "initial",

@@ -1,0 +1,315 @@
+"""The reaper: a session nobody closed is closed as ``timeout`` once idle: folded, not lost.
+
+Two loops per process:
+
+- **track**: a durable pull consumer (``reaper``, headers only: the payloads are not needed) on
+  every session event. Each event's server timestamp, turn index (from its Msg-Id) and sequence
+  are merged into the session's entry in the ``ts_sessions`` bucket with a compare-and-set, so
+  any number of reapers can track at once and a restart loses nothing (the entry is the state;
+  the events are acked only after their entries are written).
+- **scan**: every ``scan_interval_s``, read the bucket; publish ``SessionClosed(status="timeout",
+  num_turns=<turns seen>)`` for each open session idle longer than ``idle_timeout_s``. The close's
+  Msg-Id is deterministic, so reapers scanning at the same time store it once.
+
+An event that arrives after its session's close is *late*: it is not folded; the reaper counts
+it and dead-letters a pointer to it (reason ``late_event``) so it stays visible.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import msgspec
+import nats.errors
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js import errors as js_errors
+from nats.js.kv import KeyValue
+
+from consumers.config import ReaperSettings
+from consumers.dead_letters import publish_dead_letter
+from consumers.pull import PullConsumer, fetch
+from schemas.dead_letter import DeadLetter
+from schemas.errors import EventLogUnavailable
+from schemas.events import SessionClosed
+from schemas.ids import EVENT_SUBJECT_PREFIX
+from schemas.log import Publisher, StreamNames
+
+__all__ = ["Observation", "Reaper", "ReaperStats", "SessionActivity", "idle_sessions", "observe"]
+
+log = logging.getLogger(__name__)
+
+_MSG_ID = "Nats-Msg-Id"
+_CACHE_SIZE = 65_536
+
+
+class SessionActivity(msgspec.Struct, frozen=True):
+    """A session's entry in the ``ts_sessions`` bucket (key ``<run>.<session>``)."""
+
+    last_at: float  # newest event, server time, epoch seconds
+    turns: int = 0  # highest turn index seen + 1
+    close_seq: int = 0  # EVENTS sequence of the close; 0 while open
+    late: int = 0  # events seen after the close
+
+
+class Observation(msgspec.Struct, frozen=True):
+    """One event as the reaper sees it (headers only)."""
+
+    seq: int
+    kind: str  # open / turn / reward / close
+    at: float
+    turn: int | None = None
+
+
+def observe(activity: SessionActivity | None, obs: Observation) -> tuple[SessionActivity, bool]:
+    """Merge one event into a session's activity; also says whether the event is late.
+
+    Commutative for everything but lateness: reapers may see events in any order, and an
+    event is only known late when the close was recorded first.
+    """
+    current = activity or SessionActivity(last_at=obs.at)
+    late = bool(current.close_seq) and obs.seq > current.close_seq and obs.kind != "close"
+    turns = current.turns if obs.turn is None else max(current.turns, obs.turn + 1)
+    close_seq = current.close_seq
+    if obs.kind == "close":
+        close_seq = min(close_seq, obs.seq) if close_seq else obs.seq
+    return (
+        SessionActivity(
+            last_at=max(current.last_at, obs.at),
+            turns=turns,
+            close_seq=close_seq,
+            late=current.late + late,
+        ),
+        late,
+    )
+
+
+def idle_sessions(
+    entries: Iterable[tuple[str, SessionActivity]], now: float, idle_timeout_s: float
+) -> list[tuple[str, SessionActivity]]:
+    """The open sessions with no event for longer than ``idle_timeout_s``."""
+    return [(key, a) for key, a in entries if not a.close_seq and now - a.last_at > idle_timeout_s]
+
+
+def _observation(msg: Msg) -> tuple[str, Observation] | None:
+    parts = msg.subject.split(".")
+    if len(parts) != 5 or ".".join(parts[:2]) != EVENT_SUBJECT_PREFIX:
+        return None
+    _, _, run, session, kind = parts
+    turn = None
+    if kind == "turn":
+        msg_id = (msg.headers or {}).get(_MSG_ID, "")
+        tail = msg_id.rsplit(".", 1)[-1]
+        turn = int(tail) if tail.isdigit() else None
+    at = msg.metadata.timestamp.timestamp()
+    return f"{run}.{session}", Observation(int(msg.metadata.sequence.stream), kind, at, turn)
+
+
+@dataclass
+class ReaperStats:
+    events_tracked: int = 0
+    sessions_reaped: int = 0
+    late_events: int = 0
+    conflicts: int = 0  # compare-and-set retries: another reaper wrote the same entry
+
+
+_decoder = msgspec.json.Decoder(SessionActivity)
+
+
+class Reaper:
+    """Call ``run(stop)``; it returns once ``stop`` is set."""
+
+    def __init__(
+        self,
+        js: JetStreamContext,
+        publisher: Publisher,
+        settings: ReaperSettings | None = None,
+        names: StreamNames | None = None,
+        *,
+        max_payload: int = 8 * 1024 * 1024,
+    ) -> None:
+        self._js = js
+        self._publisher = publisher
+        self.settings = settings or ReaperSettings()
+        self.names = names or StreamNames()
+        self._max_payload = max_payload
+        self.stats = ReaperStats()
+        self._kv: KeyValue | None = None
+        # key -> (revision, activity) of our last write: saves a read per update
+        self._known: OrderedDict[str, tuple[int, SessionActivity]] = OrderedDict()
+
+    def consumer(self) -> PullConsumer:
+        s = self.settings
+        return PullConsumer(
+            stream=self.names.events,
+            durable=s.durable,
+            filter_subjects=[f"{EVENT_SUBJECT_PREFIX}.>"],
+            max_ack_pending=s.max_ack_pending,
+            ack_wait_s=30.0,
+            headers_only=True,
+        )
+
+    async def run(self, stop: asyncio.Event) -> None:
+        sub = await self.consumer().bind(self._js)
+        self._kv = await self._js.key_value(self.names.sessions_bucket)
+        scanner = asyncio.create_task(self._scan_loop(stop), name="reaper-scan")
+        try:
+            while not stop.is_set():
+                try:
+                    msgs = await fetch(
+                        sub, min(self.settings.batch, self.settings.max_ack_pending), 1.0
+                    )
+                    if msgs:
+                        await self.track(msgs)
+                except EventLogUnavailable as exc:
+                    log.warning("reaper: %s; retrying", exc)
+                    await asyncio.sleep(1.0)
+        finally:
+            scanner.cancel()
+            await asyncio.gather(scanner, return_exceptions=True)
+
+    # -- tracking ---------------------------------------------------------------------------
+
+    async def track(self, msgs: Sequence[Msg]) -> None:
+        """Merge a batch of events into their sessions' entries, then ack them."""
+        by_key: dict[str, list[tuple[Observation, Msg]]] = {}
+        for msg in msgs:
+            seen = _observation(msg)
+            if seen is not None:
+                by_key.setdefault(seen[0], []).append((seen[1], msg))
+        await asyncio.gather(*(self._merge(key, seen) for key, seen in by_key.items()))
+        for msg in msgs:
+            # A lost ack redelivers the event; merging it again changes nothing but lateness.
+            with contextlib.suppress(nats.errors.Error, OSError):
+                await msg.ack()
+        self.stats.events_tracked += len(msgs)
+
+    async def _merge(self, key: str, seen: list[tuple[Observation, Msg]]) -> None:
+        assert self._kv is not None
+        seen.sort(key=lambda pair: pair[0].seq)
+        for _ in range(32):
+            revision, current = self._known.get(key) or await self._read(key)
+            activity, late = current, []
+            for obs, msg in seen:
+                activity, is_late = observe(activity, obs)
+                if is_late:
+                    late.append(msg)
+            assert activity is not None
+            try:
+                payload = msgspec.json.encode(activity)
+                if revision:
+                    new_revision = await self._kv.update(key, payload, last=revision)
+                else:
+                    new_revision = await self._kv.create(key, payload)
+            except js_errors.KeyWrongLastSequenceError:
+                self.stats.conflicts += 1
+                self._known.pop(key, None)
+                continue
+            except (TimeoutError, nats.errors.Error) as exc:
+                self._known.pop(key, None)
+                raise EventLogUnavailable(f"writing the activity of session {key}: {exc}") from exc
+            self._remember(key, new_revision, activity)
+            for msg in late:
+                await self._report_late(key, msg, activity)
+            return
+        raise EventLogUnavailable(f"session {key}: 32 write conflicts in a row in the bucket")
+
+    async def _read(self, key: str) -> tuple[int, SessionActivity | None]:
+        assert self._kv is not None
+        try:
+            entry = await self._kv.get(key)
+        except js_errors.KeyNotFoundError:
+            return 0, None
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise EventLogUnavailable(f"reading the activity of session {key}: {exc}") from exc
+        if entry.value is None or entry.revision is None:
+            return 0, None
+        return entry.revision, _decoder.decode(entry.value)
+
+    def _remember(self, key: str, revision: int, activity: SessionActivity) -> None:
+        self._known[key] = (revision, activity)
+        self._known.move_to_end(key)
+        while len(self._known) > _CACHE_SIZE:
+            self._known.popitem(last=False)
+
+    async def _report_late(self, key: str, msg: Msg, activity: SessionActivity) -> None:
+        self.stats.late_events += 1
+        run, session = key.split(".", 1)
+        letter = DeadLetter(
+            source="reaper",
+            reason="late_event",
+            error=f"run={run} session={session}: event after the session's close (EVENTS seq "
+            f"{activity.close_seq}); it is not folded. The event is still in EVENTS at seq "
+            f"{msg.metadata.sequence.stream}",
+            stream=self.names.events,
+            subject=msg.subject,
+            seq=int(msg.metadata.sequence.stream),
+            run=run,
+            session=session,
+            created_at=time.time(),
+        )
+        await publish_dead_letter(self._publisher, letter, self._max_payload)
+
+    # -- scanning ---------------------------------------------------------------------------
+
+    async def _scan_loop(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                await self.scan()
+            except EventLogUnavailable as exc:
+                log.warning("reaper scan: %s", exc)
+            except Exception:
+                log.exception("reaper scan failed; trying again next interval")
+            try:
+                async with asyncio.timeout(self.settings.scan_interval_s):
+                    await stop.wait()
+            except TimeoutError:
+                pass
+
+    async def scan(self, now: float | None = None) -> int:
+        """Close every idle open session; returns how many closes were published."""
+        now = time.time() if now is None else now
+        entries = await self._entries()
+        reaped = 0
+        for key, activity in idle_sessions(entries, now, self.settings.idle_timeout_s):
+            run, session = key.split(".", 1)
+            close = SessionClosed(
+                run=run, session=session, status="timeout", num_turns=activity.turns, created_at=now
+            )
+            await self._publisher.publish(close)
+            reaped += 1
+            log.info(
+                "reaped run=%s session=%s: idle %.0fs, %d turn(s)",
+                run,
+                session,
+                now - activity.last_at,
+                activity.turns,
+            )
+        self.stats.sessions_reaped += reaped
+        return reaped
+
+    async def _entries(self) -> list[tuple[str, SessionActivity]]:
+        assert self._kv is not None
+        entries: list[tuple[str, SessionActivity]] = []
+        try:
+            watcher = await self._kv.watchall(ignore_deletes=True)
+            try:
+                while True:
+                    entry = await watcher.updates(timeout=5.0)  # type: ignore[no-untyped-call]
+                    if entry is None:
+                        break
+                    if entry.value:
+                        entries.append((entry.key, _decoder.decode(entry.value)))
+            finally:
+                await watcher.stop()  # type: ignore[no-untyped-call]
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise EventLogUnavailable(
+                f"reading the {self.names.sessions_bucket} bucket: {exc}"
+            ) from exc
+        return entries

@@ -1,0 +1,261 @@
+"""The fold worker, the reaper and the dead-letter stream against a real nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import Counter
+from collections.abc import AsyncIterator, Sequence
+
+import msgspec
+import pytest
+
+from consumers import (
+    FoldWorker,
+    FoldWorkerSettings,
+    Reaper,
+    ReaperSettings,
+    fold,
+)
+from consumers.fold import FoldOptions
+from schemas import Codec, SessionClosed, SessionEvent, TurnCompleted, route
+from schemas.log import JetStreamPublisher, connect
+from tests.conftest import FAST_LOG, Log
+from tests.helpers.sessions import RUN, append_only, reward, session_events
+from tests.helpers.streams import dead_letters, message_count, stream_payloads, trajectories
+from tests.helpers.waiting import eventually
+
+pytestmark = pytest.mark.integration
+
+FAST_FOLD = FoldWorkerSettings(
+    max_deliver=3, backoff_s=(0.05,), ack_wait_s=5.0, fetch_timeout_s=0.2, concurrency=4
+)
+
+
+async def publish(log: Log, events: Sequence[SessionEvent]) -> None:
+    pub = await JetStreamPublisher(log.nc).start()
+    await pub.publish_many(events)
+    await pub.close()
+
+
+async def publish_raw(log: Log, subject: str, payload: bytes, msg_id: str) -> None:
+    await log.js.publish(subject, payload, headers={"Nats-Msg-Id": msg_id})
+
+
+@contextlib.asynccontextmanager
+async def running(
+    log: Log, settings: FoldWorkerSettings = FAST_FOLD, reaper: ReaperSettings | None = None
+) -> AsyncIterator[tuple[FoldWorker, Reaper | None]]:
+    """A fold worker (and a reaper) in this process, on its own connection."""
+    nc = await connect(log.server.url, FAST_LOG, name="worker")
+    pub = await JetStreamPublisher(nc).start()
+    worker = FoldWorker(nc.jetstream(), pub, settings)
+    rp = Reaper(nc.jetstream(), pub, reaper) if reaper is not None else None
+    stop = asyncio.Event()
+    tasks = [asyncio.create_task(worker.run(stop))]
+    if rp is not None:
+        tasks.append(asyncio.create_task(rp.run(stop)))
+    try:
+        yield worker, rp
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks)
+        await pub.close()
+        await nc.close()
+
+
+async def until_trajectories(log: Log, n: int, within: float = 20.0) -> None:
+    count = 0
+
+    async def poll() -> None:
+        nonlocal count
+        count = await message_count(log.js, "TRAJ")
+
+    deadline = asyncio.get_running_loop().time() + within
+    while count < n:
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"{count} trajectories in TRAJ, expected {n}")
+        await poll()
+        await asyncio.sleep(0.05)
+
+
+def good_sessions(n: int, turns: int = 3, **kw: object) -> list[list[SessionEvent]]:
+    return [
+        session_events(append_only(turns), session=f"good-{i}", final_reward=float(i), **kw)  # type: ignore[arg-type]
+        for i in range(n)
+    ]
+
+
+async def test_closed_sessions_become_their_folded_trajectories_once(log: Log) -> None:
+    sessions = good_sessions(6)
+    per_turn = session_events(
+        append_only(4), session="stepwise", metadata={"fold": {"per_turn": True}}
+    )
+    await publish(log, [e for s in sessions for e in s] + per_turn)
+
+    async with running(log) as (worker, _):
+        await until_trajectories(log, 6 + 4)
+        await eventually(lambda: worker.stats.sessions_folded == 7, 5, "7 sessions folded")
+
+    found = {t.trajectory_id: t for t in await trajectories(log.js)}
+    assert len(found) == 10
+    for events in sessions:
+        [want] = fold(events).trajectories
+        got = found[want.trajectory_id]
+        assert Codec().encode(got) == Codec().encode(want)  # byte-identical
+    stepwise = [found[f"{RUN}/stepwise/{i}"] for i in range(4)]
+    assert [t.num_turns for t in stepwise] == [1, 1, 1, 1]
+    assert [t.trajectory_id for t in fold(per_turn, FoldOptions(per_turn=True)).trajectories] == [
+        t.trajectory_id for t in stepwise
+    ]
+    marker = await (await log.js.key_value("ts_folded")).get(f"{RUN}.good-0")
+    assert msgspec.json.decode(marker.value or b"")["trajectories"] == 1
+
+
+async def test_a_close_redelivered_after_its_fold_publishes_nothing_new(log: Log) -> None:
+    [events] = good_sessions(1)
+    await publish(log, events)
+    async with running(log) as (worker, _):
+        await until_trajectories(log, 1)
+        await eventually(lambda: worker.stats.sessions_folded == 1, 5, "folded")
+    # Past the duplicate window the stream would store a repeat; the marker must stop it.
+    await log.js.purge_stream("TRAJ")
+    close = events[-1]
+    await publish_raw(log, route(close).subject, Codec().encode(close), "another-msg-id")
+
+    async with running(log) as (worker, _):
+        await eventually(lambda: worker.stats.already_folded == 1, 5, "close seen as folded")
+    assert await message_count(log.js, "TRAJ") == 0
+
+
+def _newer_schema(event: TurnCompleted) -> bytes:
+    fields = msgspec.msgpack.decode(Codec().encode(event))
+    fields["v"] = 99
+    return msgspec.msgpack.encode(fields)
+
+
+async def test_each_poison_case_is_dead_lettered_with_its_reason_while_good_sessions_flow(
+    log: Log,
+) -> None:
+    good = good_sessions(4)
+    junk_turn = session_events(append_only(2), session="junk-turn")
+    newer = session_events(append_only(2), session="newer")
+    lying = [
+        msgspec.structs.replace(e, prefix_len=99)
+        if isinstance(e, TurnCompleted) and e.turn == 1
+        else e
+        for e in session_events(append_only(2), session="lying")
+    ]
+    missing = [
+        e
+        for e in session_events(append_only(3), session="missing")
+        if not (isinstance(e, TurnCompleted) and e.turn == 1)
+    ]
+    await publish(log, [e for s in good for e in s])
+    await publish(log, [e for e in junk_turn if not (isinstance(e, TurnCompleted) and e.turn)])
+    junk_subject = route(junk_turn[2]).subject
+    await publish_raw(log, junk_subject, b"\xc1 not msgpack", route(junk_turn[2]).msg_id)
+    await publish(log, [junk_turn[-1]])
+    newer_turn = newer[2]
+    assert isinstance(newer_turn, TurnCompleted)
+    await publish(log, [e for e in newer if e is not newer_turn])
+    await publish_raw(
+        log, route(newer_turn).subject, _newer_schema(newer_turn), route(newer_turn).msg_id
+    )
+    await publish(log, lying + missing)
+    await publish_raw(log, f"ts.ev.{RUN}.junk-close.close", b"\x93junk", "junk-close")
+
+    async with running(log) as (worker, _):
+        await until_trajectories(log, 4)
+        await eventually(lambda: sum(worker.stats.dead_letters.values()) == 5, 15, "5 dead letters")
+
+    letters = {letter.session or letter.subject: letter for letter in await dead_letters(log.js)}
+    assert letters["junk-turn"].reason == "undecodable"
+    assert letters["junk-turn"].subject == junk_subject
+    assert letters["junk-turn"].payload == b"\xc1 not msgpack"
+    assert letters["newer"].reason == "unsupported_version"
+    assert "v=99" in letters["newer"].error
+    assert letters["lying"].reason == "fold_error"
+    assert "turn 1" in letters["lying"].error
+    assert letters["missing"].reason == "missing_turns"
+    assert letters["missing"].deliveries == FAST_FOLD.max_deliver  # retried before giving up
+    assert "missing turn(s) 1" in letters["missing"].error
+    closes = [letter for letter in letters.values() if letter.subject.endswith("junk-close.close")]
+    assert [c.reason for c in closes] == ["undecodable"]
+    assert all(letter.stream == "EVENTS" and letter.seq > 0 for letter in letters.values())
+    assert worker.stats.dead_letters == {
+        "undecodable": 2,
+        "unsupported_version": 1,
+        "fold_error": 1,
+        "missing_turns": 1,
+    }
+    assert sorted(t.session for t in await trajectories(log.js)) == [f"good-{i}" for i in range(4)]
+    # Everything was acked: nothing is left for the next worker.
+    info = await log.js.consumer_info("EVENTS", "fold")
+    assert info.num_ack_pending == 0 and info.num_pending == 0
+
+
+async def test_two_workers_share_the_closes_and_no_session_is_folded_twice(log: Log) -> None:
+    sessions = good_sessions(80, turns=2)
+    await publish(log, [e for s in sessions for e in s])
+    async with running(log) as (a, _), running(log) as (b, _):
+        await until_trajectories(log, 80, within=30)
+        await eventually(
+            lambda: a.stats.sessions_folded + b.stats.sessions_folded == 80, 10, "80 folded"
+        )
+    assert a.stats.sessions_folded > 0 and b.stats.sessions_folded > 0
+    assert a.stats.already_folded == b.stats.already_folded == 0
+    ids = Counter(t.trajectory_id for t in await trajectories(log.js))
+    assert len(ids) == 80 and set(ids.values()) == {1}
+
+
+async def test_reapers_close_an_idle_session_once_and_it_is_folded_as_timeout(log: Log) -> None:
+    never_closed = session_events(append_only(3), session="abandoned", close=False)
+    closed = session_events(append_only(2), session="finished")
+    await publish(log, never_closed + closed)
+    reaping = ReaperSettings(idle_timeout_s=1.0, scan_interval_s=0.2, flush_interval_s=0.1)
+
+    async with (
+        running(log, reaper=reaping) as (_, r1),
+        running(log, reaper=reaping) as (_, r2),
+        running(log, reaper=reaping) as (_, r3),
+    ):
+        await until_trajectories(log, 2, within=20)
+        reapers = [r for r in (r1, r2, r3) if r is not None]
+        await eventually(lambda: sum(r.stats.sessions_reaped for r in reapers) >= 1, 10, "a reap")
+
+    found = {t.session: t for t in await trajectories(log.js)}
+    assert found["abandoned"].status == "timeout"
+    assert found["abandoned"].num_turns == 3
+    assert found["finished"].status == "completed"
+    closes = [
+        s for _, s, _ in await stream_payloads(log.js, "EVENTS") if s.endswith("abandoned.close")
+    ]
+    assert len(closes) == 1  # several reapers, one stored close (deterministic Msg-Id)
+    [close] = [e for e in await _session(log, "abandoned") if isinstance(e, SessionClosed)]
+    assert close.num_turns == 3
+
+
+async def _session(log: Log, session: str) -> list[SessionEvent]:
+    from schemas.log import read_session
+
+    return await read_session(log.js, RUN, session)
+
+
+async def test_an_event_after_the_close_is_counted_and_dead_lettered_as_late(log: Log) -> None:
+    events = session_events(append_only(2), session="done")
+    await publish(log, events)
+    reaping = ReaperSettings(idle_timeout_s=60.0, scan_interval_s=0.2, flush_interval_s=0.1)
+    async with running(log, reaper=reaping) as (_, reaper):
+        assert reaper is not None
+        await until_trajectories(log, 1)
+        await eventually(lambda: reaper.stats.events_tracked >= len(events), 10, "tracked")
+        await publish(log, [reward(1.0, session="done", key="late", created_at=10.0)])
+        await eventually(lambda: reaper.stats.late_events == 1, 10, "late event seen")
+
+    [letter] = await dead_letters(log.js)
+    assert letter.reason == "late_event"
+    assert letter.session == "done" and letter.subject.endswith(".done.reward")
+    assert await message_count(log.js, "TRAJ") == 1  # not folded in
+    entry = await (await log.js.key_value("ts_sessions")).get(f"{RUN}.done")
+    assert msgspec.json.decode(entry.value or b"")["late"] == 1

@@ -1,0 +1,124 @@
+"""The pure decisions around the consumers: failure dispositions, session activity, fold options."""
+
+from __future__ import annotations
+
+import pytest
+
+from consumers import FoldError, FoldWorkerSettings, MissingTurns
+from consumers.dispositions import DeadLetterIt, Retry, disposition, reason_of
+from consumers.reaper import Observation, SessionActivity, idle_sessions, observe
+from consumers.worker import fold_options
+from schemas import (
+    EventLogError,
+    EventLogUnavailable,
+    PayloadTooLarge,
+    UndecodableEvent,
+    UnsupportedSchemaVersion,
+)
+from schemas.dead_letter import DeadLetter, decode_dead_letter, encode_dead_letter
+from tests.helpers.sessions import opened
+
+SETTINGS = FoldWorkerSettings(max_deliver=4, backoff_s=(1.0, 5.0, 30.0))
+MISSING = MissingTurns("r", "s", [1], 3, "the close says num_turns=3")
+
+
+@pytest.mark.parametrize(
+    ("error", "delivery", "expected"),
+    [
+        (UndecodableEvent("junk"), 1, DeadLetterIt("undecodable")),
+        (UnsupportedSchemaVersion(9, 1), 1, DeadLetterIt("unsupported_version")),
+        (PayloadTooLarge("r/s/0", 10, 5), 1, DeadLetterIt("payload_too_large")),
+        (FoldError("lies"), 1, DeadLetterIt("fold_error")),
+        (MISSING, 1, Retry(1.0)),
+        (MISSING, 3, Retry(30.0)),
+        (MISSING, 4, DeadLetterIt("missing_turns")),
+        (EventLogUnavailable("down"), 2, Retry(5.0)),
+        (EventLogUnavailable("down"), 4, DeadLetterIt("log_unavailable")),
+        (EventLogError("refused"), 1, Retry(1.0)),
+        (RuntimeError("a bug"), 1, Retry(1.0)),
+        (RuntimeError("a bug"), 9, DeadLetterIt("worker_error")),
+    ],
+)
+def test_disposition_of_each_error(error: Exception, delivery: int, expected: object) -> None:
+    assert disposition(error, delivery=delivery, settings=SETTINGS) == expected
+
+
+def test_missing_turns_is_a_fold_error_with_its_own_reason() -> None:
+    assert isinstance(MISSING, FoldError)
+    assert reason_of(MISSING) == "missing_turns"
+
+
+def test_the_last_backoff_repeats() -> None:
+    assert SETTINGS.retry_delay_s(3) == SETTINGS.retry_delay_s(7) == 30.0
+
+
+def test_fetch_batch_never_exceeds_max_ack_pending() -> None:
+    assert FoldWorkerSettings(batch=500, max_ack_pending=64, concurrency=8).fetch_batch == 64
+
+
+def test_a_dead_letter_is_cut_to_fit_the_payload_limit() -> None:
+    letter = DeadLetter(
+        source="fold",
+        reason="undecodable",
+        error="e" * 10_000,
+        stream="EVENTS",
+        subject="ts.ev.r.s.turn",
+        seq=3,
+        payload=b"x" * 100_000,
+    )
+    fitted = letter.fitted(8_000)
+    encoded = encode_dead_letter(fitted)
+    assert len(encoded) <= 8_000
+    assert fitted.payload_truncated and fitted.payload == letter.payload[: len(fitted.payload)]
+    assert decode_dead_letter(encoded) == fitted
+    small = DeadLetter(source="f", reason="r", error="e", stream="S", subject="s", seq=1)
+    assert small.fitted(8_000) is small
+    with pytest.raises(UndecodableEvent):
+        decode_dead_letter(b"\x00junk")
+
+
+def obs(seq: int, kind: str, at: float, turn: int | None = None) -> Observation:
+    return Observation(seq=seq, kind=kind, at=at, turn=turn)
+
+
+def test_activity_merges_in_any_order_to_the_same_entry() -> None:
+    seen = [
+        obs(1, "open", 10.0),
+        obs(2, "turn", 11.0, 0),
+        obs(5, "turn", 15.0, 2),
+        obs(3, "turn", 12.0, 1),
+    ]
+    forward = backward = None
+    for o in seen:
+        forward, _ = observe(forward, o)
+    for o in reversed(seen):
+        backward, _ = observe(backward, o)
+    assert forward == backward == SessionActivity(last_at=15.0, turns=3)
+    again, late = observe(forward, seen[2])  # a redelivery changes nothing
+    assert again == forward and not late
+
+
+def test_an_event_after_the_recorded_close_is_late() -> None:
+    activity, _ = observe(None, obs(4, "close", 20.0))
+    activity, late = observe(activity, obs(7, "reward", 30.0))
+    assert late and activity.late == 1 and activity.close_seq == 4
+    activity, late = observe(activity, obs(3, "turn", 19.0, 0))  # before the close in the log
+    assert not late and activity.turns == 1
+
+
+def test_only_open_sessions_idle_past_the_timeout_are_reaped() -> None:
+    entries = [
+        ("r.idle", SessionActivity(last_at=100.0, turns=2)),
+        ("r.busy", SessionActivity(last_at=195.0, turns=1)),
+        ("r.closed", SessionActivity(last_at=10.0, turns=1, close_seq=9)),
+    ]
+    assert [key for key, _ in idle_sessions(entries, now=200.0, idle_timeout_s=60.0)] == ["r.idle"]
+
+
+def test_a_session_may_ask_for_per_turn_samples_and_bad_requests_are_fold_errors() -> None:
+    assert fold_options(SETTINGS, opened(metadata={"fold": {"per_turn": True}})).per_turn
+    assert not fold_options(SETTINGS, opened()).per_turn
+    assert fold_options(SETTINGS, None).final_reward_scope == "all"
+    for bad in ({"per_turn": "yes"}, {"final_reward_scope": "first"}, {"shuffle": True}, "x"):
+        with pytest.raises(FoldError, match=r"metadata\.fold"):
+            fold_options(SETTINGS, opened(metadata={"fold": bad}))

@@ -1,0 +1,92 @@
+"""``turnstream worker``: a fold worker (and a reaper) as a service.
+
+Run as many as you like against one NATS: they share the durable ``fold`` and ``reaper``
+consumers, so JetStream spreads the work and hands a dead process's share to the others.
+SIGINT / SIGTERM stop fetching, finish the sessions already taken, and exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from dataclasses import asdict
+
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from consumers import FoldWorker, FoldWorkerSettings, Reaper, ReaperSettings
+from schemas.errors import TurnstreamError
+from schemas.log import JetStreamPublisher
+from turnstream.settings import ServiceSettings
+from turnstream.stack import EventLog, open_log
+
+__all__ = ["WorkerCommand", "WorkerSettings", "run_workers"]
+
+log = logging.getLogger(__name__)
+
+
+class WorkerSettings(ServiceSettings):
+    """Fold closed sessions into trajectories (TRAJ); close idle sessions (reaper)."""
+
+    model_config = SettingsConfigDict(cli_prog_name="turnstream worker")
+
+    fold: FoldWorkerSettings = FoldWorkerSettings()
+    reaper: ReaperSettings = ReaperSettings()
+    progress_interval_s: float = Field(10.0, gt=0, description="seconds between progress lines")
+
+
+async def run_workers(
+    settings: WorkerSettings, event_log: EventLog, stop: asyncio.Event
+) -> tuple[FoldWorker, Reaper | None]:
+    """Run a fold worker (and a reaper, when enabled) on ``event_log`` until ``stop`` is set."""
+    publisher = await JetStreamPublisher(event_log.nc, settings.publisher).start()
+    names, max_payload = settings.log.names, settings.log.max_payload
+    worker = FoldWorker(event_log.js, publisher, settings.fold, names, max_payload=max_payload)
+    reaper = (
+        Reaper(event_log.js, publisher, settings.reaper, names, max_payload=max_payload)
+        if settings.reaper.enabled
+        else None
+    )
+    runs = [worker.run(stop)] + ([reaper.run(stop)] if reaper is not None else [])
+    progress = asyncio.create_task(_report(worker, reaper, settings.progress_interval_s, stop))
+    try:
+        await asyncio.gather(*runs)
+    finally:
+        progress.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await progress
+        await publisher.close()
+    return worker, reaper
+
+
+async def _report(
+    worker: FoldWorker, reaper: Reaper | None, interval_s: float, stop: asyncio.Event
+) -> None:
+    last: tuple[object, ...] = ()
+    while not stop.is_set():
+        await asyncio.sleep(interval_s)
+        now = (asdict(worker.stats), asdict(reaper.stats) if reaper else None)
+        if now != last:
+            log.info("fold: %s | reaper: %s", now[0], now[1])
+            last = now
+
+
+class WorkerCommand(WorkerSettings):
+    def cli_cmd(self) -> None:
+        if self.log.url is None:
+            raise TurnstreamError(
+                "worker needs the log's URL: --log.url nats://HOST:4222 (or TURNSTREAM_LOG__URL)"
+            )
+        asyncio.run(self._run())
+
+    async def _run(self) -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        async with open_log(self, name="turnstream-worker") as event_log:
+            log.info("fold worker on %s (reaper %s)", event_log.url, self.reaper.enabled)
+            worker, reaper = await run_workers(self, event_log, stop)
+        log.info("worker stopped: fold %s, reaper %s", worker.stats, reaper and reaper.stats)
