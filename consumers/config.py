@@ -101,15 +101,31 @@ class ShardWriterSettings(BaseModel):
     max_age_s: float = Field(30.0, gt=0, description="rotate a non-empty shard at this age")
     compression_level: int | None = Field(None, description="zstd level; unset: pyarrow default")
     fetch_timeout_s: float = Field(1.0, gt=0, description="longest wait of one fetch")
+    ack_wait_s: float | None = Field(
+        None,
+        gt=0,
+        description="an unacked trajectory is redelivered after this (also how long the "
+        "buffer of a killed writer waits to be redelivered); unset: 2 x max_age_s + 30",
+    )
 
     @property
     def max_ack_pending(self) -> int:
         # Trajectories are acked only once their shard is committed, so a full buffer plus one
-        # fetch must fit; otherwise the consumer stalls before the row limit is reached.
+        # fetch must fit; otherwise the consumer stalls before the row limit is reached. The
+        # writer caps the rows buffered over all runs at max_rows, so this holds with many runs.
         return self.max_rows + self.batch
 
     @property
-    def ack_wait_s(self) -> float:
+    def effective_ack_wait_s(self) -> float:
         # A buffered trajectory waits up to max_age_s for its shard; redelivering it meanwhile
         # would only make work. Progress is not signalled per message, so wait long enough.
-        return self.max_age_s * 2 + 30.0
+        return self.ack_wait_s if self.ack_wait_s is not None else self.max_age_s * 2 + 30.0
+
+    @model_validator(mode="after")
+    def _ack_wait_outlasts_age(self) -> ShardWriterSettings:
+        if self.ack_wait_s is not None and self.ack_wait_s <= self.max_age_s:
+            raise ValueError(
+                "ack_wait_s must exceed max_age_s, or every buffered trajectory is redelivered "
+                "before its shard is written"
+            )
+        return self

@@ -116,6 +116,18 @@ def _gateway() -> type[ServiceSettings]:
     return GatewayCommand
 
 
+def _worker() -> type[ServiceSettings]:
+    from turnstream.worker_service import WorkerCommand
+
+    return WorkerCommand
+
+
+def _shard_writer() -> type[ServiceSettings]:
+    from turnstream.shard_writer_service import ShardWriterCommand
+
+    return ShardWriterCommand
+
+
 # name -> (one-line help, the command's settings class, imported only when it runs)
 COMMANDS: dict[str, tuple[str, Callable[[], type[ServiceSettings]]]] = {
     "demo": (DemoCommand.__doc__ or "", lambda: DemoCommand),
@@ -125,7 +137,15 @@ COMMANDS: dict[str, tuple[str, Callable[[], type[ServiceSettings]]]] = {
     ),
     "nats": (NatsCommand.__doc__ or "", lambda: NatsCommand),
     "provision": (ProvisionCommand.__doc__ or "", lambda: ProvisionCommand),
+    "shard-writer": (
+        "Write trajectories (TRAJ) to Parquet shards, each exactly once.",
+        _shard_writer,
+    ),
     "status": (StatusCommand.__doc__ or "", lambda: StatusCommand),
+    "worker": (
+        "Fold closed sessions into trajectories (TRAJ); close idle sessions (reaper).",
+        _worker,
+    ),
 }
 
 

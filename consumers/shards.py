@@ -1,0 +1,298 @@
+"""Trajectories as Arrow tables: the shard schema (DESIGN §6) and the conversions (pure).
+
+One row per TrajectoryReady, plus ``traj_seq``, the TRAJ stream sequence the row came from. The
+token columns are built from the events' numpy arrays with one concatenation per column and an
+offsets array (``pa.ListArray.from_arrays``): no per-token Python object. ``messages`` and
+``metadata`` are JSON text (msgspec), encoded when a row is buffered, so a row that cannot be
+encoded is found before it can spoil a whole shard.
+
+Types: ids and enums ``string``; token columns ``list<int32>`` / ``list<int8>`` /
+``list<float32>``; counts and versions ``int32``; ``reward`` nullable ``float64``;
+``turn_rewards`` ``list<float64>`` with null items (a turn nobody rewarded); ``created_at``
+``timestamp[us, UTC]`` (the event's float seconds rounded to microseconds: readers get a real
+timestamp, DuckDB and pandas included). JSON turns non-string map keys into strings, so a
+metadata key ``1`` reads back as ``"1"``.
+
+>>> t = TrajectoryReady(run="r", session="s", trajectory_id="r/s/0", group="g", segment=0,
+...     status="completed", input_ids=[1, 2, 3], loss_mask=[0, 1, 1], logprobs=[0, -0.5, -1],
+...     versions=[-1, 4, 4], prompt_len=1, turn_ends=[3], turn_rewards=[None], reward=1.0,
+...     num_turns=1, finish_reason="stop", messages=[{"role": "user", "content": "hi"}],
+...     metadata={}, fold_version=1)
+>>> table = trajectories_to_table([(7, t)])
+>>> table.column("input_ids").to_pylist(), table.column("traj_seq").to_pylist()
+([[1, 2, 3]], [7])
+>>> [(seq, back)] = table_to_trajectories(table)
+>>> seq, back.input_ids.tolist(), back.messages
+(7, [1, 2, 3], [{'role': 'user', 'content': 'hi'}])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+import pyarrow as pa
+
+from schemas.events import TrajectoryReady
+
+__all__ = [
+    "SHARD_FORMAT",
+    "TRAJECTORY_SCHEMA",
+    "ShardMetadata",
+    "ShardRow",
+    "rows_to_table",
+    "shard_row",
+    "table_to_trajectories",
+    "trajectories_to_table",
+]
+
+SHARD_FORMAT = 1
+"""Bumped when the columns change incompatibly; stored in every shard's metadata."""
+
+
+def _required(name: str, type_: pa.DataType) -> pa.Field:
+    return pa.field(name, type_, nullable=False)
+
+
+TRAJECTORY_SCHEMA = pa.schema(
+    [
+        _required("trajectory_id", pa.string()),
+        _required("run", pa.string()),
+        _required("session", pa.string()),
+        _required("group", pa.string()),
+        _required("segment", pa.int32()),
+        _required("status", pa.string()),
+        _required("input_ids", pa.list_(pa.int32())),
+        _required("loss_mask", pa.list_(pa.int8())),
+        _required("logprobs", pa.list_(pa.float32())),
+        _required("versions", pa.list_(pa.int32())),
+        _required("prompt_len", pa.int32()),
+        _required("response_len", pa.int32()),
+        _required("turn_ends", pa.list_(pa.int32())),
+        pa.field("reward", pa.float64(), nullable=True),
+        _required("turn_rewards", pa.list_(pa.float64())),
+        _required("min_weight_version", pa.int32()),
+        _required("max_weight_version", pa.int32()),
+        _required("num_turns", pa.int32()),
+        _required("finish_reason", pa.string()),
+        _required("messages", pa.string()),  # JSON: the conversation, for SFT export
+        _required("metadata", pa.string()),  # JSON: the session's metadata (task, env, ...)
+        _required("created_at", pa.timestamp("us", tz="UTC")),
+        _required("fold_version", pa.int32()),
+        _required("traj_seq", pa.int64()),  # TRAJ stream sequence of the row's message
+    ]
+)
+
+_TOKEN_COLUMNS: tuple[tuple[str, pa.DataType], ...] = (
+    ("input_ids", pa.int32()),
+    ("loss_mask", pa.int8()),
+    ("logprobs", pa.float32()),
+    ("versions", pa.int32()),
+    ("turn_ends", pa.int32()),
+)
+_NUMPY_DTYPE = {"input_ids": "<i4", "loss_mask": "i1", "logprobs": "<f4", "versions": "<i4"}
+_NUMPY_DTYPE["turn_ends"] = "<i4"
+
+_json = msgspec.json.Encoder()
+_ROW_OVERHEAD = 256  # ids, scalars and the Python objects around them, roughly
+
+
+@dataclass(frozen=True, slots=True)
+class ShardRow:
+    """One trajectory ready for a shard.
+
+    ``trajectory`` keeps its token arrays (views onto the message that carried it) but its
+    ``messages`` and ``metadata`` are emptied: they are held as JSON text only, which is several
+    times smaller than the Python objects while a shard fills up.
+    """
+
+    traj_seq: int
+    trajectory: TrajectoryReady
+    messages: bytes
+    metadata: bytes
+
+    @property
+    def nbytes(self) -> int:
+        """What the row holds in memory, roughly: arrays, JSON text and a fixed overhead."""
+        t = self.trajectory
+        arrays = t.input_ids.nbytes + t.loss_mask.nbytes + t.logprobs.nbytes + t.versions.nbytes
+        return arrays + t.turn_ends.nbytes + len(self.messages) + len(self.metadata) + _ROW_OVERHEAD
+
+
+def shard_row(traj_seq: int, trajectory: TrajectoryReady) -> ShardRow:
+    """The row of ``trajectory``; ValueError when its messages or metadata are not JSON-able."""
+    try:
+        messages = _json.encode(trajectory.messages)
+        metadata = _json.encode(trajectory.metadata)
+    except (TypeError, msgspec.EncodeError) as exc:
+        raise ValueError(
+            f"trajectory {trajectory.trajectory_id}: messages/metadata cannot be JSON: {exc}"
+        ) from exc
+    lean = msgspec.structs.replace(trajectory, messages=[], metadata={})
+    return ShardRow(traj_seq, lean, messages, metadata)
+
+
+def _list_column(arrays: Sequence[np.ndarray], value_type: pa.DataType, dtype: str) -> pa.Array:
+    lengths = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=len(arrays))
+    offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    if offsets[-1] > np.iinfo(np.int32).max:
+        raise ValueError(
+            f"{offsets[-1]} list values in one column exceed list<> offsets (2^31 - 1): "
+            f"lower the shard writer's max_bytes"
+        )
+    values = np.concatenate(arrays) if arrays else np.empty(0, dtype=dtype)
+    return pa.ListArray.from_arrays(
+        pa.array(offsets.astype(np.int32)),
+        pa.array(values.astype(dtype, copy=False), type=value_type),
+    )
+
+
+def rows_to_table(rows: Sequence[ShardRow], metadata: ShardMetadata | None = None) -> pa.Table:
+    """The rows as a table of TRAJECTORY_SCHEMA, ``metadata`` in its schema metadata."""
+    ts = [r.trajectory for r in rows]
+    columns: dict[str, pa.Array] = {
+        "trajectory_id": pa.array([t.trajectory_id for t in ts], pa.string()),
+        "run": pa.array([t.run for t in ts], pa.string()),
+        "session": pa.array([t.session for t in ts], pa.string()),
+        "group": pa.array([t.group for t in ts], pa.string()),
+        "segment": pa.array([t.segment for t in ts], pa.int32()),
+        "status": pa.array([t.status for t in ts], pa.string()),
+        "prompt_len": pa.array([t.prompt_len for t in ts], pa.int32()),
+        "response_len": pa.array([t.response_len for t in ts], pa.int32()),
+        "reward": pa.array([t.reward for t in ts], pa.float64()),
+        "turn_rewards": pa.array([t.turn_rewards for t in ts], pa.list_(pa.float64())),
+        "min_weight_version": pa.array([t.min_weight_version for t in ts], pa.int32()),
+        "max_weight_version": pa.array([t.max_weight_version for t in ts], pa.int32()),
+        "num_turns": pa.array([t.num_turns for t in ts], pa.int32()),
+        "finish_reason": pa.array([t.finish_reason for t in ts], pa.string()),
+        "messages": pa.array([r.messages for r in rows], pa.string()),
+        "metadata": pa.array([r.metadata for r in rows], pa.string()),
+        "created_at": pa.array(
+            np.array([round(t.created_at * 1e6) for t in ts], dtype=np.int64),
+            pa.timestamp("us", tz="UTC"),
+        ),
+        "fold_version": pa.array([t.fold_version for t in ts], pa.int32()),
+        "traj_seq": pa.array([r.traj_seq for r in rows], pa.int64()),
+    }
+    for name, value_type in _TOKEN_COLUMNS:
+        columns[name] = _list_column([getattr(t, name) for t in ts], value_type, _NUMPY_DTYPE[name])
+    schema = TRAJECTORY_SCHEMA
+    if metadata is not None:
+        schema = schema.with_metadata(metadata.to_metadata())
+    return pa.Table.from_arrays([columns[f.name] for f in TRAJECTORY_SCHEMA], schema=schema)
+
+
+def trajectories_to_table(
+    items: Sequence[tuple[int, TrajectoryReady]], metadata: ShardMetadata | None = None
+) -> pa.Table:
+    """``(traj_seq, trajectory)`` pairs as a table of TRAJECTORY_SCHEMA."""
+    return rows_to_table([shard_row(seq, t) for seq, t in items], metadata)
+
+
+def _list_values(table: pa.Table, name: str) -> list[np.ndarray]:
+    """Each row's list of column ``name`` as a numpy view (no per-token objects)."""
+    column = table.column(name).combine_chunks()
+    if isinstance(column, pa.ChunkedArray):  # an empty table
+        column = pa.array([], column.type)
+    offsets = column.offsets.to_numpy()
+    values = column.values.to_numpy(zero_copy_only=False)
+    return [values[offsets[i] : offsets[i + 1]] for i in range(len(column))]
+
+
+def table_to_trajectories(table: pa.Table) -> list[tuple[int, TrajectoryReady]]:
+    """The inverse of ``trajectories_to_table``: ``(traj_seq, trajectory)`` per row.
+
+    Exact except ``created_at`` (microseconds) and JSON's string keys in ``metadata``.
+    """
+    lists = {name: _list_values(table, name) for name, _ in _TOKEN_COLUMNS}
+    created = table.column("created_at").cast(pa.int64()).to_pylist()
+    scalars = table.drop_columns([*lists, "created_at"]).to_pylist()
+    out: list[tuple[int, TrajectoryReady]] = []
+    for i, row in enumerate(scalars):
+        seq = row.pop("traj_seq")
+        for derived in ("response_len", "min_weight_version", "max_weight_version"):
+            row.pop(derived)
+        row["messages"] = msgspec.json.decode(row["messages"])
+        row["metadata"] = msgspec.json.decode(row["metadata"])
+        arrays = {name: lists[name][i] for name in lists}
+        out.append(
+            (seq, TrajectoryReady(**row, **arrays, created_at=created[i] / 1e6))  # type: ignore[arg-type]
+        )
+    return out
+
+
+_KEY = "turnstream."
+
+
+@dataclass(frozen=True)
+class ShardMetadata:
+    """What a shard's Parquet footer says about it (its Arrow schema metadata).
+
+    ``stream`` and ``stream_created`` identify the TRAJ stream the sequences belong to: a
+    stream deleted and made again restarts at sequence 1, and its sequences must not be taken
+    for the old one's.
+    """
+
+    run: str
+    stream: str
+    stream_created: str
+    first_seq: int
+    last_seq: int
+    rows: int
+    fold_versions: tuple[int, ...]
+    format: int = SHARD_FORMAT
+
+    def to_metadata(self) -> dict[bytes, bytes]:
+        fields: dict[str, Any] = {
+            "shard_format": self.format,
+            "run": self.run,
+            "stream": self.stream,
+            "stream_created": self.stream_created,
+            "traj_first_seq": self.first_seq,
+            "traj_last_seq": self.last_seq,
+            "rows": self.rows,
+            "fold_versions": ",".join(map(str, self.fold_versions)),
+        }
+        return {f"{_KEY}{k}".encode(): str(v).encode() for k, v in fields.items()}
+
+    @classmethod
+    def from_metadata(cls, metadata: dict[bytes, bytes] | None) -> ShardMetadata:
+        """Read it back; ValueError when a key is missing or malformed."""
+        meta = {
+            k.decode()[len(_KEY) :]: v.decode()
+            for k, v in (metadata or {}).items()
+            if k.startswith(_KEY.encode())
+        }
+        try:
+            versions = meta["fold_versions"]
+            return cls(
+                run=meta["run"],
+                stream=meta["stream"],
+                stream_created=meta["stream_created"],
+                first_seq=int(meta["traj_first_seq"]),
+                last_seq=int(meta["traj_last_seq"]),
+                rows=int(meta["rows"]),
+                fold_versions=tuple(int(v) for v in versions.split(",")) if versions else (),
+                format=int(meta["shard_format"]),
+            )
+        except (KeyError, ValueError) as exc:
+            raise ValueError(f"not turnstream shard metadata ({exc!r})") from exc
+
+    @classmethod
+    def of_rows(
+        cls, rows: Sequence[ShardRow], *, run: str, stream: str, stream_created: str
+    ) -> ShardMetadata:
+        seqs = [r.traj_seq for r in rows]
+        return cls(
+            run=run,
+            stream=stream,
+            stream_created=stream_created,
+            first_seq=min(seqs),
+            last_seq=max(seqs),
+            rows=len(rows),
+            fold_versions=tuple(sorted({r.trajectory.fold_version for r in rows})),
+        )
