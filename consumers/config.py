@@ -77,11 +77,11 @@ class ReaperSettings(BaseModel):
     )
     scan_interval_s: float = Field(10.0, gt=0, description="how often idle sessions are looked for")
     durable: str = Field("reaper", description="durable consumer that tracks session activity")
+    ack_wait_s: float = Field(
+        30.0, gt=0, description="events a dead reaper had taken are redelivered after this"
+    )
     batch: int = Field(256, ge=1, description="events per fetch")
     max_ack_pending: int = Field(4096, ge=1, description="events in flight")
-    flush_interval_s: float = Field(
-        0.5, gt=0, description="activity is written to the sessions bucket at least this often"
-    )
 
 
 class ShardWriterSettings(BaseModel):

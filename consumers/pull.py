@@ -22,7 +22,7 @@ from nats.js import errors as js_errors
 
 from schemas.errors import EventLogUnavailable, ProvisioningError
 
-__all__ = ["PullConsumer", "delivery_count", "fetch", "keep_alive", "stream_seq"]
+__all__ = ["PullConsumer", "delivery_count", "fetch", "keep_alive", "release", "stream_seq"]
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +100,17 @@ async def fetch(sub: JetStreamContext.PullSubscription, batch: int, wait_s: floa
         return []
     except (nats.errors.Error, OSError) as exc:
         raise EventLogUnavailable(f"fetch failed: {type(exc).__name__}: {exc}") from exc
+
+
+async def release(sub: JetStreamContext.PullSubscription) -> None:
+    """Unsubscribe a pull subscription (bounded: the log may be gone).
+
+    Needed before the connection drains: a pull subscription holds the replies of fetches that
+    timed out in a queue nobody reads, and ``drain()`` would wait for that queue forever.
+    """
+    with contextlib.suppress(nats.errors.Error, OSError, TimeoutError):
+        async with asyncio.timeout(1.0):
+            await sub.unsubscribe()
 
 
 def stream_seq(msg: Msg) -> int:

@@ -34,7 +34,7 @@ from nats.js.kv import KeyValue
 
 from consumers.config import ReaperSettings
 from consumers.dead_letters import publish_dead_letter
-from consumers.pull import PullConsumer, fetch
+from consumers.pull import PullConsumer, fetch, release
 from schemas.dead_letter import DeadLetter
 from schemas.errors import EventLogUnavailable
 from schemas.events import SessionClosed
@@ -151,7 +151,7 @@ class Reaper:
             durable=s.durable,
             filter_subjects=[f"{EVENT_SUBJECT_PREFIX}.>"],
             max_ack_pending=s.max_ack_pending,
-            ack_wait_s=30.0,
+            ack_wait_s=s.ack_wait_s,
             headers_only=True,
         )
 
@@ -173,6 +173,7 @@ class Reaper:
         finally:
             scanner.cancel()
             await asyncio.gather(scanner, return_exceptions=True)
+            await release(sub)
 
     # -- tracking ---------------------------------------------------------------------------
 
@@ -282,7 +283,9 @@ class Reaper:
             close = SessionClosed(
                 run=run, session=session, status="timeout", num_turns=activity.turns, created_at=now
             )
-            await self._publisher.publish(close)
+            receipt = await self._publisher.publish(close)
+            if receipt.duplicate:  # another reaper was first
+                continue
             reaped += 1
             log.info(
                 "reaped run=%s session=%s: idle %.0fs, %d turn(s)",

@@ -45,7 +45,7 @@ from consumers.config import ShardWriterSettings
 from consumers.dead_letters import publish_dead_letter
 from consumers.dispositions import dead_letter_for, reason_of
 from consumers.errors import ShardWriteFailed
-from consumers.pull import PullConsumer, fetch, stream_seq
+from consumers.pull import PullConsumer, fetch, release, stream_seq
 from consumers.seqset import SeqSet
 from consumers.shard_store import CommittedShard, ShardStore
 from consumers.shards import ShardMetadata, ShardRow, rows_to_table, shard_row
@@ -152,9 +152,7 @@ class ShardWriter:
                 await self._rotate_aged()
             await self.flush()
         finally:
-            with contextlib.suppress(nats.errors.Error, OSError, TimeoutError):
-                async with asyncio.timeout(1.0):
-                    await sub.unsubscribe()
+            await release(sub)
         return self.stats
 
     async def recover(self) -> None:

@@ -39,7 +39,7 @@ from consumers.dead_letters import publish_dead_letter
 from consumers.dispositions import DeadLetterIt, Retry, dead_letter_for, disposition, reason_of
 from consumers.errors import FoldError
 from consumers.fold import FoldOptions, FoldResult, fold
-from consumers.pull import PullConsumer, delivery_count, fetch, keep_alive
+from consumers.pull import PullConsumer, delivery_count, fetch, keep_alive, release
 from schemas.codec import Codec
 from schemas.dead_letter import DeadLetter
 from schemas.errors import EventLogUnavailable, SchemaError
@@ -167,6 +167,7 @@ class FoldWorker:
             stopping.cancel()
             if working:
                 await asyncio.gather(*working, return_exceptions=True)
+            await release(sub)
 
     async def _handle(self, msg: Msg) -> None:
         run = session = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
@@ -27,6 +28,16 @@ class EventLog:
     provisioned: list[ProvisionAction]
 
 
+async def _close(nc: NATS) -> None:
+    """Drain (flush what is buffered, let subscriptions finish), bounded: then just close."""
+    try:
+        async with asyncio.timeout(5.0):
+            await nc.drain()
+    except (TimeoutError, OSError):
+        with contextlib.suppress(OSError):
+            await nc.close()
+
+
 @contextlib.asynccontextmanager
 async def open_log(settings: ServiceSettings, *, name: str) -> AsyncIterator[EventLog]:
     """Connect to ``settings.log.url``, or start an embedded nats-server; provision; yield."""
@@ -48,8 +59,7 @@ async def open_log(settings: ServiceSettings, *, name: str) -> AsyncIterator[Eve
             actions = await provision(js, settings.log)
             yield EventLog(nc, js, url, server, actions)
         finally:
-            with contextlib.suppress(OSError):
-                await nc.drain()
+            await _close(nc)
     finally:
         if server is not None:
             server.stop()

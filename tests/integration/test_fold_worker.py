@@ -213,7 +213,7 @@ async def test_reapers_close_an_idle_session_once_and_it_is_folded_as_timeout(lo
     never_closed = session_events(append_only(3), session="abandoned", close=False)
     closed = session_events(append_only(2), session="finished")
     await publish(log, never_closed + closed)
-    reaping = ReaperSettings(idle_timeout_s=1.0, scan_interval_s=0.2, flush_interval_s=0.1)
+    reaping = ReaperSettings(idle_timeout_s=1.0, scan_interval_s=0.2)
 
     async with (
         running(log, reaper=reaping) as (_, r1),
@@ -245,7 +245,7 @@ async def _session(log: Log, session: str) -> list[SessionEvent]:
 async def test_an_event_after_the_close_is_counted_and_dead_lettered_as_late(log: Log) -> None:
     events = session_events(append_only(2), session="done")
     await publish(log, events)
-    reaping = ReaperSettings(idle_timeout_s=60.0, scan_interval_s=0.2, flush_interval_s=0.1)
+    reaping = ReaperSettings(idle_timeout_s=60.0, scan_interval_s=0.2)
     async with running(log, reaper=reaping) as (_, reaper):
         assert reaper is not None
         await until_trajectories(log, 1)

@@ -1,0 +1,77 @@
+"""``turnstream worker`` / ``shard-writer`` as real processes, for pipeline and crash tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from consumers.shard_store import open_shards_dataset
+
+
+class Service:
+    """One turnstream command in its own process; ``kill()`` is SIGKILL, ``stop()`` SIGTERM."""
+
+    def __init__(self, command: str, nats_url: str, data_dir: Path, *extra: str) -> None:
+        self.command = command
+        self.args = [
+            sys.executable,
+            "-m",
+            "turnstream.cli",
+            command,
+            "--log.url",
+            nats_url,
+            "--data-dir",
+            str(data_dir),
+            *extra,
+        ]
+        data_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = data_dir / f"{command}-{os.getpid()}-{id(self)}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+
+    def start(self) -> Service:
+        with self.log_path.open("ab") as log_file:
+            self.proc = subprocess.Popen(
+                self.args,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "TURNSTREAM_LOG_LEVEL": "INFO"},
+            )
+        self.starts += 1
+        return self
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        if self.running:
+            assert self.proc is not None
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM, wait, and the exit status (SIGKILL if it does not stop in time)."""
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return int(self.proc.returncode)
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+
+def shard_table_rows(root: Path) -> list[dict[str, object]]:
+    """Every row of every committed shard under ``root`` (pyarrow.dataset, hive ``run=``)."""
+    if not root.exists():
+        return []
+    return list(open_shards_dataset(str(root)).to_table().to_pylist())

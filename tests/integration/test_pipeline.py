@@ -1,0 +1,175 @@
+"""The whole consumer pipeline as real processes: events -> fold workers -> TRAJ -> shards.
+
+`turnstream worker` (x2, reapers included) and `turnstream shard-writer` run as subprocesses
+against a real nats-server; the sessions are published as the gateway would publish them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import duckdb
+import numpy as np
+import pytest
+
+from consumers.shards import TRAJECTORY_SCHEMA
+from schemas.events import TrajectoryReady
+from schemas.log import JetStreamPublisher
+from tests.conftest import Log
+from tests.helpers.services import Service, shard_table_rows
+from tests.helpers.workload import PlannedSession, plan_sessions
+
+pytestmark = pytest.mark.integration
+
+WORKER_FLAGS = (
+    "--fold.ack-wait-s",
+    "3",
+    "--reaper.idle-timeout-s",
+    "3",
+    "--reaper.scan-interval-s",
+    "0.5",
+    "--reaper.ack-wait-s",
+    "3",
+    "--progress-interval-s",
+    "1",
+)
+WRITER_FLAGS = ("--shards.max-age-s", "0.5", "--shards.ack-wait-s", "3")
+
+
+def services(log: Log, data_dir: Path, workers: int = 2) -> list[Service]:
+    url = log.server.url
+    return [
+        *(Service("worker", url, data_dir, *WORKER_FLAGS) for _ in range(workers)),
+        Service("shard-writer", url, data_dir, *WRITER_FLAGS),
+    ]
+
+
+def expected_by_id(planned: list[PlannedSession]) -> dict[str, TrajectoryReady]:
+    return {t.trajectory_id: t for p in planned for t in p.expected()}
+
+
+async def until_all_in_shards(
+    root: Path, expected: int, procs: list[Service], within: float
+) -> list[dict[str, object]]:
+    deadline = time.monotonic() + within
+    rows: list[dict[str, object]] = []
+    while time.monotonic() < deadline:
+        rows = shard_table_rows(root)
+        if len(rows) >= expected:
+            return rows
+        for p in procs:
+            assert p.running, f"{p.command} exited:\n{p.output()}"
+        await asyncio.sleep(0.3)
+    logs = "\n".join(f"--- {p.command}\n{p.output()}" for p in procs)
+    raise AssertionError(f"{len(rows)} of {expected} trajectories in shards\n{logs}")
+
+
+def check_rows(rows: list[dict[str, object]], want: dict[str, TrajectoryReady]) -> None:
+    ids = Counter(str(r["trajectory_id"]) for r in rows)
+    assert [tid for tid, n in ids.items() if n > 1] == [], "a trajectory in two shard rows"
+    assert set(ids) == set(want), (
+        f"missing {sorted(set(want) - set(ids))[:5]}, unexpected {sorted(set(ids) - set(want))[:5]}"
+    )
+    for row in rows:
+        t = want[str(row["trajectory_id"])]
+        assert row["input_ids"] == t.input_ids.tolist()
+        assert row["loss_mask"] == t.loss_mask.tolist()
+        assert np.array_equal(np.asarray(row["logprobs"], dtype=np.float32), t.logprobs)
+        assert row["versions"] == t.versions.tolist()
+        assert row["turn_ends"] == t.turn_ends.tolist()
+        assert (row["reward"], row["turn_rewards"]) == (t.reward, t.turn_rewards)
+        assert (row["status"], row["num_turns"], row["segment"]) == (
+            t.status,
+            t.num_turns,
+            t.segment,
+        )
+        assert (row["group"], row["prompt_len"]) == (t.group, t.prompt_len)
+
+
+async def publish_sessions(log: Log, planned: list[PlannedSession], pace_s: float = 0.0) -> None:
+    pub = await JetStreamPublisher(log.nc).start()
+    for start in range(0, len(planned), 25):
+        await pub.publish_many([e for p in planned[start : start + 25] for e in p.events])
+        await asyncio.sleep(pace_s)
+    await pub.close()
+
+
+@pytest.fixture
+def stack(log: Log, tmp_path: Path) -> Iterator[list[Service]]:
+    procs = services(log, tmp_path / "data")
+    yield procs
+    for p in procs:
+        p.kill()
+
+
+async def test_500_sessions_become_their_trajectories_in_shards_exactly_once(
+    log: Log, tmp_path: Path, stack: list[Service]
+) -> None:
+    planned = plan_sessions(500, seed=11)
+    want = expected_by_id(planned)
+    assert sum(p.reaped for p in planned) > 10 and sum(p.per_turn for p in planned) > 10
+    assert sum(p.forks > 0 for p in planned) > 10
+    await publish_sessions(log, planned)
+    for p in stack:
+        p.start()
+
+    root = tmp_path / "data" / "shards"
+    rows = await until_all_in_shards(root, len(want), stack, within=120)
+    check_rows(rows, want)
+    reaped = {p.session for p in planned if p.reaped}
+    assert {r["session"] for r in rows if r["status"] == "timeout"} == reaped
+    codes = [p.stop() for p in stack]  # SIGTERM: finish, flush, exit cleanly
+    assert codes == [0, 0, 0], "\n".join(p.output() for p in stack)
+
+    assert [(f.name, str(f.type)) for f in TRAJECTORY_SCHEMA] == [
+        (name, str(type_)) for name, type_ in zip(*_schema_of(root), strict=True)
+    ]
+    con = duckdb.connect()
+    total, distinct, forks = con.execute(
+        f"select count(*), count(distinct trajectory_id), count(*) filter (where segment > 0) "
+        f"from read_parquet('{root}/run=*/*.parquet', hive_partitioning=false)"
+    ).fetchone() or (0, 0, 0)
+    assert total == distinct == len(want)
+    assert forks == sum(1 for t in want.values() if t.segment > 0)
+
+
+def _schema_of(root: Path) -> tuple[list[str], list[object]]:
+    from consumers.shard_store import open_shards_dataset
+
+    schema = open_shards_dataset(str(root)).schema
+    return schema.names, list(schema.types)
+
+
+async def test_killing_workers_and_the_shard_writer_loses_and_duplicates_nothing(
+    log: Log, tmp_path: Path, stack: list[Service]
+) -> None:
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    planned = plan_sessions(500, seed=seed % 1000)
+    want = expected_by_id(planned)
+    for p in stack:
+        p.start()
+    publishing = asyncio.create_task(publish_sessions(log, planned, pace_s=0.4))
+    kills = Counter[str]()
+    while not publishing.done() or sum(kills.values()) < 6:
+        await asyncio.sleep(rng.uniform(0.3, 1.5))
+        victim = rng.choice(stack)
+        victim.kill()
+        kills[victim.command] += 1
+        await asyncio.sleep(rng.uniform(0.0, 0.5))
+        victim.start()
+    await publishing
+
+    root = tmp_path / "data" / "shards"
+    rows = await until_all_in_shards(root, len(want), stack, within=150)
+    await asyncio.sleep(2.0)  # anything written twice would show up by now
+    rows = shard_table_rows(root)
+    assert kills["worker"] >= 1 and kills["shard-writer"] >= 1, f"seed {seed}: kills {kills}"
+    check_rows(rows, want)
+    codes = [p.stop() for p in stack]
+    assert codes == [0, 0, 0], f"seed {seed}: " + "\n".join(p.output() for p in stack)
