@@ -145,11 +145,11 @@ QUICK = Plan(warmup_s=0.5, measure_s=1.5, rounds=2)
 # -- processes --------------------------------------------------------------------------------
 
 
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process from /proc (children not included)."""
+def cpu_seconds(pid: int, *, user_only: bool = False) -> float:
+    """utime + stime (or utime alone) of a process from /proc (children not included)."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return (int(fields[11]) + (0 if user_only else int(fields[12]))) / CLK_TCK
 
 
 def own_cpu_seconds() -> float:
@@ -171,6 +171,9 @@ class Procs:
         return {
             "backend": cpu_seconds(self.backend.pid),
             "gateway": cpu_seconds(self.gateway.pid),
+            # User time alone: the kernel's share (loopback TCP, mostly) swings with the
+            # machine's load, the gateway's own Python work does not.
+            "gateway_user": cpu_seconds(self.gateway.pid, user_only=True),
             "nats": cpu_seconds(self.nats.pid),
             "loadgen": own_cpu_seconds(),
         }
@@ -474,6 +477,14 @@ def summarize(phases: list[Phase]) -> dict[str, Any]:
         "round_throughputs_rps": [round(p.throughput, 1) for p in phases],
         "round_p50_ms": [round(pct([x * 1000 for x in p.latencies_s], 50), 3) for p in phases],
         "cpu_ms_per_request": {k: round(1000 * v / requests, 3) for k, v in cpu.items()},
+        # Per round: on a shared machine the least-disturbed round is the best estimate of a
+        # change's cost, and the spread says how far to trust a difference.
+        "round_gateway_cpu_ms_per_request": [
+            round(1000 * p.cpu_s["gateway"] / max(p.requests, 1), 3) for p in phases
+        ],
+        "round_gateway_user_cpu_ms_per_request": [
+            round(1000 * p.cpu_s["gateway_user"] / max(p.requests, 1), 3) for p in phases
+        ],
         "backend_connections_per_request": round(
             sum(p.backend_connections for p in phases) / requests, 3
         ),
