@@ -95,7 +95,10 @@ class ShardWriterSettings(BaseModel):
         "unset: <data_dir>/shards",
     )
     durable: str = Field("shard-writer", description="durable consumer on TRAJ")
-    batch: int = Field(256, ge=1, description="trajectories per fetch")
+    batch: int = Field(256, ge=1, description="most trajectories per fetch")
+    fetch_max_bytes: int = Field(
+        16 * MiB, ge=1, description="fetches are sized to stay under this many bytes"
+    )
     max_rows: int = Field(20_000, ge=1, description="rotate a shard at this many rows")
     max_bytes: int = Field(128 * MiB, ge=1, description="rotate at this much buffered data")
     max_age_s: float = Field(30.0, gt=0, description="rotate a non-empty shard at this age")

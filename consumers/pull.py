@@ -22,7 +22,15 @@ from nats.js import errors as js_errors
 
 from schemas.errors import EventLogUnavailable, ProvisioningError
 
-__all__ = ["PullConsumer", "delivery_count", "fetch", "keep_alive", "release", "stream_seq"]
+__all__ = [
+    "FetchSizer",
+    "PullConsumer",
+    "delivery_count",
+    "fetch",
+    "keep_alive",
+    "release",
+    "stream_seq",
+]
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +119,31 @@ async def release(sub: JetStreamContext.PullSubscription) -> None:
     with contextlib.suppress(nats.errors.Error, OSError, TimeoutError):
         async with asyncio.timeout(1.0):
             await sub.unsubscribe()
+
+
+@dataclass
+class FetchSizer:
+    """Sizes fetches so one fetch's messages stay under ``max_bytes``.
+
+    The server sends a fetch's messages in one burst, and it disconnects a client whose
+    unsent data passes its slow-consumer limit (64 MiB by default): 256 trajectories of 20k
+    tokens are ~100 MB. nats-py's fetch has no ``max_bytes``, so the batch is sized from the
+    largest message seen lately (decaying, so one outlier does not shrink fetches for good).
+    """
+
+    max_bytes: int
+    initial_batch: int = 8
+    typical: float = 0.0
+
+    def batch(self, limit: int) -> int:
+        if not self.typical:
+            return max(1, min(limit, self.initial_batch))
+        return max(1, min(limit, int(self.max_bytes // self.typical)))
+
+    def observe(self, msgs: Sequence[Msg]) -> None:
+        if msgs:
+            largest = max(len(m.data) for m in msgs)
+            self.typical = max(float(largest), self.typical * 0.9)
 
 
 def stream_seq(msg: Msg) -> int:

@@ -196,6 +196,9 @@ class FileShardStore:
             sink,
             compression="zstd",
             compression_level=self.compression_level,
+            # Dictionaries pay off for the few-valued columns only: on token ids (~150k
+            # distinct) they double the write time for a few percent of size.
+            use_dictionary=_DICTIONARY_COLUMNS,
             # A shard is at most max_bytes: one row group keeps whole-shard scans simple;
             # readers that stream get it row group by row group anyway.
             row_group_size=max(table.num_rows, 1),
@@ -233,6 +236,9 @@ class FileShardStore:
                 f"(space, permissions, credentials) and the shard writer runs again"
             ) from exc
         return CommittedShard(final, metadata.run, metadata.first_seq, metadata.last_seq)
+
+
+_DICTIONARY_COLUMNS = ["run", "group", "status", "finish_reason", "session"]
 
 
 def _fsync(path: str) -> None:

@@ -45,7 +45,7 @@ from consumers.config import ShardWriterSettings
 from consumers.dead_letters import publish_dead_letter
 from consumers.dispositions import dead_letter_for, reason_of
 from consumers.errors import ShardWriteFailed
-from consumers.pull import PullConsumer, fetch, release, stream_seq
+from consumers.pull import FetchSizer, PullConsumer, fetch, release, stream_seq
 from consumers.seqset import SeqSet
 from consumers.shard_store import CommittedShard, ShardStore
 from consumers.shards import ShardMetadata, ShardRow, rows_to_table, shard_row
@@ -115,6 +115,7 @@ class ShardWriter:
         self._buffered_run: dict[int, str] = {}  # TRAJ sequence -> run of its buffer
         self._buffered_bytes = 0  # over all runs
         self._stream_created = ""
+        self._sizer = FetchSizer(self.settings.fetch_max_bytes)
 
     def consumer(self) -> PullConsumer:
         s = self.settings
@@ -140,7 +141,9 @@ class ShardWriter:
             await self.recover()
             while not stop.is_set():
                 try:
-                    msgs = await fetch(sub, self.settings.batch, self._fetch_wait_s())
+                    batch = self._sizer.batch(self.settings.batch)
+                    msgs = await fetch(sub, batch, self._fetch_wait_s())
+                    self._sizer.observe(msgs)
                 except EventLogUnavailable as exc:
                     log.warning("shard writer: %s; retrying", exc)
                     with contextlib.suppress(TimeoutError):

@@ -45,6 +45,7 @@ async def read_session_messages(
     *,
     stream: str = "EVENTS",
     batch: int = 1024,
+    max_bytes: int = 16 * 1024 * 1024,
     timeout_s: float = 5.0,
 ) -> list[StoredMessage]:
     """Every message of ``run``/``session`` in ``stream``, undecoded, in stream order.
@@ -62,7 +63,9 @@ async def read_session_messages(
         raise EventLogUnavailable(f"reading {where}: {exc}") from exc
     try:
         while True:
-            request = {"seq": seq, "next_by_subj": subject, "batch": batch}
+            # max_bytes: the batch arrives as one burst; past the server's slow-consumer limit
+            # it would cut the connection.
+            request = {"seq": seq, "next_by_subj": subject, "batch": batch, "max_bytes": max_bytes}
             await nc.publish(api, json.dumps(request).encode(), reply=sub.subject)
             while True:
                 msg = await sub.next_msg(timeout=timeout_s)

@@ -41,9 +41,10 @@ async def test_a_session_longer_than_one_batch_reads_back_whole(log: Log) -> Non
     await pub.close()
 
     small = await read_session_messages(log.js, events[0].run, "long", batch=2)
+    tiny_bursts = await read_session_messages(log.js, events[0].run, "long", max_bytes=1)
     whole = await read_session_messages(log.js, events[0].run, "long")
 
-    assert small == whole
+    assert small == whole == tiny_bursts
     assert len(whole) == len(events)
     assert [m.seq for m in whole] == sorted(m.seq for m in whole)
     assert all(m.subject.startswith(f"ts.ev.{events[0].run}.long.") for m in whole)
