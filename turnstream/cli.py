@@ -72,7 +72,7 @@ class ProvisionCommand(ServiceSettings):
 
 
 class StatusCommand(ServiceSettings):
-    """Streams and buckets of a running NATS (--log.url): messages, bytes, sequences."""
+    """Streams and consumers of a running NATS (--log.url): messages, bytes, lag, dead letters."""
 
     model_config = SettingsConfigDict(cli_prog_name="turnstream status")
 
@@ -83,10 +83,20 @@ class StatusCommand(ServiceSettings):
 
     async def _run(self) -> None:
         async with open_log(self, name="turnstream-status") as event_log:
-            table = Table("stream", "messages", "bytes", "first seq", "last seq", "subjects")
-            for info in await event_log.js.streams_info():
+            js = event_log.js
+            streams = Table("stream", "messages", "bytes", "first seq", "last seq", "subjects")
+            consumers = Table(
+                "stream",
+                "consumer",
+                "waiting (lag)",
+                "delivered, not acked",
+                "redelivered",
+                title="consumers",
+            )
+            infos = await js.streams_info()
+            for info in infos:
                 st = info.state
-                table.add_row(
+                streams.add_row(
                     info.config.name,
                     f"{st.messages:,}",
                     f"{st.bytes:,}",
@@ -94,7 +104,26 @@ class StatusCommand(ServiceSettings):
                     str(st.last_seq),
                     ", ".join(info.config.subjects or []),
                 )
-            console.print(table)
+                name = info.config.name or ""
+                for c in await js.consumers_info(name):
+                    consumers.add_row(
+                        name,
+                        c.name,
+                        f"{c.num_pending or 0:,}",
+                        f"{c.num_ack_pending or 0:,}",
+                        f"{c.num_redelivered or 0:,}",
+                    )
+            console.print(streams)
+            if consumers.row_count:
+                console.print(consumers)
+            names = self.log.names
+            if any(info.config.name == names.dead_letters for info in infos):
+                dlq = await js.stream_info(names.dead_letters, subjects_filter=">")
+                letters = Table("source.reason", "dead letters", title=f"{names.dead_letters}")
+                for subject, count in sorted((dlq.state.subjects or {}).items()):
+                    letters.add_row(subject.removeprefix("ts.dlq."), f"{count:,}")
+                if letters.row_count:
+                    console.print(letters)
 
 
 class DemoCommand(ServiceSettings):

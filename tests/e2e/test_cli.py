@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from schemas.log import NatsServer
+from tests.conftest import Log
 
 
 def turnstream(
@@ -83,3 +84,28 @@ def test_status_reads_the_url_from_env_and_from_a_toml_file(
     missing = turnstream("status", "--config", str(tmp_path / "nope.toml"))
     assert missing.returncode == 1
     assert "nope.toml does not exist" in missing.stderr
+
+
+@pytest.mark.integration
+async def test_status_shows_consumer_lag_and_dead_letters_by_reason(log: Log) -> None:
+    from consumers import FoldWorker
+    from schemas.dead_letter import DeadLetter, encode_dead_letter
+
+    await FoldWorker(log.js, publisher=None).consumer().bind(log.js)  # type: ignore[arg-type]
+    await log.js.publish(f"ts.ev.r.s{1}.close", b"x")
+    letter = DeadLetter(
+        source="fold", reason="undecodable", error="e", stream="EVENTS", subject="s", seq=1
+    )
+    for seq in (1, 2):
+        await log.js.publish(
+            letter.subject_out, encode_dead_letter(letter), headers={"Nats-Msg-Id": str(seq)}
+        )
+
+    result = turnstream("status", "--log.url", log.server.url)
+
+    assert result.returncode == 0, result.stderr
+    lines = result.stderr.splitlines()
+    [fold] = [line for line in lines if "│ fold " in line and "EVENTS" in line]
+    assert fold.split("│")[3].strip() == "1"  # one close waiting
+    [dlq] = [line for line in lines if "fold.undecodable" in line]
+    assert dlq.split("│")[2].strip() == "2"
