@@ -1,0 +1,420 @@
+"""Benchmark: closed sessions -> fold workers -> TRAJ -> shard writer -> Parquet, against raw reads.
+
+Run it from the repository root (nats-server on PATH, or in the venv's bin)::
+
+    .venv/bin/python benchmarks/pipeline_throughput.py           # 2,000 sessions x 10 turns
+    .venv/bin/python benchmarks/pipeline_throughput.py --quick   # 120 sessions, ~30 s
+
+What it measures
+----------------
+Sessions of 10 turns, each turn adding 2,000 new tokens (a 1,500-token tool result or task and
+a 500-token completion, with ~4 characters of message text per token), published as real
+events to a nats-server started here (file store). Then, in one run:
+
+1. **raw**: one pull consumer reads every message of EVENTS (batches of 512, no decoding, no
+   acks): the rate at which this machine can move those bytes out of JetStream into Python.
+2. **rehydrate**: reading sessions back three ways (the fold worker's batched direct get, one
+   direct get per event, an ordered consumer per session), in sessions/s.
+3. **throughput**: ``--workers`` ``turnstream worker`` processes and one ``turnstream
+   shard-writer`` run against the stream; once they are idle (the reapers have tracked the
+   pre-published events), every close is published in one burst, and the clock stops when the
+   shards hold every trajectory. tokens/s = tokens in the trajectories / that time.
+   ``ratio_to_raw`` = that rate / the raw rate.
+4. **latency**: more sessions, their closes published at half the measured session rate; for
+   each, close ack -> its TrajectoryReady stored in TRAJ (server timestamp), and close ack ->
+   its shard committed (the shard file's modification time; the writer rotates every
+   ``--shard-age`` seconds, which bounds this latency from below).
+
+The LAST line is one JSON object: ``tokens_per_s`` (per worker), ``ratio_to_raw``,
+``close_to_shard_ms_p50/p99``, ``close_to_traj_ms_p50/p99``, the rehydrate rates, the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+from _common import finish, machine_info, say
+from nats.js import JetStreamContext
+from nats.js import api as js_api
+
+from schemas.events import SessionClosed, SessionEvent, SessionOpened, TurnCompleted
+from schemas.log import (
+    JetStreamPublisher,
+    LogSettings,
+    NatsServer,
+    PublisherSettings,
+    connect,
+    provision,
+    read_session_messages,
+)
+
+RUN = "bench"
+VOCAB = 151_000
+CHARS_PER_TOKEN = 4
+TARGET_RATIO = 0.5
+
+
+@dataclass(frozen=True)
+class Plan:
+    sessions: int
+    latency_sessions: int
+    turns: int = 10
+    prompt_tokens: int = 1_500
+    completion_tokens: int = 500
+
+
+FULL = Plan(sessions=2_000, latency_sessions=300)
+QUICK = Plan(sessions=120, latency_sessions=40)
+
+
+def make_session(
+    rng: np.random.Generator, corpus: str, index: int, plan: Plan
+) -> list[SessionEvent]:
+    """Open + turns of one append-only session (the close is published later)."""
+    session = f"s{index:06d}"
+    events: list[SessionEvent] = [
+        SessionOpened(run=RUN, session=session, group=f"g{index // 8}", created_at=time.time())
+    ]
+    context = 0
+    for t in range(plan.turns):
+        n_prompt, n_completion = plan.prompt_tokens, plan.completion_tokens
+        start = int(rng.integers(0, len(corpus) - n_prompt * CHARS_PER_TOKEN))
+        content = corpus[start : start + n_prompt * CHARS_PER_TOKEN]
+        events.append(
+            TurnCompleted(
+                run=RUN,
+                session=session,
+                turn=t,
+                prefix_len=context,
+                prompt_ids=rng.integers(0, VOCAB, n_prompt, dtype=np.int32),
+                completion_ids=rng.integers(0, VOCAB, n_completion, dtype=np.int32),
+                logprobs=-rng.random(n_completion, dtype=np.float32),
+                message_prefix_len=2 * t,
+                new_messages=[{"role": "tool" if t else "user", "content": content}],
+                text=corpus[start : start + n_completion * CHARS_PER_TOKEN],
+                weight_version=1,
+                created_at=time.time(),
+            )
+        )
+        context += n_prompt + n_completion
+    return events
+
+
+def close_of(events: list[SessionEvent], plan: Plan) -> SessionClosed:
+    return SessionClosed(
+        run=RUN, session=events[0].session, reward=1.0, num_turns=plan.turns, created_at=time.time()
+    )
+
+
+def tokens_of(plan: Plan) -> int:
+    return plan.turns * (plan.prompt_tokens + plan.completion_tokens)
+
+
+def pct(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values), q)) if values else float("nan")
+
+
+# -- phases ---------------------------------------------------------------------------------
+
+
+async def publish_sessions(js_pub: JetStreamPublisher, sessions: list[list[SessionEvent]]) -> None:
+    for start in range(0, len(sessions), 50):
+        await js_pub.publish_many([e for s in sessions[start : start + 50] for e in s])
+
+
+async def raw_read(js: JetStreamContext) -> tuple[float, int, int]:
+    """Seconds to pull every EVENTS message once, the messages and the bytes."""
+    info = await js.stream_info("EVENTS")
+    total = info.state.messages
+    await js.add_consumer(
+        "EVENTS",
+        js_api.ConsumerConfig(
+            durable_name="bench-raw",
+            ack_policy=js_api.AckPolicy.NONE,
+            deliver_policy=js_api.DeliverPolicy.ALL,
+            max_ack_pending=-1,
+        ),
+    )
+    sub = await js.pull_subscribe_bind("bench-raw", stream="EVENTS")
+    got = size = 0
+    start = time.perf_counter()
+    while got < total:
+        for msg in await sub.fetch(512, timeout=5.0):
+            got += 1
+            size += len(msg.data)
+    elapsed = time.perf_counter() - start
+    await sub.unsubscribe()
+    await js.delete_consumer("EVENTS", "bench-raw")
+    return elapsed, got, size
+
+
+async def rehydrate_rates(js: JetStreamContext, sessions: list[str]) -> dict[str, float]:
+    """Sessions/s read back by batched direct get, per-event direct get, ordered consumer."""
+
+    async def batched(session: str) -> int:
+        return len(await read_session_messages(js, RUN, session))
+
+    async def per_event(session: str) -> int:
+        seq, n = 1, 0
+        while True:
+            try:
+                msg = await js.get_msg(
+                    "EVENTS", seq=seq, subject=f"ts.ev.{RUN}.{session}.*", next=True, direct=True
+                )
+            except Exception:
+                return n
+            n += 1
+            assert msg.seq is not None
+            seq = msg.seq + 1
+
+    async def ordered(session: str) -> int:
+        sub = await js.subscribe(f"ts.ev.{RUN}.{session}.*", ordered_consumer=True)
+        n = 0
+        try:
+            while True:
+                msg = await sub.next_msg(timeout=5.0)
+                n += 1
+                if msg.metadata.num_pending == 0:
+                    return n
+        finally:
+            await sub.unsubscribe()
+
+    rates = {}
+    for name, read in (
+        ("batched_direct_get", batched),
+        ("direct_get_per_event", per_event),
+        ("ordered_consumer", ordered),
+    ):
+        start = time.perf_counter()
+        counts = [await read(s) for s in sessions]
+        elapsed = time.perf_counter() - start
+        assert len(set(counts)) == 1 and counts[0] > 0, f"{name} read {set(counts)} events"
+        rates[name] = len(sessions) / elapsed
+        say(f"  rehydrate {name:<22} {rates[name]:8.0f} sessions/s ({counts[0]} events each)")
+    return rates
+
+
+def shard_rows(root: Path) -> dict[str, float]:
+    """trajectory_id -> commit time (the shard file's mtime) of every committed shard."""
+    found: dict[str, float] = {}
+    for path in root.glob("run=*/*.parquet"):
+        if path.name.startswith((".", "_")):
+            continue
+        mtime = path.stat().st_mtime
+        for tid in pq.read_table(path, columns=["trajectory_id"]).column(0).to_pylist():
+            found[tid] = mtime
+    return found
+
+
+def count_rows(root: Path) -> int:
+    return sum(
+        pq.read_metadata(p).num_rows
+        for p in root.glob("run=*/*.parquet")
+        if not p.name.startswith((".", "_"))
+    )
+
+
+async def wait_for(what: str, condition, timeout_s: float, poll_s: float = 0.1) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not await condition():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"benchmark stuck: {what} not within {timeout_s:.0f}s")
+        await asyncio.sleep(poll_s)
+
+
+async def consumers_idle(js: JetStreamContext, names: list[str]) -> bool:
+    for name in names:
+        try:
+            info = await js.consumer_info("EVENTS", name)
+        except Exception:
+            return False
+        if info.num_pending or info.num_ack_pending:
+            return False
+    return True
+
+
+def start_services(
+    url: str, data_dir: Path, workers: int, shard_age: float
+) -> list[subprocess.Popen[bytes]]:
+    exe = [sys.executable, "-m", "turnstream.cli"]
+    common = ["--log.url", url, "--data-dir", str(data_dir)]
+    env = {**os.environ, "TURNSTREAM_LOG_LEVEL": "WARNING"}
+    procs = [subprocess.Popen([*exe, "worker", *common], env=env) for _ in range(workers)]
+    procs.append(
+        subprocess.Popen(
+            [*exe, "shard-writer", *common, "--shards.max-age-s", str(shard_age)], env=env
+        )
+    )
+    return procs
+
+
+def stop_services(procs: list[subprocess.Popen[bytes]]) -> None:
+    for p in procs:
+        p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+async def main(quick: bool, workers: int, shard_age: float) -> None:
+    plan = QUICK if quick else FULL
+    began = time.perf_counter()
+    info = machine_info("nats-py", "msgspec", "numpy", "pyarrow")
+    rng = np.random.default_rng(7)
+    letters = np.array(list("abcdefghijklmnopqrstuvwxyz "))
+    corpus = "".join(rng.choice(letters, 400_000).tolist())
+    say(
+        f"pipeline throughput: {plan.sessions} sessions x {plan.turns} turns x "
+        f"{plan.prompt_tokens + plan.completion_tokens} new tokens, {workers} worker(s)"
+    )
+    with tempfile.TemporaryDirectory(prefix="ts-bench-pipeline-") as tmp:
+        tmp_path = Path(tmp)
+        server = NatsServer(tmp_path / "nats", max_payload=8 * 1024 * 1024).start()
+        procs: list[subprocess.Popen[bytes]] = []
+        try:
+            settings = LogSettings()
+            nc = await connect(server.url, settings)
+            js = nc.jetstream()
+            await provision(js, settings)
+            pub = await JetStreamPublisher(
+                nc, PublisherSettings(max_inflight_bytes=64 << 20)
+            ).start()
+
+            say("publishing sessions (opens + turns) ...")
+            sessions = [make_session(rng, corpus, i, plan) for i in range(plan.sessions)]
+            t = time.perf_counter()
+            await publish_sessions(pub, sessions)
+            say(f"  {plan.sessions * (plan.turns + 1):,} events in {time.perf_counter() - t:.1f} s")
+
+            raw_s, raw_msgs, raw_bytes = await raw_read(js)
+            raw_tokens_per_s = plan.sessions * tokens_of(plan) / raw_s
+            say(
+                f"raw: {raw_msgs:,} messages, {raw_bytes / 1e6:,.0f} MB in {raw_s:.2f} s: "
+                f"{raw_bytes / raw_s / 1e6:,.0f} MB/s, {raw_tokens_per_s / 1e6:.2f} M tokens/s"
+            )
+
+            rates = await rehydrate_rates(
+                js, [s[0].session for s in sessions[: min(100, plan.sessions)]]
+            )
+
+            procs = start_services(server.url, tmp_path / "data", workers, shard_age)
+            say(f"  services: {', '.join(f'{p.args[3]} pid {p.pid}' for p in procs)}")
+            names = ["fold", "reaper"]
+            await wait_for(
+                "workers ready and reapers caught up", lambda: consumers_idle(js, names), 600, 0.5
+            )
+            shard_root = tmp_path / "data" / "shards"
+
+            say("throughput: publishing every close ...")
+            closes = [close_of(s, plan) for s in sessions]
+            start = time.perf_counter()
+            await pub.publish_many(closes)
+
+            async def all_in_shards() -> bool:
+                return count_rows(shard_root) >= plan.sessions
+
+            await wait_for("every trajectory in a shard", all_in_shards, 1800, 0.2)
+            elapsed = time.perf_counter() - start
+            total_tokens = plan.sessions * tokens_of(plan)
+            tokens_per_s = total_tokens / elapsed
+            say(
+                f"  {plan.sessions} sessions, {total_tokens / 1e6:.1f} M tokens in "
+                f"{elapsed:.1f} s: {tokens_per_s / 1e6:.2f} M tokens/s "
+                f"({tokens_per_s / workers / 1e6:.2f} per worker), "
+                f"{tokens_per_s / raw_tokens_per_s:.2f} of raw"
+            )
+
+            say(f"latency: {plan.latency_sessions} sessions, closes at half the measured rate ...")
+            later = [
+                make_session(rng, corpus, plan.sessions + i, plan)
+                for i in range(plan.latency_sessions)
+            ]
+            await publish_sessions(pub, later)
+            await wait_for("reapers caught up", lambda: consumers_idle(js, names), 600, 0.2)
+            interval = 2.0 * elapsed / plan.sessions
+            close_at: dict[str, float] = {}
+            for events in later:
+                await pub.publish(close_of(events, plan))
+                close_at[f"{RUN}/{events[0].session}/0"] = time.time()
+                await asyncio.sleep(interval)
+
+            async def latency_done() -> bool:
+                return count_rows(shard_root) >= plan.sessions + plan.latency_sessions
+
+            await wait_for("latency sessions in shards", latency_done, 600, 0.2)
+            committed = shard_rows(shard_root)
+            to_shard = [(committed[tid] - at) * 1000 for tid, at in close_at.items()]
+            to_traj = []
+            traj_info = await js.stream_info("TRAJ")
+            for seq in range(traj_info.state.first_seq, traj_info.state.last_seq + 1):
+                msg = await js.get_msg("TRAJ", seq=seq, direct=True)
+                stamp = (msg.headers or {}).get("Nats-Time-Stamp")
+                tid = (msg.headers or {}).get("Nats-Msg-Id")
+                if tid in close_at and stamp:
+                    to_traj.append((_parse_time(stamp) - close_at[tid]) * 1000)
+            say(f"  close -> TRAJ  p50 {pct(to_traj, 50):7.1f} ms  p99 {pct(to_traj, 99):7.1f} ms")
+            say(
+                f"  close -> shard p50 {pct(to_shard, 50):7.1f} ms  "
+                f"p99 {pct(to_shard, 99):7.1f} ms (shards rotate every {shard_age:g} s)"
+            )
+            await pub.close()
+            await nc.close()
+        finally:
+            stop_services(procs)
+            server.stop()
+
+    finish(
+        {
+            "tokens_per_s": round(tokens_per_s / workers),
+            "tokens_per_s_total": round(tokens_per_s),
+            "raw_tokens_per_s": round(raw_tokens_per_s),
+            "ratio_to_raw": round(tokens_per_s / raw_tokens_per_s, 3),
+            "target_ratio": TARGET_RATIO,
+            "close_to_shard_ms_p50": round(pct(to_shard, 50), 1),
+            "close_to_shard_ms_p99": round(pct(to_shard, 99), 1),
+            "close_to_traj_ms_p50": round(pct(to_traj, 50), 1),
+            "close_to_traj_ms_p99": round(pct(to_traj, 99), 1),
+            "shard_age_s": shard_age,
+            "workers": workers,
+            "sessions": plan.sessions,
+            "turns": plan.turns,
+            "raw_mb_per_s": round(raw_bytes / raw_s / 1e6, 1),
+            **{f"rehydrate_{k}_sessions_per_s": round(v, 1) for k, v in rates.items()},
+        },
+        quick=quick,
+        duration_s=time.perf_counter() - began,
+        info=info,
+    )
+
+
+def _parse_time(stamp: str) -> float:
+    """RFC 3339 with nanoseconds (as nats-server writes it) to epoch seconds."""
+    import datetime as dt
+
+    head, _, frac = stamp.rstrip("Z").partition(".")
+    base = dt.datetime.fromisoformat(head).replace(tzinfo=dt.UTC).timestamp()
+    return base + (float(f"0.{frac}") if frac else 0.0)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="a small run, ~30 s")
+    parser.add_argument("--workers", type=int, default=1, help="fold worker processes")
+    parser.add_argument("--shard-age", type=float, default=1.0, help="shard rotation age, seconds")
+    args = parser.parse_args()
+    asyncio.run(main(args.quick, args.workers, args.shard_age))
