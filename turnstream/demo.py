@@ -11,16 +11,21 @@ JetStream), reading the session back from the EVENTS stream, and the pure fold.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass
 
 import numpy as np
+import pyarrow.compute as pc
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from consumers import FoldResult, fold
+from consumers import FoldWorker, ShardWriterSettings
+from consumers.shard_store import FileShardStore, open_shards_dataset
+from consumers.shard_writer import ShardWriter
+from consumers.shards import table_to_trajectories
 from schemas import (
     Event,
     RewardAssigned,
@@ -32,9 +37,9 @@ from schemas import (
 from schemas.delta import encode_delta
 from schemas.events import JSON
 from schemas.ids import new_session_id
-from schemas.log import JetStreamPublisher, Outbox, read_session
+from schemas.log import JetStreamPublisher, Outbox
 from turnstream.settings import ServiceSettings
-from turnstream.stack import open_log
+from turnstream.stack import EventLog, open_log
 
 SYSTEM = "You are a calculator agent. Call the calc tool, then answer."
 
@@ -119,6 +124,49 @@ def show(sample: TrajectoryReady) -> Text:
     return text
 
 
+async def fold_and_shard(
+    settings: ServiceSettings, event_log: EventLog, sessions: list[str], console: Console
+) -> list[TrajectoryReady]:
+    """Run a fold worker and a shard writer in this process until ``sessions`` are in shards."""
+    target = str(settings.data_dir / "shards")
+    publisher = await JetStreamPublisher(event_log.nc, settings.publisher).start()
+    names = settings.log.names
+    worker = FoldWorker(event_log.js, publisher, names=names)
+    writer = ShardWriter(
+        event_log.js,
+        publisher,
+        FileShardStore(target),
+        ShardWriterSettings(max_age_s=0.2),
+        stream=names.trajectories,
+    )
+    stop = asyncio.Event()
+    running = [asyncio.create_task(worker.run(stop)), asyncio.create_task(writer.run(stop))]
+    try:
+        async with asyncio.timeout(60):
+            while True:
+                await asyncio.sleep(0.1)
+                for task in running:
+                    if task.done():
+                        task.result()  # a worker that stopped early: raise its error here
+                folded = worker.stats.sessions_folded >= len(sessions)
+                if folded and writer.stats.rows_written >= worker.stats.trajectories:
+                    break
+    finally:
+        stop.set()
+        await asyncio.gather(*running, return_exceptions=True)
+        await publisher.close()
+    table = open_shards_dataset(target).to_table(filter=pc.field("session").isin(sessions))
+    console.print(
+        f"fold worker: {worker.stats.sessions_folded} sessions -> "
+        f"{worker.stats.trajectories} trajectories ({worker.stats.forks} forks) on TRAJ; "
+        f"shard writer: {writer.stats.rows_written} rows in {writer.stats.shards_written} "
+        f"Parquet shard(s) under {target}"
+    )
+    order = {session: i for i, session in enumerate(sessions)}
+    samples = [t for _, t in table_to_trajectories(table)]
+    return sorted(samples, key=lambda t: (order[t.session], t.segment))
+
+
 async def run_demo(settings: ServiceSettings, sessions: int, console: Console) -> None:
     rng = np.random.default_rng(0)
     started = time.perf_counter()
@@ -156,34 +204,31 @@ async def run_demo(settings: ServiceSettings, sessions: int, console: Console) -
             f"published {published} events for {sessions} sessions, each acked by JetStream"
         )
 
+        samples = await fold_and_shard(settings, event_log, ids, console)
         table = Table(
             "trajectory id",
             "turns",
             "tokens",
             "generated",
             "reward",
-            "forks",
-            title=f"run {settings.run}: folded from the EVENTS stream",
+            "status",
+            title=f"run {settings.run}: folded from the EVENTS stream, read back from the shards",
         )
         table.columns[0].no_wrap = True
-        results: list[FoldResult] = []
-        for session in ids:
-            result = fold(await read_session(event_log.js, settings.run, session))
-            results.append(result)
-            for sample in result.trajectories:
-                table.add_row(
-                    sample.trajectory_id,
-                    str(sample.num_turns),
-                    str(len(sample.input_ids)),
-                    str(int(sample.loss_mask.sum())),
-                    f"{sample.reward}",
-                    str(result.forks),
-                )
+        for sample in samples:
+            table.add_row(
+                sample.trajectory_id,
+                str(sample.num_turns),
+                str(len(sample.input_ids)),
+                str(int(sample.loss_mask.sum())),
+                f"{sample.reward}",
+                sample.status,
+            )
         console.print(table)
         console.print("[bold]first trajectory[/] (green: generated by the policy, loss_mask=1)")
-        console.print(show(results[0].trajectories[0]))
+        console.print(show(samples[0]))
         info = await event_log.js.stream_info(settings.log.names.events)
-        tokens = sum(len(s.input_ids) for r in results for s in r.trajectories)
+        tokens = sum(len(s.input_ids) for s in samples)
         console.print(
             f"EVENTS holds {info.state.messages} messages, {info.state.bytes:,} bytes "
             f"for {tokens:,} trajectory tokens; done in {time.perf_counter() - started:.1f}s"

@@ -31,7 +31,9 @@ def test_demo_runs_the_main_job_on_the_embedded_default(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     out = result.stderr + result.stdout
     assert "published 16 events for 3 sessions" in out  # 2 x 5 + 1 x 6 (a forking session)
-    assert "folded from the EVENTS stream" in out
+    assert "folded from the EVENTS stream, read back from the shards" in out
+    assert "3 sessions -> 4 trajectories" in out and "4 rows in" in out
+    assert list((tmp_path / "shards" / "run=default").glob("part-*.parquet"))
     assert out.count("default/") >= 4  # 3 sessions, one of them forked into 2 samples
     assert (tmp_path / "nats" / "jetstream").is_dir()
 
