@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -22,7 +21,7 @@ from rich.table import Table
 
 from schemas import TurnstreamError
 from turnstream.settings import ServiceSettings, with_toml
-from turnstream.stack import open_log
+from turnstream.stack import open_log, stop_on_signals
 
 __all__ = ["main"]
 
@@ -49,10 +48,7 @@ class NatsCommand(ServiceSettings):
         async with open_log(settings, name="turnstream-nats") as event_log:
             console.print(_actions_table(event_log.provisioned))
             console.print(f"nats-server ready at [bold]{event_log.url}[/] (Ctrl-C stops it)")
-            stop = asyncio.Event()
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(sig, stop.set)
+            stop = stop_on_signals()
             await stop.wait()
 
 

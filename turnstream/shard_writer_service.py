@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
@@ -21,7 +20,7 @@ from consumers.shard_writer import ShardWriter
 from schemas.codec import Codec
 from schemas.log import JetStreamPublisher
 from turnstream.settings import ServiceSettings
-from turnstream.stack import open_log
+from turnstream.stack import open_log, require_log_url, stop_on_signals
 
 __all__ = ["ShardWriterCommand"]
 
@@ -41,13 +40,11 @@ class ShardWriterCommand(ServiceSettings):
         return self.shards.target or str(self.data_dir / "shards")
 
     def cli_cmd(self) -> None:
+        require_log_url(self, "shard-writer")
         asyncio.run(self._run())
 
     async def _run(self) -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+        stop = stop_on_signals()
         codec = Codec(max_payload=self.log.max_payload)
         store = FileShardStore(self.shard_target, compression_level=self.shards.compression_level)
         async with open_log(self, name="turnstream-shard-writer") as event_log:

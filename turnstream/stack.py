@@ -5,16 +5,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
+from schemas.errors import TurnstreamError
 from schemas.log import NatsServer, ProvisionAction, connect, provision
 from turnstream.settings import ServiceSettings
 
-__all__ = ["EventLog", "open_log"]
+__all__ = ["EventLog", "open_log", "require_log_url", "stop_on_signals"]
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +28,23 @@ class EventLog:
     url: str
     server: NatsServer | None  # None when connected to an external server
     provisioned: list[ProvisionAction]
+
+
+def stop_on_signals() -> asyncio.Event:
+    """An event set by SIGINT or SIGTERM: a service stops taking work, finishes, exits 0."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+def require_log_url(settings: ServiceSettings, command: str) -> None:
+    """Consumers join an existing log: an embedded server of their own would hold nothing."""
+    if settings.log.url is None:
+        raise TurnstreamError(
+            f"{command} needs the log's URL: --log.url nats://HOST:4222 (or TURNSTREAM_LOG__URL)"
+        )
 
 
 async def _close(nc: NATS) -> None:

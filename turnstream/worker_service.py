@@ -10,17 +10,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
 from dataclasses import asdict
 
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from consumers import FoldWorker, FoldWorkerSettings, Reaper, ReaperSettings
-from schemas.errors import TurnstreamError
 from schemas.log import JetStreamPublisher
 from turnstream.settings import ServiceSettings
-from turnstream.stack import EventLog, open_log
+from turnstream.stack import EventLog, open_log, require_log_url, stop_on_signals
 
 __all__ = ["WorkerCommand", "WorkerSettings", "run_workers"]
 
@@ -75,17 +73,11 @@ async def _report(
 
 class WorkerCommand(WorkerSettings):
     def cli_cmd(self) -> None:
-        if self.log.url is None:
-            raise TurnstreamError(
-                "worker needs the log's URL: --log.url nats://HOST:4222 (or TURNSTREAM_LOG__URL)"
-            )
+        require_log_url(self, "worker")
         asyncio.run(self._run())
 
     async def _run(self) -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+        stop = stop_on_signals()
         async with open_log(self, name="turnstream-worker") as event_log:
             log.info("fold worker on %s (reaper %s)", event_log.url, self.reaper.enabled)
             worker, reaper = await run_workers(self, event_log, stop)

@@ -111,3 +111,10 @@ async def test_status_shows_consumer_lag_and_dead_letters_by_reason(log: Log) ->
     assert fold.split("│")[3].strip() == "1"  # one close waiting
     [dlq] = [line for line in lines if "fold.undecodable" in line]
     assert dlq.split("│")[2].strip() == "2"
+
+
+@pytest.mark.parametrize("command", ["worker", "shard-writer"])
+def test_consumers_refuse_to_start_without_the_log_url(command: str, tmp_path: Path) -> None:
+    result = turnstream(command, "--data-dir", str(tmp_path))
+    assert result.returncode == 1
+    assert f"{command} needs the log's URL: --log.url" in result.stderr
