@@ -34,12 +34,12 @@ from nats.js.kv import KeyValue
 
 from consumers.config import ReaperSettings
 from consumers.dead_letters import publish_dead_letter
-from consumers.pull import PullConsumer, fetch, release
 from schemas.dead_letter import DeadLetter
 from schemas.errors import EventLogUnavailable
 from schemas.events import SessionClosed
 from schemas.ids import EVENT_SUBJECT_PREFIX
 from schemas.log import Publisher, StreamNames
+from schemas.log.pull import PullConsumer, fetch, release
 
 __all__ = ["Observation", "Reaper", "ReaperStats", "SessionActivity", "idle_sessions", "observe"]
 

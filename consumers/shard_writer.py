@@ -45,7 +45,6 @@ from consumers.config import ShardWriterSettings
 from consumers.dead_letters import publish_dead_letter
 from consumers.dispositions import dead_letter_for, reason_of
 from consumers.errors import ShardWriteFailed
-from consumers.pull import FetchSizer, PullConsumer, fetch, release, stream_seq
 from consumers.seqset import SeqSet
 from consumers.shard_store import CommittedShard, ShardStore
 from consumers.shards import ShardMetadata, ShardRow, rows_to_table, shard_row
@@ -54,6 +53,7 @@ from schemas.errors import EventLogUnavailable, SchemaError, UndecodableEvent
 from schemas.events import TrajectoryReady
 from schemas.ids import TRAJ_SUBJECT_PREFIX
 from schemas.log import Publisher
+from schemas.log.pull import FetchSizer, PullConsumer, fetch, release, stream_seq
 
 __all__ = ["ShardWriter", "ShardWriterStats"]
 

@@ -39,13 +39,13 @@ from consumers.dead_letters import publish_dead_letter
 from consumers.dispositions import DeadLetterIt, Retry, dead_letter_for, disposition, reason_of
 from consumers.errors import FoldError
 from consumers.fold import FoldOptions, FoldResult, fold
-from consumers.pull import PullConsumer, delivery_count, fetch, keep_alive, release
 from schemas.codec import Codec
 from schemas.dead_letter import DeadLetter
 from schemas.errors import EventLogUnavailable, SchemaError
 from schemas.events import SessionClosed, SessionEvent, SessionOpened, TrajectoryReady
 from schemas.ids import EVENT_SUBJECT_PREFIX
 from schemas.log import Publisher, StoredMessage, StreamNames, read_session_messages
+from schemas.log.pull import PullConsumer, delivery_count, fetch, keep_alive, release
 
 __all__ = ["FoldMarker", "FoldWorker", "WorkerStats", "fold_options"]
 

@@ -1,7 +1,8 @@
 """Durable pull consumers: create or update one, fetch from it, keep a long job's message alive.
 
-Every process of a kind (fold workers, reapers, the shard writer) binds to one durable consumer,
-so JetStream spreads the messages over them and redelivers what a dead process left unacked.
+Every process of a kind (fold workers, reapers, the shard writer, a trainer's sink) binds to one
+durable consumer, so JetStream spreads the messages over them and redelivers what a dead process
+left unacked.
 nats-py errors are translated here: a fetch that finds nothing returns ``[]``; a log that does
 not answer raises EventLogUnavailable.
 """
