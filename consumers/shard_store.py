@@ -36,15 +36,14 @@ from typing import Protocol
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from consumers.errors import ShardUnreadable, ShardWriteFailed
-from consumers.shards import TRAJECTORY_SCHEMA, ShardMetadata
 from schemas.ids import ID_PATTERN
+from schemas.shards import ShardMetadata, filesystem_of
 
-__all__ = ["CommittedShard", "FileShardStore", "ShardStore", "open_shards_dataset"]
+__all__ = ["CommittedShard", "FileShardStore", "ShardStore"]
 
 _SHARD = re.compile(
     rf"^run=(?P<run>{ID_PATTERN})/part-(?P<first>\d+)-(?P<last>\d+)(?:-[0-9a-f]+)?\.parquet$"
@@ -92,16 +91,10 @@ class ShardStore(Protocol):
 
 
 def _filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
-    if "://" not in uri:  # a plain path, relative or absolute
-        return pafs.LocalFileSystem(), os.path.abspath(uri)
     try:
-        fs, path = pafs.FileSystem.from_uri(uri)
-    except (OSError, pa.ArrowException) as exc:
-        raise ShardWriteFailed(
-            f"shard target {uri!r} is not a usable pyarrow filesystem URI ({exc}); use a "
-            f"directory or e.g. s3://bucket/prefix (shards.target / TURNSTREAM_SHARDS__TARGET)"
-        ) from exc
-    return fs, str(path)
+        return filesystem_of(uri)
+    except ValueError as exc:
+        raise ShardWriteFailed(f"{exc} (shards.target / TURNSTREAM_SHARDS__TARGET)") from exc
 
 
 class FileShardStore:
@@ -248,20 +241,3 @@ def _fsync(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-RUN_PARTITIONING = ds.partitioning(pa.schema([("run", pa.string())]), flavor="hive")
-"""``run=<run>`` directories read as strings: the inferred hive partitioning would read a run
-named ``123`` as an int32 and clash with the ``run`` column inside the files."""
-
-
-def open_shards_dataset(uri: str, *, filesystem: pafs.FileSystem | None = None) -> ds.Dataset:
-    """All committed shards under ``uri`` as one ``pyarrow.dataset`` (filter on ``run``)."""
-    fs, root = (filesystem, uri) if filesystem is not None else _filesystem(uri)
-    return ds.dataset(
-        root,
-        filesystem=fs,
-        format="parquet",
-        schema=TRAJECTORY_SCHEMA,
-        partitioning=RUN_PARTITIONING,
-    )

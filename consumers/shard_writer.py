@@ -47,13 +47,13 @@ from consumers.dispositions import dead_letter_for, reason_of
 from consumers.errors import ShardWriteFailed
 from consumers.seqset import SeqSet
 from consumers.shard_store import CommittedShard, ShardStore
-from consumers.shards import ShardMetadata, ShardRow, rows_to_table, shard_row
 from schemas.codec import Codec
 from schemas.errors import EventLogUnavailable, SchemaError, UndecodableEvent
 from schemas.events import TrajectoryReady
 from schemas.ids import TRAJ_SUBJECT_PREFIX
 from schemas.log import Publisher
 from schemas.log.pull import FetchSizer, PullConsumer, fetch, release, stream_seq
+from schemas.shards import ShardMetadata, ShardRow, rows_to_table, shard_row
 
 __all__ = ["ShardWriter", "ShardWriterStats"]
 

@@ -23,9 +23,8 @@ from rich.table import Table
 from rich.text import Text
 
 from consumers import FoldWorker, ShardWriterSettings
-from consumers.shard_store import FileShardStore, open_shards_dataset
+from consumers.shard_store import FileShardStore
 from consumers.shard_writer import ShardWriter
-from consumers.shards import table_to_trajectories
 from schemas import (
     Event,
     RewardAssigned,
@@ -38,6 +37,7 @@ from schemas.delta import encode_delta
 from schemas.events import JSON
 from schemas.ids import new_session_id
 from schemas.log import JetStreamPublisher, Outbox
+from schemas.shards import open_shards_dataset, table_to_trajectories
 from turnstream.settings import ServiceSettings
 from turnstream.stack import EventLog, open_log
 

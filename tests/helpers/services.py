@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from consumers.shard_store import open_shards_dataset
+from schemas.shards import open_shards_dataset
 
 
 class Service:

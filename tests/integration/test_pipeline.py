@@ -17,9 +17,9 @@ import duckdb
 import numpy as np
 import pytest
 
-from consumers.shards import TRAJECTORY_SCHEMA
 from schemas.events import TrajectoryReady
 from schemas.log import JetStreamPublisher
+from schemas.shards import TRAJECTORY_SCHEMA
 from tests.conftest import Log
 from tests.helpers.services import Service, shard_table_rows
 from tests.helpers.workload import PlannedSession, plan_sessions
@@ -139,7 +139,7 @@ async def test_500_sessions_become_their_trajectories_in_shards_exactly_once(
 
 
 def _schema_of(root: Path) -> tuple[list[str], list[object]]:
-    from consumers.shard_store import open_shards_dataset
+    from schemas.shards import open_shards_dataset
 
     schema = open_shards_dataset(str(root)).schema
     return schema.names, list(schema.types)

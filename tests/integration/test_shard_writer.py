@@ -18,12 +18,17 @@ import pyarrow.parquet as pq
 import pytest
 
 from consumers.config import ShardWriterSettings
-from consumers.shard_store import FileShardStore, open_shards_dataset
+from consumers.shard_store import FileShardStore
 from consumers.shard_writer import ShardWriter
-from consumers.shards import TRAJECTORY_SCHEMA, ShardMetadata, table_to_trajectories
 from schemas.dead_letter import decode_dead_letter
 from schemas.events import TrajectoryReady
 from schemas.log import JetStreamPublisher, provision
+from schemas.shards import (
+    TRAJECTORY_SCHEMA,
+    ShardMetadata,
+    open_shards_dataset,
+    table_to_trajectories,
+)
 from tests.conftest import Log
 from tests.helpers.sessions import TurnSpec, turn_events
 from tests.helpers.trajectories import folded, many

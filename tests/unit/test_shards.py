@@ -17,15 +17,16 @@ from hypothesis import strategies as st
 from consumers import fold
 from consumers.errors import ShardUnreadable, ShardWriteFailed
 from consumers.seqset import SeqSet
-from consumers.shard_store import FileShardStore, open_shards_dataset
-from consumers.shards import (
+from consumers.shard_store import FileShardStore
+from schemas.events import TrajectoryReady
+from schemas.shards import (
     TRAJECTORY_SCHEMA,
     ShardMetadata,
+    open_shards_dataset,
     shard_row,
     table_to_trajectories,
     trajectories_to_table,
 )
-from schemas.events import TrajectoryReady
 from tests.helpers.sessions import session_events, turn_specs
 from tests.helpers.trajectories import folded
 
