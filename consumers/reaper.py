@@ -33,8 +33,7 @@ from nats.js import errors as js_errors
 from nats.js.kv import KeyValue
 
 from consumers.config import ReaperSettings
-from consumers.dead_letters import publish_dead_letter
-from schemas.dead_letter import DeadLetter
+from schemas.dead_letter import DeadLetter, publish_dead_letter
 from schemas.errors import EventLogUnavailable
 from schemas.events import SessionClosed
 from schemas.ids import EVENT_SUBJECT_PREFIX

@@ -42,12 +42,12 @@ from nats.js import JetStreamContext
 from nats.js import errors as js_errors
 
 from consumers.config import ShardWriterSettings
-from consumers.dead_letters import publish_dead_letter
 from consumers.dispositions import dead_letter_for, reason_of
 from consumers.errors import ShardWriteFailed
 from consumers.seqset import SeqSet
 from consumers.shard_store import CommittedShard, ShardStore
 from schemas.codec import Codec
+from schemas.dead_letter import publish_dead_letter
 from schemas.errors import EventLogUnavailable, SchemaError, UndecodableEvent
 from schemas.events import TrajectoryReady
 from schemas.ids import TRAJ_SUBJECT_PREFIX

@@ -35,12 +35,11 @@ from nats.js import errors as js_errors
 from nats.js.kv import KeyValue
 
 from consumers.config import FoldWorkerSettings
-from consumers.dead_letters import publish_dead_letter
 from consumers.dispositions import DeadLetterIt, Retry, dead_letter_for, disposition, reason_of
 from consumers.errors import FoldError
 from consumers.fold import FoldOptions, FoldResult, fold
 from schemas.codec import Codec
-from schemas.dead_letter import DeadLetter
+from schemas.dead_letter import DeadLetter, publish_dead_letter
 from schemas.errors import EventLogUnavailable, SchemaError
 from schemas.events import SessionClosed, SessionEvent, SessionOpened, TrajectoryReady
 from schemas.ids import EVENT_SUBJECT_PREFIX
