@@ -64,7 +64,7 @@ __all__ = [
     "initial",
 ]
 
-FOLD_VERSION = 1
+FOLD_VERSION = 2
 """Stored in every TrajectoryReady: bump it whenever the same events would fold differently."""
 
 RewardKey = tuple[str, int | None]  # (key, turn); turn None is the episode reward
@@ -258,7 +258,11 @@ def finish(state: SessionState, options: FoldOptions = FoldOptions()) -> FoldRes
     turn_rewards = _turn_rewards([r for r in rewards if r.turn is not None])
     opened = state.opened
     base_metadata: JSON = dict(opened.metadata) if opened is not None else {}
-    base_metadata.update(model=opened.model if opened is not None else "", forks=forks)
+    # segments: how many samples the session became, so a consumer (a GRPO batcher) knows
+    # when it has all of them.
+    base_metadata.update(
+        model=opened.model if opened is not None else "", forks=forks, segments=len(samples)
+    )
     created_at = _created_at(state, turns, rewards)
 
     def trajectory(index: int, sample: list[RebuiltTurn]) -> TrajectoryReady:

@@ -34,10 +34,19 @@ class BatchingSettings(BaseModel):
         False, description="groups: drop groups whose rewards are all equal (no GRPO signal)"
     )
     max_staleness: int | None = Field(
-        None, ge=0, description="samples more than this many weight versions behind are handled"
+        None,
+        ge=0,
+        description="a sample whose oldest generated token is more than this many weight "
+        "versions behind the trainer's is stale; unset: no bound",
     )
     stale: Literal["drop", "flag"] = Field(
         "drop", description="drop stale samples, or keep them with stale=True"
+    )
+    dedup_window: int = Field(
+        65_536,
+        ge=1,
+        description="trajectory ids (and sessions of finished groups) remembered after release "
+        "to drop redeliveries; ids still held are always known",
     )
 
 
@@ -75,6 +84,7 @@ class LiveSourceSettings(BaseModel):
     ack_wait_s: float = Field(
         600.0, gt=0, description="an uncommitted trajectory is redelivered after this"
     )
+    ack_timeout_s: float = Field(5.0, gt=0, description="wait for JetStream to confirm a commit")
 
     @model_validator(mode="after")
     def _fetch_fits(self) -> LiveSourceSettings:

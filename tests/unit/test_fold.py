@@ -146,7 +146,13 @@ CASES = [
                     {"role": "user", "content": "hi"},
                     {"role": "assistant", "content": "hello"},
                 ],
-                "metadata": {"task": "t", "model": "tiny", "forks": 0, "first_turn": 0},
+                "metadata": {
+                    "task": "t",
+                    "model": "tiny",
+                    "forks": 0,
+                    "segments": 1,
+                    "first_turn": 0,
+                },
                 "fold_version": FOLD_VERSION,
                 "created_at": 5.0,
             }
@@ -181,7 +187,7 @@ CASES = [
                 "prompt_len": 3,
                 "turn_ends": [5, 8, 11],
                 "num_turns": 3,
-                "metadata": {"model": "tiny", "forks": 1, "first_turn": 0},
+                "metadata": {"model": "tiny", "forks": 1, "segments": 2, "first_turn": 0},
             },
             {
                 "trajectory_id": f"{RUN}/{SESSION}/1",
@@ -192,7 +198,7 @@ CASES = [
                 "prompt_len": 3,
                 "turn_ends": [5, 8],
                 "num_turns": 2,
-                "metadata": {"model": "tiny", "forks": 1, "first_turn": 3},
+                "metadata": {"model": "tiny", "forks": 1, "segments": 2, "first_turn": 3},
             },
         ],
         forks=1,
@@ -208,7 +214,7 @@ CASES = [
                 "prompt_len": len(spec.prompt),
                 "turn_ends": [len(spec.context)],
                 "num_turns": 1,
-                "metadata": {"model": "tiny", "forks": 0, "first_turn": t},
+                "metadata": {"model": "tiny", "forks": 0, "segments": 3, "first_turn": t},
             }
             for t, spec in enumerate(append_only(3))
         ],

@@ -1,0 +1,178 @@
+"""Benchmark: trainer-sink batch assembly, trajectories -> TensorDict, padded and jagged.
+
+Run it from the repository root::
+
+    .venv/bin/python benchmarks/sink_assembly.py           # 256 samples, 20 repeats
+    .venv/bin/python benchmarks/sink_assembly.py --quick   # 64 samples, 5 repeats, seconds
+
+What it measures
+----------------
+256 synthetic ``TrajectoryReady`` samples, seeded, built the way the fold builds agent
+sessions: a total length uniform in 1,000-16,000 tokens; a prompt (system + task) of 300-2,000
+tokens, at most half the sample; then turns until the length is reached, each a completion of
+100-300 generated tokens (loss_mask 1, float32 logprobs, weight_version 40-41) followed by a
+tool result of 100-800 tokens (loss_mask 0, cut short before the end so that a completion ends
+the sample). One
+final reward per sample and a per-turn reward on every other turn; 4 samples per GRPO group.
+
+``trainer_sink.assembly.assemble`` turns the whole list into one batch, ``layout="padded"``
+(verl's keys, prompts left-padded to the batch's longest prompt P, responses right-padded to
+its longest response R) and ``layout="jagged"`` (torch.nested jagged tensors). Each layout is
+run once to warm up, then ``repeats`` times; the median (best alongside) is reported.
+tokens/s = real tokens in the batch (the sum of the samples' lengths, no padding) / time.
+The padded batch also holds B x (P + R) padded positions per int64 tensor; its fill ratio is
+reported. Single process; numpy's fills are single-threaded, so this is one core's rate.
+
+Reading the output: progress lines, then the LAST line: one JSON object with
+``padded_tokens_per_s``, ``jagged_tokens_per_s``, their ``_best`` values, the median ms per
+batch, the batch shape, ``target_padded_tokens_per_s`` (50M) and ``target_met``, the machine
+and the date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from _common import finish, machine_info, say
+from tensordict import TensorDict
+
+from schemas.events import TrajectoryReady
+from trainer_sink import AssemblySettings, assemble
+
+VOCAB = 151_000
+TARGET_PADDED_TOKENS_PER_S = 50e6
+GROUP_SIZE = 4
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How much work the run does (``--quick`` shrinks it)."""
+
+    samples: int
+    repeats: int
+
+
+FULL = Plan(samples=256, repeats=20)
+QUICK = Plan(samples=64, repeats=5)
+
+
+def trajectory(rng: np.random.Generator, index: int) -> TrajectoryReady:
+    """One agent sample of 1k-16k tokens: prompt, then (completion, tool result) turns."""
+    length = int(rng.integers(1_000, 16_001))
+    prompt_len = min(int(rng.integers(300, 2_001)), length // 2)
+    input_ids = rng.integers(0, VOCAB, length, dtype=np.int32)
+    loss_mask = np.zeros(length, dtype=np.int8)
+    logprobs = np.zeros(length, dtype=np.float32)
+    versions = np.full(length, -1, dtype=np.int32)
+    turn_ends: list[int] = []
+    at = prompt_len
+    while True:
+        end = min(at + int(rng.integers(100, 301)), length)
+        loss_mask[at:end] = 1
+        logprobs[at:end] = -rng.exponential(0.4, end - at)
+        versions[at:end] = 40 + len(turn_ends) // 8
+        turn_ends.append(end)
+        if end == length:
+            break
+        # A tool result, cut so that a last completion of at least one token ends the sample.
+        at = min(end + int(rng.integers(100, 801)), length - 1)
+    run, session = "bench", f"s{index:04d}"
+    return TrajectoryReady(
+        run=run,
+        session=session,
+        trajectory_id=f"{run}/{session}/0",
+        group=f"g{index // GROUP_SIZE:04d}",
+        segment=0,
+        status="completed",
+        input_ids=input_ids,
+        loss_mask=loss_mask,
+        logprobs=logprobs,
+        versions=versions,
+        prompt_len=prompt_len,
+        turn_ends=np.asarray(turn_ends, dtype=np.int32),
+        turn_rewards=[0.1 if t % 2 else None for t in range(len(turn_ends))],
+        reward=float(rng.random()),
+        num_turns=len(turn_ends),
+        finish_reason="stop",
+        messages=[],
+        metadata={},
+        fold_version=1,
+    )
+
+
+def timed(run: Callable[[], TensorDict], repeats: int) -> tuple[list[float], TensorDict]:
+    """Seconds of each of ``repeats`` runs after one warm-up, and the last batch."""
+    batch = run()
+    seconds = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        batch = run()
+        seconds.append(time.perf_counter() - started)
+    return seconds, batch
+
+
+def assembly(samples: list[TrajectoryReady], repeats: int) -> dict[str, Any]:
+    """Median and best tokens/s of both layouts over the same samples."""
+    tokens = sum(len(t.input_ids) for t in samples)
+    figures: dict[str, Any] = {"samples": len(samples), "tokens": tokens}
+    for layout in ("padded", "jagged"):
+        settings = AssemblySettings(layout=layout)
+        seconds, batch = timed(functools.partial(assemble, samples, settings), repeats)
+        median, best = statistics.median(seconds), min(seconds)
+        figures[f"{layout}_tokens_per_s"] = round(tokens / median)
+        figures[f"{layout}_tokens_per_s_best"] = round(tokens / best)
+        figures[f"{layout}_ms_median"] = round(median * 1e3, 2)
+        line = (
+            f"  {layout:<6} {tokens / median / 1e6:8.1f} M tokens/s median "
+            f"({tokens / best / 1e6:.1f} best), {median * 1e3:.1f} ms per batch"
+        )
+        if layout == "padded":
+            width = int(batch["input_ids"].shape[1])
+            figures["padded_prompt_width"] = int(batch["prompts"].shape[1])
+            figures["padded_response_width"] = int(batch["responses"].shape[1])
+            figures["padded_fill_ratio"] = round(tokens / (len(samples) * width), 3)
+            line += (
+                f", [B, P+R] = [{len(samples)}, {width}], {figures['padded_fill_ratio']:.0%} real"
+            )
+        say(line)
+    return figures
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="64 samples, 5 repeats")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic samples")
+    args = parser.parse_args()
+    plan = QUICK if args.quick else FULL
+    started = time.perf_counter()
+    info = machine_info("numpy", "torch", "tensordict")
+    say(
+        f"turnstream sink assembly benchmark ({'quick' if args.quick else 'full'}) on "
+        f"{info['platform']}, {info['cpu_count']} CPUs, Python {info['python']}, "
+        f"torch {info['torch']}, tensordict {info['tensordict']}"
+    )
+    rng = np.random.default_rng(args.seed)
+    samples = [trajectory(rng, i) for i in range(plan.samples)]
+    say(
+        f"{len(samples)} samples, {sum(len(t.input_ids) for t in samples):,} tokens, "
+        f"{plan.repeats} repeats per layout"
+    )
+    figures = assembly(samples, plan.repeats)
+    figures["target_padded_tokens_per_s"] = TARGET_PADDED_TOKENS_PER_S
+    figures["target_met"] = figures["padded_tokens_per_s"] >= TARGET_PADDED_TOKENS_PER_S
+    if not figures["target_met"]:
+        say(f"target not met: padded {figures['padded_tokens_per_s']:,} tokens/s < 50M")
+    finish(figures, quick=args.quick, duration_s=time.perf_counter() - started, info=info)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

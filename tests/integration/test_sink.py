@@ -1,0 +1,224 @@
+"""The trainer sink on a real nats-server: live commit semantics, offline shards, replay."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from tensordict import TensorDict
+from torch.utils.data import DataLoader
+
+from consumers import FoldWorker, fold
+from schemas.events import SessionEvent, TrajectoryReady
+from schemas.log import JetStreamPublisher, connect
+from schemas.shards import trajectories_to_table
+from tests.conftest import FAST_LOG, Log
+from tests.helpers.sessions import append_only, session_events
+from tests.helpers.streams import message_count, trajectories
+from trainer_sink.config import BatchingSettings, LiveSourceSettings
+from trainer_sink.sink import Batch, SinkDataset, SyncSink, TrainerSink
+from trainer_sink.sources import LiveSource, OfflineSource, ReplaySource, ShardFilter
+
+pytestmark = pytest.mark.integration
+
+
+def sessions(n: int) -> list[list[SessionEvent]]:
+    return [
+        session_events(
+            append_only(1 + i % 4), session=f"s{i:03d}", group=f"g{i // 4}", final_reward=i % 2
+        )
+        for i in range(n)
+    ]
+
+
+async def fold_into_traj(log: Log, planned: list[list[SessionEvent]]) -> None:
+    """Publish the sessions and run a fold worker until TRAJ holds all their trajectories."""
+    pub = await JetStreamPublisher(log.nc).start()
+    await pub.publish_many([e for s in planned for e in s])
+    worker = FoldWorker(log.js, pub)
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    for _ in range(600):
+        if worker.stats.sessions_folded >= len(planned):
+            break
+        await asyncio.sleep(0.05)
+    stop.set()
+    await task
+    await pub.close()
+    assert await message_count(log.js, "TRAJ") == len(planned)
+
+
+@contextlib.asynccontextmanager
+async def live_sink(
+    log: Log, batching: BatchingSettings, ack_wait_s: float = 2.0
+) -> AsyncIterator[TrainerSink]:
+    nc = await connect(log.server.url, FAST_LOG, name="trainer")
+    pub = await JetStreamPublisher(nc).start()
+    settings = LiveSourceSettings(durable="trainer", ack_wait_s=ack_wait_s, fetch_batch=32)
+    sink = TrainerSink(LiveSource(nc.jetstream(), pub, settings), batching, wait_s=0.3)
+    try:
+        yield sink
+    finally:
+        await sink.close()
+        await pub.close()
+        with contextlib.suppress(OSError):
+            await nc.close()
+
+
+async def take(sink: TrainerSink, n: int, *, commit: bool) -> list[Batch]:
+    batches = []
+    async for batch in sink:
+        batches.append(batch)
+        if commit:
+            await batch.commit()
+        if len(batches) == n:
+            break
+    return batches
+
+
+async def test_an_uncommitted_batch_comes_again_after_a_crash_and_a_committed_one_never(
+    log: Log,
+) -> None:
+    await fold_into_traj(log, sessions(200))
+    batching = BatchingSettings(policy="count", batch_size=20)
+
+    # A trainer takes two batches and dies before committing them.
+    nc = await connect(log.server.url, FAST_LOG, name="doomed")
+    pub = await JetStreamPublisher(nc).start()
+    doomed = TrainerSink(
+        LiveSource(nc.jetstream(), pub, LiveSourceSettings(durable="trainer", ack_wait_s=2.0)),
+        batching,
+        wait_s=0.3,
+    )
+    lost = await take(doomed, 2, commit=False)
+    lost_ids = {tid for batch in lost for tid in batch.trajectory_ids}
+    assert len(lost_ids) == 40
+    await nc.close()  # no commit, no goodbye: a crash as the server sees it
+
+    async with live_sink(log, batching) as sink:
+        batches = await take(sink, 10, commit=True)
+    seen = Counter(tid for batch in batches for tid in batch.trajectory_ids)
+    assert set(seen.values()) == {1} and len(seen) == 200
+    assert lost_ids <= set(seen)  # the uncommitted ones came again
+    for batch in batches:
+        assert batch.tensors.batch_size[0] == 20
+        assert batch.tensors["responses"].dtype.is_floating_point is False
+
+    async with live_sink(log, batching) as sink:
+        assert await asyncio.wait_for(_next_or_none(sink), timeout=4.0) is None
+    info = await log.js.consumer_info("TRAJ", "trainer")
+    assert info.num_ack_pending == 0 and info.num_pending == 0
+
+
+async def _next_or_none(sink: TrainerSink) -> Batch | None:
+    try:
+        async with asyncio.timeout(3.0):
+            return await anext(sink)
+    except TimeoutError:
+        return None
+
+
+async def test_a_released_batch_is_delivered_again_at_once(log: Log) -> None:
+    await fold_into_traj(log, sessions(12))
+    async with live_sink(log, BatchingSettings(batch_size=6), ack_wait_s=60.0) as sink:
+        [first] = await take(sink, 1, commit=False)
+        await first.release()
+        again = await take(sink, 2, commit=True)
+    assert set(first.trajectory_ids) <= {t for b in again for t in b.trajectory_ids}
+
+
+async def test_grpo_groups_on_the_live_feed_wait_for_every_member(log: Log) -> None:
+    await fold_into_traj(log, sessions(16))  # groups g0..g3 of four sessions each
+    batching = BatchingSettings(policy="groups", group_size=4, batch_size=1)
+    async with live_sink(log, batching) as sink:
+        batches = await take(sink, 4, commit=True)
+    for batch in batches:
+        uids = set(batch.tensors["uid"])
+        assert len(uids) == 1 and batch.tensors.batch_size[0] == 4
+
+
+def _write_shard(path: Path, trajectories: list[TrajectoryReady]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    table = trajectories_to_table(list(enumerate(trajectories, start=1)))
+    pq.write_table(table, path)
+
+
+async def test_offline_shards_with_filters_become_the_same_batches(tmp_path: Path) -> None:
+    trajectories = [t for s in sessions(30) for t in fold(s).trajectories]
+    other_run = [
+        t
+        for i in range(4)
+        for t in fold(session_events(append_only(2), run="other", session=f"o{i}")).trajectories
+    ]
+    _write_shard(tmp_path / "run=run-1" / "part-a.parquet", trajectories)
+    _write_shard(tmp_path / "run=other" / "part-b.parquet", other_run)
+
+    rewarded = ShardFilter(runs=["run-1"], min_reward=1.0)
+    sink = TrainerSink(OfflineSource(str(tmp_path), rewarded), BatchingSettings(batch_size=4))
+    batches = [batch async for batch in sink]
+    got = [tid for batch in batches for tid in batch.trajectory_ids]
+    want = [t.trajectory_id for t in trajectories if t.reward == 1.0]
+    assert sorted(got) == sorted(want) and len(got) == 15
+    assert [b.tensors.batch_size[0] for b in batches] == [4, 4, 4, 3]  # the last one partial
+    everything = TrainerSink(OfflineSource(str(tmp_path)), BatchingSettings(batch_size=100))
+    assert sum([len(b.trajectory_ids) async for b in everything]) == 34
+
+
+async def test_replay_reads_a_traj_sequence_range(log: Log) -> None:
+    await fold_into_traj(log, sessions(10))
+    sink = TrainerSink(ReplaySource(log.js, 3, 7), BatchingSettings(batch_size=10))
+    [batch] = [b async for b in sink]
+    in_range = [t for seq, t in enumerate(await trajectories(log.js), start=1) if 3 <= seq <= 7]
+    assert batch.trajectory_ids == [t.trajectory_id for t in in_range]
+    with pytest.raises(ValueError, match="replay range"):
+        ReplaySource(log.js, 5, 4)
+
+
+def _as_is(batch: TensorDict) -> TensorDict:
+    return batch
+
+
+async def test_the_sync_iterator_and_the_dataset_commit_like_the_async_sink(log: Log) -> None:
+    await fold_into_traj(log, sessions(20))
+    url = log.server.url
+
+    def make(durable: str) -> Callable[[], Awaitable[TrainerSink]]:
+        async def make_sink() -> TrainerSink:
+            settings = LiveSourceSettings(durable=durable, ack_wait_s=2.0)
+            source = await LiveSource.connect(url, settings, log_settings=FAST_LOG)
+            return TrainerSink(source, BatchingSettings(batch_size=5), wait_s=0.3)
+
+        return make_sink
+
+    def train_sync() -> list[str]:
+        seen = []
+        with SyncSink(make("sync")) as sink:
+            for batch in sink:
+                seen += batch.trajectory_ids
+                batch.commit()
+                if len(seen) == 20:
+                    break
+        return seen
+
+    def train_with_a_dataloader() -> list[str]:
+        loader = DataLoader(SinkDataset(make("loader")), batch_size=None, collate_fn=_as_is)
+        seen = []
+        for tensors in loader:
+            seen += list(tensors["trajectory_id"])
+            if len(seen) == 20:
+                break
+        return seen
+
+    assert len(set(await asyncio.to_thread(train_sync))) == 20
+    assert len(set(await asyncio.to_thread(train_with_a_dataloader))) == 20
+    sync_info = await log.js.consumer_info("TRAJ", "sync")
+    assert sync_info.num_ack_pending == 0 and sync_info.num_pending == 0
+    # The dataloader committed every batch it moved past; the last one it yielded was not
+    # followed by another request, so it is committed by the iterator's end or redelivered.
+    loader_info = await log.js.consumer_info("TRAJ", "loader")
+    assert loader_info.num_pending == 0 and loader_info.num_ack_pending <= 5

@@ -1,0 +1,454 @@
+"""Batch assembly: folded trajectories -> padded (verl) and jagged TensorDict batches."""
+
+from __future__ import annotations
+
+import importlib.metadata
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from packaging.version import Version
+from tensordict import TensorDict
+
+from consumers import fold
+from schemas.events import TrajectoryReady
+from tests.helpers.sessions import TurnSpec, reward, reward_events, session_events, turn_specs
+from trainer_sink import (
+    AssemblySettings,
+    BatchError,
+    assemble,
+    assemble_jagged,
+    assemble_padded,
+    non_tensor_values,
+)
+
+JAGGED = AssemblySettings(layout="jagged")
+TENSOR_KEYS = (
+    "prompts",
+    "responses",
+    "input_ids",
+    "attention_mask",
+    "position_ids",
+    "response_mask",
+    "rollout_log_probs",
+    "rm_scores",
+)
+NON_TENSOR_KEYS = ("uid", "session", "trajectory_id", "num_turns")
+# torch's jagged tensors refuse slicing / index tensors on the batch dim; tensordict 0.15 routes
+# around it (checked: 0.8.3 to 0.14.0 fail).
+JAGGED_BATCH_SLICING = Version(importlib.metadata.version("tensordict")) >= Version("0.15")
+
+
+def _trajectories(specs: list[TurnSpec], session: str, **events: Any) -> list[TrajectoryReady]:
+    return fold(session_events(specs, session=session, group="g1", **events)).trajectories
+
+
+def known() -> list[TrajectoryReady]:
+    """Three samples of group g1: a two-turn session with a tool result (two tokens, 101 102)
+    between its turns, then a session that forks at its second turn (two segments)."""
+    multi = _trajectories(
+        [
+            TurnSpec(
+                prompt=[1, 2, 3], completion=[11, 12], logprobs=[-0.5, -0.25], weight_version=3
+            ),
+            TurnSpec(
+                prompt=[1, 2, 3, 11, 12, 101, 102],
+                completion=[21, 22, 23],
+                logprobs=[-1.0, -2.0, -0.125],
+                weight_version=4,
+            ),
+        ],
+        "multi",
+        rewards=[reward(0.5, turn=0, session="multi")],
+        final_reward=1.0,
+    )
+    forked = _trajectories(
+        [
+            TurnSpec(prompt=[7, 8], completion=[9], logprobs=[-0.75], weight_version=1),
+            TurnSpec(
+                prompt=[7, 5, 4, 4], completion=[6, 6], logprobs=[-0.5, -0.5], weight_version=2
+            ),
+        ],
+        "fork",
+        final_reward=-1.0,
+    )
+    samples = [*multi, *forked]
+    # What the fold made of them, so the expectations below read against it.
+    assert [t.input_ids.tolist() for t in samples] == [
+        [1, 2, 3, 11, 12, 101, 102, 21, 22, 23],
+        [7, 8, 9],
+        [7, 5, 4, 4, 6, 6],
+    ]
+    assert [t.prompt_len for t in samples] == [3, 2, 4]
+    assert [t.turn_ends.tolist() for t in samples] == [[5, 10], [3], [6]]
+    assert [t.turn_rewards for t in samples] == [[0.5, None], [None], [None]]
+    assert [t.reward for t in samples] == [1.0, -1.0, -1.0]
+    return samples
+
+
+def rows(value: torch.Tensor) -> list[list[Any]]:
+    """Each sample's row, padded or jagged."""
+    return [row.tolist() for row in value.unbind(0)]
+
+
+# -- padded ------------------------------------------------------------------------------------
+
+
+def test_padded_batch_of_known_trajectories() -> None:
+    batch = assemble(known())
+
+    assert isinstance(batch, TensorDict)
+    assert batch.batch_size == torch.Size([3])
+    assert rows(batch["prompts"]) == [[0, 1, 2, 3], [0, 0, 7, 8], [7, 5, 4, 4]]  # left-padded
+    assert rows(batch["responses"]) == [  # right-padded; the tool tokens 101 102 included
+        [11, 12, 101, 102, 21, 22, 23],
+        [9, 0, 0, 0, 0, 0, 0],
+        [6, 6, 0, 0, 0, 0, 0],
+    ]
+    assert torch.equal(batch["input_ids"], torch.cat([batch["prompts"], batch["responses"]], 1))
+    assert rows(batch["attention_mask"]) == [
+        [0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1],
+        [0, 0, 1, 1, 1, 0, 0, 0, 0, 0, 0],
+        [1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0],
+    ]
+    assert rows(batch["position_ids"]) == [
+        [0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9],
+        [0, 0, 0, 1, 2, 2, 2, 2, 2, 2, 2],
+        [0, 1, 2, 3, 4, 5, 5, 5, 5, 5, 5],
+    ]
+    assert rows(batch["response_mask"]) == [
+        [1, 1, 0, 0, 1, 1, 1],
+        [1, 0, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0, 0],
+    ]
+    assert rows(batch["rollout_log_probs"]) == [
+        [-0.5, -0.25, 0.0, 0.0, -1.0, -2.0, -0.125],
+        [-0.75, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+        [-0.5, -0.5, 0.0, 0.0, 0.0, 0.0, 0.0],
+    ]
+    # Turn 0's reward on its last completion token (12); the final reward on the last generated.
+    assert rows(batch["rm_scores"]) == [
+        [0.0, 0.5, 0.0, 0.0, 0.0, 0.0, 1.0],
+        [-1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+        [0.0, -1.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+    ]
+    assert batch["truncated"].tolist() == [False, False, False]
+    assert batch["min_weight_version"].tolist() == [3, 1, 2]
+    assert batch["max_weight_version"].tolist() == [4, 1, 2]
+
+
+def test_padded_dtypes_and_shapes() -> None:
+    batch = assemble_padded(known())
+
+    for key in ("prompts", "responses", "input_ids", "attention_mask", "position_ids"):
+        assert batch[key].dtype == torch.int64, key
+    assert batch["response_mask"].dtype == torch.int64
+    assert batch["rollout_log_probs"].dtype == torch.float32
+    assert batch["rm_scores"].dtype == torch.float32
+    assert batch["truncated"].dtype == torch.bool
+    assert batch["min_weight_version"].dtype == batch["max_weight_version"].dtype == torch.int64
+    shapes = {key: tuple(batch[key].shape) for key in TENSOR_KEYS}
+    assert shapes == {
+        "prompts": (3, 4),
+        "responses": (3, 7),
+        "input_ids": (3, 11),
+        "attention_mask": (3, 11),
+        "position_ids": (3, 11),
+        "response_mask": (3, 7),
+        "rollout_log_probs": (3, 7),
+        "rm_scores": (3, 7),
+    }
+    # Separate storage: a trainer writing into responses must not change input_ids.
+    batch["responses"][0, 0] = -5
+    assert batch["input_ids"][0, 4] == 11
+
+
+def test_position_ids_follow_verls_rule() -> None:
+    batch = assemble(known(), AssemblySettings(max_prompt_len=6, max_response_len=9))
+    mask = batch["attention_mask"]
+
+    assert torch.equal(batch["position_ids"], torch.clip(torch.cumsum(mask, dim=-1) - 1, min=0))
+
+
+def test_pad_token_and_fixed_lengths_pad_to_the_limits() -> None:
+    batch = assemble(
+        known(), AssemblySettings(pad_token_id=99, max_prompt_len=6, max_response_len=9)
+    )
+
+    assert batch["prompts"].shape == (3, 6) and batch["responses"].shape == (3, 9)
+    assert rows(batch["prompts"])[1] == [99, 99, 99, 99, 7, 8]
+    assert rows(batch["responses"])[1] == [9, *[99] * 8]
+    assert batch["truncated"].tolist() == [False, False, False]
+
+
+def test_non_tensor_entries() -> None:
+    batch = assemble(known())
+
+    assert non_tensor_values(batch, "uid") == ["g1", "g1", "g1"]
+    assert non_tensor_values(batch, "session") == ["multi", "fork", "fork"]
+    assert non_tensor_values(batch, "trajectory_id") == [
+        "run-1/multi/0",
+        "run-1/fork/0",
+        "run-1/fork/1",
+    ]
+    assert non_tensor_values(batch, "num_turns") == [2, 1, 1]
+    # Indexing keeps one value per sample, equal values included (tensordict 0.8 collapses
+    # them into one NonTensorData; the helper undoes it).
+    picked = batch[torch.tensor([2, 0])]
+    assert non_tensor_values(picked, "uid") == ["g1", "g1"]
+    assert non_tensor_values(picked, "trajectory_id") == ["run-1/fork/1", "run-1/multi/0"]
+    assert non_tensor_values(batch[1:], "num_turns") == [1, 1]
+    assert batch[1].get_non_tensor("session") == "fork"
+    with pytest.raises(KeyError, match="input_ids"):
+        non_tensor_values(batch, "input_ids")
+
+
+def test_padded_batch_moves_and_splits() -> None:
+    batch = assemble(known()).to("cpu")
+
+    halves = batch.split([2, 1])
+    assert [non_tensor_values(half, "trajectory_id") for half in halves] == [
+        ["run-1/multi/0", "run-1/fork/0"],
+        ["run-1/fork/1"],
+    ]
+    assert torch.equal(TensorDict.cat(halves)["responses"], batch["responses"])
+
+
+# -- truncation -------------------------------------------------------------------------------
+
+
+def test_truncation_keeps_the_prompts_end_and_the_responses_start() -> None:
+    batch = assemble(known(), AssemblySettings(max_prompt_len=2, max_response_len=3))
+
+    assert rows(batch["prompts"]) == [[2, 3], [7, 8], [4, 4]]
+    assert rows(batch["responses"]) == [[11, 12, 101], [9, 0, 0], [6, 6, 0]]
+    assert batch["truncated"].tolist() == [True, False, True]
+    assert rows(batch["response_mask"]) == [[1, 1, 0], [1, 0, 0], [1, 1, 0]]
+    assert rows(batch["position_ids"]) == [[0, 1, 2, 3, 4], [0, 1, 2, 2, 2], [0, 1, 2, 3, 3]]
+    # multi: turn 0's 0.5 survives on token 12; the final 1.0 moves to the last generated token
+    # that survives, the same token 12.
+    assert rows(batch["rm_scores"]) == [[0.0, 1.5, 0.0], [-1.0, 0.0, 0.0], [0.0, -1.0, 0.0]]
+
+
+def test_a_turn_reward_cut_off_is_dropped() -> None:
+    [multi, *_] = known()
+    batch = assemble([multi], AssemblySettings(max_response_len=1))
+
+    # Turn 0 ends at response position 1, which is cut: its 0.5 is gone; the final reward sits
+    # on the one generated token kept.
+    assert rows(batch["rm_scores"]) == [[1.0]]
+    assert batch["truncated"].tolist() == [True]
+
+
+def test_rewards_around_an_empty_completion() -> None:
+    [sample] = _trajectories(
+        [
+            TurnSpec(prompt=[1], completion=[]),
+            TurnSpec(prompt=[1, 5], completion=[6], logprobs=[-0.5]),
+        ],
+        "empty",
+        rewards=[reward(0.25, turn=0, session="empty")],
+        final_reward=2.0,
+    )
+    assert (sample.prompt_len, sample.turn_ends.tolist()) == (1, [1, 3])
+
+    # Turn 0 produced nothing: its end is the prompt's last token, outside the response.
+    assert rows(assemble([sample])["rm_scores"]) == [[0.0, 2.0]]
+    # No generated token kept: the final reward sits on the last kept response token.
+    cut = assemble([sample], AssemblySettings(max_response_len=1))
+    assert rows(cut["rm_scores"]) == [[2.0]]
+    assert rows(cut["response_mask"]) == [[0]]
+
+
+def test_truncate_off_names_the_trajectory_and_its_lengths() -> None:
+    strict = AssemblySettings(max_prompt_len=3, max_response_len=3, truncate=False)
+
+    with pytest.raises(BatchError) as raised:
+        assemble(known(), strict)
+    message = str(raised.value)
+    assert "run-1/multi/0 (prompt 3, response 7 tokens)" in message
+    assert "run-1/fork/1 (prompt 4, response 2 tokens)" in message
+    assert "run-1/fork/0" not in message
+    assert "max_prompt_len 3" in message and "max_response_len 3" in message
+    with pytest.raises(BatchError, match="multi"):
+        assemble(known(), strict.model_copy(update={"layout": "jagged"}))
+    # Within the limits, truncate=False is no obstacle.
+    fits = AssemblySettings(max_prompt_len=4, max_response_len=7, truncate=False)
+    assert assemble(known(), fits)["truncated"].tolist() == [False, False, False]
+
+
+@pytest.mark.parametrize("layout", ["padded", "jagged"])
+def test_an_empty_batch_is_an_error(layout: str) -> None:
+    with pytest.raises(BatchError, match="empty batch"):
+        assemble([], AssemblySettings(layout=layout))
+
+
+def test_a_malformed_sample_is_an_error() -> None:
+    [multi, *_] = known()
+    bad = TrajectoryReady(**{**_fields(multi), "turn_rewards": [0.5]})
+    with pytest.raises(BatchError, match=r"run-1/multi/0: 1 turn_rewards for 2 turn_ends"):
+        assemble([bad])
+    too_long = TrajectoryReady(**{**_fields(multi), "prompt_len": 11})
+    with pytest.raises(BatchError, match="prompt_len 11 is outside its 10 tokens"):
+        assemble([too_long])
+
+
+def _fields(t: TrajectoryReady) -> dict[str, Any]:
+    return {name: getattr(t, name) for name in t.__struct_fields__}
+
+
+# -- jagged -----------------------------------------------------------------------------------
+
+
+def test_jagged_batch_of_known_trajectories() -> None:
+    batch = assemble(known(), JAGGED)
+
+    assert batch.batch_size == torch.Size([3])
+    for key in TENSOR_KEYS:
+        value = batch[key]
+        assert value.is_nested and value.layout == torch.jagged, key
+    assert rows(batch["prompts"]) == [[1, 2, 3], [7, 8], [7, 5, 4, 4]]
+    assert rows(batch["responses"]) == [[11, 12, 101, 102, 21, 22, 23], [9], [6, 6]]
+    assert rows(batch["input_ids"]) == [t.input_ids.tolist() for t in known()]
+    assert rows(batch["attention_mask"]) == [[1] * 10, [1] * 3, [1] * 6]
+    assert rows(batch["position_ids"]) == [list(range(10)), [0, 1, 2], list(range(6))]
+    assert rows(batch["response_mask"]) == [[1, 1, 0, 0, 1, 1, 1], [1], [1, 1]]
+    assert rows(batch["rollout_log_probs"]) == [
+        [-0.5, -0.25, 0.0, 0.0, -1.0, -2.0, -0.125],
+        [-0.75],
+        [-0.5, -0.5],
+    ]
+    assert rows(batch["rm_scores"]) == [[0.0, 0.5, 0.0, 0.0, 0.0, 0.0, 1.0], [-1.0], [0.0, -1.0]]
+    assert batch["truncated"].tolist() == [False, False, False]
+    assert non_tensor_values(batch, "uid") == ["g1", "g1", "g1"]
+    assert non_tensor_values(batch, "num_turns") == [2, 1, 1]
+    assert batch["min_weight_version"].tolist() == [3, 1, 2]
+
+
+def test_jagged_dtypes_and_shared_raggedness() -> None:
+    batch = assemble_jagged(known())
+
+    integer = ("prompts", "responses", "input_ids", "attention_mask", "position_ids")
+    assert all(batch[key].dtype == torch.int64 for key in (*integer, "response_mask"))
+    assert batch["rollout_log_probs"].dtype == batch["rm_scores"].dtype == torch.float32
+    # One raggedness per length: elementwise ops need no unpacking.
+    masked = batch["response_mask"] * batch["rollout_log_probs"]
+    assert rows(masked)[0] == [-0.5, -0.25, 0.0, 0.0, -1.0, -2.0, -0.125]
+    assert (batch["attention_mask"] * batch["position_ids"]).shape[0] == 3
+    assert batch["responses"].offsets().tolist() == [0, 7, 8, 10]
+
+
+def test_jagged_batch_indexes_and_moves() -> None:
+    batch = assemble(known(), JAGGED)
+
+    assert batch[2]["responses"].tolist() == [6, 6]
+    assert batch[2].get_non_tensor("trajectory_id") == "run-1/fork/1"
+    moved = batch.to("cpu")
+    assert rows(moved["input_ids"]) == rows(batch["input_ids"])
+    assert [sample["prompts"].tolist() for sample in batch.unbind(0)] == rows(batch["prompts"])
+
+
+@pytest.mark.skipif(not JAGGED_BATCH_SLICING, reason="jagged batch slicing needs tensordict>=0.15")
+def test_jagged_batch_slices() -> None:
+    batch = assemble(known(), JAGGED)
+
+    assert rows(batch[1:]["responses"]) == [[9], [6, 6]]
+    picked = batch[torch.tensor([2, 0])]
+    assert rows(picked["prompts"]) == [[7, 5, 4, 4], [1, 2, 3]]
+    assert non_tensor_values(picked, "session") == ["fork", "multi"]
+
+
+def test_jagged_truncation_cuts_without_padding() -> None:
+    batch = assemble(
+        known(), JAGGED.model_copy(update={"max_prompt_len": 2, "max_response_len": 3})
+    )
+
+    assert rows(batch["prompts"]) == [[2, 3], [7, 8], [4, 4]]
+    assert rows(batch["responses"]) == [[11, 12, 101], [9], [6, 6]]
+    assert rows(batch["rm_scores"]) == [[0.0, 1.5, 0.0], [-1.0], [0.0, -1.0]]
+    assert batch["truncated"].tolist() == [True, False, True]
+
+
+# -- properties -------------------------------------------------------------------------------
+
+
+@st.composite
+def batches(draw: st.DrawFn) -> list[TrajectoryReady]:
+    """Trajectories of 1-4 random sessions (forks, empty prompts and completions, rewards)."""
+    samples: list[TrajectoryReady] = []
+    for index in range(draw(st.integers(1, 4))):
+        specs = draw(turn_specs(max_turns=4))
+        session = f"s{index}"
+        rewards = [
+            reward(r.value, turn=r.turn, key=r.key, session=session)
+            for r in draw(reward_events(len(specs)))
+        ]
+        final = draw(st.none() | st.floats(-2.0, 2.0, width=32))
+        events = session_events(
+            specs,
+            session=session,
+            group=draw(st.sampled_from(["a", "b"])),
+            rewards=rewards,
+            final_reward=final,
+        )
+        samples.extend(fold(events).trajectories)
+    return samples
+
+
+limits = st.none() | st.integers(1, 12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(samples=batches(), max_prompt=limits, max_response=limits, pad=st.integers(-1, 7))
+def test_unpadding_gives_back_each_sample(
+    samples: list[TrajectoryReady], max_prompt: int | None, max_response: int | None, pad: int
+) -> None:
+    options = AssemblySettings(
+        pad_token_id=pad, max_prompt_len=max_prompt, max_response_len=max_response
+    )
+    padded = assemble(samples, options)
+    jagged = assemble(samples, options.model_copy(update={"layout": "jagged"}))
+    width_p = padded["prompts"].shape[1]
+
+    for i, t in enumerate(samples):
+        p, r = t.prompt_len, t.response_len
+        kp, kr = min(p, max_prompt or p), min(r, max_response or r)
+        assert padded["truncated"][i].item() == (kp < p or kr < r)
+        assert not t.loss_mask[:p].any()  # the prompt holds no generated token
+        real = padded["attention_mask"][i].bool()
+        assert real.tolist() == [False] * (width_p - kp) + [True] * (kp + kr) + [False] * (
+            padded["input_ids"].shape[1] - width_p - kr
+        )
+        assert padded["input_ids"][i][real].tolist() == t.input_ids[p - kp : p + kr].tolist()
+        assert padded["input_ids"][i][~real].eq(pad).all()
+        assert padded["response_mask"][i, :kr].tolist() == t.loss_mask[p : p + kr].tolist()
+        assert padded["rollout_log_probs"][i, :kr].tolist() == t.logprobs[p : p + kr].tolist()
+        assert not padded["response_mask"][i, kr:].any()
+        assert not padded["rollout_log_probs"][i, kr:].any()
+        assert not padded["rm_scores"][i, kr:].any()
+        if kp == p and kr == r:  # nothing cut: the sample comes back whole
+            assert padded["input_ids"][i][real].tolist() == t.input_ids.tolist()
+            mask = [0] * p + padded["response_mask"][i, :r].tolist()
+            assert mask == t.loss_mask.tolist()
+            logprobs = [0.0] * p + padded["rollout_log_probs"][i, :r].tolist()
+            assert logprobs == t.logprobs.tolist()
+            turns = zip(t.turn_ends.tolist(), t.turn_rewards, strict=True)
+            landed = [v for end, v in turns if v is not None and end > p]
+            final = t.reward if t.reward is not None and r else 0.0
+            expected = sum(landed) + final
+            assert padded["rm_scores"][i].sum().item() == pytest.approx(expected, abs=1e-4)
+        # The jagged sample is the padded one without its padding.
+        assert jagged["prompts"][i].tolist() == padded["prompts"][i, width_p - kp :].tolist()
+        for key in ("responses", "response_mask", "rollout_log_probs", "rm_scores"):
+            assert jagged[key][i].tolist() == padded[key][i, :kr].tolist(), key
+        assert jagged["input_ids"][i].tolist() == padded["input_ids"][i][real].tolist()
+        assert jagged["position_ids"][i].tolist() == padded["position_ids"][i][real].tolist()
+    mask = padded["attention_mask"]
+    assert torch.equal(padded["position_ids"], torch.clip(torch.cumsum(mask, -1) - 1, min=0))
+    for key in NON_TENSOR_KEYS:
+        assert non_tensor_values(jagged, key) == non_tensor_values(padded, key)
+    assert non_tensor_values(padded, "trajectory_id") == [t.trajectory_id for t in samples]
+    assert non_tensor_values(padded, "uid") == [t.group for t in samples]
+    assert torch.equal(jagged["truncated"], padded["truncated"])
