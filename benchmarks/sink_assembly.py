@@ -23,9 +23,14 @@ tokens/s = real tokens in the batch (the sum of the samples' lengths, no padding
 The padded batch also holds B x (P + R) padded positions per int64 tensor; its fill ratio is
 reported. Single process; numpy's fills are single-threaded, so this is one core's rate.
 
+Then the latency of the live path (``pipeline_latency``): session close -> the batch holding
+its trajectory yielded by a ``TrainerSink`` on the live TRAJ feed, with a ``turnstream worker``
+process folding (see that function's docstring).
+
 Reading the output: progress lines, then the LAST line: one JSON object with
 ``padded_tokens_per_s``, ``jagged_tokens_per_s``, their ``_best`` values, the median ms per
-batch, the batch shape, ``target_padded_tokens_per_s`` (50M) and ``target_met``, the machine
+batch, the batch shape, ``close_to_batch_ms_p50`` / ``_p99``,
+``target_padded_tokens_per_s`` (50M) and ``target_met``, the machine
 and the date.
 """
 
@@ -146,6 +151,105 @@ def assembly(samples: list[TrajectoryReady], repeats: int) -> dict[str, Any]:
     return figures
 
 
+async def pipeline_latency(sessions: int, interval_s: float) -> dict[str, Any]:
+    """Session close -> its batch yielded by a live TrainerSink, with a fold worker running.
+
+    A nats-server and one ``turnstream worker`` process (reaper on); the sink in this process
+    (LiveSource, count policy with batch_size 1, so no wait for batch mates is included). Opens
+    and turns (4 turns x 1,000 tokens) are published first; then one close every
+    ``interval_s``, and each close's ack time is compared with the moment the sink yields the
+    batch holding its trajectory (commit included after the measurement).
+    """
+    import asyncio
+    import os
+    import signal
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from pipeline_throughput import Plan, close_of, make_session
+
+    from schemas.log import JetStreamPublisher, LogSettings, NatsServer, connect, provision
+    from trainer_sink import BatchingSettings, LiveSource, LiveSourceSettings, TrainerSink
+
+    plan = Plan(
+        sessions=sessions, latency_sessions=0, turns=4, prompt_tokens=750, completion_tokens=250
+    )
+    rng = np.random.default_rng(3)
+    corpus = "".join(rng.choice(np.array(list("abcdefghij ")), 200_000).tolist())
+    with tempfile.TemporaryDirectory(prefix="ts-bench-sink-") as tmp:
+        server = NatsServer(Path(tmp) / "nats").start()
+        worker: subprocess.Popen[bytes] | None = None
+        try:
+            nc = await connect(server.url, LogSettings())
+            js = nc.jetstream()
+            await provision(js, LogSettings())
+            pub = await JetStreamPublisher(nc).start()
+            planned = [make_session(rng, corpus, i, plan) for i in range(sessions)]
+            for events in planned:
+                await pub.publish_many(events)
+            worker = subprocess.Popen(  # noqa: ASYNC220 - started once, before timing
+                [
+                    sys.executable,
+                    "-m",
+                    "turnstream.cli",
+                    "worker",
+                    "--log.url",
+                    server.url,
+                    "--data-dir",
+                    tmp,
+                ],
+                env={**os.environ, "TURNSTREAM_LOG_LEVEL": "WARNING"},
+            )
+            for _ in range(600):  # the worker's consumers exist and the reaper caught up
+                try:
+                    infos = [await js.consumer_info("EVENTS", n) for n in ("fold", "reaper")]
+                    if all(i.num_pending == 0 and i.num_ack_pending == 0 for i in infos):
+                        break
+                except Exception:
+                    pass
+                await asyncio.sleep(0.1)
+            source = LiveSource(js, pub, LiveSourceSettings(durable="bench"))
+            sink = TrainerSink(source, BatchingSettings(batch_size=1), wait_s=0.05)
+            yielded: dict[str, float] = {}
+
+            async def train() -> None:
+                async for batch in sink:
+                    now = time.time()
+                    for tid in batch.trajectory_ids:
+                        yielded[tid] = now
+                    await batch.commit()
+                    if len(yielded) >= sessions:
+                        return
+
+            trainer = asyncio.create_task(train())
+            closed: dict[str, float] = {}
+            for events in planned:
+                await pub.publish(close_of(events, plan))
+                closed[f"bench/{events[0].session}/0"] = time.time()
+                await asyncio.sleep(interval_s)
+            await asyncio.wait_for(trainer, timeout=120)
+            await sink.close()
+            await pub.close()
+            await nc.close()
+        finally:
+            if worker is not None:
+                worker.send_signal(signal.SIGTERM)
+                worker.wait(timeout=60)
+            server.stop()
+    latencies = np.array([(yielded[tid] - at) * 1000 for tid, at in closed.items()])
+    p50, p99 = float(np.percentile(latencies, 50)), float(np.percentile(latencies, 99))
+    say(
+        f"close -> batch: p50 {p50:.1f} ms, p99 {p99:.1f} ms over {sessions} sessions "
+        f"(one close every {interval_s * 1000:.0f} ms, batch_size 1)"
+    )
+    return {
+        "close_to_batch_ms_p50": round(p50, 1),
+        "close_to_batch_ms_p99": round(p99, 1),
+        "latency_sessions": sessions,
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="64 samples, 5 repeats")
@@ -166,6 +270,9 @@ def main() -> int:
         f"{plan.repeats} repeats per layout"
     )
     figures = assembly(samples, plan.repeats)
+    import asyncio
+
+    figures.update(asyncio.run(pipeline_latency(50 if args.quick else 300, 0.02)))
     figures["target_padded_tokens_per_s"] = TARGET_PADDED_TOKENS_PER_S
     figures["target_met"] = figures["padded_tokens_per_s"] >= TARGET_PADDED_TOKENS_PER_S
     if not figures["target_met"]:
