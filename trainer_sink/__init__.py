@@ -7,6 +7,8 @@
   (``torch.nested``) layout; pure.
 - ``sink``: ``async for batch in TrainerSink(source, ...)`` ... ``await batch.commit()``, and
   ``SyncSink`` / ``SinkDataset`` for code outside asyncio.
+- ``trainer``: a small reference GRPO/PPO trainer on the tiny model, fed live by the sink; it
+  publishes each new policy (PolicyUpdated) for the gateway to load.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from trainer_sink.sources import (
     ShardFilter,
     Source,
 )
+from trainer_sink.trainer import ReferenceTrainer, ReferenceTrainerSettings, StepReport
 
 __all__ = [
     "AssemblySettings",
@@ -40,6 +43,8 @@ __all__ = [
     "LiveSourceSettings",
     "OfflineSource",
     "Received",
+    "ReferenceTrainer",
+    "ReferenceTrainerSettings",
     "ReplaySource",
     "Sample",
     "ShardFilter",
@@ -47,6 +52,7 @@ __all__ = [
     "SinkError",
     "SinkStats",
     "Source",
+    "StepReport",
     "SyncBatch",
     "SyncSink",
     "TrainerSink",

@@ -11,15 +11,15 @@ What to do with an entry is decided by the pure ``decide`` below; the loop only 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
 
 from nats.js.kv import KeyValue
 
-__all__ = ["PolicyTarget", "PolicyUpdate", "decide", "parse_policy_update", "watch_policy"]
+from schemas.policy import PolicyUpdate, parse_policy_update
+
+__all__ = ["PolicyTarget", "decide", "watch_policy"]
 
 logger = logging.getLogger(__name__)
 
@@ -34,29 +34,6 @@ class PolicyTarget(Protocol):
     def weight_version(self) -> int: ...
 
     async def load_weights(self, checkpoint: Path, version: int) -> None: ...
-
-
-@dataclass(frozen=True)
-class PolicyUpdate:
-    version: int
-    checkpoint: Path
-
-
-def parse_policy_update(raw: bytes) -> PolicyUpdate:
-    """Decode a ``ts_policy`` value; ValueError names what is wrong with it."""
-    try:
-        doc = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"not JSON: {exc}") from exc
-    if not isinstance(doc, dict):
-        raise ValueError(f"expected a JSON object, got {type(doc).__name__}")
-    version, checkpoint = doc.get("version"), doc.get("checkpoint")
-    # bool is an int in Python; a version of `true` is a trainer bug, not version 1.
-    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
-        raise ValueError(f'"version" must be a non-negative integer, got {version!r}')
-    if not isinstance(checkpoint, str) or not checkpoint:
-        raise ValueError(f'"checkpoint" must be a non-empty path string, got {checkpoint!r}')
-    return PolicyUpdate(version, Path(checkpoint))
 
 
 Decision = Literal["load", "ignore"]

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.backends.policy_watch import PolicyUpdate, decide, parse_policy_update
+from gateway.backends.policy_watch import decide
+from schemas.policy import PolicyUpdate, parse_policy_update
 
 
 def test_parses_version_and_checkpoint() -> None:

@@ -1,0 +1,46 @@
+"""PolicyUpdated (DESIGN §3): the trainer's newest policy, one entry per run in ``ts_policy``.
+
+The trainer puts ``{"version": int, "checkpoint": "/abs/path"}`` under the run's key; gateways
+watch that key and load every newer version. Both sides use this one format.
+
+>>> raw = encode_policy_update(PolicyUpdate(3, Path("/ckpt/v3")))
+>>> raw
+b'{"version": 3, "checkpoint": "/ckpt/v3"}'
+>>> parse_policy_update(raw)
+PolicyUpdate(version=3, checkpoint=PosixPath('/ckpt/v3'))
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["PolicyUpdate", "encode_policy_update", "parse_policy_update"]
+
+
+@dataclass(frozen=True)
+class PolicyUpdate:
+    version: int
+    checkpoint: Path
+
+
+def encode_policy_update(update: PolicyUpdate) -> bytes:
+    return json.dumps({"version": update.version, "checkpoint": str(update.checkpoint)}).encode()
+
+
+def parse_policy_update(raw: bytes) -> PolicyUpdate:
+    """Decode a ``ts_policy`` value; ValueError names what is wrong with it."""
+    try:
+        doc = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"not JSON: {exc}") from exc
+    if not isinstance(doc, dict):
+        raise ValueError(f"expected a JSON object, got {type(doc).__name__}")
+    version, checkpoint = doc.get("version"), doc.get("checkpoint")
+    # bool is an int in Python; a version of `true` is a trainer bug, not version 1.
+    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+        raise ValueError(f'"version" must be a non-negative integer, got {version!r}')
+    if not isinstance(checkpoint, str) or not checkpoint:
+        raise ValueError(f'"checkpoint" must be a non-empty path string, got {checkpoint!r}')
+    return PolicyUpdate(version, Path(checkpoint))

@@ -1,0 +1,121 @@
+"""The reference trainer's math, and its log-probs against the local backend's, with no NATS."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from gateway.backends.base import SamplingParams
+from gateway.backends.local import LocalBackend
+from schemas.events import TrajectoryReady
+from trainer_sink.assembly import assemble_padded
+from trainer_sink.trainer import (
+    ReferenceTrainer,
+    ReferenceTrainerSettings,
+    batch_advantages,
+    clipped_objective,
+    group_advantages,
+    max_logprob_delta,
+    response_log_probs,
+)
+
+
+def test_group_advantages_compare_samples_within_their_group_only() -> None:
+    rewards = torch.tensor([1.0, 0.0, 5.0, 5.0, 7.0])
+    advantages = group_advantages(rewards, ["a", "a", "b", "b", "c"])
+    # group a: mean 0.5, sample std 0.7071; group b is uniform; c is alone
+    assert advantages[:2].tolist() == pytest.approx([1 / math.sqrt(2), -1 / math.sqrt(2)], 1e-4)
+    assert advantages[2:].tolist() == [0.0, 0.0, 0.0]
+    # ppo without a critic: the whole batch is the baseline
+    assert batch_advantages(torch.tensor([1.0, 0.0])).tolist() == pytest.approx(
+        [0.7071, -0.7071], 1e-3
+    )
+
+
+@pytest.mark.parametrize(
+    ("log_ratio", "advantage", "loss", "clipped"),
+    [
+        (0.0, 1.0, -1.0, 0.0),  # on-policy: the ratio is 1
+        (math.log(1.5), 1.0, -1.2, 1.0),  # a good token made much likelier: clipped at 1 + eps
+        (math.log(1.5), -1.0, 1.5, 0.0),  # a bad one made likelier: never clipped, full penalty
+        (math.log(0.5), -1.0, 0.8, 1.0),  # a bad one made rarer: clipped at 1 - eps
+    ],
+)
+def test_the_clipped_objective(
+    log_ratio: float, advantage: float, loss: float, clipped: float
+) -> None:
+    old = torch.tensor([[-2.0, -1.0, 0.0]])
+    new = old + log_ratio
+    mask = torch.tensor([[1.0, 1.0, 0.0]])  # the last column is padding: ignored
+    new[0, 2] = 100.0
+    got, fraction = clipped_objective(new, old, torch.tensor([advantage]), mask, clip=0.2)
+    assert float(got) == pytest.approx(loss, 1e-5)
+    assert float(fraction) == clipped
+
+
+def test_no_agreement_is_claimed_on_no_token() -> None:
+    zeros = torch.zeros(2, 3)
+    assert max_logprob_delta(zeros, zeros + 1, torch.zeros(2, 3, dtype=torch.bool)) is None
+
+
+async def test_recomputed_log_probs_match_the_local_backends_on_a_padded_batch(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Prompts and responses of different lengths (left and right padding), sampled at a
+    temperature: the padded full forward agrees with the backend's KV-cached decode."""
+    backend = LocalBackend.load(tiny_model_dir)
+    trajectories = []
+    for i in range(4):
+        prompt = [257, *f"user\nhello{'!' * 5 * i}".encode(), 258, 10, 257, *b"assistant\n"]
+        params = SamplingParams(max_tokens=6 + 4 * i, temperature=0.7, seed=i)
+        completion: list[int] = []
+        logprobs: list[float] = []
+        async for chunk in backend.generate(prompt, params):
+            completion += chunk.token_ids
+            logprobs += chunk.logprobs
+        n, p = len(prompt) + len(completion), len(prompt)
+        trajectories.append(
+            TrajectoryReady(
+                run="r",
+                session=f"s{i}",
+                trajectory_id=f"r/s{i}/0",
+                group="g",
+                segment=0,
+                status="completed",
+                input_ids=np.array(prompt + completion),
+                loss_mask=np.array([0] * p + [1] * len(completion)),
+                logprobs=np.array([0.0] * p + logprobs),
+                versions=np.array([-1] * p + [0] * len(completion)),
+                prompt_len=p,
+                turn_ends=np.array([n]),
+                turn_rewards=[None],
+                reward=float(i % 2),
+                num_turns=1,
+                finish_reason="length",
+                messages=[],
+                metadata={},
+                fold_version=2,
+            )
+        )
+    await backend.close()
+    batch = assemble_padded(trajectories)
+    settings = ReferenceTrainerSettings(
+        model_dir=tiny_model_dir, checkpoint_dir=tmp_path, run="r", temperature=0.7
+    )
+    trainer = ReferenceTrainer(settings)
+    with torch.no_grad():
+        log_probs = response_log_probs(trainer.model, batch, settings.temperature)
+        untempered = response_log_probs(trainer.model, batch, 1.0)
+    mask = batch["response_mask"].bool()
+    delta = max_logprob_delta(log_probs, batch["rollout_log_probs"], mask)
+    assert delta is not None and delta <= 1e-4
+    # the temperature matters: forgetting it is caught
+    assert (max_logprob_delta(untempered, batch["rollout_log_probs"], mask) or 0) > 1e-2
+
+    report = trainer.train_step(batch)
+    assert report.version == 1 and report.logprob_delta == delta
+    assert (tmp_path / "v1" / "model.safetensors").is_file()
