@@ -9,6 +9,8 @@
   ``SyncSink`` / ``SinkDataset`` for code outside asyncio.
 - ``trainer``: a small reference GRPO/PPO trainer on the tiny model, fed live by the sink; it
   publishes each new policy (PolicyUpdated) for the gateway to load.
+- ``ray_actor``: the sink as a Ray actor (``sink_actor``) for Ray-based trainers; Ray is
+  imported only there, when an actor is made.
 """
 
 from __future__ import annotations
@@ -17,6 +19,14 @@ from trainer_sink.assembly import assemble, assemble_jagged, assemble_padded, no
 from trainer_sink.batching import Batcher, BatchingStats, Decision, Dropped, DropReason, Sample
 from trainer_sink.config import AssemblySettings, BatchingSettings, LiveSourceSettings
 from trainer_sink.errors import BatchCommitted, BatchError, SinkError
+from trainer_sink.ray_actor import (
+    LiveSpec,
+    OfflineSpec,
+    SinkActor,
+    SinkActorStats,
+    SinkSpec,
+    sink_actor,
+)
 from trainer_sink.sink import Batch, SinkDataset, SinkStats, SyncBatch, SyncSink, TrainerSink
 from trainer_sink.sources import (
     LiveSource,
@@ -41,15 +51,20 @@ __all__ = [
     "Dropped",
     "LiveSource",
     "LiveSourceSettings",
+    "LiveSpec",
     "OfflineSource",
+    "OfflineSpec",
     "Received",
     "ReferenceTrainer",
     "ReferenceTrainerSettings",
     "ReplaySource",
     "Sample",
     "ShardFilter",
+    "SinkActor",
+    "SinkActorStats",
     "SinkDataset",
     "SinkError",
+    "SinkSpec",
     "SinkStats",
     "Source",
     "StepReport",
@@ -60,4 +75,5 @@ __all__ = [
     "assemble_jagged",
     "assemble_padded",
     "non_tensor_values",
+    "sink_actor",
 ]
