@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+# The oldest tensordict we support (verl pins >=0.8): the assembly tests run against it too.
+TD_OLDEST_VERSION := 0.8.3
+TD_OLDEST := $(VENV)/compat/tensordict-$(TD_OLDEST_VERSION)
 
 .PHONY: setup demo test lint typecheck unit bench clean
 
@@ -13,6 +16,7 @@ $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
+	$(BIN)/python -m pip install --quiet --no-deps --upgrade --target $(TD_OLDEST) 'tensordict==$(TD_OLDEST_VERSION)'
 	@touch $(STAMP)
 
 demo: setup
