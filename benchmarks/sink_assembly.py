@@ -24,8 +24,8 @@ The padded batch also holds B x (P + R) padded positions per int64 tensor; its f
 reported. Single process; numpy's fills are single-threaded, so this is one core's rate.
 
 Then the latency of the live path (``pipeline_latency``): session close -> the batch holding
-its trajectory yielded by a ``TrainerSink`` on the live TRAJ feed, with a ``turnstream worker``
-process folding (see that function's docstring).
+its trajectory yielded by a ``TrainerSink`` on the live TRAJ feed, with ``turnstream worker``
+and ``turnstream shard-writer`` processes running (see that function's docstring).
 
 Reading the output: progress lines, then the LAST line: one JSON object with
 ``padded_tokens_per_s``, ``jagged_tokens_per_s``, their ``_best`` values, the median ms per
@@ -154,7 +154,8 @@ def assembly(samples: list[TrajectoryReady], repeats: int) -> dict[str, Any]:
 async def pipeline_latency(sessions: int, interval_s: float) -> dict[str, Any]:
     """Session close -> its batch yielded by a live TrainerSink, with a fold worker running.
 
-    A nats-server and one ``turnstream worker`` process (reaper on); the sink in this process
+    A nats-server, one ``turnstream worker`` process (reaper on) and one ``turnstream
+    shard-writer`` (the whole pipeline); the sink in this process
     (LiveSource, count policy with batch_size 1, so no wait for batch mates is included). Opens
     and turns (4 turns x 1,000 tokens) are published first; then one close every
     ``interval_s``, and each close's ack time is compared with the moment the sink yields the
@@ -179,7 +180,7 @@ async def pipeline_latency(sessions: int, interval_s: float) -> dict[str, Any]:
     corpus = "".join(rng.choice(np.array(list("abcdefghij ")), 200_000).tolist())
     with tempfile.TemporaryDirectory(prefix="ts-bench-sink-") as tmp:
         server = NatsServer(Path(tmp) / "nats").start()
-        worker: subprocess.Popen[bytes] | None = None
+        services: list[subprocess.Popen[bytes]] = []
         try:
             nc = await connect(server.url, LogSettings())
             js = nc.jetstream()
@@ -188,19 +189,22 @@ async def pipeline_latency(sessions: int, interval_s: float) -> dict[str, Any]:
             planned = [make_session(rng, corpus, i, plan) for i in range(sessions)]
             for events in planned:
                 await pub.publish_many(events)
-            worker = subprocess.Popen(  # noqa: ASYNC220 - started once, before timing
-                [
-                    sys.executable,
-                    "-m",
-                    "turnstream.cli",
-                    "worker",
-                    "--log.url",
-                    server.url,
-                    "--data-dir",
-                    tmp,
-                ],
-                env={**os.environ, "TURNSTREAM_LOG_LEVEL": "WARNING"},
-            )
+            services = [
+                subprocess.Popen(  # noqa: ASYNC220 - started once, before timing
+                    [
+                        sys.executable,
+                        "-m",
+                        "turnstream.cli",
+                        command,
+                        "--log.url",
+                        server.url,
+                        "--data-dir",
+                        tmp,
+                    ],
+                    env={**os.environ, "TURNSTREAM_LOG_LEVEL": "WARNING"},
+                )
+                for command in ("worker", "shard-writer")
+            ]
             for _ in range(600):  # the worker's consumers exist and the reaper caught up
                 try:
                     infos = [await js.consumer_info("EVENTS", n) for n in ("fold", "reaper")]
@@ -233,9 +237,10 @@ async def pipeline_latency(sessions: int, interval_s: float) -> dict[str, Any]:
             await pub.close()
             await nc.close()
         finally:
-            if worker is not None:
-                worker.send_signal(signal.SIGTERM)
-                worker.wait(timeout=60)
+            for service in services:
+                service.send_signal(signal.SIGTERM)
+            for service in services:
+                service.wait(timeout=60)
             server.stop()
     latencies = np.array([(yielded[tid] - at) * 1000 for tid, at in closed.items()])
     p50, p99 = float(np.percentile(latencies, 50)), float(np.percentile(latencies, 99))
