@@ -283,6 +283,18 @@ class LiveSource:
 # -- offline --------------------------------------------------------------------------------
 
 
+class _ReadOnly:
+    """A finite source that changes nothing it reads: nothing to acknowledge or hand back."""
+
+    finite = True
+
+    async def ack(self, items: Sequence[Received]) -> None:
+        return None
+
+    async def nak(self, items: Sequence[Received]) -> None:
+        return None
+
+
 @dataclass(frozen=True)
 class ShardFilter:
     """Which shard rows to read; every bound is optional and inclusive."""
@@ -320,13 +332,12 @@ class ShardFilter:
 
 
 @dataclass
-class OfflineSource:
+class OfflineSource(_ReadOnly):
     """Trajectories from the Parquet shards under ``uri`` (a directory or a pyarrow URI)."""
 
     uri: str
     where: ShardFilter = field(default_factory=ShardFilter)
     read_rows: int = 1024  # rows decoded at a time
-    finite = True
     _rows: Iterator[Received] | None = field(default=None, init=False, repr=False)
 
     def _iterate(self) -> Iterator[Received]:
@@ -345,12 +356,6 @@ class OfflineSource:
         taken = await asyncio.to_thread(lambda: list(itertools.islice(rows, max_items)))
         return taken or None
 
-    async def ack(self, items: Sequence[Received]) -> None:
-        return None
-
-    async def nak(self, items: Sequence[Received]) -> None:
-        return None
-
     async def close(self) -> None:
         self._rows = None
 
@@ -358,10 +363,8 @@ class OfflineSource:
 # -- replay ---------------------------------------------------------------------------------
 
 
-class ReplaySource:
+class ReplaySource(_ReadOnly):
     """TRAJ sequences ``first``..``last`` (inclusive), in order, read without changing TRAJ."""
-
-    finite = True
 
     def __init__(
         self,
@@ -420,12 +423,6 @@ class ReplaySource:
                 return taken
         self._done = True
         return taken or None
-
-    async def ack(self, items: Sequence[Received]) -> None:
-        return None
-
-    async def nak(self, items: Sequence[Received]) -> None:
-        return None
 
     async def close(self) -> None:
         if self._messages is not None:
