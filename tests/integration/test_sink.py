@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -222,3 +223,21 @@ async def test_the_sync_iterator_and_the_dataset_commit_like_the_async_sink(log:
     # followed by another request, so it is committed by the iterator's end or redelivered.
     loader_info = await log.js.consumer_info("TRAJ", "loader")
     assert loader_info.num_pending == 0 and loader_info.num_ack_pending <= 5
+
+
+async def test_offline_filters_on_weight_version_and_time(tmp_path: Path) -> None:
+    trajectories = [t for s in sessions(12) for t in fold(s).trajectories]  # 1-4 turns each
+    _write_shard(tmp_path / "run=run-1" / "part-a.parquet", trajectories)
+
+    async def ids(where: ShardFilter) -> set[str]:
+        sink = TrainerSink(OfflineSource(str(tmp_path), where), BatchingSettings(batch_size=50))
+        return {tid async for batch in sink for tid in batch.trajectory_ids}
+
+    early = await ids(ShardFilter(max_weight_version=1))  # turn t is made by version t
+    assert early == {t.trajectory_id for t in trajectories if t.max_weight_version <= 1}
+    assert 0 < len(early) < len(trajectories)
+    late = await ids(ShardFilter(min_weight_version=1))
+    assert late == {t.trajectory_id for t in trajectories if t.min_weight_version >= 1} == set()
+    epoch = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)  # the test events are made at time 0
+    assert await ids(ShardFilter(until=epoch)) == {t.trajectory_id for t in trajectories}
+    assert await ids(ShardFilter(since=epoch + dt.timedelta(seconds=1))) == set()
