@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from pydantic import Field, ValidationError
+from pydantic import ValidationError
 from pydantic_settings import CliApp, SettingsConfigDict
 from rich.console import Console
 from rich.logging import RichHandler
@@ -122,23 +122,22 @@ class StatusCommand(ServiceSettings):
                     console.print(letters)
 
 
-class DemoCommand(ServiceSettings):
-    """The main job on the embedded default: agents' sessions -> the log -> trajectories."""
-
-    model_config = SettingsConfigDict(cli_prog_name="turnstream demo")
-
-    sessions: int = Field(4, ge=1, le=10_000, description="simulated agent sessions")
-
-    def cli_cmd(self) -> None:
-        from turnstream.demo import run_demo
-
-        asyncio.run(run_demo(self, self.sessions, console))
-
-
 def _gateway() -> type[ServiceSettings]:
     from turnstream.gateway_service import GatewayCommand  # torch/transformers: import on use
 
     return GatewayCommand
+
+
+def _demo() -> type[ServiceSettings]:
+    from turnstream.demo import DemoCommand  # torch, transformers: import on use
+
+    return DemoCommand
+
+
+def _up() -> type[ServiceSettings]:
+    from turnstream.up import UpCommand
+
+    return UpCommand
 
 
 def _worker() -> type[ServiceSettings]:
@@ -155,7 +154,10 @@ def _shard_writer() -> type[ServiceSettings]:
 
 # name -> (one-line help, the command's settings class, imported only when it runs)
 COMMANDS: dict[str, tuple[str, Callable[[], type[ServiceSettings]]]] = {
-    "demo": (DemoCommand.__doc__ or "", lambda: DemoCommand),
+    "demo": (
+        "The main job on the embedded default: agents, gateway, log, shards, a GRPO trainer.",
+        _demo,
+    ),
     "gateway": (
         "Run the OpenAI-compatible gateway; every turn is published before it answers.",
         _gateway,
@@ -167,6 +169,10 @@ COMMANDS: dict[str, tuple[str, Callable[[], type[ServiceSettings]]]] = {
         _shard_writer,
     ),
     "status": (StatusCommand.__doc__ or "", lambda: StatusCommand),
+    "up": (
+        "Everything in one process: nats-server, gateway, fold worker + reaper, shard writer.",
+        _up,
+    ),
     "worker": (
         "Fold closed sessions into trajectories (TRAJ); close idle sessions (reaper).",
         _worker,
@@ -213,7 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         handlers=[RichHandler(console=console, show_path=False)],
     )
     # Per-request INFO lines from client libraries cost ~0.6 ms a turn in the gateway.
-    for noisy in ("nats", "httpx", "httpcore"):
+    for noisy in ("nats", "httpx", "httpcore", "httpx2", "httpcore2"):  # httpx2: the openai SDK
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         CliApp.run(with_toml(COMMANDS[name][1](), _pop_config(args)), cli_args=args)

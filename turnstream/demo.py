@@ -1,235 +1,247 @@
-"""``turnstream demo``: simulated agent sessions through the log, folded into trajectories.
+"""``turnstream demo``: the main job on the embedded default, end to end (DESIGN §9).
 
-Until the gateway exists, the "agent" and "model" are scripted: a calculator agent calls a tool,
-reads its result, answers; every other session then rewrites its history (a summary), which
-the fold turns into a second segment. Tokens are the UTF-8 bytes of a ChatML rendering, so the
-trajectory can be shown as text with the tokens the policy generated highlighted.
+``turnstream up`` in this process (a nats-server, the gateway on the tiny local model, a fold
+worker, a shard writer), then:
 
-Everything else is real: the embedded nats-server, the durable publisher (each turn acked by
-JetStream), reading the session back from the EVENTS stream, and the pure fold.
+- built-in agents: unmodified ``openai`` SDK clients, each episode a session of a GRPO group
+  (one prompt, ``group_size`` rollouts) with two turns and a tool result between them; the
+  reward is the share of letters in what the model wrote (something the tiny model can learn);
+- the reference GRPO trainer fed live by the trainer sink: each step checks that the log-probs
+  it recomputes agree with what the gateway recorded, updates the policy, writes a checkpoint and
+  publishes PolicyUpdated; the gateway loads it, and later episodes carry the new weight_version.
+
+At the end: the trainer's steps, the versions the episodes were served, and the trajectories
+read back from the Parquet shards, the first one shown with the tokens the policy generated.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from dataclasses import dataclass
+from typing import Any
 
-import numpy as np
+import httpx
+import openai
 import pyarrow.compute as pc
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
+from transformers import AutoTokenizer
 
-from consumers import FoldWorker, ShardWriterSettings
-from consumers.shard_store import FileShardStore
-from consumers.shard_writer import ShardWriter
-from schemas import (
-    Event,
-    RewardAssigned,
-    SessionClosed,
-    SessionOpened,
-    TrajectoryReady,
-    TurnCompleted,
-)
-from schemas.delta import encode_delta
-from schemas.events import JSON
-from schemas.ids import new_session_id
-from schemas.log import JetStreamPublisher, Outbox
+from schemas.events import TrajectoryReady, TurnCompleted
+from schemas.log import JetStreamPublisher, read_session
 from schemas.shards import open_shards_dataset, table_to_trajectories
-from turnstream.settings import ServiceSettings
-from turnstream.stack import EventLog, open_log
+from trainer_sink import (
+    BatchingSettings,
+    LiveSource,
+    LiveSourceSettings,
+    ReferenceTrainer,
+    ReferenceTrainerSettings,
+    StepReport,
+    TrainerSink,
+)
+from turnstream.up import Stack, UpSettings, embedded_stack
 
-SYSTEM = "You are a calculator agent. Call the calc tool, then answer."
+__all__ = ["DemoCommand", "DemoSettings", "run_demo"]
+
+TEMPERATURE = 0.8
+TASKS = ["Name a fruit.", "Describe the sea.", "Spell a word.", "Greet a friend."]
 
 
-def render(messages: list[JSON]) -> list[int]:
-    """ChatML as UTF-8 bytes, ending with the assistant header the model continues from."""
-    text = "".join(f"<|im_start|>{m['role']}\n{m['content'] or ''}<|im_end|>\n" for m in messages)
-    return list((text + "<|im_start|>assistant\n").encode())
+class DemoSettings(UpSettings):
+    """The main job on the embedded default: agents -> gateway -> log -> trajectories ->
+    shards and a GRPO trainer whose new policies the gateway serves."""
+
+    model_config = SettingsConfigDict(cli_prog_name="turnstream demo")
+
+    port: int = Field(0, ge=0, le=65535, description="gateway port; 0 picks a free one")
+    steps: int = Field(3, ge=1, le=100, description="trainer steps (one policy version each)")
+    group_size: int = Field(4, ge=2, le=16, description="episodes per GRPO group")
 
 
-@dataclass
-class ScriptedTurn:
-    messages: list[JSON]  # the full conversation the model answers
-    reply: str
+@dataclass(frozen=True)
+class Episode:
+    group: str
+    session: str
+    reward: float
 
 
-def script(index: int, a: int, b: int) -> list[ScriptedTurn]:
-    call = {"name": "calc", "arguments": json.dumps({"expr": f"{a} * {b}"})}
-    question = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"{a} * {b}?"}]
-    turns = [
-        ScriptedTurn(question, f"<tool_call>{json.dumps(call)}</tool_call>"),
-        ScriptedTurn(
-            [
-                *question,
-                {"role": "assistant", "content": f"<tool_call>{json.dumps(call)}</tool_call>"},
-                {"role": "tool", "content": str(a * b)},
-            ],
-            f"{a} * {b} = {a * b}.",
-        ),
-    ]
-    if index % 2:  # the agent summarizes its history: the next prompt no longer extends it
-        summary = f"Earlier: {a} * {b} = {a * b}. Now add 9."
-        turns.append(
-            ScriptedTurn(
-                [{"role": "system", "content": SYSTEM}, {"role": "user", "content": summary}],
-                f"{a * b} + 9 = {a * b + 9}.",
-            )
+async def episode(http: httpx.AsyncClient, group: str, task: str) -> Episode:
+    """One agent episode through the OpenAI API: ask, get a tool result, answer."""
+    opened = (await http.post("/v1/sessions", json={"group": group})).json()
+    client = openai.AsyncOpenAI(base_url=opened["base_url"], api_key="unused", max_retries=0)
+    messages: list[Any] = [{"role": "user", "content": task}]
+    written = ""
+    for turn in range(2):
+        reply = await client.chat.completions.create(
+            model="tiny", messages=messages, temperature=TEMPERATURE, max_tokens=16
         )
-    return turns
+        content = reply.choices[0].message.content or ""
+        written += content
+        messages.append({"role": "assistant", "content": content})
+        if turn == 0:
+            messages.append({"role": "user", "content": f"(tool) looked up: {task.lower()}"})
+    await client.close()
+    reward = sum(c.isalpha() for c in written) / max(len(written), 1)
+    await http.post(f"/v1/sessions/{opened['session_id']}/close", json={"reward": reward})
+    return Episode(group, opened["session_id"], reward)
 
 
-def session_events(
-    run: str,
-    session: str,
-    turns: list[ScriptedTurn],
-    rng: np.random.Generator,
-) -> list[TurnCompleted]:
-    """Delta-encode each turn against the previous one, as the gateway does."""
-    events: list[TurnCompleted] = []
-    context: list[int] = []
-    history: list[JSON] = []
-    for t, turn in enumerate(turns):
-        prompt = render(turn.messages)
-        completion = list((turn.reply + "<|im_end|>").encode())
-        events.append(
-            TurnCompleted(
-                run=run,
-                session=session,
-                turn=t,
-                created_at=time.time(),
-                **encode_delta(context, history, prompt, turn.messages)._asdict(),
-                completion_ids=np.array(completion),
-                logprobs=-rng.exponential(0.3, len(completion)),
-                text=turn.reply,
-                finish_reason="stop",
-                backend="scripted",
-            )
-        )
-        context = prompt + completion
-        history = [*turn.messages, {"role": "assistant", "content": turn.reply}]
-    return events
+async def run_agents(
+    http: httpx.AsyncClient, group_size: int, training: asyncio.Task[list[StepReport]]
+) -> list[Episode]:
+    """Complete groups, one after another, until the trainer has done its steps."""
+    episodes: list[Episode] = []
+    number = 0
+    while not training.done():
+        group, task = f"g{number}", TASKS[number % len(TASKS)]
+        episodes += await asyncio.gather(*(episode(http, group, task) for _ in range(group_size)))
+        number += 1
+        if number > 200:
+            raise RuntimeError("the trainer did not finish its steps after 200 groups")
+    return episodes
 
 
-def show(sample: TrajectoryReady) -> Text:
+async def versions_of(stack: Stack, run: str, session: str) -> list[int]:
+    events = await read_session(stack.event_log.js, run, session)
+    return [e.weight_version for e in events if isinstance(e, TurnCompleted)]
+
+
+def show(sample: TrajectoryReady, tokenizer: Any) -> Text:
     """The sample's text, generated tokens (loss_mask 1) in green, the rest dimmed."""
     text = Text()
-    ids, mask = sample.input_ids, sample.loss_mask
-    edges = np.flatnonzero(np.diff(mask)) + 1
-    for start, end in zip([0, *edges], [*edges, len(ids)], strict=True):
-        chunk = bytes(ids[start:end].astype(np.uint8)).decode(errors="replace")
-        text.append(chunk, style="bold green" if mask[start] else "dim")
+    ids, mask = sample.input_ids.tolist(), sample.loss_mask.tolist()
+    start = 0
+    for end in range(1, len(ids) + 1):
+        if end == len(ids) or mask[end] != mask[start]:
+            chunk = tokenizer.decode(ids[start:end], skip_special_tokens=False)
+            text.append(chunk, style="bold green" if mask[start] else "dim")
+            start = end
     return text
 
 
-async def fold_and_shard(
-    settings: ServiceSettings, event_log: EventLog, sessions: list[str], console: Console
-) -> list[TrajectoryReady]:
-    """Run a fold worker and a shard writer in this process until ``sessions`` are in shards."""
-    target = str(settings.data_dir / "shards")
-    publisher = await JetStreamPublisher(event_log.nc, settings.publisher).start()
-    names = settings.log.names
-    worker = FoldWorker(event_log.js, publisher, names=names)
-    writer = ShardWriter(
-        event_log.js,
-        publisher,
-        FileShardStore(target),
-        ShardWriterSettings(max_age_s=0.2),
-        stream=names.trajectories,
-    )
-    stop = asyncio.Event()
-    running = [asyncio.create_task(worker.run(stop)), asyncio.create_task(writer.run(stop))]
-    try:
-        async with asyncio.timeout(60):
-            while True:
-                await asyncio.sleep(0.1)
-                for task in running:
-                    if task.done():
-                        task.result()  # a worker that stopped early: raise its error here
-                folded = worker.stats.sessions_folded >= len(sessions)
-                if folded and writer.stats.rows_written >= worker.stats.trajectories:
-                    break
-    finally:
-        stop.set()
-        await asyncio.gather(*running, return_exceptions=True)
-        await publisher.close()
-    table = open_shards_dataset(target).to_table(filter=pc.field("session").isin(sessions))
-    console.print(
-        f"fold worker: {worker.stats.sessions_folded} sessions -> "
-        f"{worker.stats.trajectories} trajectories ({worker.stats.forks} forks) on TRAJ; "
-        f"shard writer: {writer.stats.rows_written} rows in {writer.stats.shards_written} "
-        f"Parquet shard(s) under {target}"
-    )
-    order = {session: i for i, session in enumerate(sessions)}
-    samples = [t for _, t in table_to_trajectories(table)]
-    return sorted(samples, key=lambda t: (order[t.session], t.segment))
-
-
-async def run_demo(settings: ServiceSettings, sessions: int, console: Console) -> None:
-    rng = np.random.default_rng(0)
+async def run_demo(settings: DemoSettings, console: Console) -> None:
     started = time.perf_counter()
-    async with open_log(settings, name="turnstream-demo") as event_log:
-        console.print(f"[bold]event log[/] {event_log.url} (streams provisioned)")
-        outbox = Outbox(settings.data_dir / "outbox.log", settings.publisher.outbox_max_bytes)
-        publisher = await JetStreamPublisher(
-            event_log.nc, settings.publisher, outbox=outbox
-        ).start()
-        ids = [new_session_id() for _ in range(sessions)]
-        published = 0
-        try:
-            for index, session in enumerate(ids):
-                a, b = int(rng.integers(10, 99)), int(rng.integers(10, 99))
-                turns = session_events(settings.run, session, script(index, a, b), rng)
-                events: list[Event] = [
-                    SessionOpened(
-                        run=settings.run,
-                        session=session,
-                        group=f"q{index // 2}",
-                        metadata={"task": "calc", "expr": f"{a}*{b}"},
-                        model="scripted",
-                    ),
-                    *turns,
-                    RewardAssigned(run=settings.run, session=session, value=1.0, key="correct"),
-                    SessionClosed(run=settings.run, session=session, num_turns=len(turns)),
-                ]
-                for event in events:  # one by one, as a gateway answers turn after turn
-                    await publisher.publish(event)
-                published += len(events)
-        finally:
-            await publisher.close()
-            outbox.close()
+    # Every demo is a run of its own: a new trainer starts from the base weights at version 0.
+    # Shards are cut every half second, so the demo can read back what it made.
+    shards = settings.shards.model_copy(update={"max_age_s": 0.5})
+    settings = settings.model_copy(update={"run": f"demo-{int(time.time())}", "shards": shards})
+    async with embedded_stack(settings) as stack:
         console.print(
-            f"published {published} events for {sessions} sessions, each acked by JetStream"
+            f"[bold]stack up[/]: log {stack.event_log.url}, gateway {stack.url} (tiny model, "
+            f"run {settings.run}), fold worker, shard writer -> {stack.shard_target}"
         )
-
-        samples = await fold_and_shard(settings, event_log, ids, console)
-        table = Table(
-            "trajectory id",
-            "turns",
-            "tokens",
-            "generated",
-            "reward",
-            "status",
-            title=f"run {settings.run}: folded from the EVENTS stream, read back from the shards",
+        publisher = await JetStreamPublisher(stack.event_log.nc, settings.publisher).start()
+        source = LiveSource(
+            stack.event_log.js,
+            publisher,
+            LiveSourceSettings(durable=f"trainer-{settings.run}"),
+            stream=settings.log.names.trajectories,
+            run=settings.run,
         )
-        table.columns[0].no_wrap = True
-        for sample in samples:
-            table.add_row(
-                sample.trajectory_id,
-                str(sample.num_turns),
-                str(len(sample.input_ids)),
-                str(int(sample.loss_mask.sum())),
-                f"{sample.reward}",
-                sample.status,
+        batching = BatchingSettings(policy="groups", group_size=settings.group_size, batch_size=1)
+        sink = TrainerSink(source, batching, wait_s=0.2)
+        trainer = ReferenceTrainer(
+            ReferenceTrainerSettings(
+                model_dir=settings.model_dir,
+                checkpoint_dir=settings.data_dir / "checkpoints" / settings.run,
+                run=settings.run,
+                steps=settings.steps,
+                lr=1e-3,
+                temperature=TEMPERATURE,
             )
-        console.print(table)
-        console.print("[bold]first trajectory[/] (green: generated by the policy, loss_mask=1)")
-        console.print(show(samples[0]))
-        info = await event_log.js.stream_info(settings.log.names.events)
-        tokens = sum(len(s.input_ids) for s in samples)
-        console.print(
-            f"EVENTS holds {info.state.messages} messages, {info.state.bytes:,} bytes "
-            f"for {tokens:,} trajectory tokens; done in {time.perf_counter() - started:.1f}s"
         )
+        kv = await stack.event_log.js.key_value(settings.log.names.policy_bucket)
+        try:
+            async with httpx.AsyncClient(base_url=stack.url, timeout=60) as http:
+                training = asyncio.create_task(trainer.run(sink, kv))
+                episodes = await run_agents(http, settings.group_size, training)
+                reports = await training
+                deadline = time.monotonic() + 30
+                while (await http.get("/health")).json()["weight_version"] < settings.steps:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("the gateway did not load the trainer's last policy")
+                    await asyncio.sleep(0.1)
+                after = await asyncio.gather(
+                    *(episode(http, "after", TASKS[0]) for _ in range(settings.group_size))
+                )
+        finally:
+            await sink.close()
+            await publisher.close()
+        console.print(
+            f"agents: {len(episodes)} episodes in {len(episodes) // settings.group_size} GRPO "
+            f"groups of {settings.group_size}, each turn published and acked before it was "
+            f"answered"
+        )
+        steps = Table(
+            "step",
+            "policy version",
+            "samples",
+            "mean reward",
+            "loss",
+            "max |Δ logprob|",
+            title="reference GRPO trainer, fed live by the sink",
+        )
+        for number, report in enumerate(reports, start=1):
+            delta = "-" if report.logprob_delta is None else f"{report.logprob_delta:.1e}"
+            steps.add_row(
+                str(number),
+                str(report.version),
+                str(report.samples),
+                f"{report.mean_reward:.3f}",
+                f"{report.loss:.4f}",
+                delta,
+            )
+        console.print(steps)
+        served = [await versions_of(stack, settings.run, e.session) for e in after]
+        console.print(
+            f"after training, new episodes are served weight_version "
+            f"{sorted({v for turns in served for v in turns})} (the trainer published "
+            f"{[r.version for r in reports]} through the ts_policy bucket)"
+        )
+        sessions = [e.session for e in [*episodes, *after]]
+        deadline = time.monotonic() + 30
+        while stack.writer.stats.rows_written < len(sessions):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the shard writer did not write every trajectory")
+            await asyncio.sleep(0.1)
+    table = open_shards_dataset(stack.shard_target).to_table(
+        filter=pc.field("session").isin(sessions)
+    )
+    samples = [t for _, t in table_to_trajectories(table)]
+    rows = Table(
+        "trajectory id",
+        "group",
+        "tokens",
+        "generated",
+        "reward",
+        "weight versions",
+        title=f"run {settings.run}: read back from the Parquet shards ({len(samples)} rows)",
+    )
+    rows.columns[0].no_wrap = True
+    for sample in samples[:8]:
+        rows.add_row(
+            sample.trajectory_id,
+            sample.group,
+            str(len(sample.input_ids)),
+            str(int(sample.loss_mask.sum())),
+            f"{sample.reward:.3f}" if sample.reward is not None else "-",
+            f"{sample.min_weight_version}..{sample.max_weight_version}",
+        )
+    console.print(rows)
+    tokenizer = AutoTokenizer.from_pretrained(settings.model_dir)
+    console.print("[bold]first trajectory[/] (green: generated by the policy, loss_mask=1)")
+    console.print(show(samples[0], tokenizer))
+    console.print(f"done in {time.perf_counter() - started:.1f}s")
+
+
+class DemoCommand(DemoSettings):
+    __doc__ = DemoSettings.__doc__
+
+    def cli_cmd(self) -> None:
+        from rich.console import Console
+
+        asyncio.run(run_demo(self, Console(stderr=True)))

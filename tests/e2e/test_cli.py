@@ -5,11 +5,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import httpx
+import openai
 import pytest
 
-from schemas.log import NatsServer
+from schemas.log import NatsServer, free_port
+from schemas.shards import open_shards_dataset
 from tests.conftest import Log
 
 
@@ -26,22 +30,71 @@ def turnstream(
 
 
 def test_demo_runs_the_main_job_on_the_embedded_default(tmp_path: Path) -> None:
-    result = turnstream("demo", "--data-dir", str(tmp_path), "--sessions", "3")
+    result = turnstream("demo", "--data-dir", str(tmp_path), "--steps", "2")
 
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 0, result.stderr[-4000:]
     out = result.stderr + result.stdout
-    assert "published 16 events for 3 sessions" in out  # 2 x 5 + 1 x 6 (a forking session)
-    assert "folded from the EVENTS stream, read back from the shards" in out
-    assert "3 sessions -> 4 trajectories" in out and "4 rows in" in out
-    assert list((tmp_path / "shards" / "run=default").glob("part-*.parquet"))
-    assert out.count("default/") >= 4  # 3 sessions, one of them forked into 2 samples
-    assert (tmp_path / "nats" / "jetstream").is_dir()
+    assert "reference GRPO trainer, fed live by the sink" in out
+    assert "new episodes are served weight_version [2]" in out  # the trainer's last policy
+    assert "the trainer published [1, 2]" in out
+    assert "read back from the Parquet shards" in out
+    assert list(tmp_path.glob("shards/run=demo-*/part-*.parquet"))
+    assert list(tmp_path.glob("checkpoints/demo-*/v2/model.safetensors"))
+    assert "HTTP Request" not in out  # client libraries' per-request lines stay quiet
+
+
+def test_up_serves_agents_and_writes_their_trajectories_to_shards(tmp_path: Path) -> None:
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "turnstream.cli",
+            "up",
+            "--port",
+            str(port),
+            "--run",
+            "up",
+            "--data-dir",
+            str(tmp_path),
+            "--shards.max-age-s",
+            "0.5",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=(tmp_path / "up.log").open("w"),  # a file: a full pipe would block the process
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, (tmp_path / "up.log").read_text()
+            assert time.monotonic() < deadline, "turnstream up did not become healthy"
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        opened = httpx.post(f"{url}/v1/sessions", json={}).json()
+        client = openai.OpenAI(base_url=opened["base_url"], api_key="unused")
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        )
+        httpx.post(f"{url}/v1/sessions/{opened['session_id']}/close", json={"reward": 1.0})
+        shards = tmp_path / "shards" / "run=up"
+        while not list(shards.glob("part-*.parquet")):
+            assert time.monotonic() < deadline, "no shard within the deadline"
+            time.sleep(0.2)
+        [row] = open_shards_dataset(str(tmp_path / "shards")).to_table().to_pylist()
+        assert row["trajectory_id"] == f"up/{opened['session_id']}/0" and row["reward"] == 1.0
+    finally:
+        proc.terminate()
+        assert proc.wait(60) == 0, (tmp_path / "up.log").read_text()
 
 
 def test_usage_lists_the_commands() -> None:
     result = turnstream("--help")
     assert result.returncode == 0
-    for command in ("demo", "nats", "provision", "status"):
+    for command in ("demo", "nats", "provision", "status", "up", "worker", "shard-writer"):
         assert f"  {command} " in result.stdout
 
 

@@ -1,0 +1,131 @@
+"""``turnstream up``: the whole stack in one process (DESIGN §9).
+
+A nats-server of its own (unless ``--log.url``), the gateway on ``--host``/``--port``, a fold
+worker with its reaper, and a shard writer, until Ctrl-C. ``embedded_stack`` is what ``turnstream
+demo`` runs its agents and trainer against.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import uvicorn
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from consumers import FoldWorker, FoldWorkerSettings, Reaper, ReaperSettings, ShardWriterSettings
+from consumers.shard_store import FileShardStore
+from consumers.shard_writer import ShardWriter
+from schemas.log import JetStreamPublisher, free_port
+from turnstream.gateway_service import Gateway, GatewaySettings, build_gateway
+from turnstream.stack import EventLog, open_log, stop_on_signals
+
+__all__ = ["Stack", "UpCommand", "UpSettings", "embedded_stack"]
+
+log = logging.getLogger(__name__)
+
+
+class UpSettings(GatewaySettings):
+    """Everything in one process: nats-server, gateway, fold worker + reaper, shard writer."""
+
+    model_config = SettingsConfigDict(cli_prog_name="turnstream up")
+
+    port: int = Field(8000, ge=0, le=65535, description="gateway port; 0 picks a free one")
+    fold: FoldWorkerSettings = FoldWorkerSettings()
+    reaper: ReaperSettings = ReaperSettings()
+    shards: ShardWriterSettings = ShardWriterSettings()
+
+    @property
+    def shard_target(self) -> str:
+        return self.shards.target or str(self.data_dir / "shards")
+
+
+@dataclass
+class Stack:
+    event_log: EventLog
+    gateway: Gateway
+    url: str  # the gateway's base URL
+    worker: FoldWorker
+    reaper: Reaper | None
+    writer: ShardWriter
+    shard_target: str
+
+
+@contextlib.asynccontextmanager
+async def embedded_stack(settings: UpSettings) -> AsyncIterator[Stack]:
+    """Start the stack; on exit stop taking work, finish what was taken, and close."""
+    async with (
+        open_log(settings, name="turnstream-up") as event_log,
+        build_gateway(settings, event_log) as gateway,
+    ):
+        port = settings.port or free_port()
+        server = uvicorn.Server(
+            uvicorn.Config(
+                gateway.app, host=settings.host, port=port, log_level="warning", lifespan="off"
+            )
+        )
+        publisher = await JetStreamPublisher(event_log.nc, settings.publisher).start()
+        names, max_payload = settings.log.names, settings.log.max_payload
+        worker = FoldWorker(event_log.js, publisher, settings.fold, names, max_payload=max_payload)
+        reaper = (
+            Reaper(event_log.js, publisher, settings.reaper, names, max_payload=max_payload)
+            if settings.reaper.enabled
+            else None
+        )
+        writer = ShardWriter(
+            event_log.js,
+            publisher,
+            FileShardStore(settings.shard_target),
+            settings.shards,
+            stream=names.trajectories,
+        )
+        stop = asyncio.Event()
+        gc.collect()
+        gc.freeze()  # see GatewayCommand: torch's long-lived objects made full GCs slow
+        tasks = [
+            asyncio.create_task(server.serve(), name="gateway"),
+            asyncio.create_task(worker.run(stop), name="fold-worker"),
+            asyncio.create_task(writer.run(stop), name="shard-writer"),
+        ]
+        if reaper is not None:
+            tasks.append(asyncio.create_task(reaper.run(stop), name="reaper"))
+        while not server.started:
+            if tasks[0].done():
+                tasks[0].result()  # the gateway could not start (port taken): say why
+            await asyncio.sleep(0.02)
+        url = f"http://{settings.host}:{port}"
+        try:
+            yield Stack(event_log, gateway, url, worker, reaper, writer, settings.shard_target)
+        finally:
+            server.should_exit = True
+            stop.set()
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            await publisher.close()
+            for task, result in zip(tasks, results, strict=True):
+                if isinstance(result, Exception):
+                    log.error("%s ended with %r", task.get_name(), result)
+
+
+class UpCommand(UpSettings):
+    def cli_cmd(self) -> None:
+        asyncio.run(self._run())
+
+    async def _run(self) -> None:
+        stop = stop_on_signals()
+        async with embedded_stack(self) as stack:
+            log.info(
+                "turnstream up: gateway %s (OpenAI API at %s/v1, run %s), log %s, shards %s; "
+                "Ctrl-C stops",
+                stack.url,
+                stack.url,
+                self.run,
+                stack.event_log.url,
+                stack.shard_target,
+            )
+            await stop.wait()
+        log.info("stopped: fold %s, shards %s", stack.worker.stats, stack.writer.stats)
