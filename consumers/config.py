@@ -82,6 +82,12 @@ class ReaperSettings(BaseModel):
     )
     batch: int = Field(256, ge=1, description="events per fetch")
     max_ack_pending: int = Field(4096, ge=1, description="events in flight")
+    forget_closed_after_s: float = Field(
+        3600.0,
+        gt=0,
+        description="a closed session's entry is deleted this long after its last event "
+        "(events later than that are no longer flagged late)",
+    )
 
 
 class ShardWriterSettings(BaseModel):

@@ -40,7 +40,15 @@ from schemas.ids import EVENT_SUBJECT_PREFIX
 from schemas.log import Publisher, StreamNames
 from schemas.log.pull import PullConsumer, fetch, release
 
-__all__ = ["Observation", "Reaper", "ReaperStats", "SessionActivity", "idle_sessions", "observe"]
+__all__ = [
+    "Observation",
+    "Reaper",
+    "ReaperStats",
+    "SessionActivity",
+    "forgettable",
+    "idle_sessions",
+    "observe",
+]
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +104,14 @@ def idle_sessions(
     return [(key, a) for key, a in entries if not a.close_seq and now - a.last_at > idle_timeout_s]
 
 
+def forgettable(
+    entries: Iterable[tuple[str, SessionActivity]], now: float, after_s: float
+) -> list[str]:
+    """Closed sessions quiet for longer than ``after_s``: their entries can go, so a scan reads
+    the open sessions and the recently closed ones, not every session ever seen."""
+    return [key for key, a in entries if a.close_seq and now - a.last_at > after_s]
+
+
 def _observation(msg: Msg) -> tuple[str, Observation] | None:
     parts = msg.subject.split(".")
     if len(parts) != 5 or ".".join(parts[:2]) != EVENT_SUBJECT_PREFIX:
@@ -116,6 +132,7 @@ class ReaperStats:
     sessions_reaped: int = 0
     late_events: int = 0
     conflicts: int = 0  # compare-and-set retries: another reaper wrote the same entry
+    forgotten: int = 0  # entries of sessions closed long ago, deleted
 
 
 _decoder = msgspec.json.Decoder(SessionActivity)
@@ -273,9 +290,14 @@ class Reaper:
                 pass
 
     async def scan(self, now: float | None = None) -> int:
-        """Close every idle open session; returns how many closes were published."""
+        """Close every idle open session; returns how many closes were published. Also deletes
+        the entries of sessions closed long ago (``forget_closed_after_s``)."""
         now = time.time() if now is None else now
-        entries = await self._entries()
+        revisions = await self._entries()
+        entries = [(key, activity) for key, activity, _ in revisions]
+        await self._forget(
+            forgettable(entries, now, self.settings.forget_closed_after_s), revisions
+        )
         reaped = 0
         for key, activity in idle_sessions(entries, now, self.settings.idle_timeout_s):
             run, session = key.split(".", 1)
@@ -296,9 +318,21 @@ class Reaper:
         self.stats.sessions_reaped += reaped
         return reaped
 
-    async def _entries(self) -> list[tuple[str, SessionActivity]]:
+    async def _forget(
+        self, keys: list[str], revisions: list[tuple[str, SessionActivity, int]]
+    ) -> None:
         assert self._kv is not None
-        entries: list[tuple[str, SessionActivity]] = []
+        revision_of = {key: revision for key, _, revision in revisions}
+        for key in keys:
+            self._known.pop(key, None)
+            # Compare-and-delete: an event merged meanwhile keeps the entry.
+            with contextlib.suppress(js_errors.KeyWrongLastSequenceError, js_errors.NotFoundError):
+                await self._kv.delete(key, last=revision_of[key])
+                self.stats.forgotten += 1
+
+    async def _entries(self) -> list[tuple[str, SessionActivity, int]]:
+        assert self._kv is not None
+        entries: list[tuple[str, SessionActivity, int]] = []
         try:
             watcher = await self._kv.watchall(ignore_deletes=True)
             try:
@@ -306,8 +340,8 @@ class Reaper:
                     entry = await watcher.updates(timeout=5.0)  # type: ignore[no-untyped-call]
                     if entry is None:
                         break
-                    if entry.value:
-                        entries.append((entry.key, _decoder.decode(entry.value)))
+                    if entry.value and entry.revision is not None:
+                        entries.append((entry.key, _decoder.decode(entry.value), entry.revision))
             finally:
                 await watcher.stop()  # type: ignore[no-untyped-call]
         except (TimeoutError, nats.errors.Error) as exc:

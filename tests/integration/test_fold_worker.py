@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 
@@ -259,3 +260,20 @@ async def test_an_event_after_the_close_is_counted_and_dead_lettered_as_late(log
     assert await message_count(log.js, "TRAJ") == 1  # not folded in
     entry = await (await log.js.key_value("ts_sessions")).get(f"{RUN}.done")
     assert msgspec.json.decode(entry.value or b"")["late"] == 1
+
+
+async def test_the_entries_of_sessions_closed_long_ago_are_forgotten(log: Log) -> None:
+    await publish(log, session_events(append_only(2), session="old"))
+    await publish(log, session_events(append_only(1), session="open", close=False))
+    reaping = ReaperSettings(idle_timeout_s=3600.0, scan_interval_s=60.0)
+    async with running(log, reaper=reaping) as (_, reaper):
+        assert reaper is not None
+        await eventually(lambda: reaper.stats.events_tracked >= 6, 10, "events tracked")
+        bucket = await log.js.key_value("ts_sessions")
+        assert sorted(await bucket.keys()) == [f"{RUN}.old", f"{RUN}.open"]
+
+        assert await reaper.scan(now=time.time() + 60) == 0  # nothing idle or old yet
+        assert reaper.stats.forgotten == 0
+        await reaper.scan(now=time.time() + 2 * 3600)  # the open one is reaped meanwhile
+        assert reaper.stats.forgotten == 1
+        assert await bucket.keys() == [f"{RUN}.open"]

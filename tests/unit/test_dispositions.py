@@ -6,7 +6,7 @@ import pytest
 
 from consumers import FoldError, FoldWorkerSettings, MissingTurns
 from consumers.dispositions import DeadLetterIt, Retry, disposition, reason_of
-from consumers.reaper import Observation, SessionActivity, idle_sessions, observe
+from consumers.reaper import Observation, SessionActivity, forgettable, idle_sessions, observe
 from consumers.worker import fold_options
 from schemas import (
     EventLogError,
@@ -122,3 +122,12 @@ def test_a_session_may_ask_for_per_turn_samples_and_bad_requests_are_fold_errors
     for bad in ({"per_turn": "yes"}, {"final_reward_scope": "first"}, {"shuffle": True}, "x"):
         with pytest.raises(FoldError, match=r"metadata\.fold"):
             fold_options(SETTINGS, opened(metadata={"fold": bad}))
+
+
+def test_only_sessions_closed_and_quiet_long_enough_are_forgotten() -> None:
+    entries = [
+        ("r.old", SessionActivity(last_at=10.0, turns=1, close_seq=4)),
+        ("r.recent", SessionActivity(last_at=150.0, turns=1, close_seq=9)),
+        ("r.open", SessionActivity(last_at=10.0, turns=1)),
+    ]
+    assert forgettable(entries, now=200.0, after_s=100.0) == ["r.old"]
