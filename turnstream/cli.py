@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from pydantic import ValidationError
+from pydantic import Field, ValidationError
 from pydantic_settings import CliApp, SettingsConfigDict
 from rich.console import Console
 from rich.logging import RichHandler
@@ -68,9 +68,14 @@ class ProvisionCommand(ServiceSettings):
 
 
 class StatusCommand(ServiceSettings):
-    """Streams and consumers of a running NATS (--log.url): messages, bytes, lag, dead letters."""
+    """Streams and consumers of a running NATS (--log.url): messages, bytes, lag, dead letters;
+    and the Parquet shards."""
 
     model_config = SettingsConfigDict(cli_prog_name="turnstream status")
+
+    shards: str | None = Field(
+        None, description="shard directory or URI to summarize; unset: <data_dir>/shards"
+    )
 
     def cli_cmd(self) -> None:
         if self.log.url is None:
@@ -120,6 +125,27 @@ class StatusCommand(ServiceSettings):
                     letters.add_row(subject.removeprefix("ts.dlq."), f"{count:,}")
                 if letters.row_count:
                     console.print(letters)
+        console.print(_shards_table(self.shards or str(self.data_dir / "shards")))
+
+
+def _shards_table(target: str) -> Table | str:
+    """Committed shards per run: files, trajectories, TRAJ sequences (footers only)."""
+    from consumers.shard_store import FileShardStore  # pyarrow: import on use
+
+    store = FileShardStore(target)
+    runs: dict[str, list[int]] = {}  # run -> [shards, rows, first seq, last seq]
+    for shard in store.committed():
+        meta = store.read_metadata(shard)
+        row = runs.setdefault(shard.run, [0, 0, shard.first_seq, shard.last_seq])
+        row[0] += 1
+        row[1] += meta.rows
+        row[2], row[3] = min(row[2], shard.first_seq), max(row[3], shard.last_seq)
+    if not runs:
+        return f"no shards under {store.display(store.root)}"
+    table = Table("run", "shards", "trajectories", "TRAJ seqs", title=f"shards: {target}")
+    for run, (files, rows, first, last) in sorted(runs.items()):
+        table.add_row(run, f"{files:,}", f"{rows:,}", f"{first}..{last}")
+    return table
 
 
 def _gateway() -> type[ServiceSettings]:

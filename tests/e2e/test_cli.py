@@ -164,6 +164,31 @@ async def test_status_shows_consumer_lag_and_dead_letters_by_reason(log: Log) ->
     assert fold.split("│")[3].strip() == "1"  # one close waiting
     [dlq] = [line for line in lines if "fold.undecodable" in line]
     assert dlq.split("│")[2].strip() == "2"
+    assert "no shards under" in result.stderr
+
+
+def test_status_summarizes_the_shards_per_run(nats_server: NatsServer, tmp_path: Path) -> None:
+    from consumers import fold
+    from consumers.shard_store import FileShardStore
+    from schemas.shards import ShardMetadata, rows_to_table, shard_row
+    from tests.helpers.sessions import append_only, session_events
+
+    store = FileShardStore(str(tmp_path))
+    seq = 0
+    for run, n in (("a", 3), ("b", 1)):
+        rows = []
+        for i in range(n):
+            for t in fold(session_events(append_only(2), run=run, session=f"s{i}")).trajectories:
+                seq += 1
+                rows.append(shard_row(seq, t))
+        meta = ShardMetadata.of_rows(rows, run=run, stream="TRAJ", stream_created="")
+        store.write(rows_to_table(rows, meta), meta)
+
+    result = turnstream("status", "--log.url", nats_server.url, "--shards", str(tmp_path))
+
+    assert result.returncode == 0, result.stderr
+    rows = {line.split("│")[1].strip(): line for line in result.stderr.splitlines() if "│" in line}
+    assert rows["a"].split("│")[3].strip() == "3" and rows["b"].split("│")[3].strip() == "1"
 
 
 @pytest.mark.parametrize("command", ["worker", "shard-writer"])
