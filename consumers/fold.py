@@ -225,6 +225,17 @@ def _turn_rewards(per_turn: list[RewardAssigned]) -> dict[int, float]:
     return {turn: math.fsum(components) for turn, components in values.items()}
 
 
+def _temperatures(sample: list[RebuiltTurn]) -> JSON:
+    """The sampling temperatures of the sample's turns, where the gateway recorded them: the
+    logprobs are those of the tempered distribution, so a trainer must divide by the same."""
+    recorded = {
+        turn.event.sampling["temperature"]
+        for turn in sample
+        if "temperature" in turn.event.sampling
+    }
+    return {"temperatures": sorted(recorded)} if recorded else {}
+
+
 def _created_at(
     state: SessionState, turns: list[TurnCompleted], rewards: list[RewardAssigned]
 ) -> float:
@@ -288,7 +299,7 @@ def finish(state: SessionState, options: FoldOptions = FoldOptions()) -> FoldRes
             num_turns=len(sample),
             finish_reason=last.event.finish_reason,
             messages=[*last.conversation, last.event.assistant_message],
-            metadata={**base_metadata, "first_turn": sample[0].event.turn},
+            metadata={**base_metadata, "first_turn": sample[0].event.turn, **_temperatures(sample)},
             fold_version=FOLD_VERSION,
         )
 

@@ -50,8 +50,10 @@ from tensordict import TensorDict
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from schemas.errors import EventLogUnavailable
+from schemas.events import TrajectoryReady
 from schemas.policy import PolicyUpdate, encode_policy_update
 from trainer_sink.assembly import non_tensor_values
+from trainer_sink.errors import BatchError
 from trainer_sink.sink import TrainerSink
 
 __all__ = [
@@ -60,6 +62,7 @@ __all__ = [
     "ReferenceTrainerSettings",
     "StepReport",
     "batch_advantages",
+    "check_temperature",
     "clipped_objective",
     "group_advantages",
     "max_logprob_delta",
@@ -185,6 +188,25 @@ def clipped_objective(
     return loss, clip_fraction
 
 
+def _effective(temperature: float | None) -> float:
+    # Greedy decoding records the raw logits' log-probs: temperature 1 for the computation.
+    return 1.0 if not temperature or temperature <= 0 else float(temperature)
+
+
+def check_temperature(trajectories: Sequence[TrajectoryReady], temperature: float) -> None:
+    """Refuse samples drawn at another temperature than the trainer computes log-probs at:
+    the ratio against ``rollout_log_probs`` would be wrong by a factor nobody would notice."""
+    want = _effective(temperature)
+    for trajectory in trajectories:
+        for recorded in trajectory.metadata.get("temperatures", []):
+            if abs(_effective(recorded) - want) > 1e-6:
+                raise BatchError(
+                    f"trajectory {trajectory.trajectory_id} was sampled at temperature "
+                    f"{recorded} but the trainer computes log-probs at {temperature}: set "
+                    f"ReferenceTrainerSettings.temperature to the agents' sampling temperature"
+                )
+
+
 def max_logprob_delta(
     log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor
 ) -> float | None:
@@ -219,6 +241,7 @@ class ReferenceTrainer:
         sink.trainer_version = self.version
         reports: list[StepReport] = []
         async for batch in sink:
+            check_temperature(batch.trajectories, self.settings.temperature)
             # Torch runs on a worker thread: the loop keeps the sink's batches alive meanwhile.
             report = await asyncio.to_thread(self.train_step, batch.tensors)
             await self.publish(policy, report)

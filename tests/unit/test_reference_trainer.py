@@ -5,18 +5,23 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 import torch
 
+from consumers import fold
 from gateway.backends.base import SamplingParams
 from gateway.backends.local import LocalBackend
-from schemas.events import TrajectoryReady
+from schemas.events import TrajectoryReady, TurnCompleted
+from tests.helpers.sessions import append_only, session_events
 from trainer_sink.assembly import assemble_padded
+from trainer_sink.errors import BatchError
 from trainer_sink.trainer import (
     ReferenceTrainer,
     ReferenceTrainerSettings,
     batch_advantages,
+    check_temperature,
     clipped_objective,
     group_advantages,
     max_logprob_delta,
@@ -119,3 +124,21 @@ async def test_recomputed_log_probs_match_the_local_backends_on_a_padded_batch(
     report = trainer.train_step(batch)
     assert report.version == 1 and report.logprob_delta == delta
     assert (tmp_path / "v1" / "model.safetensors").is_file()
+
+
+def test_samples_drawn_at_another_temperature_are_refused() -> None:
+    events = session_events(append_only(2), session="hot")
+    hot = [
+        msgspec.structs.replace(e, sampling={"temperature": 1.0})
+        if isinstance(e, TurnCompleted)
+        else e
+        for e in events
+    ]
+    [sample] = fold(hot).trajectories
+    assert sample.metadata["temperatures"] == [1.0]
+    check_temperature([sample], 1.0)
+    check_temperature([sample], 0.0)  # greedy records the raw logits: temperature 1
+    with pytest.raises(BatchError, match=r"sampled at temperature 1\.0 .* at 0\.8"):
+        check_temperature([sample], 0.8)
+    [unknown] = fold(events).trajectories  # no temperature recorded: nothing to check
+    check_temperature([unknown], 0.8)
