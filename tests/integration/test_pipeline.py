@@ -173,3 +173,28 @@ async def test_killing_workers_and_the_shard_writer_loses_and_duplicates_nothing
     check_rows(rows, want)
     codes = [p.stop() for p in stack]
     assert codes == [0, 0, 0], f"seed {seed}: " + "\n".join(p.output() for p in stack)
+
+
+async def test_a_nats_server_crash_mid_flow_loses_and_duplicates_nothing(
+    log: Log, tmp_path: Path, stack: list[Service]
+) -> None:
+    planned = plan_sessions(200, seed=23)
+    want = expected_by_id(planned)
+    for p in stack:
+        p.start()
+    await publish_sessions(log, planned[:100])
+    await asyncio.sleep(0.3)  # the pipeline is busy with the first half
+    log.server.kill()  # SIGKILL: what JetStream acknowledged must survive
+    await asyncio.sleep(1.0)
+    log.server.restart()
+    await publish_sessions(log, planned[100:])  # the test's own connection reconnects too
+
+    root = tmp_path / "data" / "shards"
+    rows = await until_all_in_shards(root, len(want), stack, within=150)
+    await asyncio.sleep(2.0)  # anything written twice would show up by now
+    check_rows(shard_table_rows(root), want)
+    assert rows
+    # Each service tried to reconnect while the server was down: the crash hit them all.
+    assert all("ConnectionRefusedError" in p.log_path.read_text() for p in stack)
+    codes = [p.stop() for p in stack]
+    assert codes == [0, 0, 0], "\n".join(p.output() for p in stack)
