@@ -12,7 +12,7 @@ TD_OLDEST := $(VENV)/compat/tensordict-$(TD_OLDEST_VERSION)
 setup: $(STAMP)
 
 # Idempotent: creates the venv if it is missing, reinstalls when the dependencies change.
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml constraints.txt Makefile
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'

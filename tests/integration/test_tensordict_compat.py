@@ -20,7 +20,7 @@ pytestmark = pytest.mark.integration
 
 
 def test_assembly_tests_pass_on_tensordict_0_8() -> None:
-    assert OLDEST.is_dir(), f"{OLDEST} is missing: run `make setup` (it installs it)"
+    assert OLDEST.is_dir(), f"{OLDEST} is missing: run `make setup` (it installs it there)"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(OLDEST), str(ROOT)])}
     version = subprocess.run(
         [sys.executable, "-c", "import tensordict; print(tensordict.__version__)"],
