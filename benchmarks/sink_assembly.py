@@ -168,7 +168,7 @@ async def pipeline_latency(sessions: int, interval_s: float) -> dict[str, Any]:
     import tempfile
     from pathlib import Path
 
-    from pipeline_throughput import Plan, close_of, make_session
+    from pipeline_throughput import Plan, close_of, consumers_idle, make_session, wait_for
 
     from schemas.log import JetStreamPublisher, LogSettings, NatsServer, connect, provision
     from trainer_sink import BatchingSettings, LiveSource, LiveSourceSettings, TrainerSink
@@ -205,14 +205,11 @@ async def pipeline_latency(sessions: int, interval_s: float) -> dict[str, Any]:
                 )
                 for command in ("worker", "shard-writer")
             ]
-            for _ in range(600):  # the worker's consumers exist and the reaper caught up
-                try:
-                    infos = [await js.consumer_info("EVENTS", n) for n in ("fold", "reaper")]
-                    if all(i.num_pending == 0 and i.num_ack_pending == 0 for i in infos):
-                        break
-                except Exception:
-                    pass
-                await asyncio.sleep(0.1)
+            await wait_for(
+                "the worker's consumers exist and the reaper caught up",
+                lambda: consumers_idle(js, ["fold", "reaper"]),
+                60,
+            )
             source = LiveSource(js, pub, LiveSourceSettings(durable="bench"))
             sink = TrainerSink(source, BatchingSettings(batch_size=1), wait_s=0.05)
             yielded: dict[str, float] = {}

@@ -6,6 +6,7 @@ from CLI flags, ``TURNSTREAM_*`` env vars or a TOML file; nothing here reads the
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -116,6 +117,10 @@ class ShardWriterSettings(BaseModel):
         description="an unacked trajectory is redelivered after this (also how long the "
         "buffer of a killed writer waits to be redelivered); unset: 2 x max_age_s + 30",
     )
+
+    def target_in(self, data_dir: Path) -> str:
+        """``target``, else ``<data_dir>/shards``."""
+        return self.target or str(data_dir / "shards")
 
     @property
     def max_ack_pending(self) -> int:

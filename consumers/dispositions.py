@@ -12,6 +12,7 @@ would vanish without a trace, so the last try dead-letters instead of naking.
 Retry(delay_s=1.0)
 >>> disposition(EventLogUnavailable("down"), delivery=3, settings=settings)
 DeadLetterIt(reason='log_unavailable')
+>>> from schemas.errors import UndecodableEvent
 >>> disposition(UndecodableEvent("junk"), delivery=1, settings=settings)
 DeadLetterIt(reason='undecodable')
 """
@@ -25,14 +26,10 @@ from nats.aio.msg import Msg
 
 from consumers.config import ConsumerSettings
 from consumers.errors import FoldError, MissingTurns
-from schemas.dead_letter import DeadLetter
+from schemas.dead_letter import DeadLetter, schema_reason
 from schemas.errors import (
     EventLogError,
     EventLogUnavailable,
-    InvalidIdentifier,
-    PayloadTooLarge,
-    UndecodableEvent,
-    UnsupportedSchemaVersion,
 )
 
 __all__ = ["DeadLetterIt", "Disposition", "Retry", "dead_letter_for", "disposition", "reason_of"]
@@ -54,19 +51,12 @@ class DeadLetterIt:
 
 Disposition = Retry | DeadLetterIt
 
-_PERMANENT: tuple[tuple[type[BaseException], str], ...] = (
-    (UnsupportedSchemaVersion, "unsupported_version"),
-    (UndecodableEvent, "undecodable"),
-    (InvalidIdentifier, "undecodable"),
-    (PayloadTooLarge, "payload_too_large"),
-)
-
 
 def reason_of(error: BaseException) -> str:
     """The dead-letter reason code of ``error``."""
-    for kind, reason in _PERMANENT:
-        if isinstance(error, kind):
-            return reason
+    bad_input = schema_reason(error)
+    if bad_input is not None:
+        return bad_input
     if isinstance(error, MissingTurns):
         return "missing_turns"
     if isinstance(error, FoldError):

@@ -20,17 +20,44 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from schemas.errors import UndecodableEvent
+from schemas.errors import (
+    InvalidIdentifier,
+    PayloadTooLarge,
+    SchemaError,
+    UndecodableEvent,
+    UnsupportedSchemaVersion,
+)
 from schemas.ids import dlq_subject
 
 if TYPE_CHECKING:
     from schemas.log.publisher import Publisher
 
-__all__ = ["DeadLetter", "decode_dead_letter", "encode_dead_letter", "publish_dead_letter"]
+__all__ = [
+    "DeadLetter",
+    "decode_dead_letter",
+    "encode_dead_letter",
+    "publish_dead_letter",
+    "schema_reason",
+]
 
 log = logging.getLogger(__name__)
 
 _MAX_ERROR_CHARS = 4000
+
+_SCHEMA_REASONS: tuple[tuple[type[SchemaError], str], ...] = (
+    (UnsupportedSchemaVersion, "unsupported_version"),
+    (UndecodableEvent, "undecodable"),
+    (InvalidIdentifier, "undecodable"),
+    (PayloadTooLarge, "payload_too_large"),
+)
+
+
+def schema_reason(error: BaseException) -> str | None:
+    """The dead-letter reason of bad input (a SchemaError), else None."""
+    for kind, reason in _SCHEMA_REASONS:
+        if isinstance(error, kind):
+            return reason
+    return "undecodable" if isinstance(error, SchemaError) else None
 
 
 class DeadLetter(msgspec.Struct, kw_only=True, frozen=True):

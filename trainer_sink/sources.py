@@ -35,12 +35,11 @@ from nats.js import JetStreamContext
 from nats.js import api as js_api
 
 from schemas.codec import Codec
-from schemas.dead_letter import DeadLetter, publish_dead_letter
+from schemas.dead_letter import DeadLetter, publish_dead_letter, schema_reason
 from schemas.errors import (
     EventLogUnavailable,
     SchemaError,
     UndecodableEvent,
-    UnsupportedSchemaVersion,
 )
 from schemas.events import TrajectoryReady
 from schemas.ids import TRAJ_SUBJECT_PREFIX
@@ -258,11 +257,7 @@ class LiveSource:
     async def _dead_letter(self, msg: Msg, seq: int, error: SchemaError) -> None:
         letter = DeadLetter(
             source="sink",
-            reason=(
-                "unsupported_version"
-                if isinstance(error, UnsupportedSchemaVersion)
-                else "undecodable"
-            ),
+            reason=schema_reason(error) or "undecodable",
             error=f"{type(error).__name__}: {error}",
             stream=self.stream,
             subject=msg.subject,

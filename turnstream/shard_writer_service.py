@@ -18,13 +18,31 @@ from consumers.config import ShardWriterSettings
 from consumers.shard_store import FileShardStore
 from consumers.shard_writer import ShardWriter
 from schemas.codec import Codec
-from schemas.log import JetStreamPublisher
+from schemas.log import JetStreamPublisher, LogSettings
 from turnstream.settings import ServiceSettings
-from turnstream.stack import open_log, require_log_url, stop_on_signals
+from turnstream.stack import EventLog, open_log, require_log_url, stop_on_signals
 
-__all__ = ["ShardWriterCommand"]
+__all__ = ["ShardWriterCommand", "shard_writer"]
 
 log = logging.getLogger(__name__)
+
+
+def shard_writer(
+    event_log: EventLog,
+    publisher: JetStreamPublisher,
+    shards: ShardWriterSettings,
+    log_settings: LogSettings,
+    target: str,
+) -> ShardWriter:
+    """A shard writer on ``event_log`` writing to ``target`` (not started)."""
+    return ShardWriter(
+        event_log.js,
+        publisher,
+        FileShardStore(target, compression_level=shards.compression_level),
+        shards,
+        stream=log_settings.names.trajectories,
+        codec=Codec(max_payload=log_settings.max_payload),
+    )
 
 
 class ShardWriterCommand(ServiceSettings):
@@ -34,31 +52,18 @@ class ShardWriterCommand(ServiceSettings):
 
     shards: ShardWriterSettings = Field(ShardWriterSettings())
 
-    @property
-    def shard_target(self) -> str:
-        """``shards.target``, else ``<data_dir>/shards``."""
-        return self.shards.target or str(self.data_dir / "shards")
-
     def cli_cmd(self) -> None:
         require_log_url(self, "shard-writer")
         asyncio.run(self._run())
 
     async def _run(self) -> None:
         stop = stop_on_signals()
-        codec = Codec(max_payload=self.log.max_payload)
-        store = FileShardStore(self.shard_target, compression_level=self.shards.compression_level)
+        target = self.shards.target_in(self.data_dir)
         async with open_log(self, name="turnstream-shard-writer") as event_log:
-            publisher = await JetStreamPublisher(event_log.nc, self.publisher, codec).start()
+            publisher = await JetStreamPublisher(event_log.nc, self.publisher).start()
             try:
-                writer = ShardWriter(
-                    event_log.js,
-                    publisher,
-                    store,
-                    self.shards,
-                    stream=self.log.names.trajectories,
-                    codec=codec,
-                )
-                log.info("shard writer: %s -> %s", self.log.names.trajectories, store.uri)
+                writer = shard_writer(event_log, publisher, self.shards, self.log, target)
+                log.info("shard writer: %s -> %s", self.log.names.trajectories, target)
                 stats = await writer.run(stop)
             finally:
                 await publisher.close()

@@ -19,11 +19,12 @@ from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from consumers import FoldWorker, FoldWorkerSettings, Reaper, ReaperSettings, ShardWriterSettings
-from consumers.shard_store import FileShardStore
 from consumers.shard_writer import ShardWriter
 from schemas.log import JetStreamPublisher, free_port
 from turnstream.gateway_service import Gateway, GatewaySettings, build_gateway
+from turnstream.shard_writer_service import shard_writer
 from turnstream.stack import EventLog, open_log, stop_on_signals
+from turnstream.worker_service import fold_workers
 
 __all__ = ["Stack", "UpCommand", "UpSettings", "embedded_stack"]
 
@@ -42,7 +43,7 @@ class UpSettings(GatewaySettings):
 
     @property
     def shard_target(self) -> str:
-        return self.shards.target or str(self.data_dir / "shards")
+        return self.shards.target_in(self.data_dir)
 
 
 @dataclass
@@ -70,19 +71,11 @@ async def embedded_stack(settings: UpSettings) -> AsyncIterator[Stack]:
             )
         )
         publisher = await JetStreamPublisher(event_log.nc, settings.publisher).start()
-        names, max_payload = settings.log.names, settings.log.max_payload
-        worker = FoldWorker(event_log.js, publisher, settings.fold, names, max_payload=max_payload)
-        reaper = (
-            Reaper(event_log.js, publisher, settings.reaper, names, max_payload=max_payload)
-            if settings.reaper.enabled
-            else None
+        worker, reaper = fold_workers(
+            event_log, publisher, settings.fold, settings.reaper, settings.log
         )
-        writer = ShardWriter(
-            event_log.js,
-            publisher,
-            FileShardStore(settings.shard_target),
-            settings.shards,
-            stream=names.trajectories,
+        writer = shard_writer(
+            event_log, publisher, settings.shards, settings.log, settings.shard_target
         )
         stop = asyncio.Event()
         gc.collect()

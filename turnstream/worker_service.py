@@ -16,11 +16,11 @@ from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from consumers import FoldWorker, FoldWorkerSettings, Reaper, ReaperSettings
-from schemas.log import JetStreamPublisher
+from schemas.log import JetStreamPublisher, LogSettings
 from turnstream.settings import ServiceSettings
 from turnstream.stack import EventLog, open_log, require_log_url, stop_on_signals
 
-__all__ = ["WorkerCommand", "WorkerSettings", "run_workers"]
+__all__ = ["WorkerCommand", "WorkerSettings", "fold_workers", "run_workers"]
 
 log = logging.getLogger(__name__)
 
@@ -35,17 +35,28 @@ class WorkerSettings(ServiceSettings):
     progress_interval_s: float = Field(10.0, gt=0, description="seconds between progress lines")
 
 
+def fold_workers(
+    event_log: EventLog,
+    publisher: JetStreamPublisher,
+    fold: FoldWorkerSettings,
+    reaper: ReaperSettings,
+    log_settings: LogSettings,
+) -> tuple[FoldWorker, Reaper | None]:
+    """A fold worker, and a reaper when enabled, on ``event_log`` (not started)."""
+    names, max_payload = log_settings.names, log_settings.max_payload
+    worker = FoldWorker(event_log.js, publisher, fold, names, max_payload=max_payload)
+    if not reaper.enabled:
+        return worker, None
+    return worker, Reaper(event_log.js, publisher, reaper, names, max_payload=max_payload)
+
+
 async def run_workers(
     settings: WorkerSettings, event_log: EventLog, stop: asyncio.Event
 ) -> tuple[FoldWorker, Reaper | None]:
     """Run a fold worker (and a reaper, when enabled) on ``event_log`` until ``stop`` is set."""
     publisher = await JetStreamPublisher(event_log.nc, settings.publisher).start()
-    names, max_payload = settings.log.names, settings.log.max_payload
-    worker = FoldWorker(event_log.js, publisher, settings.fold, names, max_payload=max_payload)
-    reaper = (
-        Reaper(event_log.js, publisher, settings.reaper, names, max_payload=max_payload)
-        if settings.reaper.enabled
-        else None
+    worker, reaper = fold_workers(
+        event_log, publisher, settings.fold, settings.reaper, settings.log
     )
     runs = [worker.run(stop)] + ([reaper.run(stop)] if reaper is not None else [])
     progress = asyncio.create_task(_report(worker, reaper, settings.progress_interval_s, stop))
