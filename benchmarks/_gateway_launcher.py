@@ -10,25 +10,14 @@
 * ``--gc-freeze``: an experiment, not the product: on SIGUSR2 (sent by the benchmark once the
   gateway has started and answered a request), ``gc.collect(); gc.freeze()``, which moves every
   object alive then out of the collector's reach, as a service would do at the end of startup.
-* ``--experiment NAME`` (repeatable), experiments too, each the smallest change that tests one
-  suggestion of the benchmark's report, applied by patching at runtime (the product's files are
-  untouched):
-
-  - ``drain-sse``: ``post_event_stream`` reads the response to its end after ``[DONE]``, as the
-    OpenAI SDK does, so that httpcore returns the connection to the pool instead of closing it
-    (the shipped code returns at ``[DONE]``: one new TCP connection per backend request);
-  - ``pool``: the vLLM backend's one httpx client becomes 8 clients used in turn, each keeping
-    up to 32 idle connections (httpx's default keeps 20, httpcore 1.0 closes idle connections
-    whenever its pool holds more than that in total, and does O(connections) work per
-    connection on every request, so one large pool costs milliseconds per request at 64).
 * ``--profile FILE``: a ``cProfile.Profile`` that SIGUSR1 switches on and off (the benchmark
   does so at the edges of its measured windows), so that startup is not in the profile;
   written at exit (``pstats`` format).
 
 Usage::
 
-    python benchmarks/_gateway_launcher.py [--gc-log F] [--gc-freeze] [--experiment NAME]
-        [--profile F] -- gateway --flags...
+    python benchmarks/_gateway_launcher.py [--gc-log F] [--gc-freeze] [--profile F] --
+        gateway --flags...
 """
 
 from __future__ import annotations
@@ -121,82 +110,6 @@ class GCRecorder:
         }
 
 
-def patch_drain_sse() -> None:
-    """``gateway.backends.sse.post_event_stream``, reading on after ``[DONE]`` to the end."""
-    from collections.abc import AsyncGenerator
-
-    import httpx
-
-    from gateway.backends import sse, vllm
-    from gateway.errors import BackendError, BackendUnavailable
-
-    async def post_event_stream(
-        client: httpx.AsyncClient,
-        url: str,
-        body: dict[str, Any],
-        *,
-        server: str,
-        http_timeout: httpx.Timeout,
-    ) -> AsyncGenerator[dict[str, Any], None]:
-        try:
-            async with client.stream("POST", url, json=body, timeout=http_timeout) as response:
-                if response.status_code != httpx.codes.OK:
-                    raise await sse._status_error(response, url, server)
-                done = False
-                async for line in response.aiter_lines():
-                    if done or not line.startswith("data:"):
-                        continue
-                    payload = line[len("data:") :].strip()
-                    if payload == "[DONE]":
-                        done = True  # the change: read on to the end of the body
-                        continue
-                    yield sse._decode_event(payload, url, server)
-        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-            raise BackendUnavailable(f"cannot connect to {server} at {url} ({exc})") from exc
-        except httpx.TimeoutException as exc:
-            raise BackendError(f"{server} at {url} timed out ({type(exc).__name__})") from exc
-        except httpx.HTTPError as exc:
-            raise BackendError(f"{server} at {url} failed mid-request: {exc!r}") from exc
-
-    vllm.post_event_stream = post_event_stream  # type: ignore[attr-defined]  # not in __all__
-
-
-def patch_pool() -> None:
-    """The vLLM backend's httpx client replaced by 8 clients taking requests in turn, each with
-    a keep-alive pool of 32: no pool closes idle connections, and none grows large (httpcore
-    1.0 does O(connections) work per connection on every request it assigns)."""
-    import itertools
-
-    import httpx
-
-    from gateway.backends.vllm import VLLMBackend
-
-    class Clients:
-        def __init__(self, n: int) -> None:
-            limits = httpx.Limits(max_connections=None, max_keepalive_connections=32)
-            self.clients = [httpx.AsyncClient(limits=limits) for _ in range(n)]
-            self.turn = itertools.cycle(self.clients)
-
-        def stream(self, *args: Any, **kwargs: Any) -> Any:
-            return next(self.turn).stream(*args, **kwargs)
-
-        async def aclose(self) -> None:
-            for client in self.clients:
-                await client.aclose()
-
-    original = VLLMBackend.__init__
-
-    def init(self: VLLMBackend, *args: Any, **kwargs: Any) -> None:
-        if kwargs.get("client") is None:
-            kwargs["client"] = Clients(8)
-        original(self, *args, **kwargs)
-
-    VLLMBackend.__init__ = init  # type: ignore[method-assign]  # an experiment, on purpose
-
-
-EXPERIMENTS = {"drain-sse": patch_drain_sse, "pool": patch_pool}
-
-
 def freeze(signum: int, frame: FrameType | None) -> None:
     gc.collect()
     gc.freeze()
@@ -207,15 +120,12 @@ def main() -> int:
     parser.add_argument("--gc-log", type=Path, default=None)
     parser.add_argument("--gc-freeze", action="store_true")
     parser.add_argument("--profile", type=Path, default=None)
-    parser.add_argument("--experiment", action="append", default=[], choices=sorted(EXPERIMENTS))
     parser.add_argument("cli_args", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     cli_args = args.cli_args[1:] if args.cli_args[:1] == ["--"] else args.cli_args
 
     from turnstream.cli import main as cli_main
 
-    for name in args.experiment:
-        EXPERIMENTS[name]()
     if args.gc_freeze:
         signal.signal(signal.SIGUSR2, freeze)
     switch = ProfileSwitch() if args.profile is not None else None

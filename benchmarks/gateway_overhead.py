@@ -16,7 +16,7 @@ Setup (all on this machine, started and stopped by this script)
   ChatML model's tokenizer and template (``gateway.model.ensure_tiny_model``), publishing to a
   nats-server (file store, ``schemas.log.NatsServer``) that this script starts. It is started
   through ``benchmarks/_gateway_launcher.py``, which runs ``turnstream.cli.main`` unchanged and
-  records the garbage collector's full collections (and, on request, runs the experiments and
+  records the garbage collector's full collections (and, on request, the gc.freeze experiment and
   the profiler described below). Logging as shipped unless ``--gateway-log-level`` says
   otherwise. ``--max-inflight-per-replica`` is the highest concurrency (64; the product default
   is 32), so that the router's queue does not hold requests back.
@@ -63,9 +63,6 @@ Diagnostics (not for the headline figures)
 * ``--gateway-log-level WARNING``: the gateway with less logging (a product setting).
 * ``--gateway-gc-freeze``: experiment: ``gc.freeze()`` in the gateway once it has answered its
   first request.
-* ``--gateway-experiment drain-sse`` / ``pool``: experiments that patch the gateway's backend
-  client at runtime (see ``_gateway_launcher.py``): read the SSE response past ``[DONE]`` so the
-  connection is reused; spread the backend requests over 8 small httpx pools.
 * ``--profile-gateway FILE``: cProfile in the gateway during the measured windows of the odd
   rounds (the even rounds give the unprofiled CPU per request); prints the busy time by
   component (functions of shared code such as json, asyncio streams, h11 or the tokenizer
@@ -657,8 +654,6 @@ async def bench(args: argparse.Namespace, plan: Plan, tmp: Path) -> dict[str, An
         gateway_cmd += ["--profile", str(args.profile_gateway)]
     if args.gateway_gc_freeze:
         gateway_cmd += ["--gc-freeze"]
-    for name in args.gateway_experiment:
-        gateway_cmd += ["--experiment", name]
     gateway_cmd += ["--", "gateway", "--backend", "vllm"]
     gateway_cmd += ["--backend-urls", json.dumps([backend_url]), "--max-context", "4096"]
     gateway_cmd += ["--model", str(model_dir), "--log.url", nats.url, "--port", str(gateway_port)]
@@ -911,13 +906,6 @@ async def main() -> None:
         action="store_true",
         help="experiment: gc.freeze() in the gateway process after its imports",
     )
-    parser.add_argument(
-        "--gateway-experiment",
-        action="append",
-        default=[],
-        choices=["drain-sse", "pool"],
-        help="experiment (repeatable): patch the gateway at runtime, see _gateway_launcher.py",
-    )
     parser.add_argument("--profile-gateway", type=Path, default=None, help="cProfile output file")
     parser.add_argument("--profile-top", type=int, default=30)
     parser.add_argument(
@@ -944,7 +932,6 @@ async def main() -> None:
         f"sessions of {args.turns_per_session} turns, max_inflight_per_replica "
         f"{args.max_inflight_per_replica}, log level {args.gateway_log_level or 'as shipped'}"
         + (", gc.freeze() after start" if args.gateway_gc_freeze else "")
-        + "".join(f", EXPERIMENT {name}" for name in args.gateway_experiment)
         + (", UNDER cProfile in odd rounds" if args.profile_gateway else "")
     )
     with tempfile.TemporaryDirectory(prefix="ts-gwbench-", dir=args.store_dir) as tmp:
@@ -998,7 +985,6 @@ async def main() -> None:
             "rounds": plan.rounds,
             "profiled": bool(args.profile_gateway),
             "gateway_gc_freeze": args.gateway_gc_freeze,
-            "gateway_experiments": args.gateway_experiment,
         },
         **({"gateway_profile": profile} if profile else {}),
     }
