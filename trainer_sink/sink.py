@@ -188,8 +188,8 @@ class TrainerSink:
 
 def _check_flow(source: Source, batching: BatchingSettings) -> None:
     """A batch must fit in what the live feed delivers uncommitted, or the sink waits forever."""
-    limit = getattr(getattr(source, "settings", None), "max_ack_pending", None)
-    if not isinstance(limit, int) or batching.policy == "tokens":
+    limit = source.max_unacked
+    if limit is None or batching.policy == "tokens":
         return
     per_batch = batching.batch_size * (batching.group_size if batching.policy == "groups" else 1)
     if per_batch > limit:

@@ -82,8 +82,9 @@ class Source(Protocol):
     """What the sink reads from."""
 
     @property
-    def finite(self) -> bool:
-        """True when ``receive`` eventually returns None (end of data)."""
+    def max_unacked(self) -> int | None:
+        """How many received items may wait unacknowledged before delivery stops (the live
+        feed's flow control); None: no such limit."""
         ...
 
     async def receive(self, max_items: int, wait_s: float) -> list[Received] | None:
@@ -114,8 +115,6 @@ class LiveStats:
 class LiveSource:
     """The TRAJ feed, from a durable pull consumer shared by nobody but this training job."""
 
-    finite = False
-
     def __init__(
         self,
         js: JetStreamContext,
@@ -138,6 +137,10 @@ class LiveSource:
         self._keeper: asyncio.Task[None] | None = None
         self._owned: tuple[NATS, JetStreamPublisher] | None = None
         self.stats = LiveStats()
+
+    @property
+    def max_unacked(self) -> int | None:
+        return self.settings.max_ack_pending
 
     def consumer(self) -> PullConsumer:
         s = self.settings
@@ -281,7 +284,7 @@ class LiveSource:
 class _ReadOnly:
     """A finite source that changes nothing it reads: nothing to acknowledge or hand back."""
 
-    finite = True
+    max_unacked: int | None = None
 
     async def ack(self, items: Sequence[Received]) -> None:
         return None
