@@ -7,9 +7,16 @@ Two loops per process:
   are merged into the session's entry in the ``ts_sessions`` bucket with a compare-and-set, so
   any number of reapers can track at once and a restart loses nothing (the entry is the state;
   the events are acked only after their entries are written).
-- **scan**: every ``scan_interval_s``, read the bucket; publish ``SessionClosed(status="timeout",
-  num_turns=<turns seen>)`` for each open session idle longer than ``idle_timeout_s``. The close's
-  Msg-Id is deterministic, so reapers scanning at the same time store it once.
+- **scan**: every ``scan_interval_s``, read the bucket; for each open session idle longer than
+  ``idle_timeout_s``, confirm with the stream and publish ``SessionClosed(status="timeout",
+  num_turns=<turns in the stream>)``. The close's Msg-Id is deterministic, so reapers scanning at
+  the same time store it once.
+
+The entries can lag the stream: a reaper killed mid-batch holds events until ``ack_wait_s``, and
+reapers back from an outage work through a backlog of old timestamps. So an entry only nominates
+a session; the stream decides. The session's newest event (a last-by-subject get) must itself be
+idle and not a close, and the turn count comes from its newest turn. Closing on the entry alone
+would fold a session without the turns the reaper had not tracked yet.
 
 An event that arrives after its session's close is *late*: it is not folded; the reaper counts
 it and dead-letters a pointer to it (reason ``late_event``) so it stays visible.
@@ -36,7 +43,7 @@ from consumers.config import ReaperSettings
 from schemas.dead_letter import DeadLetter, publish_dead_letter
 from schemas.errors import EventLogUnavailable
 from schemas.events import SessionClosed
-from schemas.ids import EVENT_SUBJECT_PREFIX
+from schemas.ids import EVENT_SUBJECT_PREFIX, event_subject, session_subjects
 from schemas.log import Publisher, StreamNames
 from schemas.log.pull import PullConsumer, fetch, release
 
@@ -112,16 +119,18 @@ def forgettable(
     return [key for key, a in entries if a.close_seq and now - a.last_at > after_s]
 
 
+def _turn_index(headers: dict[str, str] | None) -> int | None:
+    """A turn event's index, from its Msg-Id (``<run>.<session>.turn.<index>``)."""
+    tail = (headers or {}).get(_MSG_ID, "").rsplit(".", 1)[-1]
+    return int(tail) if tail.isdigit() else None
+
+
 def _observation(msg: Msg) -> tuple[str, Observation] | None:
     parts = msg.subject.split(".")
     if len(parts) != 5 or ".".join(parts[:2]) != EVENT_SUBJECT_PREFIX:
         return None
     _, _, run, session, kind = parts
-    turn = None
-    if kind == "turn":
-        msg_id = (msg.headers or {}).get(_MSG_ID, "")
-        tail = msg_id.rsplit(".", 1)[-1]
-        turn = int(tail) if tail.isdigit() else None
+    turn = _turn_index(msg.headers) if kind == "turn" else None
     at = msg.metadata.timestamp.timestamp()
     return f"{run}.{session}", Observation(int(msg.metadata.sequence.stream), kind, at, turn)
 
@@ -133,6 +142,7 @@ class ReaperStats:
     late_events: int = 0
     conflicts: int = 0  # compare-and-set retries: another reaper wrote the same entry
     forgotten: int = 0  # entries of sessions closed long ago, deleted
+    not_idle_yet: int = 0  # idle by their entry, but the stream holds newer events (or a close)
 
 
 _decoder = msgspec.json.Decoder(SessionActivity)
@@ -171,9 +181,14 @@ class Reaper:
             headers_only=True,
         )
 
-    async def run(self, stop: asyncio.Event) -> None:
+    async def attach(self) -> JetStreamContext.PullSubscription:
+        """Bind the durable consumer and open the bucket (``run`` does it first)."""
         sub = await self.consumer().bind(self._js)
         self._kv = await self._js.key_value(self.names.sessions_bucket)
+        return sub
+
+    async def run(self, stop: asyncio.Event) -> None:
+        sub = await self.attach()
         scanner = asyncio.create_task(self._scan_loop(stop), name="reaper-scan")
         try:
             while not stop.is_set():
@@ -301,8 +316,11 @@ class Reaper:
         reaped = 0
         for key, activity in idle_sessions(entries, now, self.settings.idle_timeout_s):
             run, session = key.split(".", 1)
+            turns = await self._confirm_idle(run, session, activity, now)
+            if turns is None:
+                continue
             close = SessionClosed(
-                run=run, session=session, status="timeout", num_turns=activity.turns, created_at=now
+                run=run, session=session, status="timeout", num_turns=turns, created_at=now
             )
             receipt = await self._publisher.publish(close)
             if receipt.duplicate:  # another reaper was first
@@ -317,6 +335,35 @@ class Reaper:
             )
         self.stats.sessions_reaped += reaped
         return reaped
+
+    async def _confirm_idle(
+        self, run: str, session: str, activity: SessionActivity, now: float
+    ) -> int | None:
+        """The session's turn count if the stream agrees it is idle and open; None if its
+        newest event is recent or a close (its entry has not caught up yet)."""
+        newest = await self._newest(session_subjects(run, session))
+        if newest is None:  # its events are gone from the stream: close on what was tracked
+            return activity.turns
+        if newest.kind == "close" or now - newest.at <= self.settings.idle_timeout_s:
+            self.stats.not_idle_yet += 1
+            return None
+        if newest.kind != "turn":
+            newest = await self._newest(event_subject(run, session, "turn"))
+        turn = None if newest is None else newest.turn
+        return max(activity.turns, 0 if turn is None else turn + 1)
+
+    async def _newest(self, subject: str) -> Observation | None:
+        """The newest event on ``subject`` (wildcards allowed), as the tracker would see it."""
+        try:
+            msg = await self._js.get_last_msg(self.names.events, subject)
+        except js_errors.NotFoundError:
+            return None
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise EventLogUnavailable(f"reading the newest event on {subject}: {exc}") from exc
+        kind = (msg.subject or "").rsplit(".", 1)[-1]
+        at = msg.time.timestamp() if msg.time is not None else 0.0
+        turn = _turn_index(msg.headers) if kind == "turn" else None
+        return Observation(msg.seq or 0, kind, at, turn)
 
     async def _forget(
         self, keys: list[str], revisions: list[tuple[str, SessionActivity, int]]

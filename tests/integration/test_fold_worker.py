@@ -21,6 +21,7 @@ from consumers import (
 from consumers.fold import FoldOptions
 from schemas import Codec, SessionClosed, SessionEvent, TurnCompleted, route
 from schemas.log import JetStreamPublisher, connect
+from schemas.log.pull import fetch
 from tests.conftest import FAST_LOG, Log
 from tests.helpers.sessions import RUN, append_only, reward, session_events
 from tests.helpers.streams import dead_letters, message_count, stream_payloads, trajectories
@@ -277,3 +278,30 @@ async def test_the_entries_of_sessions_closed_long_ago_are_forgotten(log: Log) -
         await reaper.scan(now=time.time() + 2 * 3600)  # the open one is reaped meanwhile
         assert reaper.stats.forgotten == 1
         assert await bucket.keys() == [f"{RUN}.open"]
+
+
+async def test_a_reaper_behind_the_stream_closes_on_what_the_stream_holds(log: Log) -> None:
+    """The entry says idle with 2 turns tracked; the stream holds a third turn (the reaper that
+    fetched it died before merging it) and, for another session, the close: the stream wins."""
+    slow = session_events(append_only(3), session="slow", close=False)
+    done = session_events(append_only(2), session="done")
+    await publish(log, slow[:3] + done[:3])  # open + two turns of each
+    nc = await connect(log.server.url, FAST_LOG, name="reaper")
+    pub = await JetStreamPublisher(nc).start()
+    reaper = Reaper(nc.jetstream(), pub, ReaperSettings(idle_timeout_s=1.0))
+    try:
+        sub = await reaper.attach()
+        await reaper.track(await fetch(sub, 6, 2.0))
+        await asyncio.sleep(1.2)  # both entries idle now
+        await publish(log, slow[3:] + done[3:])  # untracked: the third turn; the close
+        assert await reaper.scan() == 0  # the stream has newer events: not idle
+        assert reaper.stats.not_idle_yet == 2
+
+        assert await reaper.scan(now=time.time() + 5) == 1  # idle for real; "done" is closed
+    finally:
+        await pub.close()
+        await nc.close()
+    [close] = [e for e in await _session(log, "slow") if isinstance(e, SessionClosed)]
+    assert (close.status, close.num_turns) == ("timeout", 3)
+    [close] = [e for e in await _session(log, "done") if isinstance(e, SessionClosed)]
+    assert close.status == "completed"
