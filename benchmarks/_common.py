@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import importlib.metadata
 import json
@@ -16,6 +17,31 @@ from schemas.log.server import find_nats_server
 
 def say(line: str = "") -> None:
     print(line, flush=True)
+
+
+def arguments(
+    doc: str | None, quick: str, *, seed: str | None = None, store_dir: bool = False
+) -> argparse.ArgumentParser:
+    """The options every benchmark has: ``--quick`` (and ``--seed``, ``--store-dir``)."""
+    parser = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help=quick)
+    if seed is not None:
+        parser.add_argument("--seed", type=int, default=0, help=seed)
+    if store_dir:
+        parser.add_argument(
+            "--store-dir",
+            default=None,
+            help="parent of the temporary JetStream store (default: the system temp dir)",
+        )
+    return parser
+
+
+def banner(name: str, quick: bool, info: dict[str, Any], versions: str | None = None) -> None:
+    """The first line: which benchmark, which mode, on what (``versions``: default nats-server)."""
+    say(
+        f"turnstream {name} benchmark ({'quick' if quick else 'full'}) on {info['platform']}, "
+        f"{info['cpu_count']} CPUs, Python {info['python']}, {versions or info['nats_server']}"
+    )
 
 
 def machine_info(*dists: str) -> dict[str, Any]:

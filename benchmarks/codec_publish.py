@@ -50,7 +50,6 @@ and kept in the JSON to show it.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import gc
 import logging
@@ -64,7 +63,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _common import finish, machine_info, say
+from _common import arguments, banner, finish, machine_info, say
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
@@ -401,24 +400,15 @@ async def _publish_sizes(
 
 
 async def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smaller counts (< 60 s)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random token ids")
-    parser.add_argument(
-        "--store-dir",
-        default=None,
-        help="parent of the temporary JetStream store (default: the system temp dir)",
+    parser = arguments(
+        __doc__, "smaller counts (< 60 s)", seed="seed of the random token ids", store_dir=True
     )
     args = parser.parse_args()
     plan = QUICK if args.quick else FULL
     rng = np.random.default_rng(args.seed)
     started = time.perf_counter()
     info = machine_info("nats-py", "msgspec", "numpy")
-    say(
-        f"turnstream codec/publish benchmark ({'quick' if args.quick else 'full'}) on "
-        f"{info['platform']}, {info['cpu_count']} CPUs, Python {info['python']}, "
-        f"{info['nats_server']}"
-    )
+    banner("codec/publish", args.quick, info)
     codec = bench_codec(plan, rng)
     publish = await bench_publish(plan, rng, args.store_dir)
     duration = time.perf_counter() - started

@@ -102,7 +102,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from _common import finish, say
+from _common import arguments, banner, finish, say
 from _common import machine_info as common_machine_info
 
 from gateway.backends.base import SamplingParams
@@ -879,8 +879,7 @@ def report(result: dict[str, Any]) -> dict[str, Any]:
 
 
 async def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="shorter phases (< 60 s)")
+    parser = arguments(__doc__, "shorter phases (< 60 s)", store_dir=True)
     parser.add_argument("--concurrency", default="1,16,64", help="comma-separated levels")
     parser.add_argument("--ttft-ms", type=float, default=20.0, help="backend's fixed latency")
     parser.add_argument(
@@ -908,9 +907,6 @@ async def main() -> None:
     )
     parser.add_argument("--profile-gateway", type=Path, default=None, help="cProfile output file")
     parser.add_argument("--profile-top", type=int, default=30)
-    parser.add_argument(
-        "--store-dir", default=None, help="parent of the temporary nats store (default: tmp)"
-    )
     args = parser.parse_args()
     if args.profile_gateway and (args.rounds or 2) < 2:
         parser.error("--profile-gateway profiles odd rounds and needs at least 2")
@@ -922,11 +918,7 @@ async def main() -> None:
         args.max_inflight_per_replica = max(levels)
     started = time.perf_counter()
     info = machine_info()
-    say(
-        f"turnstream gateway overhead benchmark ({'quick' if args.quick else 'full'}) on "
-        f"{info['platform']}, {info['cpu_count']} CPUs, Python {info['python']}, "
-        f"{info['nats_server']}"
-    )
+    banner("gateway overhead", args.quick, info)
     say(
         f"backend: 16 tokens after {args.ttft_ms:g} ms (itl {args.itl_ms:g} ms); gateway: "
         f"sessions of {args.turns_per_session} turns, max_inflight_per_replica "

@@ -36,7 +36,6 @@ and the date.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import statistics
 import sys
@@ -46,7 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from _common import finish, machine_info, say
+from _common import arguments, banner, finish, machine_info, say
 from tensordict import TensorDict
 
 from schemas.events import TrajectoryReady
@@ -253,17 +252,13 @@ async def pipeline_latency(sessions: int, interval_s: float) -> dict[str, Any]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="64 samples, 5 repeats")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic samples")
+    parser = arguments(__doc__, "64 samples, 5 repeats", seed="seed of the synthetic samples")
     args = parser.parse_args()
     plan = QUICK if args.quick else FULL
     started = time.perf_counter()
     info = machine_info("numpy", "torch", "tensordict")
-    say(
-        f"turnstream sink assembly benchmark ({'quick' if args.quick else 'full'}) on "
-        f"{info['platform']}, {info['cpu_count']} CPUs, Python {info['python']}, "
-        f"torch {info['torch']}, tensordict {info['tensordict']}"
+    banner(
+        "sink assembly", args.quick, info, f"torch {info['torch']}, tensordict {info['tensordict']}"
     )
     rng = np.random.default_rng(args.seed)
     samples = [trajectory(rng, i) for i in range(plan.samples)]

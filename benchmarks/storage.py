@@ -49,7 +49,6 @@ the machine; only ``duration_s`` does.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import base64
 import json
@@ -62,7 +61,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _common import finish, machine_info, say
+from _common import arguments, banner, finish, machine_info, say
 from nats.js import JetStreamContext
 
 from consumers.fold import fold
@@ -508,23 +507,17 @@ def figures_of(
 
 
 async def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="8 sessions instead of 128 (< 30 s)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic sessions")
-    parser.add_argument(
-        "--store-dir",
-        default=None,
-        help="parent of the temporary JetStream store (default: the system temp dir)",
+    parser = arguments(
+        __doc__,
+        "8 sessions instead of 128 (< 30 s)",
+        seed="seed of the synthetic sessions",
+        store_dir=True,
     )
     args = parser.parse_args()
     plan = QUICK if args.quick else FULL
     started = time.perf_counter()
     info = machine_info("nats-py", "msgspec", "numpy")
-    say(
-        f"turnstream storage benchmark ({'quick' if args.quick else 'full'}) on "
-        f"{info['platform']}, {info['cpu_count']} CPUs, Python {info['python']}, "
-        f"{info['nats_server']}"
-    )
+    banner("storage", args.quick, info)
     maker = SessionMaker(np.random.default_rng(args.seed))
     sessions = [maker.session() for _ in range(plan.sessions)]
     say(

@@ -69,26 +69,49 @@ async def until_all_in_shards(
     raise AssertionError(f"{len(rows)} of {expected} trajectories in shards\n{logs}")
 
 
-def check_rows(rows: list[dict[str, object]], want: dict[str, TrajectoryReady]) -> None:
+def check_rows(
+    rows: list[dict[str, object]], want: dict[str, TrajectoryReady], context: str = ""
+) -> None:
+    """Each expected trajectory in exactly one row, every field as folded; a failure names the
+    trajectories and fields that differ (and ``context``, e.g. the seed)."""
     ids = Counter(str(r["trajectory_id"]) for r in rows)
-    assert [tid for tid, n in ids.items() if n > 1] == [], "a trajectory in two shard rows"
+    assert [tid for tid, n in ids.items() if n > 1] == [], f"{context}: in two shard rows"
     assert set(ids) == set(want), (
-        f"missing {sorted(set(want) - set(ids))[:5]}, unexpected {sorted(set(ids) - set(want))[:5]}"
+        f"{context}: missing {sorted(set(want) - set(ids))[:5]}, "
+        f"unexpected {sorted(set(ids) - set(want))[:5]}"
     )
+    wrong: list[str] = []
     for row in rows:
         t = want[str(row["trajectory_id"])]
-        assert row["input_ids"] == t.input_ids.tolist()
-        assert row["loss_mask"] == t.loss_mask.tolist()
-        assert np.array_equal(np.asarray(row["logprobs"], dtype=np.float32), t.logprobs)
-        assert row["versions"] == t.versions.tolist()
-        assert row["turn_ends"] == t.turn_ends.tolist()
-        assert (row["reward"], row["turn_rewards"]) == (t.reward, t.turn_rewards)
-        assert (row["status"], row["num_turns"], row["segment"]) == (
-            t.status,
-            t.num_turns,
-            t.segment,
-        )
-        assert (row["group"], row["prompt_len"]) == (t.group, t.prompt_len)
+        fields = {
+            "input_ids": t.input_ids.tolist(),
+            "loss_mask": t.loss_mask.tolist(),
+            "logprobs": t.logprobs.tolist(),
+            "versions": t.versions.tolist(),
+            "turn_ends": t.turn_ends.tolist(),
+            "reward": t.reward,
+            "turn_rewards": t.turn_rewards,
+            "status": t.status,
+            "num_turns": t.num_turns,
+            "segment": t.segment,
+            "group": t.group,
+            "prompt_len": t.prompt_len,
+        }
+        got = {**row, "logprobs": np.asarray(row["logprobs"], dtype=np.float32).tolist()}
+        wrong += [
+            f"{t.trajectory_id} {name}: {_difference(got[name], value)}"
+            for name, value in fields.items()
+            if got[name] != value
+        ]
+    assert wrong == [], f"{context}: {len(wrong)} fields differ; the first: {wrong[:5]}"
+
+
+def _difference(got: object, want: object) -> str:
+    if isinstance(got, list) and isinstance(want, list):
+        at = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), None)
+        where = f"first difference at {at}" if at is not None else "one is a prefix"
+        return f"length {len(got)} (want {len(want)}), {where}"
+    return f"{got!r} (want {want!r})"
 
 
 async def publish_sessions(log: Log, planned: list[PlannedSession], pace_s: float = 0.0) -> None:
@@ -170,7 +193,7 @@ async def test_killing_workers_and_the_shard_writer_loses_and_duplicates_nothing
     await asyncio.sleep(2.0)  # anything written twice would show up by now
     rows = shard_table_rows(root)
     assert kills["worker"] >= 1 and kills["shard-writer"] >= 1, f"seed {seed}: kills {kills}"
-    check_rows(rows, want)
+    check_rows(rows, want, f"seed {seed}, kills {dict(kills)}")
     codes = [p.stop() for p in stack]
     assert codes == [0, 0, 0], f"seed {seed}: " + "\n".join(p.output() for p in stack)
 
