@@ -18,7 +18,7 @@ from __future__ import annotations
 from trainer_sink.assembly import assemble, assemble_jagged, assemble_padded, non_tensor_values
 from trainer_sink.batching import Batcher, BatchingStats, Decision, Dropped, DropReason, Sample
 from trainer_sink.config import AssemblySettings, BatchingSettings, LiveSourceSettings
-from trainer_sink.errors import BatchCommitted, BatchError, SinkError
+from trainer_sink.errors import BatchCommitted, BatchError, PolicyError, SinkError
 from trainer_sink.ray_actor import (
     LiveSpec,
     OfflineSpec,
@@ -54,6 +54,7 @@ __all__ = [
     "LiveSpec",
     "OfflineSource",
     "OfflineSpec",
+    "PolicyError",
     "Received",
     "ReferenceTrainer",
     "ReferenceTrainerSettings",

@@ -4,7 +4,9 @@
     └── SinkError                    anything the trainer sink raises on purpose
         ├── BatchError               trajectories that cannot become a batch (a sample longer than
         │                            a fixed length with truncation off, an empty batch)
-        └── BatchCommitted           a batch committed (or released) twice
+        ├── BatchCommitted           a batch committed (or released) twice
+        └── PolicyError              a run's published policy the reference trainer cannot
+                                     resume from (unreadable entry, checkpoint not here)
 
 Messages name the trajectory ids involved and what to change (a setting, a length).
 """
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 from schemas.errors import TurnstreamError
 
-__all__ = ["BatchCommitted", "BatchError", "SinkError"]
+__all__ = ["BatchCommitted", "BatchError", "PolicyError", "SinkError"]
 
 
 class SinkError(TurnstreamError):
@@ -26,3 +28,7 @@ class BatchError(SinkError):
 
 class BatchCommitted(SinkError):
     """A batch that was already committed or released."""
+
+
+class PolicyError(SinkError):
+    """A run's published policy that the reference trainer cannot resume from."""

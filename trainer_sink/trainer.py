@@ -28,14 +28,19 @@ batch instead of per group: PPO without a critic (the batch mean is the baseline
 and GAE are out of scope for a reference.
 
 **Commit.** The batch is committed after the new version is published: a trainer that dies in
-between trains on that batch again after a restart (at least once, like the live feed). A
-restarted trainer starts again from ``model_dir`` at ``initial_version``; resuming from its last
-checkpoint is left to real trainers.
+between trains on that batch again after a restart (at least once, like the live feed).
+
+**Restart.** ``run`` first reads the run's entry in ``ts_policy``: when a newer version than
+``initial_version`` is published there, the trainer resumes from that checkpoint and version, so
+a restart neither overwrites served checkpoints nor publishes versions the gateway ignores as
+older. Adam's moments start afresh. A checkpoint directory is a ``from_pretrained`` directory
+(``config.json`` beside ``model.safetensors``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from collections import defaultdict
 from collections.abc import Sequence
@@ -44,6 +49,8 @@ from pathlib import Path
 from typing import Literal, Protocol
 
 import torch
+from nats.js.errors import KeyNotFoundError
+from nats.js.kv import KeyValue
 from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import save_file
 from tensordict import TensorDict
@@ -51,9 +58,9 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from schemas.errors import EventLogUnavailable
 from schemas.events import TrajectoryReady
-from schemas.policy import PolicyUpdate, encode_policy_update
+from schemas.policy import PolicyUpdate, encode_policy_update, parse_policy_update
 from trainer_sink.assembly import non_tensor_values
-from trainer_sink.errors import BatchError
+from trainer_sink.errors import BatchError, PolicyError
 from trainer_sink.sink import TrainerSink
 
 __all__ = [
@@ -69,6 +76,8 @@ __all__ = [
     "response_log_probs",
     "save_checkpoint",
 ]
+
+log = logging.getLogger(__name__)
 
 
 class ReferenceTrainerSettings(BaseModel):
@@ -108,9 +117,12 @@ class StepReport:
 
 
 class PolicyStore(Protocol):
-    """Where PolicyUpdated goes: the ``ts_policy`` bucket (a nats ``KeyValue`` fits)."""
+    """Where PolicyUpdated goes: the ``ts_policy`` bucket (a nats ``KeyValue`` fits). ``get``
+    raises ``KeyNotFoundError`` for a run with no policy published yet."""
 
     async def put(self, key: str, value: bytes) -> int: ...
+
+    async def get(self, key: str) -> KeyValue.Entry: ...
 
 
 # -- the math (pure) --------------------------------------------------------------------------
@@ -238,6 +250,7 @@ class ReferenceTrainer:
     async def run(self, sink: TrainerSink, policy: PolicyStore) -> list[StepReport]:
         """Train on ``settings.steps`` batches of ``sink``, publishing each new policy to
         ``policy`` (the ``ts_policy`` bucket). The sink stays open: the caller owns it."""
+        await self.resume(policy)
         sink.trainer_version = self.version
         reports: list[StepReport] = []
         async for batch in sink:
@@ -251,6 +264,39 @@ class ReferenceTrainer:
             if len(reports) == self.settings.steps:
                 break
         return reports
+
+    async def resume(self, policy: PolicyStore) -> int:
+        """Continue from the run's newest published policy when it is newer than the weights
+        held; returns the version held afterwards."""
+        run = self.settings.run
+        try:
+            entry = await policy.get(run)
+        except KeyNotFoundError:
+            return self.version
+        except Exception as exc:  # nats raises its own zoo; the trainer sees one error
+            raise EventLogUnavailable(f"could not read run {run!r}'s policy: {exc!r}") from exc
+        if entry.value is None:  # deleted or purged: nothing to resume
+            return self.version
+        try:
+            published = parse_policy_update(entry.value)
+        except ValueError as exc:
+            raise PolicyError(f"run {run!r}'s entry in ts_policy is not a policy: {exc}") from exc
+        if published.version <= self.version:
+            return self.version
+        if not (published.checkpoint / "config.json").is_file():
+            raise PolicyError(
+                f"run {run!r} is at policy version {published.version}, but its checkpoint "
+                f"{published.checkpoint} is not a model directory this trainer can read; mount "
+                f"it here, or start over under a new run (or delete the run's key in ts_policy)"
+            )
+        model = AutoModelForCausalLM.from_pretrained(published.checkpoint, dtype=torch.float32)
+        torch.nn.Module.to(model, torch.device(self.settings.device))
+        model.train(False)
+        self.model = model
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=self.settings.lr)
+        self.version = published.version
+        log.info("run %r: resumed from policy version %d (%s)", run, self.version, published)
+        return self.version
 
     def train_step(self, batch: TensorDict) -> StepReport:
         """One update on ``batch`` and the checkpoint of its result (blocking)."""
@@ -319,11 +365,13 @@ class ReferenceTrainer:
 
 
 def save_checkpoint(model: PreTrainedModel, checkpoint_dir: Path, version: int) -> Path:
-    """Write ``model``'s weights to ``<checkpoint_dir>/v<version>/model.safetensors`` and return
-    that directory (absolute). The file appears whole or not at all (temp file, then rename),
-    so a gateway that reads it early never loads half a policy."""
+    """Write ``model``'s config and weights to ``<checkpoint_dir>/v<version>/`` (``config.json``,
+    ``model.safetensors``: a ``from_pretrained`` directory) and return it (absolute). The
+    weights appear whole or not at all (temp file, then rename), so a gateway that reads them
+    early never loads half a policy."""
     target = (checkpoint_dir / f"v{version}").absolute()
     target.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(target)  # before the weights: they complete the directory
     staging = target / ".model.safetensors.tmp"
     save_file(_one_name_per_tensor(model.state_dict()), str(staging), metadata={"format": "pt"})
     os.replace(staging, target / "model.safetensors")
