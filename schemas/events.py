@@ -172,6 +172,16 @@ class TrajectoryReady(_Event, tag="TrajectoryReady", kw_only=True):
         for name in ("loss_mask", "logprobs", "versions"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"{name} has {len(getattr(self, name))} entries, input_ids {n}")
+        # What a consumer indexes with: a sample breaking these is refused where it is decoded
+        # (and dead-lettered there), not deep inside a trainer's batch.
+        if not 0 <= self.prompt_len <= n:
+            raise ValueError(f"prompt_len {self.prompt_len} is outside its {n} tokens")
+        if len(self.turn_rewards) != len(self.turn_ends):
+            raise ValueError(
+                f"{len(self.turn_rewards)} turn_rewards for {len(self.turn_ends)} turn_ends"
+            )
+        if len(self.turn_ends) and not (self.turn_ends.min() >= 0 and self.turn_ends.max() <= n):
+            raise ValueError(f"turn_ends {self.turn_ends.tolist()} outside its {n} tokens")
 
     @property
     def response_len(self) -> int:

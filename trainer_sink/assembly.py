@@ -251,8 +251,6 @@ def _cut(
 ) -> _Cut:
     if not trajectories:
         raise BatchError("an empty batch: assemble needs at least one trajectory")
-    for t in trajectories:
-        _check(t)
     prompt_len = np.fromiter((t.prompt_len for t in trajectories), np.int64, len(trajectories))
     total = np.fromiter((len(t.input_ids) for t in trajectories), np.int64, len(trajectories))
     response_len = total - prompt_len
@@ -280,19 +278,6 @@ def _cut(
         prompt_width=limit_p if padded and limit_p is not None else int(prompt_kept.max()),
         response_width=limit_r if padded and limit_r is not None else int(response_kept.max()),
     )
-
-
-def _check(t: TrajectoryReady) -> None:
-    if not 0 <= t.prompt_len <= len(t.input_ids):
-        raise BatchError(
-            f"trajectory {t.trajectory_id}: prompt_len {t.prompt_len} is outside its "
-            f"{len(t.input_ids)} tokens; the sample is malformed"
-        )
-    if len(t.turn_rewards) != len(t.turn_ends):
-        raise BatchError(
-            f"trajectory {t.trajectory_id}: {len(t.turn_rewards)} turn_rewards for "
-            f"{len(t.turn_ends)} turn_ends; the sample is malformed"
-        )
 
 
 def _kept(

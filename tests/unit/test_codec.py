@@ -182,7 +182,7 @@ EVENTS = [
     ),
     pytest.param(trajectory(), id="trajectory"),
     pytest.param(
-        trajectory(turn_rewards=[None, 0.5], reward=None, status="open", metadata={}),
+        trajectory(turn_rewards=[0.5], reward=None, status="open", metadata={}),
         id="trajectory-none-reward",
     ),
 ]
@@ -328,6 +328,30 @@ def without(field: str) -> bytes:
 def test_undecodable_input_raises_undecodable_event(data: bytes, message: str) -> None:
     with pytest.raises(UndecodableEvent, match=message):
         CODEC.decode(data)
+
+
+BAD_TRAJECTORIES = [
+    pytest.param({"prompt_len": 5}, "prompt_len 5 is outside its 4 tokens", id="prompt-too-long"),
+    pytest.param({"prompt_len": -1}, "prompt_len -1", id="prompt-negative"),
+    pytest.param({"turn_rewards": [None, 0.5]}, "2 turn_rewards for 1 turn_ends", id="rewards"),
+    pytest.param({"turn_ends": [9]}, r"turn_ends \[9\] outside its 4 tokens", id="turn-end"),
+]
+
+
+@pytest.mark.parametrize(("fields", "message"), BAD_TRAJECTORIES)
+def test_a_trajectory_a_consumer_cannot_index_is_refused(fields: Raw, message: str) -> None:
+    """Built (a fold bug) or decoded (bad input): refused where it appears, naming what is
+    wrong; a live sink dead-letters the message instead of failing a trainer's batch."""
+    with pytest.raises(ValueError, match=message):
+        trajectory(**fields)
+    on_wire = {
+        name: msgspec.msgpack.Ext(1, np.asarray(value, "<i4").tobytes())
+        if name == "turn_ends"  # an int32 array travels as ext 1
+        else value
+        for name, value in fields.items()
+    }
+    with pytest.raises(UndecodableEvent, match=message):
+        CODEC.decode(wire(raw_map(trajectory()) | on_wire))
 
 
 @given(
