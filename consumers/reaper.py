@@ -61,6 +61,7 @@ log = logging.getLogger(__name__)
 
 _MSG_ID = "Nats-Msg-Id"
 _CACHE_SIZE = 65_536
+_WRONG_LAST_SEQUENCE = 10071  # JetStream's err_code; nats-py raises it as BadRequestError here
 
 
 class SessionActivity(msgspec.Struct, frozen=True):
@@ -143,6 +144,7 @@ class ReaperStats:
     conflicts: int = 0  # compare-and-set retries: another reaper wrote the same entry
     forgotten: int = 0  # entries of sessions closed long ago, deleted
     not_idle_yet: int = 0  # idle by their entry, but the stream holds newer events (or a close)
+    closed_before: int = 0  # idle, open by their entry, but closed in the stream (entry forgotten)
 
 
 _decoder = msgspec.json.Decoder(SessionActivity)
@@ -210,7 +212,7 @@ class Reaper:
 
     async def track(self, msgs: Sequence[Msg]) -> None:
         """Merge a batch of events into their sessions' entries, then ack them."""
-        by_key: dict[str, list[tuple[Observation, Msg]]] = {}
+        by_key: dict[str, list[tuple[Observation, Msg | None]]] = {}
         for msg in msgs:
             seen = _observation(msg)
             if seen is not None:
@@ -222,7 +224,7 @@ class Reaper:
                 await msg.ack()
         self.stats.events_tracked += len(msgs)
 
-    async def _merge(self, key: str, seen: list[tuple[Observation, Msg]]) -> None:
+    async def _merge(self, key: str, seen: list[tuple[Observation, Msg | None]]) -> None:
         assert self._kv is not None
         seen.sort(key=lambda pair: pair[0].seq)
         for _ in range(32):
@@ -230,7 +232,7 @@ class Reaper:
             activity, late = current, []
             for obs, msg in seen:
                 activity, is_late = observe(activity, obs)
-                if is_late:
+                if is_late and msg is not None:
                     late.append(msg)
             assert activity is not None
             try:
@@ -347,6 +349,13 @@ class Reaper:
         if newest.kind == "close" or now - newest.at <= self.settings.idle_timeout_s:
             self.stats.not_idle_yet += 1
             return None
+        # An event after a close whose entry was forgotten started a fresh entry: the session
+        # is closed already. Record the close in the entry (it is forgotten again later).
+        closed = await self._newest(event_subject(run, session, "close"))
+        if closed is not None:
+            self.stats.closed_before += 1
+            await self._merge(f"{run}.{session}", [(closed, None)])
+            return None
         if newest.kind != "turn":
             newest = await self._newest(event_subject(run, session, "turn"))
         turn = None if newest is None else newest.turn
@@ -372,10 +381,19 @@ class Reaper:
         revision_of = {key: revision for key, _, revision in revisions}
         for key in keys:
             self._known.pop(key, None)
-            # Compare-and-delete: an event merged meanwhile keeps the entry.
-            with contextlib.suppress(js_errors.KeyWrongLastSequenceError, js_errors.NotFoundError):
+            # Compare-and-delete: an event merged meanwhile (or another reaper forgetting the
+            # same entry) keeps or removes it; either way not this scan's business.
+            try:
                 await self._kv.delete(key, last=revision_of[key])
-                self.stats.forgotten += 1
+            except js_errors.NotFoundError:
+                continue
+            except js_errors.BadRequestError as exc:
+                if exc.err_code != _WRONG_LAST_SEQUENCE:
+                    raise EventLogUnavailable(f"forgetting session {key}: {exc}") from exc
+                continue
+            except (TimeoutError, nats.errors.Error) as exc:
+                raise EventLogUnavailable(f"forgetting session {key}: {exc}") from exc
+            self.stats.forgotten += 1
 
     async def _entries(self) -> list[tuple[str, SessionActivity, int]]:
         assert self._kv is not None

@@ -1,0 +1,90 @@
+"""The reaper's bookkeeping against a real nats-server: forgetting entries, and sessions whose
+entry was forgotten before a late event came."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+import msgspec
+import pytest
+from nats.js import JetStreamContext
+from nats.js.errors import NoKeysError
+
+from consumers import Reaper, ReaperSettings
+from schemas.events import SessionEvent
+from schemas.log import JetStreamPublisher, connect
+from schemas.log.pull import fetch
+from tests.conftest import FAST_LOG, Log
+from tests.helpers.sessions import RUN, append_only, reward, session_events
+from tests.helpers.streams import stream_payloads
+
+pytestmark = pytest.mark.integration
+
+LATER = 2 * 3600.0  # past forget_closed_after_s (1 h) and idle_timeout_s (30 min)
+
+
+@contextlib.asynccontextmanager
+async def reapers(log: Log, n: int) -> AsyncIterator[list[Reaper]]:
+    """``n`` reapers on their own connections, attached but not running: the test drives
+    ``track`` and ``scan``."""
+    nc = await connect(log.server.url, FAST_LOG, name="reapers")
+    pub = await JetStreamPublisher(nc).start()
+    made = [Reaper(nc.jetstream(), pub, ReaperSettings()) for _ in range(n)]
+    try:
+        yield made
+    finally:
+        await pub.close()
+        await nc.close()
+
+
+async def publish(log: Log, events: list[SessionEvent]) -> None:
+    pub = await JetStreamPublisher(log.nc).start()
+    await pub.publish_many(events)
+    await pub.close()
+
+
+async def track_all(reaper: Reaper, sub: JetStreamContext.PullSubscription) -> None:
+    while msgs := await fetch(sub, 256, 0.5):
+        await reaper.track(msgs)
+
+
+async def test_reapers_forgetting_the_same_entries_at_once_both_finish_their_scans(
+    log: Log,
+) -> None:
+    sessions = [session_events(append_only(1), session=f"done-{i}") for i in range(20)]
+    await publish(log, [e for s in sessions for e in s])
+    async with reapers(log, 2) as (a, b):
+        sub = await a.attach()
+        await b.attach()
+        await track_all(a, sub)
+        now = time.time() + LATER
+        # Both read the bucket, then both compare-and-delete the same 20 entries.
+        await asyncio.gather(a.scan(now=now), b.scan(now=now))
+        assert a.stats.forgotten + b.stats.forgotten == 20
+    bucket = await log.js.key_value("ts_sessions")
+    with pytest.raises(NoKeysError):  # nats-py's word for an empty bucket
+        await bucket.keys()
+
+
+async def test_a_late_event_after_the_entry_was_forgotten_gets_no_second_close(
+    log: Log,
+) -> None:
+    await publish(log, session_events(append_only(2), session="done"))
+    async with reapers(log, 1) as (reaper,):
+        sub = await reaper.attach()
+        await track_all(reaper, sub)
+        await reaper.scan(now=time.time() + LATER)
+        assert reaper.stats.forgotten == 1  # closed long ago: its entry is gone
+
+        await publish(log, [reward(0.5, session="done", key="late", created_at=time.time())])
+        await track_all(reaper, sub)  # a fresh entry, open as far as it knows
+        assert await reaper.scan(now=time.time() + LATER) == 0
+        assert reaper.stats.closed_before == 1
+
+    closes = [s for _, s, _ in await stream_payloads(log.js, "EVENTS") if s.endswith(".close")]
+    assert closes == [f"ts.ev.{RUN}.done.close"]  # the gateway's, no timeout close after it
+    entry = await (await log.js.key_value("ts_sessions")).get(f"{RUN}.done")
+    assert msgspec.json.decode(entry.value or b"")["close_seq"] > 0  # forgotten again later
