@@ -16,6 +16,7 @@ uniform groups, over budget, duplicates) are acknowledged at once and counted in
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections import deque
@@ -27,16 +28,19 @@ import torch
 from tensordict import TensorDict
 from torch.utils.data import IterableDataset
 
+from schemas.errors import EventLogUnavailable
 from schemas.events import TrajectoryReady
 from trainer_sink.assembly import assemble
 from trainer_sink.batching import Batcher, Decision, Sample
 from trainer_sink.config import AssemblySettings, BatchingSettings
-from trainer_sink.errors import BatchCommitted
+from trainer_sink.errors import BatchCommitted, BatchError
 from trainer_sink.sources import Received, Source
 
 __all__ = ["Batch", "SinkDataset", "SinkStats", "SyncBatch", "SyncSink", "TrainerSink"]
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -65,23 +69,26 @@ class Batch:
         return [s.trajectory.trajectory_id for s in self.samples]
 
     async def commit(self) -> None:
-        """Acknowledge the batch's trajectories: they will not be delivered again."""
-        self._finish()
+        """Acknowledge the batch's trajectories: they will not be delivered again. When the log
+        does not confirm (EventLogUnavailable), commit again (acks are idempotent) or release;
+        what stays unconfirmed is delivered again after the ack wait."""
+        self._check_open()
         await self._sink._commit(self)
+        self._done = True
 
     async def release(self) -> None:
         """Give the batch back uncommitted: the live source delivers it again (finite sources
         do not repeat what they read)."""
-        self._finish()
+        self._check_open()
         await self._sink._release(self)
+        self._done = True
 
-    def _finish(self) -> None:
+    def _check_open(self) -> None:
         if self._done:
             raise BatchCommitted(
                 f"batch of {len(self.samples)} trajectories (first {self.trajectory_ids[:1]}) "
                 f"was already committed or released"
             )
-        self._done = True
 
 
 class TrainerSink:
@@ -108,6 +115,7 @@ class TrainerSink:
         self._ready: deque[list[Sample[Received]]] = deque()
         self._exhausted = False
         self._unacked: set[int] = set()  # TRAJ sequences received, not yet acknowledged
+        self._window_warned = False
         _check_flow(self.source, self.batching)
 
     @property
@@ -128,7 +136,13 @@ class TrainerSink:
                 raise StopAsyncIteration
             await self._pull()
         samples = self._ready.popleft()
-        tensors = assemble([s.trajectory for s in samples], self.assembly)
+        try:
+            tensors = assemble([s.trajectory for s in samples], self.assembly)
+        except BatchError:
+            # Settings the samples do not fit (the error says which): hand them back rather
+            # than strand them uncommitted; they come again once the settings are fixed.
+            await self._hand_back(samples)
+            raise
         tensors["stale"] = torch.tensor([s.stale for s in samples], dtype=torch.bool)
         self.stats.batches += 1
         return Batch(self, samples, tensors)
@@ -155,16 +169,54 @@ class TrainerSink:
                 self.batcher.add(Sample(item.trajectory, item), now), (item,) if again else ()
             )
         await self._apply(self.batcher.tick(now), ())
+        await self._when_window_full(now)
+
+    async def _when_window_full(self, now: float) -> None:
+        """JetStream delivers nothing more while ``max_ack_pending`` trajectories wait
+        uncommitted. Held by the batcher with no batch ready, they would wait forever."""
+        limit = self.source.max_unacked
+        if limit is None or self._ready or len(self._unacked) < limit:
+            self._window_warned = False
+            return
+        if self.batching.policy == "tokens":
+            # Under the budget, but no more can come: release what is held as a batch.
+            await self._apply(self.batcher.flush(now), ())
+            return
+        if not self._window_warned and self.batcher.pending:
+            self._window_warned = True
+            log.warning(
+                "the live window is full: %d trajectories wait uncommitted (max_ack_pending=%d), "
+                "%d of them held in incomplete batches or groups; nothing more is delivered "
+                "until some are committed. Incomplete groups go by incomplete_groups=%s after "
+                "group_timeout_s=%gs. Raise max_ack_pending to hold every group in flight at "
+                "once (group_size x concurrent groups)",
+                len(self._unacked),
+                limit,
+                self.batcher.pending,
+                self.batching.incomplete_groups,
+                self.batching.group_timeout_s,
+            )
 
     async def _apply(self, decision: Decision[Received], keep: tuple[Received, ...]) -> None:
         self._ready.extend(decision.batches)
         to_ack = [d.sample.handle for d in decision.dropped if d.sample.handle not in keep]
-        if to_ack:
+        if not to_ack:
+            return
+        try:
             await self._ack(to_ack)
-            self.stats.dropped_acked += len(to_ack)
+        except EventLogUnavailable as exc:
+            # Dropped either way: unconfirmed, they come again after the ack wait and are
+            # dropped (and acknowledged) again.
+            log.warning("%d dropped trajectories not acknowledged yet: %s", len(to_ack), exc)
+            self._forget_unacked(to_ack)
+            return
+        self.stats.dropped_acked += len(to_ack)
 
     async def _ack(self, items: list[Received]) -> None:
         await self.source.ack(items)
+        self._forget_unacked(items)
+
+    def _forget_unacked(self, items: list[Received]) -> None:
         for item in items:
             if item.seq is not None:
                 self._unacked.discard(item.seq)
@@ -174,13 +226,14 @@ class TrainerSink:
         self.stats.committed += 1
 
     async def _release(self, batch: Batch) -> None:
-        self.batcher.forget(batch.samples)
-        items = [s.handle for s in batch.samples]
-        await self.source.nak(items)
-        for item in items:
-            if item.seq is not None:
-                self._unacked.discard(item.seq)
+        await self._hand_back(batch.samples)
         self.stats.released += 1
+
+    async def _hand_back(self, samples: list[Sample[Received]]) -> None:
+        self.batcher.forget(samples)
+        items = [s.handle for s in samples]
+        await self.source.nak(items)
+        self._forget_unacked(items)
 
     async def close(self) -> None:
         await self.source.close()
@@ -282,11 +335,12 @@ class SinkDataset(IterableDataset[TensorDict]):
 
     def __iter__(self) -> Iterator[TensorDict]:
         with SyncSink(self._make_sink) as sink:
-            previous: SyncBatch | None = None
-            for batch in sink:
-                if previous is not None:
-                    previous.commit()
-                previous = batch
+            batches = iter(sink)
+            while True:
+                # Commit before asking for the next batch: asking first would need two batches
+                # uncommitted at once, more than max_ack_pending may allow.
+                batch = next(batches, None)
+                if batch is None:
+                    return
                 yield batch.tensors
-            if previous is not None:
-                previous.commit()
+                batch.commit()

@@ -209,16 +209,22 @@ class LiveSource:
 
     async def ack(self, items: Sequence[Received]) -> None:
         """Acknowledge with confirmation: a commit returns once JetStream has the acks."""
-        for item in items:
+        for done, item in enumerate(items):
             if item.handle is None:
                 continue
             try:
                 await item.handle.ack_sync(timeout=self.settings.ack_timeout_s)
             except (TimeoutError, nats.errors.Error, OSError) as exc:
-                # Not confirmed: the trajectory may come again; the sink drops repeated ids.
+                # No longer kept alive: what JetStream did not get is delivered again after
+                # ack_wait_s (the sink drops repeated ids); acking again meanwhile is harmless.
+                for left in items[done:]:
+                    if left.seq is not None:
+                        self._outstanding.pop(left.seq, None)
                 raise EventLogUnavailable(
-                    f"commit of {item.trajectory.trajectory_id} (TRAJ seq {item.seq}) was not "
-                    f"confirmed: {exc}; it may be delivered again"
+                    f"ack of {item.trajectory.trajectory_id} (TRAJ seq {item.seq}) and "
+                    f"{len(items) - done - 1} after it was not confirmed: {exc}; commit again "
+                    f"or release the batch; unconfirmed, it is delivered again after "
+                    f"ack_wait_s={self.settings.ack_wait_s:g}"
                 ) from exc
             if item.seq is not None:
                 self._outstanding.pop(item.seq, None)

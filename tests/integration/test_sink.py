@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import threading
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
@@ -15,13 +17,15 @@ from tensordict import TensorDict
 from torch.utils.data import DataLoader
 
 from consumers import FoldWorker, fold
+from schemas.errors import EventLogUnavailable
 from schemas.events import SessionEvent, TrajectoryReady
 from schemas.log import JetStreamPublisher, connect
 from schemas.shards import trajectories_to_table
 from tests.conftest import FAST_LOG, Log
 from tests.helpers.sessions import append_only, session_events
 from tests.helpers.streams import message_count, trajectories
-from trainer_sink.config import BatchingSettings, LiveSourceSettings
+from trainer_sink.config import AssemblySettings, BatchingSettings, LiveSourceSettings
+from trainer_sink.errors import BatchCommitted, BatchError
 from trainer_sink.sink import Batch, SinkDataset, SyncSink, TrainerSink
 from trainer_sink.sources import LiveSource, OfflineSource, ReplaySource, ShardFilter
 
@@ -56,12 +60,18 @@ async def fold_into_traj(log: Log, planned: list[list[SessionEvent]]) -> None:
 
 @contextlib.asynccontextmanager
 async def live_sink(
-    log: Log, batching: BatchingSettings, ack_wait_s: float = 2.0
+    log: Log,
+    batching: BatchingSettings,
+    ack_wait_s: float = 2.0,
+    assembly: AssemblySettings | None = None,
+    **source: Any,
 ) -> AsyncIterator[TrainerSink]:
+    """A sink on its own connection; ``source``: LiveSourceSettings fields to change."""
     nc = await connect(log.server.url, FAST_LOG, name="trainer")
     pub = await JetStreamPublisher(nc).start()
-    settings = LiveSourceSettings(durable="trainer", ack_wait_s=ack_wait_s, fetch_batch=32)
-    sink = TrainerSink(LiveSource(nc.jetstream(), pub, settings), batching, wait_s=0.3)
+    fields: dict[str, Any] = {"durable": "trainer", "fetch_batch": 32, **source}
+    settings = LiveSourceSettings(ack_wait_s=ack_wait_s, **fields)
+    sink = TrainerSink(LiveSource(nc.jetstream(), pub, settings), batching, assembly, wait_s=0.3)
     try:
         yield sink
     finally:
@@ -241,3 +251,125 @@ async def test_offline_filters_on_weight_version_and_time(tmp_path: Path) -> Non
     epoch = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)  # the test events are made at time 0
     assert await ids(ShardFilter(until=epoch)) == {t.trajectory_id for t in trajectories}
     assert await ids(ShardFilter(since=epoch + dt.timedelta(seconds=1))) == set()
+
+
+# -- flow control: the live window (max_ack_pending) must never wedge the sink -----------------
+
+
+async def publish_trajectories(log: Log, samples: list[TrajectoryReady]) -> None:
+    """Straight into TRAJ, in this order (as fold workers finishing at different times would)."""
+    pub = await JetStreamPublisher(log.nc).start()
+    for sample in samples:
+        await pub.publish(sample)
+    await pub.close()
+
+
+def interleaved_groups(groups: int, size: int) -> list[TrajectoryReady]:
+    """``groups`` complete GRPO groups whose members arrive a0 b0 c0 a1 b1 c1 ..."""
+    by_group = [
+        [
+            fold(session_events(append_only(1), session=f"s{g}-{m}", group=f"g{g}")).trajectories[0]
+            for m in range(size)
+        ]
+        for g in range(groups)
+    ]
+    return [member for members in zip(*by_group, strict=True) for member in members]
+
+
+async def test_a_token_budget_larger_than_the_window_holds_still_makes_batches(
+    log: Log,
+) -> None:
+    await fold_into_traj(log, sessions(24))
+    batching = BatchingSettings(policy="tokens", token_budget=100_000)
+    async with live_sink(log, batching, max_ack_pending=8, fetch_batch=8) as sink:
+        # 8 held are far under the budget, and no 9th comes before a commit: a batch of 8.
+        batches = await asyncio.wait_for(take_all(sink, 24), 30)
+    assert [b.tensors.batch_size[0] for b in batches] == [8, 8, 8]
+
+
+async def take_all(sink: TrainerSink, n: int) -> list[Batch]:
+    """Committed batches until ``n`` trajectories were seen."""
+    batches: list[Batch] = []
+    async for batch in sink:
+        batches.append(batch)
+        await batch.commit()
+        if sum(len(b.trajectory_ids) for b in batches) >= n:
+            break
+    return batches
+
+
+async def test_groups_interleaved_past_the_window_are_warned_of_and_released(
+    log: Log, caplog: pytest.LogCaptureFixture
+) -> None:
+    await publish_trajectories(log, interleaved_groups(3, 4))  # a0 b0 c0 a1 ... c3
+    batching = BatchingSettings(
+        policy="groups",
+        group_size=4,
+        batch_size=1,
+        group_timeout_s=1.0,
+        incomplete_groups="release",
+    )
+    with caplog.at_level("WARNING", logger="trainer_sink.sink"):
+        async with live_sink(log, batching, max_ack_pending=8, fetch_batch=8) as sink:
+            batches = await asyncio.wait_for(take_all(sink, 12), 30)
+    assert any("the live window is full" in r.getMessage() for r in caplog.records)
+    seen = Counter(t for b in batches for t in b.trajectory_ids)
+    assert len(seen) == 12 and set(seen.values()) == {1}  # released in parts, none lost
+
+
+async def test_samples_that_do_not_fit_the_settings_are_handed_back_not_stranded(
+    log: Log,
+) -> None:
+    await fold_into_traj(log, sessions(4))
+    strict = AssemblySettings(max_response_len=1, truncate=False)
+    async with live_sink(log, BatchingSettings(batch_size=4), 60.0, strict) as sink:
+        with pytest.raises(BatchError, match="max_response_len"):
+            await take(sink, 1, commit=True)
+    # Handed back: delivered again at once, not after the 60 s ack wait.
+    async with live_sink(log, BatchingSettings(batch_size=4), 60.0) as sink:
+        [batch] = await asyncio.wait_for(take(sink, 1, commit=True), 10)
+    assert len(batch.trajectory_ids) == 4
+
+
+async def test_a_commit_the_log_did_not_confirm_can_be_made_again(log: Log) -> None:
+    await fold_into_traj(log, sessions(4))
+    async with live_sink(log, BatchingSettings(batch_size=4), ack_timeout_s=0.5) as sink:
+        [batch] = await take(sink, 1, commit=False)
+        log.server.pause()  # SIGSTOP: the acks get no answer
+        try:
+            with pytest.raises(EventLogUnavailable, match="commit again"):
+                await batch.commit()
+        finally:
+            log.server.resume()
+        await batch.commit()  # the retry is confirmed
+        with pytest.raises(BatchCommitted):
+            await batch.commit()
+    info = await log.js.consumer_info("TRAJ", "trainer")
+    assert info.num_ack_pending == 0 and info.num_pending == 0
+
+
+async def test_the_dataset_commits_before_it_fetches_so_one_batch_may_fill_the_window(
+    log: Log,
+) -> None:
+    await fold_into_traj(log, sessions(20))
+    url = log.server.url
+
+    async def make_sink() -> TrainerSink:
+        settings = LiveSourceSettings(durable="tight", max_ack_pending=5, fetch_batch=5)
+        source = await LiveSource.connect(url, settings, log_settings=FAST_LOG)
+        return TrainerSink(source, BatchingSettings(batch_size=5), wait_s=0.3)
+
+    seen: list[str] = []
+
+    def train() -> None:
+        for tensors in SinkDataset(make_sink):
+            seen.extend(tensors["trajectory_id"])
+            if len(seen) == 20:
+                break
+
+    # A daemon thread: were the dataset to wedge, the test fails instead of hanging the run.
+    trainer = threading.Thread(target=train, daemon=True)
+    trainer.start()
+    await asyncio.to_thread(trainer.join, 30)
+    assert not trainer.is_alive(), f"the dataset wedged after {len(seen)} trajectories"
+    assert len(set(seen)) == 20
