@@ -11,7 +11,8 @@ so two shards never share a name, even across a TRAJ stream made again from sequ
 Committing is atomic on every kind of target, so a reader never sees half a shard:
 
 - local directories and HDFS: the Parquet bytes go to ``.part-….parquet.tmp`` in the same
-  directory, are fsynced (local), then renamed onto the final name (and the directory fsynced).
+  directory, are fsynced (local), then renamed onto the final name (and the directory fsynced:
+  the rename is the commit, so a failure of that last fsync is logged, not raised).
   Temporary names start with ``.`` (``pyarrow.dataset`` skips them) and do not end in
   ``.parquet`` (so DuckDB's ``*.parquet`` globs, which do match dot-files, skip them too).
   Leftovers of a killed writer are removed by ``remove_partial`` when the writer starts.
@@ -28,6 +29,7 @@ name the shard and what to do. The methods block: the writer runs them in a thre
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import uuid
@@ -44,6 +46,8 @@ from schemas.ids import ID_PATTERN
 from schemas.shards import ShardMetadata, filesystem_of
 
 __all__ = ["CommittedShard", "FileShardStore", "ShardStore"]
+
+log = logging.getLogger(__name__)
 
 _SHARD = re.compile(
     rf"^run=(?P<run>{ID_PATTERN})/part-(?P<first>\d+)-(?P<last>\d+)(?:-[0-9a-f]+)?\.parquet$"
@@ -217,8 +221,6 @@ class FileShardStore:
                 if self._local:
                     _fsync(target)
                 self.fs.move(target, final)
-                if self._local:
-                    _fsync(directory)
         except (OSError, ValueError, pa.ArrowException) as exc:
             with contextlib.suppress(OSError, pa.ArrowException):
                 self.fs.delete_file(target)
@@ -228,7 +230,23 @@ class FileShardStore:
                 f"Nothing was acknowledged: they are redelivered once the target is writable "
                 f"(space, permissions, credentials) and the shard writer runs again"
             ) from exc
+        if self.rename_commits and self._local:
+            self._sync_directory(directory, final)
         return CommittedShard(final, metadata.run, metadata.first_seq, metadata.last_seq)
+
+    def _sync_directory(self, directory: str, final: str) -> None:
+        # The rename is done: the shard is committed. Raising now would have the writer write
+        # its rows again under another name (twice in the shards); an unsynced directory entry
+        # only puts the shard at risk on power loss, not on a kill.
+        try:
+            _fsync(directory)
+        except OSError as exc:
+            log.warning(
+                "shard %s is committed, but fsync of its directory failed (%s): it survives a "
+                "crash of the writer, maybe not a power loss",
+                self.display(final),
+                exc,
+            )
 
 
 _DICTIONARY_COLUMNS = ["run", "group", "status", "finish_reason", "session"]

@@ -18,6 +18,12 @@ interleaved with new ones, so a run's buffer can hold seqs 6, 7, 8 and 11..15 wh
 are still waiting for redelivery. A shard claiming ``6..15`` would make the writer skip 9 and
 10 when they come: lost. The range is still in every shard's name and footer, to prune.
 
+**A row that cannot be written** (it decodes, but a value does not fit its column: a scalar
+outside int32, a ``created_at`` beyond the timestamp range) is dead-lettered and acked like an
+undecodable message, and the rest of its buffer is written: with ``max_deliver=-1`` a row
+raised on would stop every writer that gets it, for good. A buffer is converted in one go; only
+when that fails is each row tried alone to find the culprits (``writable_table``).
+
 A shard's footer also names its TRAJ stream and that stream's creation time: sequences of a
 stream deleted and made again restart at 1, and shards of the old one are not taken for it.
 
@@ -53,7 +59,7 @@ from schemas.events import TrajectoryReady
 from schemas.ids import TRAJ_SUBJECT_PREFIX
 from schemas.log import Publisher
 from schemas.log.pull import FetchSizer, PullConsumer, fetch, release, stream_seq
-from schemas.shards import ShardMetadata, ShardRow, rows_to_table, shard_row
+from schemas.shards import ROW_ERRORS, ShardMetadata, ShardRow, shard_row, writable_table
 
 __all__ = ["ShardWriter", "ShardWriterStats"]
 
@@ -242,7 +248,7 @@ class ShardWriter:
             except ValueError as exc:
                 raise UndecodableEvent(str(exc)) from exc
         except SchemaError as exc:
-            await self._dead_letter(msg, seq, exc)
+            await self._dead_letter(msg, seq, reason_of(exc), exc)
             return
         self._buffer(event.run, row, msg)
         buffer = self._buffers[event.run]
@@ -264,10 +270,19 @@ class ShardWriter:
         self._buffered_bytes += row.nbytes
         self._buffered_run[row.traj_seq] = run
 
-    async def _dead_letter(self, msg: Msg, seq: int, error: SchemaError) -> None:
+    async def _dead_letter(
+        self,
+        msg: Msg,
+        seq: int,
+        reason: str,
+        error: SchemaError | str,
+        session: str | None = None,
+    ) -> None:
         prefix = f"{TRAJ_SUBJECT_PREFIX}."
         run = msg.subject[len(prefix) :] if msg.subject.startswith(prefix) else None
-        letter = dead_letter_for(msg, source=SOURCE, reason=reason_of(error), error=error, run=run)
+        letter = dead_letter_for(
+            msg, source=SOURCE, reason=reason, error=error, run=run, session=session
+        )
         try:
             await publish_dead_letter(self._publisher, letter, self._codec.max_payload)
         except EventLogUnavailable as exc:
@@ -295,12 +310,24 @@ class ShardWriter:
         buffer = self._buffers.pop(run)
         self._buffered_bytes -= buffer.nbytes
         entries = [buffer.rows[seq] for seq in sorted(buffer.rows)]
+        try:
+            table, unwritable = await asyncio.to_thread(writable_table, [r for r, _ in entries])
+        except (*ROW_ERRORS, pa.ArrowException) as exc:  # no one row at fault: the settings
+            raise ShardWriteFailed(
+                f"cannot build the shard of run {run}, {self.stream} seq "
+                f"{entries[0][0].traj_seq}..{entries[-1][0].traj_seq}: {exc}"
+            ) from exc
+        if unwritable:
+            await self._dead_letter_unwritable(entries, unwritable)
+            entries = [(row, msg) for row, msg in entries if row.traj_seq not in unwritable]
+        if table is None:
+            return
         rows = [row for row, _ in entries]
         meta = ShardMetadata.of_rows(
             rows, run=run, stream=self.stream, stream_created=self._stream_created
         )
-        # A failure ends run(): nothing of this buffer was acked, so it all comes again.
-        shard = await self._commit(rows, meta)
+        # A failure ends run(): none of these rows was acked, so they all come again.
+        shard = await self._commit(table, meta)
         seqs = [row.traj_seq for row in rows]
         self._committed.add_many(seqs)
         for seq in seqs:
@@ -319,10 +346,28 @@ class ShardWriter:
             meta.last_seq,
         )
 
-    async def _commit(self, rows: Sequence[ShardRow], meta: ShardMetadata) -> CommittedShard:
+    async def _dead_letter_unwritable(
+        self, entries: Sequence[tuple[ShardRow, Msg]], unwritable: dict[int, str]
+    ) -> None:
+        for row, msg in entries:
+            why = unwritable.get(row.traj_seq)
+            if why is None:
+                continue
+            # Out of the buffer whatever comes of the dead letter: if it cannot be published,
+            # the message is not acked and comes again, to be dead-lettered then.
+            del self._buffered_run[row.traj_seq]
+            t = row.trajectory
+            error = (
+                f"trajectory {t.trajectory_id} ({self.stream} seq {row.traj_seq}) cannot be a "
+                f"shard row: {why}"
+            )
+            log.warning("%s; dead-lettering it", error)
+            await self._dead_letter(msg, row.traj_seq, "unwritable_row", error, t.session)
+
+    async def _commit(self, table: pa.Table, meta: ShardMetadata) -> CommittedShard:
         for attempt in range(WRITE_ATTEMPTS):
             try:
-                return await asyncio.to_thread(self._encode_and_write, rows, meta)
+                return await asyncio.to_thread(self.store.write, table, meta)
             except ShardWriteFailed as exc:
                 if attempt + 1 == WRITE_ATTEMPTS:
                     raise
@@ -330,16 +375,6 @@ class ShardWriter:
                 log.warning("%s; trying again", exc)
                 await asyncio.sleep(2.0**attempt)
         raise AssertionError("unreachable")
-
-    def _encode_and_write(self, rows: Sequence[ShardRow], meta: ShardMetadata) -> CommittedShard:
-        try:
-            table = rows_to_table(rows, meta)
-        except (ValueError, pa.ArrowException) as exc:
-            raise ShardWriteFailed(
-                f"cannot build the shard of run {meta.run}, {self.stream} seq "
-                f"{meta.first_seq}..{meta.last_seq}: {exc}"
-            ) from exc
-        return self.store.write(table, meta)
 
 
 async def _ack(msg: Msg) -> None:

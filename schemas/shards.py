@@ -24,6 +24,13 @@ metadata key ``1`` reads back as ``"1"``.
 >>> [(seq, back)] = table_to_trajectories(table)
 >>> seq, back.input_ids.tolist(), back.messages
 (7, [1, 2, 3], [{'role': 'user', 'content': 'hi'}])
+
+A row whose values do not fit the schema is left out of the table, and said why:
+
+>>> bad = msgspec.structs.replace(t, trajectory_id="r/s/1", fold_version=2**40)
+>>> table, unwritable = writable_table([shard_row(7, t), shard_row(8, bad)])
+>>> table.column("traj_seq").to_pylist(), unwritable[8][:45]
+([7], 'fold_version 1099511627776 does not fit int32')
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ import pyarrow.fs as pafs
 from schemas.events import TrajectoryReady
 
 __all__ = [
+    "ROW_ERRORS",
     "RUN_PARTITIONING",
     "SHARD_FORMAT",
     "TRAJECTORY_SCHEMA",
@@ -49,10 +57,12 @@ __all__ = [
     "ShardRow",
     "filesystem_of",
     "open_shards_dataset",
+    "row_problem",
     "rows_to_table",
     "shard_row",
     "table_to_trajectories",
     "trajectories_to_table",
+    "writable_table",
 ]
 
 SHARD_FORMAT = 1
@@ -157,39 +167,73 @@ def _list_column(arrays: Sequence[np.ndarray], value_type: pa.DataType, dtype: s
     )
 
 
+ROW_ERRORS: tuple[type[Exception], ...] = (
+    pa.ArrowInvalid,
+    pa.ArrowTypeError,
+    OverflowError,
+    TypeError,
+    ValueError,
+)
+"""What ``rows_to_table`` raises when a row's values do not fit the schema (a scalar outside
+int32, a ``created_at`` beyond the timestamp range, ...)."""
+
+
+def _column(name: str, type_: pa.DataType, rows: Sequence[ShardRow]) -> pa.Array:
+    if name in _NUMPY_DTYPE:
+        arrays = [getattr(r.trajectory, name) for r in rows]
+        return _list_column(arrays, type_.value_type, _NUMPY_DTYPE[name])
+    if name in ("messages", "metadata", "traj_seq"):
+        return pa.array([getattr(r, name) for r in rows], type_)
+    if name == "created_at":
+        micros = [round(r.trajectory.created_at * 1e6) for r in rows]
+        return pa.array(np.array(micros, dtype=np.int64), type_)
+    # The rest are the trajectory's own attributes (or properties) under the column's name.
+    return pa.array([getattr(r.trajectory, name) for r in rows], type_)
+
+
 def rows_to_table(rows: Sequence[ShardRow], metadata: ShardMetadata | None = None) -> pa.Table:
-    """The rows as a table of TRAJECTORY_SCHEMA, ``metadata`` in its schema metadata."""
-    ts = [r.trajectory for r in rows]
-    columns: dict[str, pa.Array] = {
-        "trajectory_id": pa.array([t.trajectory_id for t in ts], pa.string()),
-        "run": pa.array([t.run for t in ts], pa.string()),
-        "session": pa.array([t.session for t in ts], pa.string()),
-        "group": pa.array([t.group for t in ts], pa.string()),
-        "segment": pa.array([t.segment for t in ts], pa.int32()),
-        "status": pa.array([t.status for t in ts], pa.string()),
-        "prompt_len": pa.array([t.prompt_len for t in ts], pa.int32()),
-        "response_len": pa.array([t.response_len for t in ts], pa.int32()),
-        "reward": pa.array([t.reward for t in ts], pa.float64()),
-        "turn_rewards": pa.array([t.turn_rewards for t in ts], pa.list_(pa.float64())),
-        "min_weight_version": pa.array([t.min_weight_version for t in ts], pa.int32()),
-        "max_weight_version": pa.array([t.max_weight_version for t in ts], pa.int32()),
-        "num_turns": pa.array([t.num_turns for t in ts], pa.int32()),
-        "finish_reason": pa.array([t.finish_reason for t in ts], pa.string()),
-        "messages": pa.array([r.messages for r in rows], pa.string()),
-        "metadata": pa.array([r.metadata for r in rows], pa.string()),
-        "created_at": pa.array(
-            np.array([round(t.created_at * 1e6) for t in ts], dtype=np.int64),
-            pa.timestamp("us", tz="UTC"),
-        ),
-        "fold_version": pa.array([t.fold_version for t in ts], pa.int32()),
-        "traj_seq": pa.array([r.traj_seq for r in rows], pa.int64()),
-    }
-    for name, value_type in _TOKEN_COLUMNS:
-        columns[name] = _list_column([getattr(t, name) for t in ts], value_type, _NUMPY_DTYPE[name])
+    """The rows as a table of TRAJECTORY_SCHEMA, ``metadata`` in its schema metadata.
+
+    One of ``ROW_ERRORS`` when a value does not fit its column: ``writable_table`` then finds
+    the rows at fault.
+    """
     schema = TRAJECTORY_SCHEMA
     if metadata is not None:
         schema = schema.with_metadata(metadata.to_metadata())
-    return pa.Table.from_arrays([columns[f.name] for f in TRAJECTORY_SCHEMA], schema=schema)
+    columns = [_column(f.name, f.type, rows) for f in TRAJECTORY_SCHEMA]
+    return pa.Table.from_arrays(columns, schema=schema)
+
+
+def row_problem(row: ShardRow) -> str | None:
+    """Why ``row`` cannot be in a shard, naming the column and the value; None when it can.
+
+    Builds a one-row array per column: for finding the culprits once a whole table failed.
+    """
+    for field in TRAJECTORY_SCHEMA:
+        try:
+            _column(field.name, field.type, [row])
+        except ROW_ERRORS as exc:
+            value = getattr(row.trajectory, field.name, None)
+            shown = f" {value!r:.60}" if isinstance(value, int | float | str) else ""
+            return f"{field.name}{shown} does not fit {field.type}: {type(exc).__name__}: {exc}"
+    return None
+
+
+def writable_table(rows: Sequence[ShardRow]) -> tuple[pa.Table | None, dict[int, str]]:
+    """The table of the rows that fit the schema, and why each other one does not, by traj_seq.
+
+    The rows are converted all at once; only when that fails is each tried alone, so the
+    common case costs one conversion. The table is None when no row fits. Raises one of
+    ``ROW_ERRORS`` when no row is at fault on its own (too many list values for one shard).
+    """
+    try:
+        return rows_to_table(rows), {}
+    except ROW_ERRORS:
+        unwritable = {r.traj_seq: why for r in rows if (why := row_problem(r)) is not None}
+        if not unwritable:
+            raise
+    rest = [r for r in rows if r.traj_seq not in unwritable]
+    return (rows_to_table(rest) if rest else None), unwritable
 
 
 def trajectories_to_table(

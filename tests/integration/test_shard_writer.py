@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import errno
 import os
 import random
 import signal
@@ -13,13 +14,16 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 
 import duckdb
+import msgspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from consumers import shard_store
 from consumers.config import ShardWriterSettings
 from consumers.shard_store import FileShardStore
 from consumers.shard_writer import ShardWriter
+from schemas.codec import Codec
 from schemas.dead_letter import decode_dead_letter
 from schemas.events import TrajectoryReady
 from schemas.log import JetStreamPublisher, provision
@@ -208,6 +212,88 @@ async def test_undecodable_messages_are_dead_lettered_and_the_rest_written(
     assert {lt.seq for lt in letters} == {junk.seq, wrong_type.seq}
     assert {lt.payload for lt in letters} >= {b"\xc1 not msgpack"}
     assert any("TurnCompleted" in lt.error for lt in letters)
+    info = await log.js.consumer_info("TRAJ", FAST.durable)
+    assert info.num_ack_pending == 0 and info.num_pending == 0
+
+
+def with_created_at(trajectory: TrajectoryReady, created_at: float) -> bytes:
+    """``trajectory``'s TRAJ message bytes with ``created_at`` put in at the msgpack level.
+
+    1e300 s decodes (a float) but is no timestamp[us]: the row cannot be converted.
+    """
+    codec = Codec()
+    raw = msgspec.msgpack.decode(
+        codec.encode(trajectory), ext_hook=lambda code, data: msgspec.msgpack.Ext(code, bytes(data))
+    )
+    data = msgspec.msgpack.encode({**raw, "created_at": created_at})
+    assert codec.decode(data).trajectory_id == trajectory.trajectory_id  # it does decode
+    return data
+
+
+async def test_a_row_that_decodes_but_cannot_be_converted_is_dead_lettered_and_the_rest_written(
+    log: Log, publisher: JetStreamPublisher, tmp_path: Path
+) -> None:
+    good = [folded("run-a", f"s{i}") for i in range(5)]
+    await publisher.publish_many(good[:2])
+    bad = folded("run-a", "bad")
+    bad_data = with_created_at(bad, 1e300)
+    receipt = await publisher.publish_raw("ts.traj.run-a", bad_data, "bad-1")
+    await publisher.publish_many(good[2:])
+    writer = start(log, publisher, tmp_path, FAST)
+    await writer.until(lambda w: w.stats.rows_written == 5, "the good 5 written")
+    await writer.until(lambda w: w.stats.dead_lettered == 1, "the bad one dead-lettered")
+    await writer.stop()
+
+    ids = shard_ids(tmp_path)
+    assert sorted(ids) == sorted(t.trajectory_id for t in good)  # each exactly once
+    letter = decode_dead_letter((await log.js.get_msg("DLQ", 1)).data)
+    assert (letter.source, letter.reason, letter.run) == ("shard-writer", "unwritable_row", "run-a")
+    assert (letter.seq, letter.payload) == (receipt.seq, bad_data)
+    assert bad.trajectory_id in letter.error and "created_at" in letter.error
+    info = await log.js.consumer_info("TRAJ", FAST.durable)
+    assert info.num_ack_pending == 0 and info.num_pending == 0
+
+    # A restarted writer, given a shard's worth of nothing but an unwritable row, lives on too.
+    again = folded("run-a", "bad-again")
+    await publisher.publish_raw("ts.traj.run-a", with_created_at(again, 1e300), "bad-2")
+    writer = start(log, publisher, tmp_path, FAST)
+    await writer.until(lambda w: w.stats.dead_lettered == 1, "the second bad one dead-lettered")
+    late = folded("run-a", "late")
+    await publisher.publish_many([late])
+    await writer.until(lambda w: w.stats.rows_written == 1, "a good one after it")
+    await writer.stop()
+    assert sorted(shard_ids(tmp_path)) == sorted(t.trajectory_id for t in [*good, late])
+    letter = decode_dead_letter((await log.js.get_msg("DLQ", 2)).data)
+    assert letter.reason == "unwritable_row" and again.trajectory_id in letter.error
+
+
+async def test_a_directory_fsync_failing_after_the_rename_commits_the_shard_once(
+    log: Log,
+    publisher: JetStreamPublisher,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Some filesystems (FUSE, network mounts) refuse fsync on a directory; no real one at hand
+    # does, so the store's fsync is patched: it fails for the directory, after the rename.
+    fsync = shard_store._fsync
+
+    def refusing_directories(path: str) -> None:
+        if os.path.isdir(path):
+            raise OSError(errno.EINVAL, "Invalid argument", path)
+        fsync(path)
+
+    monkeypatch.setattr(shard_store, "_fsync", refusing_directories)
+    trajectories = [folded("r", f"s{i}") for i in range(5)]
+    await publisher.publish_many(trajectories)
+    writer = start(log, publisher, tmp_path, FAST)
+    await writer.until(lambda w: w.stats.rows_written == 5, "5 rows committed")
+    await writer.stop()
+
+    [shard] = shard_files(tmp_path)
+    assert sorted(shard_ids(tmp_path)) == sorted(t.trajectory_id for t in trajectories)
+    assert writer.writer.stats.write_retries == 0
+    assert any(shard.name in r.getMessage() and "fsync" in r.getMessage() for r in caplog.records)
     info = await log.js.consumer_info("TRAJ", FAST.durable)
     assert info.num_ack_pending == 0 and info.num_pending == 0
 
