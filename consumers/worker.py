@@ -7,22 +7,31 @@ A thin loop around pure decisions::
 
 Every process runs this loop on one shared durable pull consumer (``fold``) filtered on
 ``ts.ev.*.*.close``, so JetStream spreads the closes over the processes and gives a dead
-process's unacked closes to the others. Exactly-once into TRAJ comes from three layers:
+process's unacked closes to the others. Exactly-once into TRAJ comes from four layers:
 
 - the close is acked only after JetStream acknowledged every TrajectoryReady;
 - each TrajectoryReady carries ``Nats-Msg-Id`` = trajectory id, so a fold repeated inside the
   duplicate window is absorbed by the stream;
 - a marker in the ``ts_folded`` bucket, written before the ack, makes a close redelivered after
-  the window (a worker stalled for minutes) a no-op.
+  the window (a worker stalled for minutes) a no-op;
+- a close redelivered without a marker and old enough that an earlier delivery's trajectories may
+  be past the window (the worker or nats-server died between the TRAJ acks and the marker, and
+  the close came back minutes later) first looks in TRAJ for what that delivery stored
+  (``republish_could_duplicate``, ``stored_msg_ids``) and publishes only the rest. Only such
+  redeliveries pay for the look; a first delivery reads and writes nothing more.
 
 What happens to a close whose handling failed is ``consumers.dispositions.disposition``: bad input
-is dead-lettered at once, anything else retried with backoff and dead-lettered on the last
-delivery.
+is dead-lettered at once, anything else retried with backoff and dead-lettered on delivery
+``max_deliver``. If the log refuses the dead letter then, the worker keeps the close (in progress)
+and retries the letter (``when_dead_letter_fails``): a nak there could be the close's last.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import datetime
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -35,23 +44,35 @@ from nats.js import errors as js_errors
 from nats.js.kv import KeyValue
 
 from consumers.config import FoldWorkerSettings
-from consumers.dispositions import DeadLetterIt, Retry, dead_letter_for, disposition, reason_of
+from consumers.dispositions import (
+    DeadLetterIt,
+    Retry,
+    consumer_max_deliver,
+    dead_letter_for,
+    disposition,
+    reason_of,
+    when_dead_letter_fails,
+)
 from consumers.errors import FoldError
 from consumers.fold import FoldOptions, FoldResult, fold
 from schemas.codec import Codec
 from schemas.dead_letter import DeadLetter, publish_dead_letter
 from schemas.errors import EventLogUnavailable, SchemaError
 from schemas.events import SessionClosed, SessionEvent, SessionOpened, TrajectoryReady
-from schemas.ids import EVENT_SUBJECT_PREFIX
+from schemas.ids import EVENT_SUBJECT_PREFIX, traj_subject
 from schemas.log import Publisher, StoredMessage, StreamNames, read_session_messages
 from schemas.log.pull import PullConsumer, delivery_count, fetch, keep_alive, release
+from schemas.log.reader import stored_msg_ids
 
-__all__ = ["FoldMarker", "FoldWorker", "WorkerStats", "fold_options"]
+__all__ = ["FoldMarker", "FoldWorker", "WorkerStats", "fold_options", "republish_could_duplicate"]
 
 log = logging.getLogger(__name__)
 
 CLOSE_FILTER = f"{EVENT_SUBJECT_PREFIX}.*.*.close"
 SOURCE = "fold"
+# How far before a close TRAJ is searched for an earlier delivery's trajectories: the close and
+# the trajectories may be stamped by different servers' clocks (streams led by different nodes).
+CLOCK_SKEW_S = 5.0
 
 
 class FoldMarker(msgspec.Struct, frozen=True):
@@ -70,6 +91,7 @@ class WorkerStats:
     sessions_folded: int = 0
     trajectories: int = 0
     already_folded: int = 0  # closes redelivered after their session was folded
+    already_published: int = 0  # trajectories an earlier delivery stored past the dup window
     retried: int = 0
     dead_letters: dict[str, int] = field(default_factory=dict)  # by reason
     late_events: int = 0  # events the fold left out because they came after the close
@@ -106,6 +128,24 @@ def fold_options(defaults: FoldWorkerSettings, opened: SessionOpened | None) -> 
     return FoldOptions(per_turn=per_turn, final_reward_scope=scope)
 
 
+def republish_could_duplicate(*, delivery: int, close_age_s: float, window_s: float) -> bool:
+    """Could an earlier delivery's trajectories be outside TRAJ's duplicate window by the time
+    this delivery's republish is stored? Then TRAJ must be searched before publishing.
+
+    An earlier delivery published after the close was stored, so a republish stored within one
+    window of the close is absorbed by its Msg-Id. Half the window is kept for what lies between
+    this check and the stored republish (rehydrating and folding the session, the publisher's
+    retry horizon, ~10 s by default) and for skew between this host's clock and the server's:
+    with the default 120 s window, redeliveries of closes older than 60 s are checked.
+
+    >>> republish_could_duplicate(delivery=3, close_age_s=90.0, window_s=120.0)
+    True
+    >>> republish_could_duplicate(delivery=1, close_age_s=900.0, window_s=120.0)  # no earlier one
+    False
+    """
+    return delivery > 1 and close_age_s >= window_s / 2
+
+
 class FoldWorker:
     """One process's share of the fold: call ``run(stop)``; it returns after ``stop`` is set
     and the closes it had taken are finished."""
@@ -128,6 +168,8 @@ class FoldWorker:
         self._max_payload = max_payload
         self.stats = WorkerStats()
         self._markers: KeyValue | None = None
+        self._traj_window_s: float | None = None
+        self._stop = asyncio.Event()
 
     def consumer(self) -> PullConsumer:
         s = self.settings
@@ -137,11 +179,12 @@ class FoldWorker:
             filter_subjects=[CLOSE_FILTER],
             max_ack_pending=s.max_ack_pending,
             ack_wait_s=s.ack_wait_s,
-            max_deliver=s.max_deliver,
+            max_deliver=consumer_max_deliver(s),
         )
 
     async def run(self, stop: asyncio.Event) -> None:
         s = self.settings
+        self._stop = stop
         sub = await self.consumer().bind(self._js)
         self._markers = await self._js.key_value(self.names.folded_bucket)
         working: set[asyncio.Task[None]] = set()
@@ -179,7 +222,7 @@ class FoldWorker:
                         f"belongs on a close subject"
                     )
                 run, session = close.run, close.session
-                await self._fold_session(close, int(msg.metadata.sequence.stream))
+                await self._fold_session(close, msg)
             await self._ack(msg)
         except asyncio.CancelledError:
             raise
@@ -188,7 +231,7 @@ class FoldWorker:
         except Exception as exc:
             await self._fail(msg, exc, run, session)
 
-    async def _fold_session(self, close: SessionClosed, close_seq: int) -> None:
+    async def _fold_session(self, close: SessionClosed, msg: Msg) -> None:
         assert self._markers is not None
         key = f"{close.run}.{close.session}"
         try:
@@ -210,21 +253,69 @@ class FoldWorker:
         events = [self._decode(m) for m in stored]
         opened = next((e for e in events if isinstance(e, SessionOpened)), None)
         result = fold(events, fold_options(self.settings, opened))
-        if result.trajectories:
-            await self._publisher.publish_many(result.trajectories)
+        await self._publish_unstored(msg, close, result.trajectories)
         marker = FoldMarker(
             trajectories=len(result.trajectories),
             fold_version=result.trajectories[0].fold_version if result.trajectories else 0,
-            close_seq=close_seq,
+            close_seq=int(msg.metadata.sequence.stream),
             forks=result.forks,
             late_events=result.late_events,
             folded_at=time.time(),
         )
+        await self._write_marker(key, marker)
+        self._count(close, result)
+
+    async def _publish_unstored(
+        self, msg: Msg, close: SessionClosed, trajectories: list[TrajectoryReady]
+    ) -> None:
+        """Publish the trajectories that no earlier delivery of this close stored in TRAJ."""
+        if not trajectories:
+            return
+        stamped = msg.metadata.timestamp  # when the close was stored (server clock)
+        if republish_could_duplicate(
+            delivery=delivery_count(msg),
+            close_age_s=time.time() - stamped.timestamp(),
+            window_s=await self._traj_duplicate_window_s(),
+        ):
+            stored = await stored_msg_ids(
+                self._js,
+                self.names.trajectories,
+                traj_subject(close.run),
+                [t.trajectory_id for t in trajectories],
+                since=stamped - datetime.timedelta(seconds=CLOCK_SKEW_S),
+            )
+            if stored:
+                self.stats.already_published += len(stored)
+                log.warning(
+                    "run=%s session=%s: %d of %d trajectories already in %s from an earlier "
+                    "delivery of the close (past the duplicate window); not published again",
+                    close.run,
+                    close.session,
+                    len(stored),
+                    len(trajectories),
+                    self.names.trajectories,
+                )
+                trajectories = [t for t in trajectories if t.trajectory_id not in stored]
+        if trajectories:
+            await self._publisher.publish_many(trajectories)
+
+    async def _traj_duplicate_window_s(self) -> float:
+        """TRAJ's duplicate window as the server has it (an operator may have changed it)."""
+        if self._traj_window_s is None:
+            stream = self.names.trajectories
+            try:
+                info = await self._js.stream_info(stream)
+            except (TimeoutError, nats.errors.Error) as exc:
+                raise EventLogUnavailable(f"reading the config of stream {stream}: {exc}") from exc
+            self._traj_window_s = float(info.config.duplicate_window or 0.0)
+        return self._traj_window_s
+
+    async def _write_marker(self, key: str, marker: FoldMarker) -> None:
+        assert self._markers is not None
         try:
             await self._markers.put(key, msgspec.json.encode(marker))
         except (TimeoutError, nats.errors.Error) as exc:
             raise EventLogUnavailable(f"writing the fold marker of {key}: {exc}") from exc
-        self._count(close, result)
 
     def _decode(self, stored: StoredMessage) -> SessionEvent:
         try:
@@ -291,14 +382,44 @@ class FoldWorker:
         await self._send_dead_letter(msg, letter)
 
     async def _send_dead_letter(self, msg: Msg, letter: DeadLetter) -> None:
-        try:
-            await publish_dead_letter(self._publisher, letter, self._max_payload)
-        except Exception as exc:  # the DLQ is in the same log: retry the whole message later
-            log.warning("cannot dead-letter %s seq %d: %s", letter.subject, letter.seq, exc)
-            await self._nak(msg, self.settings.retry_delay_s(delivery_count(msg)))
-            return
+        """Store the letter, then ack; what a refused letter gets is ``when_dead_letter_fails``."""
+        delivery = delivery_count(msg)
+        async with keep_alive([msg], self.settings.ack_wait_s / 3):
+            for attempt in itertools.count(1):
+                try:
+                    await publish_dead_letter(self._publisher, letter, self._max_payload)
+                    break
+                except Exception as exc:  # the DLQ is in the same log
+                    decision = when_dead_letter_fails(
+                        delivery=delivery,
+                        attempt=attempt,
+                        stopping=self._stop.is_set(),
+                        settings=self.settings,
+                    )
+                    log.warning(
+                        "cannot dead-letter %s seq %d (delivery %d, try %d): %s; %s",
+                        letter.subject,
+                        letter.seq,
+                        delivery,
+                        attempt,
+                        exc,
+                        decision,
+                    )
+                    if isinstance(decision, Retry):
+                        await self._nak(msg, decision.delay_s)
+                        return
+                    await self._pause(decision.delay_s)
         self.stats.dead_letters[letter.reason] = self.stats.dead_letters.get(letter.reason, 0) + 1
         await self._ack(msg)
+
+    async def _pause(self, delay_s: float) -> None:
+        """Sleep ``delay_s``, cut short by a stop request (but not once stopping already)."""
+        if self._stop.is_set():
+            await asyncio.sleep(delay_s)
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(delay_s):
+                await self._stop.wait()
 
     async def _nak(self, msg: Msg, delay_s: float) -> None:
         try:

@@ -7,27 +7,35 @@ consumer state on the server. A session is usually one round trip. Fold workers 
 closed session with it; the gateway recovers a session it does not hold in memory.
 (benchmarks/pipeline_throughput.py compares it with one direct get per event and with an
 ordered consumer.)
+
+``stored_msg_ids`` answers the other question a redelivered fold asks: which of these Msg-Ids
+does a subject already hold, past the stream's duplicate window?
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
+from collections.abc import Collection
 from typing import Any, NamedTuple
 
 import nats.errors
 from nats.js import JetStreamContext
+from nats.js import api as js_api
 
 from schemas.codec import Codec
 from schemas.errors import EventLogUnavailable
 from schemas.events import SessionEvent, TrajectoryReady
 from schemas.ids import session_subjects
+from schemas.log.pull import fetch, release
 
-__all__ = ["StoredMessage", "read_session", "read_session_messages"]
+__all__ = ["StoredMessage", "read_session", "read_session_messages", "stored_msg_ids"]
 
 _STATUS = "Status"
 _END_OF_BATCH = "204"
 _NOT_FOUND = "404"
+_MSG_ID = "Nats-Msg-Id"
 
 
 class StoredMessage(NamedTuple):
@@ -112,3 +120,56 @@ async def read_session(
         if not isinstance(event, TrajectoryReady):
             events.append(event)
     return events
+
+
+async def stored_msg_ids(
+    js: JetStreamContext,
+    stream: str,
+    subject: str,
+    wanted: Collection[str],
+    *,
+    since: datetime.datetime,
+    batch: int = 512,
+    timeout_s: float = 5.0,
+) -> set[str]:
+    """Which of ``wanted`` are Msg-Ids of messages on ``subject`` in ``stream`` since ``since``.
+
+    Reads headers only, through an ephemeral no-ack consumer that starts at ``since``; it reads
+    the messages that matched when it was made (never chasing newer ones) and stops early once
+    every wanted id is found. The stream's duplicate window only answers this for the last
+    minutes; this answers it for any age, at the cost of a scan of the subject since ``since``.
+    """
+    want = set(wanted)
+    where = f"{subject} in {stream} since {since.isoformat()}"
+    config = js_api.ConsumerConfig(
+        deliver_policy=js_api.DeliverPolicy.BY_START_TIME,
+        opt_start_time=since,
+        ack_policy=js_api.AckPolicy.NONE,
+        filter_subject=subject,
+        headers_only=True,
+        mem_storage=True,
+        num_replicas=1,
+        inactive_threshold=max(timeout_s * 2, 10.0),  # the server drops it if we die mid-scan
+    )
+    found: set[str] = set()
+    try:
+        info = await js.add_consumer(stream, config)
+        left = info.num_pending or 0
+        sub = await js.pull_subscribe_bind(info.name, stream=stream)
+        try:
+            while left > 0 and found != want:
+                msgs = await fetch(sub, min(batch, left), timeout_s)
+                if not msgs:
+                    raise EventLogUnavailable(
+                        f"scanning {where}: {left} message(s) not delivered within {timeout_s}s"
+                    )
+                left -= len(msgs)
+                found.update(m.headers.get(_MSG_ID, "") for m in msgs if m.headers)
+                found &= want
+        finally:
+            await release(sub)
+            with contextlib.suppress(nats.errors.Error, OSError, TimeoutError):
+                await js.delete_consumer(stream, info.name)
+    except (TimeoutError, nats.errors.Error, OSError) as exc:
+        raise EventLogUnavailable(f"scanning {where}: {type(exc).__name__}: {exc}") from exc
+    return found

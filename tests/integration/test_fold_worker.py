@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import msgspec
 import pytest
@@ -19,8 +19,18 @@ from consumers import (
     fold,
 )
 from consumers.fold import FoldOptions
-from schemas import Codec, SessionClosed, SessionEvent, TurnCompleted, route
-from schemas.log import JetStreamPublisher, connect
+from consumers.worker import FoldMarker
+from schemas import (
+    Codec,
+    Event,
+    EventLogUnavailable,
+    SessionClosed,
+    SessionEvent,
+    TrajectoryReady,
+    TurnCompleted,
+    route,
+)
+from schemas.log import JetStreamPublisher, Publisher, PublishReceipt, connect, provision
 from schemas.log.pull import fetch
 from tests.conftest import FAST_LOG, Log
 from tests.helpers.sessions import RUN, append_only, reward, session_events
@@ -46,12 +56,19 @@ async def publish_raw(log: Log, subject: str, payload: bytes, msg_id: str) -> No
 
 @contextlib.asynccontextmanager
 async def running(
-    log: Log, settings: FoldWorkerSettings = FAST_FOLD, reaper: ReaperSettings | None = None
+    log: Log,
+    settings: FoldWorkerSettings = FAST_FOLD,
+    reaper: ReaperSettings | None = None,
+    *,
+    worker_type: type[FoldWorker] = FoldWorker,
+    publisher: Callable[[Publisher], Publisher] = lambda pub: pub,
 ) -> AsyncIterator[tuple[FoldWorker, Reaper | None]]:
-    """A fold worker (and a reaper) in this process, on its own connection."""
+    """A fold worker (and a reaper) in this process, on its own connection; ``worker_type`` and
+    ``publisher`` (a wrapper of the real publisher) let a test inject a fault on the worker's
+    side while the nats-server stays real."""
     nc = await connect(log.server.url, FAST_LOG, name="worker")
     pub = await JetStreamPublisher(nc).start()
-    worker = FoldWorker(nc.jetstream(), pub, settings)
+    worker = worker_type(nc.jetstream(), publisher(pub), settings)
     rp = Reaper(nc.jetstream(), pub, reaper) if reaper is not None else None
     stop = asyncio.Event()
     tasks = [asyncio.create_task(worker.run(stop))]
@@ -305,3 +322,153 @@ async def test_a_reaper_behind_the_stream_closes_on_what_the_stream_holds(log: L
     assert (close.status, close.num_turns) == ("timeout", 3)
     [close] = [e for e in await _session(log, "done") if isinstance(e, SessionClosed)]
     assert close.status == "completed"
+
+
+class _DeadLettersRefused:
+    """Test double around the worker's real publisher: its first ``times`` dead-letter publishes
+    fail as if the log had no ack for them (the nats-server itself stays up and real)."""
+
+    def __init__(self, inner: Publisher, times: int) -> None:
+        self._inner = inner
+        self._times = times
+        self.tries = 0
+
+    async def publish(self, event: Event) -> PublishReceipt:
+        return await self._inner.publish(event)
+
+    async def publish_many(self, events: Sequence[Event]) -> list[PublishReceipt]:
+        return await self._inner.publish_many(events)
+
+    async def publish_raw(self, subject: str, payload: bytes, msg_id: str) -> PublishReceipt:
+        if subject.startswith("ts.dlq."):
+            self.tries += 1
+            if self.tries <= self._times:
+                raise EventLogUnavailable(f"test double: no ack for {msg_id}")
+        return await self._inner.publish_raw(subject, payload, msg_id)
+
+
+def _missing_turn_1(session: str) -> list[SessionEvent]:
+    return [
+        e
+        for e in session_events(append_only(3), session=session)
+        if not (isinstance(e, TurnCompleted) and e.turn == 1)
+    ]
+
+
+LAST_TRY = FoldWorkerSettings(
+    max_deliver=2, backoff_s=(0.05,), ack_wait_s=5.0, fetch_timeout_s=0.2, concurrency=4
+)
+
+
+async def test_a_dead_letter_refused_on_the_last_delivery_is_retried_until_stored(
+    log: Log,
+) -> None:
+    """Delivery max_deliver fails (a turn is missing) and the log refuses the first dead letter:
+    a nak there was the close's last delivery, and the close vanished without a trace."""
+    await publish(log, _missing_turn_1("missing"))
+    refused: list[_DeadLettersRefused] = []
+
+    def wrap(pub: Publisher) -> Publisher:
+        refused.append(_DeadLettersRefused(pub, times=1))
+        return refused[0]
+
+    async with running(log, LAST_TRY, publisher=wrap) as (worker, _):
+        await eventually(lambda: worker.stats.dead_letters == {"missing_turns": 1}, 10, "letter")
+
+    assert refused[0].tries == 2
+    [letter] = await dead_letters(log.js)
+    assert (letter.reason, letter.session) == ("missing_turns", "missing")
+    assert letter.deliveries == LAST_TRY.max_deliver  # retried in process, not redelivered
+    info = await log.js.consumer_info("EVENTS", "fold")
+    assert info.num_ack_pending == 0 and info.num_pending == 0
+
+
+async def test_a_worker_stopped_while_its_last_dead_letter_is_refused_hands_the_close_on(
+    log: Log,
+) -> None:
+    """The worker stops while the log refuses every dead letter of the close's delivery
+    max_deliver; the consumer's spare delivery brings it to the next worker."""
+    await publish(log, _missing_turn_1("missing"))
+    refusing: list[_DeadLettersRefused] = []
+
+    def wrap(pub: Publisher) -> Publisher:
+        # ~5 s of refusals at the 0.05 s retry delay: bounded, so a stop held by them ends.
+        refusing.append(_DeadLettersRefused(pub, times=100))
+        return refusing[0]
+
+    async with running(log, LAST_TRY, publisher=wrap) as (first, _):
+        await eventually(lambda: refusing[0].tries >= 3, 10, "dead letter retried in process")
+        stopped_at = time.monotonic()
+    assert time.monotonic() - stopped_at < 2.0  # the stop was not held by the refused letter
+    assert first.stats.dead_letters == {}
+
+    async with running(log, LAST_TRY) as (second, _):
+        await eventually(lambda: second.stats.dead_letters == {"missing_turns": 1}, 10, "letter")
+    [letter] = await dead_letters(log.js)
+    assert letter.deliveries == LAST_TRY.max_deliver + 1
+
+
+class _MarkerLostOnce(FoldWorker):
+    """Test double: the first fold-marker write fails, as when nats-server (or the worker) dies
+    right after JetStream acknowledged the trajectories; the server stays up and real."""
+
+    lost = 0
+
+    async def _write_marker(self, key: str, marker: FoldMarker) -> None:
+        if not self.lost:
+            self.lost += 1
+            raise EventLogUnavailable(f"test double: marker {key} lost")
+        await super()._write_marker(key, marker)
+
+
+class _TrajectoriesCut:
+    """Test double around the worker's real publisher: the first batch of trajectories stops
+    after its first one is stored, as if the worker died there (the server stays real)."""
+
+    def __init__(self, inner: Publisher) -> None:
+        self._inner = inner
+        self.cut = False
+
+    async def publish(self, event: Event) -> PublishReceipt:
+        return await self._inner.publish(event)
+
+    async def publish_many(self, events: Sequence[Event]) -> list[PublishReceipt]:
+        if not self.cut and events and isinstance(events[0], TrajectoryReady):
+            self.cut = True
+            await self._inner.publish_many(events[:1])
+            raise EventLogUnavailable("test double: died after the first trajectory's ack")
+        return await self._inner.publish_many(events)
+
+    async def publish_raw(self, subject: str, payload: bytes, msg_id: str) -> PublishReceipt:
+        return await self._inner.publish_raw(subject, payload, msg_id)
+
+
+@pytest.mark.parametrize(
+    ("fault", "stored_before"), [("marker lost", 3), ("publish cut", 1)], ids=str
+)
+async def test_a_close_redelivered_past_the_duplicate_window_publishes_each_trajectory_once(
+    log: Log, fault: str, stored_before: int
+) -> None:
+    """The first delivery stores some or all trajectories but never writes the marker; the close
+    comes back after TRAJ's duplicate window (shrunk to 0.5 s here, 120 s by default), where the
+    Msg-Id no longer absorbs a repeat. Each trajectory must still be in TRAJ exactly once."""
+    await provision(log.js, FAST_LOG.model_copy(update={"duplicate_window_s": 0.5}))
+    stepwise = session_events(
+        append_only(3), session="stepwise", metadata={"fold": {"per_turn": True}}
+    )
+    await publish(log, stepwise)
+    settings = FoldWorkerSettings(backoff_s=(1.2,), ack_wait_s=5.0, fetch_timeout_s=0.2)
+    worker_type = _MarkerLostOnce if fault == "marker lost" else FoldWorker
+    wrap: Callable[[Publisher], Publisher] = (
+        _TrajectoriesCut if fault == "publish cut" else (lambda pub: pub)
+    )
+
+    async with running(log, settings, worker_type=worker_type, publisher=wrap) as (worker, _):
+        await eventually(lambda: worker.stats.sessions_folded == 1, 10, "folded on redelivery")
+
+    ids = Counter(t.trajectory_id for t in await trajectories(log.js))
+    assert ids == {f"{RUN}/stepwise/{i}": 1 for i in range(3)}
+    assert worker.stats.retried == 1
+    assert worker.stats.already_published == stored_before
+    marker = await (await log.js.key_value("ts_folded")).get(f"{RUN}.stepwise")
+    assert msgspec.json.decode(marker.value or b"")["trajectories"] == 3

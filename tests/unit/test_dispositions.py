@@ -5,9 +5,17 @@ from __future__ import annotations
 import pytest
 
 from consumers import FoldError, FoldWorkerSettings, MissingTurns
-from consumers.dispositions import DeadLetterIt, Retry, disposition, reason_of
+from consumers.dispositions import (
+    DeadLetterIt,
+    Retry,
+    RetryDeadLetter,
+    consumer_max_deliver,
+    disposition,
+    reason_of,
+    when_dead_letter_fails,
+)
 from consumers.reaper import Observation, SessionActivity, forgettable, idle_sessions, observe
-from consumers.worker import fold_options
+from consumers.worker import fold_options, republish_could_duplicate
 from schemas import (
     EventLogError,
     EventLogUnavailable,
@@ -41,6 +49,50 @@ MISSING = MissingTurns("r", "s", [1], 3, "the close says num_turns=3")
 )
 def test_disposition_of_each_error(error: Exception, delivery: int, expected: object) -> None:
     assert disposition(error, delivery=delivery, settings=SETTINGS) == expected
+
+
+@pytest.mark.parametrize(
+    ("delivery", "attempt", "stopping", "expected"),
+    [
+        (1, 1, False, Retry(1.0)),  # a redelivery is coming: the whole message retries
+        (3, 1, True, Retry(30.0)),
+        (4, 1, False, RetryDeadLetter(1.0)),  # max_deliver: never nak, retry the letter
+        (4, 3, False, RetryDeadLetter(30.0)),
+        (4, 9, True, Retry(30.0)),  # stopping: the spare delivery will come
+        (5, 2, True, RetryDeadLetter(5.0)),  # the consumer's last: the stop waits for the log
+    ],
+)
+def test_a_refused_dead_letter_is_never_dropped_on_a_last_delivery(
+    delivery: int, attempt: int, stopping: bool, expected: object
+) -> None:
+    assert consumer_max_deliver(SETTINGS) == SETTINGS.max_deliver + 1
+    decision = when_dead_letter_fails(
+        delivery=delivery, attempt=attempt, stopping=stopping, settings=SETTINGS
+    )
+    assert decision == expected
+
+
+def test_a_stopping_worker_hands_a_close_back_only_after_its_own_last_fetch() -> None:
+    slow_fetch = SETTINGS.model_copy(update={"fetch_timeout_s": 60.0})
+    decision = when_dead_letter_fails(delivery=4, attempt=1, stopping=True, settings=slow_fetch)
+    assert decision == Retry(61.0)  # else its still-open fetch could take the close back
+
+
+@pytest.mark.parametrize(
+    ("delivery", "close_age_s", "expected"),
+    [
+        (1, 3600.0, False),  # no earlier delivery could have published
+        (2, 10.0, False),  # a republish lands inside the window of any earlier publish
+        (2, 59.9, False),
+        (2, 60.0, True),  # less than half the window left for the fold, retries and skew
+        (7, 3600.0, True),
+    ],
+)
+def test_only_old_redelivered_closes_look_for_trajectories_already_in_traj(
+    delivery: int, close_age_s: float, expected: bool
+) -> None:
+    decision = republish_could_duplicate(delivery=delivery, close_age_s=close_age_s, window_s=120.0)
+    assert decision is expected
 
 
 def test_missing_turns_is_a_fold_error_with_its_own_reason() -> None:
