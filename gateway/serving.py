@@ -364,6 +364,77 @@ class ChatService:
                 await aclose()
             detok.finish()
 
+    def _turn_event(
+        self,
+        turn: _Turn,
+        detok: Detokenizer,
+        fields: JSON,
+        version: int,
+        timing: tuple[float | None, float],
+    ) -> TurnCompleted:
+        """The turn as an event extending the session's current state (its next index, the
+        previous context and conversation, the tools)."""
+        session = turn.session
+        prefix_len = common_prefix_len(session.context_ids, turn.prompt_ids)
+        message_prefix = common_message_prefix_len(
+            [message_key(m) for m in session.conversation], [message_key(m) for m in turn.messages]
+        )
+        ttft, generated = timing
+        event = TurnCompleted(
+            run=session.run,
+            session=session.id,
+            turn=session.next_turn,
+            created_at=time.time(),
+            prefix_len=prefix_len,
+            prompt_ids=np.asarray(turn.prompt_ids[prefix_len:], dtype=np.int32),
+            completion_ids=np.asarray(detok.ids, dtype=np.int32),
+            logprobs=np.asarray(detok.logprobs, dtype=np.float32),
+            message_prefix_len=message_prefix,
+            new_messages=turn.messages[message_prefix:],
+            # None: same tools as the previous turn; [] : tools removed.
+            tools=(turn.tools or [])
+            if turn.tools != session.tools or session.next_turn == 0
+            else None,
+            sampling=turn.sampling,
+            **fields,
+            weight_version=version,
+            template_hash=self.template.hash,
+            backend=turn.backend_id,
+            timings={
+                "ttft_ms": round(1000 * ((ttft or generated) - turn.started), 3),
+                "generate_ms": round(1000 * (generated - turn.started), 3),
+            },
+            usage={"prompt_tokens": len(turn.prompt_ids), "completion_tokens": len(detok.ids)},
+        )
+        return event
+
+    async def _turn_taken(self, session: Session, event: TurnCompleted) -> bool:
+        """Whether the log holds another event under ``event``'s turn index (its publish was a
+        duplicate of an earlier attempt's); if so ``session`` catches up with the log."""
+        if self._recover is None:
+            return False
+        events = await self._recover(session.id)
+        stored = next(
+            (e for e in events if isinstance(e, TurnCompleted) and e.turn == event.turn), None
+        )
+        if stored is None or (
+            stored.created_at == event.created_at
+            and np.array_equal(stored.completion_ids, event.completion_ids)
+        ):
+            return False  # ours: a retry of this very publish
+        logged = Session.from_events(events)
+        if logged is None or logged.next_turn <= event.turn:
+            return False
+        log.warning(
+            "session %s turn %d: the log holds an earlier attempt (answered 503, stored late); "
+            "this reply becomes turn %d",
+            session.id,
+            event.turn,
+            logged.next_turn,
+        )
+        session.catch_up(logged)
+        return True
+
     async def _finish_turn(self, turn: _Turn, detok: Detokenizer, ttft: float | None) -> TurnResult:
         """Parse, publish (awaiting the ack), update the session."""
         session = turn.session
@@ -388,44 +459,19 @@ class ChatService:
         if version is None:
             version = self.weight_version()
         generated = time.perf_counter()
-        prev_context = session.context_ids
-        prefix_len = common_prefix_len(prev_context, turn.prompt_ids)
-        message_prefix = common_message_prefix_len(
-            [message_key(m) for m in session.conversation], [message_key(m) for m in turn.messages]
-        )
         reply: JSON = {"role": "assistant", "content": content}
         if tool_calls:
             reply["tool_calls"] = tool_calls
-        event = TurnCompleted(
-            run=session.run,
-            session=session.id,
-            turn=session.next_turn,
-            created_at=time.time(),
-            prefix_len=prefix_len,
-            prompt_ids=np.asarray(turn.prompt_ids[prefix_len:], dtype=np.int32),
-            completion_ids=np.asarray(detok.ids, dtype=np.int32),
-            logprobs=np.asarray(detok.logprobs, dtype=np.float32),
-            message_prefix_len=message_prefix,
-            new_messages=turn.messages[message_prefix:],
-            # None: same tools as the previous turn; [] : tools removed.
-            tools=(turn.tools or [])
-            if turn.tools != session.tools or session.next_turn == 0
-            else None,
-            sampling=turn.sampling,
-            finish_reason=finish,
-            text=content or "",
-            tool_calls=tool_calls,
-            weight_version=version,
-            template_hash=self.template.hash,
-            backend=turn.backend_id,
-            timings={
-                "ttft_ms": round(1000 * ((ttft or generated) - turn.started), 3),
-                "generate_ms": round(1000 * (generated - turn.started), 3),
-            },
-            usage={"prompt_tokens": len(turn.prompt_ids), "completion_tokens": len(detok.ids)},
-        )
+        fields = {"text": content or "", "tool_calls": tool_calls, "finish_reason": finish}
+        event = self._turn_event(turn, detok, fields, version, (ttft, generated))
         with self.metrics.publish_latency.time():
-            await self.publisher.publish(event)
+            receipt = await self.publisher.publish(event)
+        while receipt.duplicate and await self._turn_taken(session, event):
+            # An earlier attempt at this turn, answered with a 503 (its ack never came), reached
+            # the log after all: that index holds tokens the client never received. This reply
+            # is the session's next turn instead, so the log holds what the client gets.
+            event = self._turn_event(turn, detok, fields, version, (ttft, generated))
+            receipt = await self.publisher.publish(event)
         self.metrics.tokens_in.inc(len(turn.prompt_ids))
         self.metrics.tokens_out.inc(len(detok.ids))
         self.metrics.turns.labels(turn.kind).inc()

@@ -85,6 +85,14 @@ class Session:
             session.closed, session.status = True, closed.status
         return session
 
+    def catch_up(self, logged: Session) -> None:
+        """Take the turns of ``logged`` (this session as the log has it) as the latest ones."""
+        self.next_turn = logged.next_turn
+        self.context_ids = logged.context_ids
+        self.conversation = logged.conversation
+        self.last_completion_ids = logged.last_completion_ids
+        self.tools = logged.tools
+
     def describe(self) -> JSON:
         return {
             "session_id": self.id,
