@@ -236,16 +236,20 @@ class ReferenceTrainer:
 
     def __init__(self, settings: ReferenceTrainerSettings) -> None:
         self.settings = settings
-        self.model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
-            settings.model_dir, dtype=torch.float32
-        )
-        torch.nn.Module.to(self.model, torch.device(settings.device))
-        # Eval mode throughout: no dropout, so the recomputed log-probs are the sampling ones
-        # and the first ratio of an on-policy sample is exactly 1.
-        self.model.train(False)
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=settings.lr)
+        self.model, self.optimizer = self._load(settings.model_dir)
         self.version = settings.initial_version
         self.steps_done = 0
+
+    def _load(self, model_dir: Path) -> tuple[PreTrainedModel, torch.optim.Adam]:
+        """The model in ``model_dir`` on the settings' device, and a fresh optimizer for it."""
+        model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32
+        )
+        torch.nn.Module.to(model, torch.device(self.settings.device))
+        # Eval mode throughout: no dropout, so the recomputed log-probs are the sampling ones
+        # and the first ratio of an on-policy sample is exactly 1.
+        model.train(False)
+        return model, torch.optim.Adam(model.parameters(), lr=self.settings.lr)
 
     async def run(self, sink: TrainerSink, policy: PolicyStore) -> list[StepReport]:
         """Train on ``settings.steps`` batches of ``sink``, publishing each new policy to
@@ -289,11 +293,7 @@ class ReferenceTrainer:
                 f"{published.checkpoint} is not a model directory this trainer can read; mount "
                 f"it here, or start over under a new run (or delete the run's key in ts_policy)"
             )
-        model = AutoModelForCausalLM.from_pretrained(published.checkpoint, dtype=torch.float32)
-        torch.nn.Module.to(model, torch.device(self.settings.device))
-        model.train(False)
-        self.model = model
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=self.settings.lr)
+        self.model, self.optimizer = self._load(published.checkpoint)
         self.version = published.version
         log.info("run %r: resumed from policy version %d (%s)", run, self.version, published)
         return self.version

@@ -1,13 +1,17 @@
-"""Reading whole streams back in tests: every message of TRAJ or DLQ, decoded."""
+"""Streams in tests: publishing events as the gateway would, reading TRAJ or DLQ back whole."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js import errors as js_errors
 
 from schemas.codec import Codec
 from schemas.dead_letter import DeadLetter, decode_dead_letter
-from schemas.events import TrajectoryReady
+from schemas.events import Event, TrajectoryReady
+from schemas.log import JetStreamPublisher
 
 
 async def stream_payloads(js: JetStreamContext, stream: str) -> list[tuple[int, str, bytes]]:
@@ -42,3 +46,10 @@ async def dead_letters(js: JetStreamContext, stream: str = "DLQ") -> list[DeadLe
 
 async def message_count(js: JetStreamContext, stream: str) -> int:
     return int((await js.stream_info(stream)).state.messages)
+
+
+async def publish_events(nc: NATS, events: Sequence[Event]) -> None:
+    """Publish ``events`` (routed and Msg-Id'd as in production) and wait for their acks."""
+    pub = await JetStreamPublisher(nc).start()
+    await pub.publish_many(events)
+    await pub.close()

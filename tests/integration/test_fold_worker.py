@@ -34,7 +34,13 @@ from schemas.log import JetStreamPublisher, Publisher, PublishReceipt, connect, 
 from schemas.log.pull import fetch
 from tests.conftest import FAST_LOG, Log
 from tests.helpers.sessions import RUN, append_only, reward, session_events
-from tests.helpers.streams import dead_letters, message_count, stream_payloads, trajectories
+from tests.helpers.streams import (
+    dead_letters,
+    message_count,
+    publish_events,
+    stream_payloads,
+    trajectories,
+)
 from tests.helpers.waiting import eventually
 
 pytestmark = pytest.mark.integration
@@ -42,12 +48,6 @@ pytestmark = pytest.mark.integration
 FAST_FOLD = FoldWorkerSettings(
     max_deliver=3, backoff_s=(0.05,), ack_wait_s=5.0, fetch_timeout_s=0.2, concurrency=4
 )
-
-
-async def publish(log: Log, events: Sequence[SessionEvent]) -> None:
-    pub = await JetStreamPublisher(log.nc).start()
-    await pub.publish_many(events)
-    await pub.close()
 
 
 async def publish_raw(log: Log, subject: str, payload: bytes, msg_id: str) -> None:
@@ -110,7 +110,7 @@ async def test_closed_sessions_become_their_folded_trajectories_once(log: Log) -
     per_turn = session_events(
         append_only(4), session="stepwise", metadata={"fold": {"per_turn": True}}
     )
-    await publish(log, [e for s in sessions for e in s] + per_turn)
+    await publish_events(log.nc, [e for s in sessions for e in s] + per_turn)
 
     async with running(log) as (worker, _):
         await until_trajectories(log, 6 + 4)
@@ -133,7 +133,7 @@ async def test_closed_sessions_become_their_folded_trajectories_once(log: Log) -
 
 async def test_a_close_redelivered_after_its_fold_publishes_nothing_new(log: Log) -> None:
     [events] = good_sessions(1)
-    await publish(log, events)
+    await publish_events(log.nc, events)
     async with running(log) as (worker, _):
         await until_trajectories(log, 1)
         await eventually(lambda: worker.stats.sessions_folded == 1, 5, "folded")
@@ -170,18 +170,20 @@ async def test_each_poison_case_is_dead_lettered_with_its_reason_while_good_sess
         for e in session_events(append_only(3), session="missing")
         if not (isinstance(e, TurnCompleted) and e.turn == 1)
     ]
-    await publish(log, [e for s in good for e in s])
-    await publish(log, [e for e in junk_turn if not (isinstance(e, TurnCompleted) and e.turn)])
+    await publish_events(log.nc, [e for s in good for e in s])
+    await publish_events(
+        log.nc, [e for e in junk_turn if not (isinstance(e, TurnCompleted) and e.turn)]
+    )
     junk_subject = route(junk_turn[2]).subject
     await publish_raw(log, junk_subject, b"\xc1 not msgpack", route(junk_turn[2]).msg_id)
-    await publish(log, [junk_turn[-1]])
+    await publish_events(log.nc, [junk_turn[-1]])
     newer_turn = newer[2]
     assert isinstance(newer_turn, TurnCompleted)
-    await publish(log, [e for e in newer if e is not newer_turn])
+    await publish_events(log.nc, [e for e in newer if e is not newer_turn])
     await publish_raw(
         log, route(newer_turn).subject, _newer_schema(newer_turn), route(newer_turn).msg_id
     )
-    await publish(log, lying + missing)
+    await publish_events(log.nc, lying + missing)
     await publish_raw(log, f"ts.ev.{RUN}.junk-close.close", b"\x93junk", "junk-close")
 
     async with running(log) as (worker, _):
@@ -216,7 +218,7 @@ async def test_each_poison_case_is_dead_lettered_with_its_reason_while_good_sess
 
 async def test_two_workers_share_the_closes_and_no_session_is_folded_twice(log: Log) -> None:
     sessions = good_sessions(80, turns=2)
-    await publish(log, [e for s in sessions for e in s])
+    await publish_events(log.nc, [e for s in sessions for e in s])
     async with running(log) as (a, _), running(log) as (b, _):
         await until_trajectories(log, 80, within=30)
         await eventually(
@@ -231,7 +233,7 @@ async def test_two_workers_share_the_closes_and_no_session_is_folded_twice(log: 
 async def test_reapers_close_an_idle_session_once_and_it_is_folded_as_timeout(log: Log) -> None:
     never_closed = session_events(append_only(3), session="abandoned", close=False)
     closed = session_events(append_only(2), session="finished")
-    await publish(log, never_closed + closed)
+    await publish_events(log.nc, never_closed + closed)
     reaping = ReaperSettings(idle_timeout_s=1.0, scan_interval_s=0.2)
 
     async with (
@@ -263,13 +265,13 @@ async def _session(log: Log, session: str) -> list[SessionEvent]:
 
 async def test_an_event_after_the_close_is_counted_and_dead_lettered_as_late(log: Log) -> None:
     events = session_events(append_only(2), session="done")
-    await publish(log, events)
+    await publish_events(log.nc, events)
     reaping = ReaperSettings(idle_timeout_s=60.0, scan_interval_s=0.2)
     async with running(log, reaper=reaping) as (_, reaper):
         assert reaper is not None
         await until_trajectories(log, 1)
         await eventually(lambda: reaper.stats.events_tracked >= len(events), 10, "tracked")
-        await publish(log, [reward(1.0, session="done", key="late", created_at=10.0)])
+        await publish_events(log.nc, [reward(1.0, session="done", key="late", created_at=10.0)])
         await eventually(lambda: reaper.stats.late_events == 1, 10, "late event seen")
 
     [letter] = await dead_letters(log.js)
@@ -281,8 +283,8 @@ async def test_an_event_after_the_close_is_counted_and_dead_lettered_as_late(log
 
 
 async def test_the_entries_of_sessions_closed_long_ago_are_forgotten(log: Log) -> None:
-    await publish(log, session_events(append_only(2), session="old"))
-    await publish(log, session_events(append_only(1), session="open", close=False))
+    await publish_events(log.nc, session_events(append_only(2), session="old"))
+    await publish_events(log.nc, session_events(append_only(1), session="open", close=False))
     reaping = ReaperSettings(idle_timeout_s=3600.0, scan_interval_s=60.0)
     async with running(log, reaper=reaping) as (_, reaper):
         assert reaper is not None
@@ -302,7 +304,7 @@ async def test_a_reaper_behind_the_stream_closes_on_what_the_stream_holds(log: L
     fetched it died before merging it) and, for another session, the close: the stream wins."""
     slow = session_events(append_only(3), session="slow", close=False)
     done = session_events(append_only(2), session="done")
-    await publish(log, slow[:3] + done[:3])  # open + two turns of each
+    await publish_events(log.nc, slow[:3] + done[:3])  # open + two turns of each
     nc = await connect(log.server.url, FAST_LOG, name="reaper")
     pub = await JetStreamPublisher(nc).start()
     reaper = Reaper(nc.jetstream(), pub, ReaperSettings(idle_timeout_s=1.0))
@@ -310,7 +312,7 @@ async def test_a_reaper_behind_the_stream_closes_on_what_the_stream_holds(log: L
         sub = await reaper.attach()
         await reaper.track(await fetch(sub, 6, 2.0))
         await asyncio.sleep(1.2)  # both entries idle now
-        await publish(log, slow[3:] + done[3:])  # untracked: the third turn; the close
+        await publish_events(log.nc, slow[3:] + done[3:])  # untracked: the third turn; the close
         assert await reaper.scan() == 0  # the stream has newer events: not idle
         assert reaper.stats.not_idle_yet == 2
 
@@ -365,7 +367,7 @@ async def test_a_dead_letter_refused_on_the_last_delivery_is_retried_until_store
 ) -> None:
     """Delivery max_deliver fails (a turn is missing) and the log refuses the first dead letter:
     a nak there was the close's last delivery, and the close vanished without a trace."""
-    await publish(log, _missing_turn_1("missing"))
+    await publish_events(log.nc, _missing_turn_1("missing"))
     refused: list[_DeadLettersRefused] = []
 
     def wrap(pub: Publisher) -> Publisher:
@@ -388,7 +390,7 @@ async def test_a_worker_stopped_while_its_last_dead_letter_is_refused_hands_the_
 ) -> None:
     """The worker stops while the log refuses every dead letter of the close's delivery
     max_deliver; the consumer's spare delivery brings it to the next worker."""
-    await publish(log, _missing_turn_1("missing"))
+    await publish_events(log.nc, _missing_turn_1("missing"))
     refusing: list[_DeadLettersRefused] = []
 
     def wrap(pub: Publisher) -> Publisher:
@@ -456,7 +458,7 @@ async def test_a_close_redelivered_past_the_duplicate_window_publishes_each_traj
     stepwise = session_events(
         append_only(3), session="stepwise", metadata={"fold": {"per_turn": True}}
     )
-    await publish(log, stepwise)
+    await publish_events(log.nc, stepwise)
     settings = FoldWorkerSettings(backoff_s=(1.2,), ack_wait_s=5.0, fetch_timeout_s=0.2)
     worker_type = _MarkerLostOnce if fault == "marker lost" else FoldWorker
     wrap: Callable[[Publisher], Publisher] = (

@@ -14,12 +14,11 @@ from nats.js import JetStreamContext
 from nats.js.errors import NoKeysError
 
 from consumers import Reaper, ReaperSettings
-from schemas.events import SessionEvent
 from schemas.log import JetStreamPublisher, connect
 from schemas.log.pull import fetch
 from tests.conftest import FAST_LOG, Log
 from tests.helpers.sessions import RUN, append_only, reward, session_events
-from tests.helpers.streams import stream_payloads
+from tests.helpers.streams import publish_events, stream_payloads
 
 pytestmark = pytest.mark.integration
 
@@ -40,12 +39,6 @@ async def reapers(log: Log, n: int) -> AsyncIterator[list[Reaper]]:
         await nc.close()
 
 
-async def publish(log: Log, events: list[SessionEvent]) -> None:
-    pub = await JetStreamPublisher(log.nc).start()
-    await pub.publish_many(events)
-    await pub.close()
-
-
 async def track_all(reaper: Reaper, sub: JetStreamContext.PullSubscription) -> None:
     while msgs := await fetch(sub, 256, 0.5):
         await reaper.track(msgs)
@@ -55,7 +48,7 @@ async def test_reapers_forgetting_the_same_entries_at_once_both_finish_their_sca
     log: Log,
 ) -> None:
     sessions = [session_events(append_only(1), session=f"done-{i}") for i in range(20)]
-    await publish(log, [e for s in sessions for e in s])
+    await publish_events(log.nc, [e for s in sessions for e in s])
     async with reapers(log, 2) as (a, b):
         sub = await a.attach()
         await b.attach()
@@ -72,14 +65,16 @@ async def test_reapers_forgetting_the_same_entries_at_once_both_finish_their_sca
 async def test_a_late_event_after_the_entry_was_forgotten_gets_no_second_close(
     log: Log,
 ) -> None:
-    await publish(log, session_events(append_only(2), session="done"))
+    await publish_events(log.nc, session_events(append_only(2), session="done"))
     async with reapers(log, 1) as (reaper,):
         sub = await reaper.attach()
         await track_all(reaper, sub)
         await reaper.scan(now=time.time() + LATER)
         assert reaper.stats.forgotten == 1  # closed long ago: its entry is gone
 
-        await publish(log, [reward(0.5, session="done", key="late", created_at=time.time())])
+        await publish_events(
+            log.nc, [reward(0.5, session="done", key="late", created_at=time.time())]
+        )
         await track_all(reaper, sub)  # a fresh entry, open as far as it knows
         assert await reaper.scan(now=time.time() + LATER) == 0
         assert reaper.stats.closed_before == 1

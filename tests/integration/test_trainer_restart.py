@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -14,6 +13,7 @@ from schemas.events import TrajectoryReady
 from schemas.policy import PolicyUpdate, encode_policy_update
 from schemas.shards import trajectories_to_table
 from tests.conftest import Log
+from tests.helpers.trajectories import folded
 from trainer_sink import (
     BatchingSettings,
     OfflineSource,
@@ -28,35 +28,11 @@ pytestmark = pytest.mark.integration
 
 
 def samples_of(n: int = 4) -> list[TrajectoryReady]:
-    rng = np.random.default_rng(3)
-    samples = []
-    for i in range(n):
-        prompt, completion = rng.integers(1, 250, 6 + i), rng.integers(1, 250, 4)
-        p, total = len(prompt), len(prompt) + len(completion)
-        samples.append(
-            TrajectoryReady(
-                run="r",
-                session=f"s{i}",
-                trajectory_id=f"r/s{i}/0",
-                group="g",
-                segment=0,
-                status="completed",
-                input_ids=np.concatenate([prompt, completion]),
-                loss_mask=np.array([0] * p + [1] * len(completion)),
-                logprobs=np.array([0.0] * p + [-1.5] * len(completion), dtype=np.float32),
-                versions=np.array([-1] * p + [0] * len(completion)),
-                prompt_len=p,
-                turn_ends=np.array([total]),
-                turn_rewards=[None],
-                reward=float(i % 2),
-                num_turns=1,
-                finish_reason="length",
-                messages=[],
-                metadata={},
-                fold_version=2,
-            )
-        )
-    return samples
+    """One GRPO group of ``n`` folded sessions with rewards 0 and 1."""
+    return [
+        folded("r", f"s{i}", turns=1 + i % 2, final_reward=float(i % 2), group="g")
+        for i in range(n)
+    ]
 
 
 def weights(trainer: ReferenceTrainer) -> dict[str, torch.Tensor]:
