@@ -15,18 +15,22 @@ from gateway.errors import (
     SessionNotFound,
     Unauthorized,
 )
+from gateway.guard import BodyLimits
 from gateway.metrics import GatewayMetrics
-from gateway.serving import ChatService
+from gateway.serving import ChatServing, CompletionServing, SessionService, TurnEngine
 from gateway.sessions import Session, SessionStore
 from gateway.templates import ChatTemplate
 from gateway.tools import ToolCallParser, get_parser
+from gateway.turns import SessionState, apply, fold
 
 __all__ = [
     "Backend",
     "BackendError",
     "BackendUnavailable",
-    "ChatService",
+    "BodyLimits",
+    "ChatServing",
     "ChatTemplate",
+    "CompletionServing",
     "ContextLengthExceeded",
     "GatewayError",
     "GatewayMetrics",
@@ -37,9 +41,14 @@ __all__ = [
     "Session",
     "SessionClosed",
     "SessionNotFound",
+    "SessionService",
+    "SessionState",
     "SessionStore",
     "ToolCallParser",
+    "TurnEngine",
     "Unauthorized",
+    "apply",
     "create_app",
+    "fold",
     "get_parser",
 ]

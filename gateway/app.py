@@ -1,51 +1,67 @@
-"""The HTTP surface (DESIGN §4): thin routes that parse, call ``ChatService``, shape the reply.
+"""The HTTP surface (DESIGN §4): the routers, the request guard, and one error mapping.
 
-Every error leaves as an OpenAI error body with the status from ``gateway.errors.ERROR_TABLE``;
-no request can crash the server (anything unexpected is a 500 with a logged traceback).
+Every error leaves as an OpenAI error body with the status from ``gateway.errors.ERROR_TABLE``,
+on every route, unknown ones and wrong methods included; anything unexpected is a 500 with a
+logged traceback. The OpenAPI schema documents every status a route can answer, with the error
+body model, and nothing else (FastAPI's own 422 is never sent: validation errors are 400s).
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from fastapi import FastAPI, Header, Request
+from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.background import BackgroundTask
-from starlette.types import ASGIApp, Receive, Scope, Send
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException
 
-from gateway.errors import InvalidRequest, Unauthorized, error_body, error_spec
-from gateway.metrics import GatewayMetrics
-from gateway.protocol import (
-    ChatCompletionRequest,
-    CloseSessionRequest,
-    CompletionRequest,
-    CreateSessionRequest,
-    RewardRequest,
+from gateway.errors import (
+    InvalidRequest,
+    MethodNotAllowed,
+    RouteNotFound,
+    error_body,
+    error_spec,
 )
-from gateway.serving import ChatService
+from gateway.guard import BodyLimits, GuardedRoute, RequestGuard, parse_api_keys
+from gateway.metrics import GatewayMetrics
+from gateway.routers import openai_routes, session_routes
+from gateway.routers.common import errors
+from gateway.serving import ChatServing, CompletionServing, SessionService, TurnEngine
 from schemas.errors import TurnstreamError
 
-__all__ = ["create_app"]
+__all__ = ["Health", "create_app"]
 
 log = logging.getLogger(__name__)
 JSON = dict[str, Any]
-_OPEN_PATHS = {"/health", "/metrics"}
+
+
+class Health(BaseModel):
+    status: str
+    backend: str
+    sessions: int
+    log: str | None = None
+    weight_version: int | None = None
 
 
 def create_app(
-    service: ChatService,
     *,
+    engine: TurnEngine,
+    sessions: SessionService,
+    default_run: str,
     api_keys: Sequence[str] = (),
+    metrics_auth: bool = False,
+    limits: BodyLimits | None = None,
     health: Callable[[], Awaitable[JSON]] | None = None,
 ) -> FastAPI:
-    """The gateway app around ``service``; ``health`` adds checks (the log's state) to /health."""
+    """The gateway app; ``health`` adds checks (the log's state) to /health."""
     app = FastAPI(title="turnstream gateway", version="0.1.0")
-    metrics = service.metrics
+    app.router.route_class = GuardedRoute
+    metrics: GatewayMetrics = engine.metrics
 
     def error_response(exc: BaseException) -> JSONResponse:
         spec = error_spec(exc)
@@ -60,152 +76,85 @@ def create_app(
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'body'}: {e['msg']}"
-            for e in exc.errors()
-        )
-        first = exc.errors()[0]["loc"] if exc.errors() else ()
-        param = ".".join(str(p) for p in first if p != "body") or None
-        return error_response(InvalidRequest(f"invalid request: {problems}", param=param))
+        return error_response(validation_problem(exc))
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, exc: HTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            problem: Exception = RouteNotFound(
+                f"no route {request.method} {request.url.path}; the OpenAI API is under "
+                "/sessions/{session_id}/v1/ or /v1/ with an X-Session-Id header (see /docs)"
+            )
+        elif exc.status_code == 405:
+            problem = MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}")
+        else:
+            problem = InvalidRequest(str(exc.detail))
+        return error_response(problem)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         return error_response(exc)
 
+    open_paths = frozenset({"/health"} if metrics_auth else {"/health", "/metrics"})
     app.add_middleware(
-        _AuthAndTiming, keys=frozenset(api_keys), reject=error_response, metrics=metrics
+        RequestGuard,
+        keys=parse_api_keys(api_keys),
+        open_paths=open_paths,
+        limits=limits or BodyLimits(),
+        reject=error_response,
+        metrics=metrics,
     )
 
-    # -- service endpoints ------------------------------------------------------------------
-
-    @app.get("/health")
+    @app.get("/health", response_model=None, responses={200: {"model": Health}, **errors(503)})
     async def health_check() -> JSONResponse:
         body: JSON = {
             "status": "ok",
-            "backend": service.backend.id,
-            "sessions": len(service.sessions),
+            "backend": engine.backend.id,
+            "sessions": len(sessions.store),
         }
         if health is not None:
             body.update(await health())
         return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
 
-    @app.get("/metrics")
+    @app.get(
+        "/metrics",
+        response_model=None,
+        responses={200: {"content": {"text/plain": {}}, "description": "Prometheus metrics"}},
+    )
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    # -- session API ------------------------------------------------------------------------
-
-    @app.post("/v1/sessions")
-    async def create_session(body: CreateSessionRequest, request: Request) -> JSON:
-        session = await service.open_session(body)
-        return {**session.describe(), "base_url": f"{request.base_url}sessions/{session.id}/v1"}
-
-    @app.get("/v1/sessions/{session_id}")
-    async def get_session(session_id: str) -> JSON:
-        return (await service.session(session_id)).describe()
-
-    @app.post("/v1/sessions/{session_id}/reward")
-    async def reward(session_id: str, body: RewardRequest) -> JSON:
-        return await service.reward(await service.session(session_id), body)
-
-    @app.post("/v1/sessions/{session_id}/close")
-    async def close(session_id: str, body: CloseSessionRequest | None = None) -> JSON:
-        return await service.close(await service.session(session_id), body or CloseSessionRequest())
-
-    # -- OpenAI API, per session and with X-Session-Id ---------------------------------------
-
-    async def chat(session_id: str, body: ChatCompletionRequest) -> Response:
-        session = await service.session(session_id)
-        if body.stream:
-            stream = await service.chat_stream(session, body)
-            return StreamingResponse(
-                stream,
-                media_type="text/event-stream",
-                background=BackgroundTask(stream.release_if_unstarted),
-            )
-        return JSONResponse(await service.chat(session, body))
-
-    async def complete(session_id: str, body: CompletionRequest) -> JSON:
-        if body.stream:
-            raise InvalidRequest(
-                "stream=true is supported on chat/completions only", param="stream"
-            )
-        return await service.complete(await service.session(session_id), body)
-
-    def models() -> JSON:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": service.model_name,
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "turnstream",
-                }
-            ],
-        }
-
-    @app.post("/sessions/{session_id}/v1/chat/completions")
-    async def session_chat(session_id: str, body: ChatCompletionRequest) -> Response:
-        return await chat(session_id, body)
-
-    @app.post("/sessions/{session_id}/v1/completions")
-    async def session_complete(session_id: str, body: CompletionRequest) -> JSON:
-        return await complete(session_id, body)
-
-    @app.get("/sessions/{session_id}/v1/models")
-    async def session_models(session_id: str) -> JSON:
-        await service.session(session_id)
-        return models()
-
-    @app.post("/v1/chat/completions")
-    async def header_chat(
-        body: ChatCompletionRequest, x_session_id: str | None = Header(None)
-    ) -> Response:
-        return await chat((await service.session_from_header(x_session_id)).id, body)
-
-    @app.post("/v1/completions")
-    async def header_complete(
-        body: CompletionRequest, x_session_id: str | None = Header(None)
-    ) -> JSON:
-        return await complete((await service.session_from_header(x_session_id)).id, body)
-
-    @app.get("/v1/models")
-    async def list_models() -> JSON:
-        return models()
-
+    app.include_router(session_routes(sessions, default_run))
+    chat, completions = ChatServing(engine, sessions.store), CompletionServing(engine)
+    app.include_router(openai_routes(sessions, chat, completions, default_run))
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
 
 
-class _AuthAndTiming:
-    """Bearer-key check and request timing as plain ASGI middleware (starlette's
-    BaseHTTPMiddleware costs a task and a memory stream per request; it was ~16% of the
-    gateway's CPU per request)."""
+def validation_problem(exc: RequestValidationError) -> InvalidRequest:
+    """A 400 naming each field at fault (FastAPI would answer 422 with its own body)."""
+    problems = []
+    for error in exc.errors():
+        where = ".".join(str(p) for p in error["loc"] if p != "body") or "body"
+        message = error["msg"]
+        if error["loc"][:2] == ("header", "X-Session-Id") and error["type"] == "missing":
+            message = (
+                "an X-Session-Id header is required on /v1/...; or create a session with "
+                "POST /v1/sessions and use its base_url"
+            )
+        problems.append(f"{where}: {message}")
+    first = exc.errors()[0]["loc"] if exc.errors() else ()
+    param = ".".join(str(p) for p in first if p not in ("body", "header", "path", "query"))
+    return InvalidRequest(f"invalid request: {'; '.join(problems)}", param=param or None)
 
-    def __init__(
-        self,
-        app: ASGIApp,
-        *,
-        keys: frozenset[str],
-        reject: Callable[[BaseException], JSONResponse],
-        metrics: GatewayMetrics,
-    ) -> None:
-        self.app = app
-        self.keys = keys
-        self.reject = reject
-        self.metrics = metrics
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        started = time.perf_counter()
-        if self.keys and scope["path"] not in _OPEN_PATHS:
-            header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-            if not header.startswith("Bearer ") or header[7:] not in self.keys:
-                problem = Unauthorized("missing or invalid API key (Authorization: Bearer ...)")
-                await self.reject(problem)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-        route = getattr(scope.get("route"), "path", "unmatched")
-        self.metrics.request_latency.labels(route).observe(time.perf_counter() - started)
+def _openapi(app: FastAPI) -> JSON:
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for path in schema["paths"].values():
+            for operation in path.values():
+                operation.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        app.openapi_schema = schema
+    return app.openapi_schema

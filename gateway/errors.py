@@ -3,8 +3,15 @@
     GatewayError                         (TurnstreamError)
     ├── InvalidRequest           400     malformed JSON, bad fields, unsupported parameters
     ├── Unauthorized             401     missing or wrong bearer key
-    ├── SessionNotFound          404     no such session
+    ├── RunNotAllowed            403     a per-run key used on another run
+    ├── SessionNotFound          404     no such session in this run
+    ├── ModelNotFound            404     a model this gateway does not serve
+    ├── RouteNotFound            404     no such route
+    ├── MethodNotAllowed         405     a known route, another method
+    ├── RequestTimeout           408     the body did not arrive within the deadline
     ├── SessionClosed            409     a turn or reward on a closed session
+    ├── SessionExists            409     creating a session that exists with another group/metadata
+    ├── RequestTooLarge          413     a body over the size limit
     ├── ContextLengthExceeded    413     prompt (+ max_tokens) over the model's context length
     ├── BackendError             502     the inference backend failed or returned garbage
     │   └── BackendUnavailable   503     no replica could take the request
@@ -28,7 +35,14 @@ __all__ = [
     "ErrorSpec",
     "GatewayError",
     "InvalidRequest",
+    "MethodNotAllowed",
+    "ModelNotFound",
+    "RequestTimeout",
+    "RequestTooLarge",
+    "RouteNotFound",
+    "RunNotAllowed",
     "SessionClosed",
+    "SessionExists",
     "SessionNotFound",
     "Unauthorized",
     "error_body",
@@ -52,12 +66,40 @@ class Unauthorized(GatewayError):
     """A missing or wrong bearer key (401)."""
 
 
+class RunNotAllowed(GatewayError):
+    """A valid key that is not allowed for the request's run (403)."""
+
+
 class SessionNotFound(GatewayError):
-    """No such session here or in the log (404)."""
+    """No such session in this run, here or in the log (404)."""
+
+
+class ModelNotFound(GatewayError):
+    """A ``model`` this gateway does not serve (404)."""
+
+
+class RouteNotFound(GatewayError):
+    """No route at this path (404)."""
+
+
+class MethodNotAllowed(GatewayError):
+    """The route exists, not with this method (405)."""
+
+
+class RequestTimeout(GatewayError):
+    """The request body did not arrive within the deadline (408)."""
 
 
 class SessionClosed(GatewayError):
     """A turn, reward or close on a closed session (409)."""
+
+
+class SessionExists(GatewayError):
+    """Creating a session that exists with another group or metadata (409)."""
+
+
+class RequestTooLarge(GatewayError):
+    """A request body over the size limit (413)."""
 
 
 class ContextLengthExceeded(GatewayError):
@@ -84,8 +126,15 @@ ERROR_TABLE: tuple[tuple[type[BaseException], ErrorSpec], ...] = (
     (InvalidRequest, ErrorSpec(400, "invalid_request_error", "invalid_request")),
     (SchemaError, ErrorSpec(400, "invalid_request_error", "invalid_request")),
     (Unauthorized, ErrorSpec(401, "authentication_error", "invalid_api_key")),
+    (RunNotAllowed, ErrorSpec(403, "permission_error", "run_not_allowed")),
     (SessionNotFound, ErrorSpec(404, "invalid_request_error", "session_not_found")),
+    (ModelNotFound, ErrorSpec(404, "invalid_request_error", "model_not_found")),
+    (RouteNotFound, ErrorSpec(404, "invalid_request_error", "not_found")),
+    (MethodNotAllowed, ErrorSpec(405, "invalid_request_error", "method_not_allowed")),
+    (RequestTimeout, ErrorSpec(408, "invalid_request_error", "request_timeout")),
     (SessionClosed, ErrorSpec(409, "invalid_request_error", "session_closed")),
+    (SessionExists, ErrorSpec(409, "invalid_request_error", "session_exists")),
+    (RequestTooLarge, ErrorSpec(413, "invalid_request_error", "request_too_large")),
     (ContextLengthExceeded, ErrorSpec(413, "invalid_request_error", "context_length_exceeded")),
     (BackendUnavailable, ErrorSpec(503, "server_error", "backend_unavailable")),
     (BackendError, ErrorSpec(502, "server_error", "backend_error")),

@@ -1,140 +1,179 @@
-"""Sessions as the gateway keeps them between turns (what the next turn's prompt extends).
+"""The sessions a gateway holds in memory, keyed by (run, session id), bounded.
 
-A session's state is small: its ids, the previous turn's full context (prompt + completion
-ids), the conversation as the client saw it (messages + the assistant reply returned), the
-tools, the next turn index, and whether it is closed. Turns of one session are serialized by
-its lock: an agent's turn t+1 depends on turn t's reply.
+A ``Session`` is a handle: the session's state (``gateway.turns.SessionState``, changed only by
+applying its events), the lock that serializes its turns (an agent's turn t+1 depends on turn
+t's reply) and the number of requests using it. The store:
+
+- loads a session atomically per key: concurrent requests for a session not in memory wait for
+  one load (from the log, or a creation), so they all share one handle and one lock;
+- evicts closed sessions after a grace period, and open ones least-recently-used beyond
+  ``max_sessions``; a session in use is never evicted (two handles would mean two locks). An
+  evicted session is recovered from the log on its next request, by the same fold.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections import OrderedDict, deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
 
-import numpy as np
+from gateway.errors import SessionClosed
+from gateway.turns import SessionState, fold
+from schemas.events import SessionEvent
 
-from gateway.errors import SessionClosed, SessionNotFound
-from schemas.delta import replay_context
-from schemas.events import SessionClosed as SchemaSessionClosed
-from schemas.events import SessionEvent, SessionOpened, TurnCompleted
+__all__ = ["Session", "SessionKey", "SessionStore"]
 
-__all__ = ["Session", "SessionStore"]
-
-JSON = dict[str, Any]
+SessionKey = tuple[str, str]  # (run, session id)
+Recover = Callable[[str, str], Awaitable[Sequence[SessionEvent]]]
+Create = Callable[[], Awaitable[SessionState]]
 
 
-@dataclass
+@dataclass(eq=False)
 class Session:
-    run: str
-    id: str
-    group: str | None = None
-    metadata: JSON = field(default_factory=dict)
-    created_at: float = field(default_factory=time.time)
-    next_turn: int = 0
-    context_ids: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int32))
-    conversation: list[JSON] = field(default_factory=list)  # messages + reply, as returned
-    tools: list[JSON] | None = None
-    last_completion_ids: list[int] = field(default_factory=list)
-    last_prompt_len: int = 0
-    closed: bool = False
-    status: str = "open"
-    replica: str | None = None
-    last_activity: float = field(default_factory=time.monotonic)
+    state: SessionState
     lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
+    users: int = 0  # requests holding this handle: never evicted while > 0
+    closed_at: float | None = None
+
+    @property
+    def key(self) -> SessionKey:
+        return (self.state.run, self.state.id)
+
+    @property
+    def name(self) -> str:
+        """How messages name it: ``run/session``."""
+        return f"{self.state.run}/{self.state.id}"
 
     def ensure_open(self) -> None:
-        if self.closed:
+        if self.state.closed:
             raise SessionClosed(
-                f"session {self.id} (run {self.run}) is closed ({self.status}); "
-                f"open a new session for a new episode"
+                f"session {self.state.id} (run {self.state.run}) is closed "
+                f"({self.state.status}); open a new session for a new episode"
             )
-
-    @classmethod
-    def from_events(cls, events: Sequence[SessionEvent]) -> Session | None:
-        """The state after ``events`` (one session's, from the log), or None if there are none.
-
-        A gateway that restarted, or a second gateway, continues such a session where it
-        stopped: the next turn gets the next index and extends the recorded tokens."""
-        if not events:
-            return None
-        opened = next((e for e in events if isinstance(e, SessionOpened)), None)
-        turns = sorted(
-            {e.turn: e for e in events if isinstance(e, TurnCompleted)}.values(),
-            key=lambda e: e.turn,
-        )
-        closed = next((e for e in events if isinstance(e, SchemaSessionClosed)), None)
-        first = events[0]
-        session = cls(
-            run=first.run,
-            id=first.session,
-            group=opened.group if opened else None,
-            metadata=dict(opened.metadata) if opened else {},
-            created_at=(opened or first).created_at,
-            next_turn=len(turns),
-        )
-        if turns:
-            session.context_ids, session.conversation = replay_context(turns)
-            session.last_completion_ids = turns[-1].completion_ids.tolist()
-            latest = next((t.tools for t in reversed(turns) if t.tools is not None), None)
-            session.tools = latest or None  # [] recorded a removal
-
-        if closed is not None:
-            session.closed, session.status = True, closed.status
-        return session
-
-    def catch_up(self, logged: Session) -> None:
-        """Take the turns of ``logged`` (this session as the log has it) as the latest ones."""
-        self.next_turn = logged.next_turn
-        self.context_ids = logged.context_ids
-        self.conversation = logged.conversation
-        self.last_completion_ids = logged.last_completion_ids
-        self.tools = logged.tools
-
-    def describe(self) -> JSON:
-        return {
-            "session_id": self.id,
-            "run": self.run,
-            "group": self.group,
-            "metadata": self.metadata,
-            "turns": self.next_turn,
-            "status": self.status,
-            "closed": self.closed,
-            "created_at": self.created_at,
-        }
 
 
 class SessionStore:
-    """The sessions this gateway process serves (sticky: one gateway per session)."""
-
-    def __init__(self) -> None:
-        self._sessions: dict[str, Session] = {}
+    def __init__(
+        self,
+        *,
+        recover: Recover | None = None,
+        max_sessions: int = 10_000,
+        closed_grace_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if max_sessions < 1:
+            raise ValueError(f"max_sessions must be >= 1: {max_sessions}")
+        self._recover = recover  # reads one session's events from the log
+        self._max = max_sessions
+        self._grace_s = closed_grace_s
+        self._clock = clock
+        self._sessions: OrderedDict[SessionKey, Session] = OrderedDict()  # least recent first
+        self._closed: deque[Session] = deque()  # in the order they closed
+        self._loading: dict[SessionKey, asyncio.Future[Session | None]] = {}
+        self.evicted = 0
 
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def add(self, session: Session) -> Session:
-        self._sessions[session.id] = session
-        return session
-
-    def find(self, session_id: str) -> Session | None:
-        return self._sessions.get(session_id)
-
-    def get(self, session_id: str) -> Session:
-        session = self._sessions.get(session_id)
+    @asynccontextmanager
+    async def use(self, key: SessionKey, create: Create | None = None) -> AsyncIterator[Session]:
+        """The session of ``key`` (from memory, else the log, else ``create``d), held for the
+        block: it is not evicted meanwhile. Raises LookupError when there is none."""
+        session = await self.load(key, create)
         if session is None:
-            raise SessionNotFound(
-                f"no session {session_id!r} on this gateway; create one with POST /v1/sessions "
-                f"or send an X-Session-Id header to /v1/chat/completions"
-            )
+            raise LookupError(key)
+        session.users += 1
+        try:
+            yield session
+        finally:
+            session.users -= 1
+            self._evict()
+
+    def hold(self, session: Session) -> Callable[[], None]:
+        """Hold ``session`` beyond a ``use`` block (a streamed reply); call the result once."""
+        session.users += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                session.users -= 1
+                self._evict()
+
+        return release
+
+    async def load(self, key: SessionKey, create: Create | None = None) -> Session | None:
+        """The session of ``key``, loading it once however many requests ask at a time."""
+        session = self._sessions.get(key)
+        if session is not None:
+            self._sessions.move_to_end(key)
+            return session
+        pending = self._loading.get(key)
+        if pending is not None:
+            found = await asyncio.shield(pending)
+            if found is not None or create is None:
+                return found
+            return await self.load(key, create)  # that load found nothing and created nothing
+        future: asyncio.Future[Session | None] = asyncio.get_running_loop().create_future()
+        self._loading[key] = future
+        try:
+            session = await self._load(key, create)
+        except BaseException as exc:
+            future.set_exception(exc)
+            future.exception()  # retrieved: waiters re-raise it, nobody else must
+            raise
+        else:
+            future.set_result(session)
+            return session
+        finally:
+            del self._loading[key]
+
+    async def _load(self, key: SessionKey, create: Create | None) -> Session | None:
+        state = fold(await self._recover(*key)) if self._recover is not None else None
+        if state is None and create is not None:
+            state = await create()
+        if state is None:
+            return None
+        session = Session(state)
+        if state.closed:
+            session.closed_at = self._clock()
+            self._closed.append(session)
+        self._sessions[key] = session
+        self._evict()
         return session
 
-    def forget_closed(self, older_than_s: float) -> int:
-        """Drop closed sessions idle longer than ``older_than_s`` (their events are in the log)."""
-        cutoff = time.monotonic() - older_than_s
-        gone = [k for k, s in self._sessions.items() if s.closed and s.last_activity < cutoff]
-        for key in gone:
-            del self._sessions[key]
-        return len(gone)
+    def closed(self, session: Session) -> None:
+        """``session`` was closed: it stays for the grace period (a retried close is answered
+        from memory), then goes."""
+        session.closed_at = self._clock()
+        self._closed.append(session)
+        self._evict()
+
+    def _evict(self) -> None:
+        cutoff = self._clock() - self._grace_s
+        while self._closed and (self._closed[0].closed_at or 0.0) <= cutoff:
+            session = self._closed[0]
+            if session.users:
+                break  # in use (a retried close); the next eviction tries again
+            self._closed.popleft()
+            self._drop(session)
+        excess = len(self._sessions) - self._max
+        if excess <= 0:
+            return
+        victims = []
+        for session in self._sessions.values():  # least recently used first
+            if not session.users and not session.lock.locked():
+                victims.append(session)
+                if len(victims) == excess:
+                    break
+        for session in victims:
+            self._drop(session)
+
+    def _drop(self, session: Session) -> None:
+        if self._sessions.get(session.key) is session:
+            del self._sessions[session.key]
+            self.evicted += 1

@@ -14,28 +14,18 @@ end-of-turn text is what the template writes after an assistant message's conten
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase, TokenizersBackend
 
+from gateway.conversation import arguments_object
 from gateway.errors import InvalidRequest
 
-__all__ = ["ChatTemplate", "message_key", "template_messages"]
+__all__ = ["ChatTemplate", "template_messages"]
 
 JSON = dict[str, Any]
 _SENTINEL = "\x00turnstream-sentinel\x00"
-
-
-def _arguments_object(arguments: object) -> object:
-    """OpenAI sends tool-call arguments as a JSON string; HF templates expect the object."""
-    if isinstance(arguments, str):
-        try:
-            return json.loads(arguments)
-        except json.JSONDecodeError:
-            return arguments
-    return arguments
 
 
 def template_messages(messages: Sequence[JSON]) -> list[JSON]:
@@ -49,33 +39,13 @@ def template_messages(messages: Sequence[JSON]) -> list[JSON]:
                     **call,
                     "function": {
                         **call["function"],
-                        "arguments": _arguments_object(call["function"].get("arguments")),
+                        "arguments": arguments_object(call["function"].get("arguments")),
                     },
                 }
                 for call in m["tool_calls"]
             ]
         out.append(m)
     return out
-
-
-def message_key(message: JSON) -> tuple[object, ...]:
-    """What must be equal for a message sent back by a client to count as the same message."""
-    calls = tuple(
-        (
-            (c.get("function") or {}).get("name"),
-            json.dumps(
-                _arguments_object((c.get("function") or {}).get("arguments")), sort_keys=True
-            ),
-        )
-        for c in message.get("tool_calls") or ()
-    )
-    return (
-        message.get("role"),
-        message.get("content") or "",
-        calls,
-        message.get("tool_call_id"),
-        message.get("name"),
-    )
 
 
 class ChatTemplate:
@@ -93,6 +63,10 @@ class ChatTemplate:
         self.stop_token_ids: tuple[int, ...] = tuple(dict.fromkeys(ids))
         self._rust_decode = _rust_decode(tokenizer)
         self.turn_end_text = self._turn_end_text()
+        # No token stands for more characters than its vocabulary string has (byte-level
+        # vocabularies write one character per byte), so text of n characters needs at least
+        # n / longest tokens: a prompt far over the context is refused before it is rendered.
+        self._longest_token = max((len(t) for t in tokenizer.get_vocab()), default=1) or 1
 
     def _turn_end_text(self) -> str:
         """The template's text between an assistant message's content and the next message."""
@@ -118,6 +92,10 @@ class ChatTemplate:
         except Exception as exc:  # jinja raises anything: a template error is the request's
             raise InvalidRequest(f"the chat template cannot render these messages: {exc}") from exc
         return str(text)
+
+    def min_tokens(self, chars: int) -> int:
+        """A lower bound on the tokens of ``chars`` characters of text."""
+        return chars // self._longest_token
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))

@@ -10,7 +10,7 @@ its turns squared. The same rule applies to the conversation's messages.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -27,11 +27,14 @@ def common_prefix_len(a: Sequence[int] | np.ndarray, b: Sequence[int] | np.ndarr
     return int(mismatch[0]) if len(mismatch) else n
 
 
-def common_message_prefix_len(a: Sequence[Any], b: Sequence[Any]) -> int:
-    """Length of the longest common prefix of two message lists (compared as values)."""
+def common_message_prefix_len(
+    a: Sequence[Any], b: Sequence[Any], key: Callable[[Any], object] | None = None
+) -> int:
+    """Length of the longest common prefix of two message lists, compared as values (or as
+    their ``key``)."""
     n = 0
     for x, y in zip(a, b, strict=False):
-        if x != y:
+        if (x != y) if key is None else (key(x) != key(y)):
             break
         n += 1
     return n
@@ -51,11 +54,13 @@ def encode_delta(
     conversation: Sequence[Any],
     prompt: Sequence[int] | np.ndarray,
     messages: Sequence[Any],
+    message_key: Callable[[Any], object] | None = None,
 ) -> PromptDelta:
     """Delta-encode ``prompt``/``messages`` against the previous turn's full ``context`` (its
-    prompt + completion) and ``conversation`` (its messages + its assistant reply)."""
+    prompt + completion) and ``conversation`` (its messages + its assistant reply). Messages
+    equal under ``message_key`` count as shared (a client re-serializes its history)."""
     prefix_len = common_prefix_len(context, prompt)
-    message_prefix_len = common_message_prefix_len(conversation, messages)
+    message_prefix_len = common_message_prefix_len(conversation, messages, message_key)
     return PromptDelta(
         prefix_len,
         np.asarray(prompt, dtype=np.int32)[prefix_len:],

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import logging
 from collections.abc import AsyncIterator
@@ -26,8 +27,9 @@ from gateway.app import create_app
 from gateway.backends.base import Backend
 from gateway.backends.local import LocalBackend
 from gateway.backends.policy_watch import PolicyTarget, PolicyVersion, watch_policy
+from gateway.guard import BodyLimits
 from gateway.metrics import GatewayMetrics
-from gateway.serving import ChatService
+from gateway.serving import SessionService, TurnEngine
 from gateway.sessions import SessionStore
 from gateway.templates import ChatTemplate
 from gateway.tools import get_parser
@@ -59,7 +61,24 @@ class GatewaySettings(ServiceSettings):
     )
     model_name: str | None = Field(None, description="model name reported to clients")
     tool_parser: str = Field("hermes", description="tool-call format the model writes")
-    api_keys: list[str] = Field(default_factory=list, description="bearer keys; empty: no auth")
+    api_keys: list[str] = Field(
+        default_factory=list,
+        description="bearer keys: KEY (every run) or KEY=RUN1,RUN2 (only those runs); "
+        "empty: no auth",
+    )
+    metrics_auth: bool = Field(False, description="/metrics needs a key too (with --api-keys)")
+    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="request body limit")
+    body_timeout_s: float = Field(30.0, gt=0, description="deadline to receive a request body")
+    max_json_depth: int = Field(64, ge=4, le=512, description="deepest JSON nesting accepted")
+    max_open_sessions: int = Field(
+        10_000,
+        ge=1,
+        description="sessions held in memory; the least recently used beyond it are evicted "
+        "(and recovered from the log on their next request)",
+    )
+    closed_session_grace_s: float = Field(
+        60.0, ge=0, description="how long a closed session stays in memory"
+    )
     max_concurrency: int = Field(4, ge=1, description="local backend: concurrent generations")
     torch_threads: int | None = Field(
         None,
@@ -80,7 +99,8 @@ class GatewaySettings(ServiceSettings):
 @dataclass
 class Gateway:
     app: FastAPI
-    service: ChatService
+    engine: TurnEngine
+    sessions: SessionService
     publisher: JetStreamPublisher
     backend: Backend
 
@@ -124,7 +144,8 @@ def _backend(settings: GatewaySettings, model_dir: Path, name: str) -> Backend:
 async def build_gateway(settings: GatewaySettings, event_log: EventLog) -> AsyncIterator[Gateway]:
     """The gateway app on ``event_log``; publisher, backend and policy watch live as long as it."""
     model_dir = settings.model_dir
-    name = settings.model_name or model_dir.name
+    # The built-in tiny model is served as "tiny"; a model directory under its own name.
+    name = settings.model_name or (model_dir.name if settings.model is not None else "tiny")
     tokenizer: Any = AutoTokenizer.from_pretrained(model_dir)
     # Every end token the model may sample closes its turn, not only the tokenizer's eos.
     try:
@@ -145,20 +166,23 @@ async def build_gateway(settings: GatewaySettings, event_log: EventLog) -> Async
     # trainer, and the gateway only follows the version to record it on every turn.
     policy: PolicyTarget = backend if isinstance(backend, LocalBackend) else PolicyVersion()
     watcher = asyncio.create_task(watch_policy(kv, settings.run, policy), name="policy-watch")
-    service = ChatService(
+    recover = functools.partial(read_session, event_log.js, stream=settings.log.names.events)
+    engine = TurnEngine(
         template=ChatTemplate(tokenizer, stop_token_ids=stop_ids),
         backend=backend,
         publisher=publisher,
-        sessions=SessionStore(),
         parser=get_parser(settings.tool_parser),
-        run=settings.run,
         model_name=name,
         metrics=metrics,
         weight_version=lambda: policy.weight_version,
-        recover=lambda session_id: read_session(
-            event_log.js, None, session_id, stream=settings.log.names.events
-        ),
+        recover=recover,
     )
+    store = SessionStore(
+        recover=recover,
+        max_sessions=settings.max_open_sessions,
+        closed_grace_s=settings.closed_session_grace_s,
+    )
+    sessions = SessionService(store=store, publisher=publisher, model_name=name, recover=recover)
 
     async def health() -> dict[str, Any]:
         if outbox is not None:
@@ -167,12 +191,22 @@ async def build_gateway(settings: GatewaySettings, event_log: EventLog) -> Async
         return {
             "status": "ok" if connected or outbox is not None else "degraded",
             "log": "connected" if connected else "reconnecting",
-            "weight_version": service.weight_version(),
+            "weight_version": engine.weight_version(),
         }
 
-    app = create_app(service, api_keys=settings.api_keys, health=health)
+    app = create_app(
+        engine=engine,
+        sessions=sessions,
+        default_run=settings.run,
+        api_keys=settings.api_keys,
+        metrics_auth=settings.metrics_auth,
+        limits=BodyLimits(
+            settings.max_body_bytes, settings.body_timeout_s, settings.max_json_depth
+        ),
+        health=health,
+    )
     try:
-        yield Gateway(app, service, publisher, backend)
+        yield Gateway(app, engine, sessions, publisher, backend)
     finally:
         watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):

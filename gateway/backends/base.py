@@ -50,6 +50,7 @@ class GenerationChunk:
     top_logprobs: list[list[TopLogprob]] | None = None  # one list per token when asked
     finish_reason: FinishReason | None = None
     weight_version: int | None = None  # policy version that sampled these tokens, if known
+    replica: str | None = None  # the replica that generated them, when a router chose one
     extra: dict[str, float] = field(default_factory=dict)  # backend timings etc.
 
 
@@ -68,10 +69,11 @@ class Backend(Protocol):
         ...
 
     def generate(
-        self, prompt_ids: Sequence[int], params: SamplingParams
+        self, prompt_ids: Sequence[int], params: SamplingParams, *, session: str | None = None
     ) -> AsyncIterator[GenerationChunk]:
         """Stream the completion of ``prompt_ids``. Raises BackendError (gateway.errors) when
-        the backend fails; cancelling the iteration stops the generation."""
+        the backend fails; cancelling the iteration stops the generation. ``session`` is a
+        routing hint (replicas keep a session's prefix cached); a single backend ignores it."""
         ...
 
     async def close(self) -> None: ...

@@ -219,7 +219,7 @@ class LocalBackend:
         return self._decode_steps
 
     async def generate(
-        self, prompt_ids: Sequence[int], params: SamplingParams
+        self, prompt_ids: Sequence[int], params: SamplingParams, *, session: str | None = None
     ) -> AsyncIterator[GenerationChunk]:
         self._check_request(prompt_ids, params)
         loop = asyncio.get_running_loop()

@@ -20,6 +20,7 @@ A failure after the first chunk is raised to the caller: those tokens already re
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import time
 from collections import OrderedDict
@@ -144,12 +145,17 @@ class ReplicaRouter:
             return replica.backend.id, RoutedStream(self, replica, first, chunks)
 
     async def generate(
-        self, prompt_ids: Sequence[int], params: SamplingParams
+        self, prompt_ids: Sequence[int], params: SamplingParams, *, session: str | None = None
     ) -> AsyncIterator[GenerationChunk]:
-        """Sessionless generation (no stickiness); ``generate_for`` also tells the replica."""
-        _, stream = await self.generate_for(None, prompt_ids, params)
+        """The Backend port: ``session`` makes the route sticky; the first chunk names the
+        replica that serves the generation (``GenerationChunk.replica``)."""
+        replica, stream = await self.generate_for(session, prompt_ids, params)
+        first = True
         async with aclosing(stream) as chunks:
             async for chunk in chunks:
+                if first:
+                    first = False
+                    chunk = dataclasses.replace(chunk, replica=replica)
                 yield chunk
 
     async def close(self) -> None:

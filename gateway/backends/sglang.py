@@ -69,7 +69,7 @@ class SGLangBackend(RemoteBackend):
         self._incremental = incremental_streaming
 
     async def generate(
-        self, prompt_ids: Sequence[int], params: SamplingParams
+        self, prompt_ids: Sequence[int], params: SamplingParams, *, session: str | None = None
     ) -> AsyncIterator[GenerationChunk]:
         body = generate_request(prompt_ids, params)
         reader = SGLangStreamReader(

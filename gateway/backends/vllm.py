@@ -80,7 +80,7 @@ class VLLMBackend(RemoteBackend):
         self._model = model
 
     async def generate(
-        self, prompt_ids: Sequence[int], params: SamplingParams
+        self, prompt_ids: Sequence[int], params: SamplingParams, *, session: str | None = None
     ) -> AsyncIterator[GenerationChunk]:
         sent = list(prompt_ids)
         body = completion_request(self._model, sent, params)

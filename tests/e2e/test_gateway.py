@@ -264,7 +264,7 @@ def test_every_error_has_its_status_and_an_openai_body(gateway: GatewayProcess) 
     for bad_id in ("a*b", "a.b", "x" * 65):
         wildcard = httpx.post(f"{gateway.url}/sessions/{bad_id}/v1/chat/completions", json=ok_body)
         assert wildcard.status_code == 400, wildcard.text
-        assert "session id" in wildcard.json()["error"]["message"]
+        assert "session_id" in wildcard.json()["error"]["message"]
         header = httpx.post(
             f"{gateway.url}/v1/chat/completions", json=ok_body, headers={"X-Session-Id": bad_id}
         )

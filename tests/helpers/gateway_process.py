@@ -30,6 +30,8 @@ class GatewayProcess:
             nats_url,
             "--model",
             str(model_dir),
+            "--model-name",
+            "tiny",
             "--data-dir",
             str(data_dir),
             "--run",

@@ -1,48 +1,57 @@
-"""A streamed turn owns its session's lock, and gives it back even if never started."""
+"""A streamed turn owns its session's lock and a hold on it, and gives both back even if the
+client never pulled a chunk."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from types import SimpleNamespace
-from typing import Any
 
 from gateway.serving import ChatStream
-from gateway.sessions import Session
+from gateway.sessions import Session, SessionStore
+from gateway.turns import SessionState
 
 
-class _Service:
-    """Stands in for ChatService: only the generator factory ChatStream calls."""
+def chunks(started: Callable[[], None], release: Callable[[], None]) -> AsyncIterator[bytes]:
+    """The generator factory ChatServing hands the stream: it releases in its finally."""
 
-    def _stream_chat(
-        self, turn: Any, req: Any, started: Callable[[], None]
-    ) -> AsyncIterator[bytes]:
-        async def chunks() -> AsyncIterator[bytes]:
-            started()
+    async def generate() -> AsyncIterator[bytes]:
+        started()
+        try:
             yield b"data: x\n\n"
+        finally:
+            release()
 
-        return chunks()
+    return generate()
 
 
-async def locked_session() -> Session:
-    session = Session("run", "s")
-    await session.lock.acquire()  # as ChatService.chat_stream does before returning the stream
-    return session
+async def streamed_session() -> tuple[ChatStream, Session]:
+    store = SessionStore()
+    session = await store.load(("run", "s"), _create)
+    assert session is not None
+    release_hold = store.hold(session)
+    await session.lock.acquire()  # as ChatServing.stream does before returning the stream
+    return ChatStream(chunks, session, release_hold), session
+
+
+async def _create() -> SessionState:
+    return SessionState(run="run", id="s")
 
 
 async def test_a_stream_the_client_never_pulled_releases_the_session() -> None:
-    session = await locked_session()
-    stream = ChatStream(_Service(), SimpleNamespace(session=session), None)  # type: ignore[arg-type]
+    stream, session = await streamed_session()
 
     await stream.release_if_unstarted()
 
     assert not session.lock.locked(), "the next turn of this session would wait forever"
+    assert session.users == 0, "the session could never be evicted"
 
 
 async def test_a_started_stream_leaves_the_lock_to_its_generator() -> None:
-    session = await locked_session()
-    stream = ChatStream(_Service(), SimpleNamespace(session=session), None)  # type: ignore[arg-type]
-    assert await anext(aiter(stream)) == b"data: x\n\n"
+    stream, session = await streamed_session()
+    iterator = aiter(stream)
+    assert await anext(iterator) == b"data: x\n\n"
 
     await stream.release_if_unstarted()
-
     assert session.lock.locked()  # the generator's own finally releases it when it ends
+
+    await iterator.aclose()  # type: ignore[attr-defined]
+    assert not session.lock.locked() and session.users == 0

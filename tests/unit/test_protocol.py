@@ -7,7 +7,13 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from gateway.protocol import ChatCompletionRequest, CompletionRequest, message_text
+from gateway.protocol import (
+    ChatCompletionRequest,
+    CloseSessionRequest,
+    CompletionRequest,
+    RewardRequest,
+    message_text,
+)
 
 USER = [{"role": "user", "content": "hi"}]
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
@@ -21,7 +27,7 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
         ({"messages": USER, "temperature": 3}, "temperature"),
         ({"messages": USER, "n": 2}, "n"),
         ({"messages": USER, "top_logprobs": 3}, "top_logprobs requires logprobs"),
-        ({"messages": USER, "tools": [{"type": "retrieval"}]}, r"tools\[0\]"),
+        ({"messages": USER, "tools": [{"type": "retrieval"}]}, r"tools\.0\.type"),
         (
             {
                 "messages": USER,
@@ -76,3 +82,57 @@ def test_completion_prompt_may_be_token_ids_but_not_empty() -> None:
     assert CompletionRequest.model_validate({"prompt": [1, 2]}).prompt == [1, 2]
     with pytest.raises(ValidationError, match="must not be empty"):
         CompletionRequest.model_validate({"prompt": ""})
+
+
+BAD_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}
+
+
+@pytest.mark.parametrize(
+    ("body", "error"),
+    [
+        ({"messages": [{"role": "tool", "content": "42"}]}, "needs the tool_call_id"),
+        ({"messages": USER, "tools": [BAD_TOOL]}, "not a valid JSON schema: 5 is not valid"),
+        (
+            {"messages": USER, "tools": [{**TOOL, "function": {"name": "f", "parameters": 5}}]},
+            "parameters",
+        ),
+        ({"messages": USER, "tools": [TOOL], "tool_choice": {"function": "str"}}, "tool_choice"),
+        ({"messages": USER, "tool_choice": "required"}, "'required' needs tools"),
+        ({"messages": USER, "seed": 2**64}, "seed"),
+        ({"messages": USER, "max_tokens": 2**40}, "max_tokens"),
+        (
+            {"messages": [{"role": "assistant", "tool_calls": [{"function": "x"}]}]},
+            "tool_calls.0.function",
+        ),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "text only"),
+    ],
+    ids=[
+        "tool-result-without-call-id",
+        "schema-type",
+        "schema-not-object",
+        "tool-choice-shape",
+        "required-without-tools",
+        "seed-over-int64",
+        "max-tokens-huge",
+        "assistant-tool-call-shape",
+        "image-part",
+    ],
+)
+def test_hostile_chat_requests_are_refused_by_rule(body: dict[str, Any], error: str) -> None:
+    with pytest.raises(ValidationError, match=error):
+        ChatCompletionRequest.model_validate(body)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf"), False, True])
+def test_rewards_are_finite_numbers(value: object) -> None:
+    with pytest.raises(ValidationError, match="value"):
+        RewardRequest.model_validate({"value": value})
+    with pytest.raises(ValidationError, match="reward"):
+        CloseSessionRequest.model_validate({"reward": value})
+    assert RewardRequest.model_validate({"value": 1}).value == 1.0
+
+
+def test_tools_keep_the_json_the_client_sent() -> None:
+    tool = {**TOOL, "function": {**TOOL["function"], "strict": True, "x-extra": [1]}}
+    req = ChatCompletionRequest.model_validate({"messages": USER, "tools": [tool]})
+    assert req.raw_tools == [tool] and req.raw_tools[0] is tool

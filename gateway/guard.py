@@ -1,0 +1,248 @@
+"""The edge of the gateway: keys, runs, and bounded, strictly decoded request bodies.
+
+``RequestGuard`` is plain ASGI middleware (starlette's BaseHTTPMiddleware costs a task and a
+memory stream per request). Before any route runs it:
+
+- checks the bearer key and records which runs it may touch (``allowed_runs``);
+- reads the body under a size limit (a Content-Length over it is refused at once; a chunked
+  body is counted as it streams; nothing past the limit is buffered) and a read deadline (a
+  half-sent body is answered 408, not held forever);
+- decodes a JSON body strictly: UTF-8 (no lone surrogates), finite numbers, integers within
+  int64, nesting at most ``max_json_depth`` deep. The routes read that decoded body
+  (``GuardedRoute``) instead of parsing it again.
+
+An answer sent before the body was read whole leaves the rest to uvicorn, which discards it
+and keeps the connection alive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from fastapi import Request, Response
+from fastapi.routing import APIRoute
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.errors import InvalidRequest, RequestTimeout, RequestTooLarge, Unauthorized
+from gateway.metrics import GatewayMetrics
+from gateway.protocol.common import INT64_MAX, INT64_MIN
+from schemas.ids import ID_PATTERN
+
+__all__ = [
+    "BodyLimits",
+    "GuardedRoute",
+    "RequestGuard",
+    "allowed_runs",
+    "decode_json",
+    "parse_api_keys",
+]
+
+_JSON_KEY = "turnstream.json"
+_RUNS_KEY = "turnstream.runs"
+_RUN_LIST = re.compile(f"^{ID_PATTERN}(,{ID_PATTERN})*$")
+# An integer outside int64 has at least 19 digits; bodies without such a run skip that check.
+_LONG_DIGITS = re.compile(rb"\d{19}")
+_DECODER = msgspec.json.Decoder()
+_CONTAINERS = (dict, list)
+
+
+@dataclass(frozen=True)
+class BodyLimits:
+    max_bytes: int = 8 * 1024 * 1024
+    timeout_s: float = 30.0
+    max_json_depth: int = 64
+
+
+def parse_api_keys(entries: Sequence[str]) -> dict[str, frozenset[str] | None]:
+    """``KEY`` (every run) or ``KEY=RUN[,RUN...]`` (only those runs) -> key: runs or None.
+
+    >>> parse_api_keys(["k1", "k2=runA,runB"])
+    {'k1': None, 'k2': frozenset({'runA', 'runB'})}
+    """
+    keys: dict[str, frozenset[str] | None] = {}
+    for entry in entries:
+        key, sep, runs = entry.rpartition("=")
+        if sep and key and _RUN_LIST.match(runs):
+            keys[key] = frozenset(runs.split(","))
+        else:
+            keys[entry] = None
+    return keys
+
+
+def allowed_runs(request: Request) -> frozenset[str] | None:
+    """The runs the request's key may touch; None: any."""
+    runs: frozenset[str] | None = request.scope.get(_RUNS_KEY)
+    return runs
+
+
+def decode_json(body: bytes, max_depth: int) -> Any:
+    """``body`` as JSON, or InvalidRequest saying what is wrong with it."""
+    try:
+        value = _DECODER.decode(body)
+    except UnicodeDecodeError as exc:
+        raise InvalidRequest(f"the body is not valid UTF-8: {exc}") from exc
+    except RecursionError as exc:
+        raise InvalidRequest(f"the JSON body is nested deeper than {max_depth} levels") from exc
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        # msgspec reports a lone surrogate escape (\ud800) as truncated input.
+        raise InvalidRequest(
+            f"the body is not valid JSON ({exc}); strings must be valid Unicode "
+            "(no lone surrogates such as \\ud800) and numbers finite"
+        ) from exc
+    long_ints = _LONG_DIGITS.search(body) is not None
+    if long_ints or body.count(b"{") + body.count(b"[") > max_depth:
+        _check_tree(value, max_depth, long_ints)
+    return value
+
+
+def _check_tree(root: Any, max_depth: int, check_ints: bool) -> None:
+    stack: list[tuple[Any, int, str]] = [(root, 1, "$")]
+    while stack:
+        node, depth, path = stack.pop()
+        if depth > max_depth:
+            raise InvalidRequest(
+                f"the JSON body is nested deeper than {max_depth} levels at {path}"
+            )
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        for key, child in items:
+            if isinstance(child, _CONTAINERS):
+                stack.append((child, depth + 1, f"{path}.{key}"))
+            elif check_ints and type(child) is int and not INT64_MIN <= child <= INT64_MAX:
+                raise InvalidRequest(
+                    f"integer at {path}.{key} is outside the 64-bit range", param=str(key)
+                )
+
+
+class RequestGuard:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        keys: Mapping[str, frozenset[str] | None],
+        open_paths: frozenset[str],
+        limits: BodyLimits,
+        reject: Callable[[BaseException], JSONResponse],
+        metrics: GatewayMetrics,
+    ) -> None:
+        self.app = app
+        self.keys = dict(keys)
+        self.open_paths = open_paths
+        self.limits = limits
+        self.reject = reject
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        try:
+            if self.keys and scope["path"] not in self.open_paths:
+                scope[_RUNS_KEY] = self._runs_of_key(scope)
+            if scope["method"] in ("POST", "PUT", "PATCH"):
+                receive = await self._read_body(scope, receive)
+        except (Unauthorized, InvalidRequest, RequestTooLarge, RequestTimeout) as problem:
+            await self.reject(problem)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+        route = getattr(scope.get("route"), "path", "unmatched")
+        self.metrics.request_latency.labels(route).observe(time.perf_counter() - started)
+
+    def _runs_of_key(self, scope: Scope) -> frozenset[str] | None:
+        header = _header(scope, b"authorization")
+        key = header[7:] if header.startswith("Bearer ") else None
+        if key is None or key not in self.keys:
+            raise Unauthorized("missing or invalid API key (Authorization: Bearer ...)")
+        return self.keys[key]
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> Receive:
+        limit = self.limits.max_bytes
+        declared = _header(scope, b"content-length")
+        if declared.isdigit() and int(declared) > limit:
+            raise RequestTooLarge(_too_large(int(declared), limit))
+        parts: list[bytes] = []
+        size = 0
+        try:
+            async with asyncio.timeout(self.limits.timeout_s):
+                while True:
+                    message = await receive()
+                    if message["type"] != "http.request":
+                        return receive  # the client left: nothing to answer
+                    part = message.get("body", b"")
+                    size += len(part)
+                    if size > limit:
+                        raise RequestTooLarge(_too_large(size, limit, streamed=True))
+                    parts.append(part)
+                    if not message.get("more_body", False):
+                        break
+        except TimeoutError:
+            raise RequestTimeout(
+                f"the request body did not arrive within {self.limits.timeout_s:g} s "
+                f"({size} bytes received); send the whole body at once"
+            ) from None
+        body = b"".join(parts)
+        if body and _is_json(_header(scope, b"content-type")):
+            scope[_JSON_KEY] = decode_json(body, self.limits.max_json_depth)
+        return _replay(body, receive)
+
+
+def _too_large(size: int, limit: int, *, streamed: bool = False) -> str:
+    got = f"more than {limit}" if streamed else str(size)
+    return (
+        f"the request body is {got} bytes, over this gateway's limit of {limit} bytes "
+        "(--max-body-bytes)"
+    )
+
+
+def _header(scope: Scope, name: bytes) -> str:
+    for key, value in scope["headers"]:
+        if key == name:
+            return bytes(value).decode("latin-1")
+    return ""
+
+
+def _is_json(content_type: str) -> bool:
+    kind = content_type.split(";", 1)[0].strip().lower()
+    return not kind or kind == "application/json" or kind.endswith("+json")
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A receive that hands the app the body read already, then the client's own messages
+    (a streamed reply listens for the client's disconnect)."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if sent:
+            return await receive()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replay
+
+
+class _GuardedRequest(Request):
+    async def json(self) -> Any:
+        if _JSON_KEY in self.scope:
+            return self.scope[_JSON_KEY]
+        return await super().json()
+
+
+class GuardedRoute(APIRoute):
+    """A route that reads the body ``RequestGuard`` decoded already."""
+
+    def get_route_handler(self) -> Callable[[Request], Any]:
+        handler = super().get_route_handler()
+
+        async def guarded(request: Request) -> Response:
+            response: Response = await handler(_GuardedRequest(request.scope, request.receive))
+            return response
+
+        return guarded

@@ -1,0 +1,42 @@
+"""Request and response models of every route, and the error body (the OpenAPI contract)."""
+
+from gateway.protocol.chat import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatMessage,
+    ChatTool,
+    message_text,
+)
+from gateway.protocol.common import ErrorBody, ErrorResponse, ModelCard, ModelList, Usage
+from gateway.protocol.completions import Completion, CompletionRequest
+from gateway.protocol.sessions import (
+    CloseSessionRequest,
+    CreateSessionRequest,
+    RewardReceipt,
+    RewardRequest,
+    SessionCreated,
+    SessionInfo,
+)
+
+__all__ = [
+    "ChatCompletion",
+    "ChatCompletionChunk",
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "ChatTool",
+    "CloseSessionRequest",
+    "Completion",
+    "CompletionRequest",
+    "CreateSessionRequest",
+    "ErrorBody",
+    "ErrorResponse",
+    "ModelCard",
+    "ModelList",
+    "RewardReceipt",
+    "RewardRequest",
+    "SessionCreated",
+    "SessionInfo",
+    "Usage",
+    "message_text",
+]

@@ -1,0 +1,66 @@
+"""OpenAI (legacy) Completions: text or token-id prompts, not streamed."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from gateway.protocol.chat import OpenAIRequest, StreamOptions
+from gateway.protocol.common import FiniteFloat, Int64, TokenCount, Usage, Wire
+
+__all__ = ["Completion", "CompletionChoice", "CompletionLogprobs", "CompletionRequest"]
+
+TokenId = Field(ge=0, le=2**31 - 1)
+
+
+class CompletionRequest(OpenAIRequest):
+    model: str | None = Field(None, description="the served model (GET /v1/models); omitted: it")
+    prompt: str | list[int] = Field(description="text, or token ids (tokens in, tokens out)")
+    stream: Literal[False] = Field(False, description="streaming: use chat/completions")
+    stream_options: StreamOptions | None = None
+    logprobs: int | None = Field(None, ge=0, le=20)
+    stop: str | list[str] | None = Field(None, max_length=16)
+    max_tokens: TokenCount | None = 16
+    temperature: FiniteFloat | None = Field(None, ge=0, le=2)
+    top_p: FiniteFloat | None = Field(None, gt=0, le=1)
+    seed: Int64 | None = None
+    n: int = Field(1, ge=1, le=1)
+
+    @field_validator("prompt")
+    @classmethod
+    def _non_empty(cls, prompt: str | list[int]) -> str | list[int]:
+        if len(prompt) == 0:
+            raise ValueError("prompt must not be empty")
+        if isinstance(prompt, list) and not all(0 <= t < 2**31 for t in prompt):
+            raise ValueError("prompt token ids must be between 0 and 2**31 - 1")
+        return prompt
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class CompletionLogprobs(Wire):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(Wire):
+    index: int = 0
+    text: str
+    finish_reason: str
+    logprobs: CompletionLogprobs | None = None
+
+
+class Completion(Wire):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage

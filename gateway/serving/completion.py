@@ -1,0 +1,83 @@
+"""Completions: a turn from a text or token-id prompt (not streamed)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from gateway.protocol.completions import (
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+)
+from gateway.serving.chat import usage
+from gateway.serving.engine import Turn, TurnEngine, TurnResult, sampling_record
+from gateway.sessions import Session
+
+__all__ = ["CompletionServing"]
+
+
+class CompletionServing:
+    def __init__(self, engine: TurnEngine) -> None:
+        self.engine = engine
+
+    def prepare(self, session: Session, req: CompletionRequest) -> Turn:
+        engine = self.engine
+        engine.check_model(req.model)
+        if isinstance(req.prompt, str):
+            prompt_ids = engine.template.encode(req.prompt)
+        else:
+            prompt_ids = list(req.prompt)
+        top = req.logprobs or 0
+        params = engine.params(
+            session, len(prompt_ids), req.max_tokens, req.temperature, req.top_p, req.seed, top
+        )
+        return Turn(
+            session,
+            "completion",
+            prompt_ids,
+            [],
+            None,
+            params,
+            req.stop_strings,
+            False,
+            req.logprobs is not None,
+            top,
+            sampling_record(params, req.stop_strings, None),
+        )
+
+    async def complete(self, session: Session, req: CompletionRequest) -> Completion:
+        async with session.lock:
+            session.ensure_open()
+            turn = self.prepare(session, req)
+            result = await self.engine.run(turn)
+        choice = CompletionChoice.model_construct(
+            text=result.text,
+            finish_reason=result.finish_reason,
+            logprobs=self._logprobs(turn, result) if turn.logprobs else None,
+        )
+        return Completion.model_construct(
+            id=result.completion_id,
+            created=int(time.time()),
+            model=self.engine.model_name,
+            choices=[choice],
+            usage=usage(result),
+        )
+
+    def _logprobs(self, turn: Turn, result: TurnResult) -> CompletionLogprobs:
+        decode = self.engine.template.decode
+        tokens = [decode([i], skip_special_tokens=False) for i in result.completion_ids]
+        return CompletionLogprobs.model_construct(
+            tokens=tokens,
+            token_logprobs=result.detok.logprobs,
+            top_logprobs=[
+                {
+                    decode([a.token_id], skip_special_tokens=False): a.logprob
+                    for a in alts[: turn.top_logprobs]
+                }
+                for alts in result.detok.top_logprobs
+            ],
+            text_offset=np.cumsum([0, *[len(t) for t in tokens[:-1]]]).tolist(),
+        )

@@ -1,0 +1,326 @@
+"""One turn, from a validated request to a durable event (the core every endpoint shares).
+
+For a turn of a session: build the prompt ids (extending the previous turn's tokens when the
+conversation extends it), generate on the backend, parse tool calls, publish ``TurnCompleted``
+and wait for JetStream's ack, and only then apply the event to the session. The caller holds
+the session's lock from ``prepare`` to ``finish``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from gateway.backends.base import Backend, GenerationChunk, SamplingParams
+from gateway.conversation import message_key
+from gateway.decoding import Detokenizer
+from gateway.errors import ContextLengthExceeded, ModelNotFound
+from gateway.metrics import GatewayMetrics
+from gateway.sessions import Session
+from gateway.templates import ChatTemplate
+from gateway.tools import ToolCallParser
+from gateway.turns import SessionState, TurnDraft, apply, fold, turn_event
+from schemas.events import SessionEvent, TurnCompleted
+from schemas.log import Publisher
+
+__all__ = ["Turn", "TurnEngine", "TurnResult", "sampling_record"]
+
+log = logging.getLogger(__name__)
+JSON = dict[str, Any]
+Kind = Literal["chat", "completion"]
+Recover = Callable[[str, str], Awaitable[Sequence[SessionEvent]]]
+# Prompts with more text than this are rendered and tokenized on a worker thread, so that the
+# event loop (and /health) stays responsive while a huge prompt is built or refused.
+_OFF_LOOP_CHARS = 64 * 1024
+
+
+@dataclass
+class Turn:
+    """A prepared turn: what to send to the backend and what to record."""
+
+    session: Session
+    kind: Kind
+    prompt_ids: list[int]
+    messages: list[JSON]  # the full conversation of this turn (chat); [] for completions
+    tools: list[JSON] | None
+    params: SamplingParams
+    stop_strings: list[str]
+    parse_tools: bool
+    logprobs: bool
+    top_logprobs: int
+    sampling: JSON
+    forced_text: str = ""  # tool-call opening appended to the prompt to enforce tool_choice
+    started: float = field(default_factory=time.perf_counter)
+    backend_id: str = ""  # the replica that served the turn
+    finish: str = "length"  # set from the backend's last chunk
+    sampled_version: int | None = None  # weight_version the backend reported
+
+    @property
+    def index(self) -> int:
+        return self.session.state.turns
+
+
+@dataclass
+class TurnResult:
+    completion_id: str
+    text: str
+    content: str | None
+    tool_calls: list[JSON]
+    finish_reason: str
+    completion_ids: list[int]
+    detok: Detokenizer
+    prompt_tokens: int
+    weight_version: int
+
+    @property
+    def usage(self) -> tuple[int, int]:
+        return self.prompt_tokens, len(self.completion_ids)
+
+
+class TurnEngine:
+    def __init__(
+        self,
+        *,
+        template: ChatTemplate,
+        backend: Backend,
+        publisher: Publisher,
+        parser: ToolCallParser,
+        model_name: str,
+        metrics: GatewayMetrics,
+        weight_version: Callable[[], int] = lambda: 0,
+        recover: Recover | None = None,
+    ) -> None:
+        self.template = template
+        self.backend = backend
+        self.publisher = publisher
+        self.parser = parser
+        self.model_name = model_name
+        self.metrics = metrics
+        self.weight_version = weight_version
+        self._recover = recover
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ModelNotFound(
+                f"model {model!r} is not served here; this gateway serves {self.model_name!r} "
+                "(GET /v1/models)",
+                param="model",
+            )
+
+    # -- preparing ------------------------------------------------------------------------
+
+    async def chat_prompt(
+        self, state: SessionState, messages: list[JSON], tools: list[JSON] | None
+    ) -> list[int]:
+        """Extend the previous turn's tokens when the conversation extends it, else render."""
+        chars = sum(len(m.get("content") or "") for m in messages)
+        least = self.template.min_tokens(chars)
+        if least > self.backend.max_context:
+            raise ContextLengthExceeded(
+                f"the messages hold {chars} characters, at least {least} tokens: more than the "
+                f"model's context length of {self.backend.max_context} tokens",
+                param="messages",
+            )
+        if chars > _OFF_LOOP_CHARS:
+            return await asyncio.to_thread(self._chat_prompt, state, messages, tools)
+        return self._chat_prompt(state, messages, tools)
+
+    def _chat_prompt(
+        self, state: SessionState, messages: list[JSON], tools: list[JSON] | None
+    ) -> list[int]:
+        previous = state.conversation
+        if (
+            previous
+            and tools == state.tools
+            and len(messages) > len(previous)
+            and [message_key(m) for m in messages[: len(previous)]]
+            == [message_key(m) for m in previous]
+        ):
+            suffix = self.template.continuation_ids(
+                previous, state.last_completion_ids, messages[len(previous) :], tools
+            )
+            if suffix is not None:
+                return [*state.context_ids.tolist(), *suffix]
+        return self.template.prompt_ids(messages, tools)
+
+    def params(
+        self,
+        session: Session,
+        prompt_len: int,
+        budget: int | None,
+        temperature: float | None,
+        top_p: float | None,
+        seed: int | None,
+        top_logprobs: int,
+    ) -> SamplingParams:
+        room = self.backend.max_context - prompt_len
+        if room <= 0 or (budget is not None and budget > room):
+            asked = f" + max_tokens {budget}" if budget is not None else ""
+            raise ContextLengthExceeded(
+                f"session {session.name}: prompt of {prompt_len} tokens{asked} exceeds the "
+                f"model's context length of {self.backend.max_context} tokens",
+                param="messages",
+            )
+        return SamplingParams(
+            max_tokens=budget or room,
+            temperature=1.0 if temperature is None else temperature,
+            top_p=1.0 if top_p is None else top_p,
+            seed=seed,
+            stop_token_ids=self.template.stop_token_ids,
+            top_logprobs=top_logprobs,
+        )
+
+    # -- running ----------------------------------------------------------------------------
+
+    async def tokens(self, turn: Turn, detok: Detokenizer) -> AsyncIterator[Detokenizer]:
+        """Generate, feeding ``detok``; yields it after every chunk. Stops at a stop string."""
+        turn.backend_id = self.backend.id
+        # The session is the routing hint: its replica holds the conversation in its cache.
+        stream: AsyncIterator[GenerationChunk] = self.backend.generate(
+            turn.prompt_ids, turn.params, session=turn.session.name
+        )
+        try:
+            async for chunk in stream:
+                if chunk.replica is not None:
+                    turn.backend_id = chunk.replica
+                detok.add(chunk.token_ids, chunk.logprobs, chunk.top_logprobs)
+                if chunk.weight_version is not None:
+                    turn.sampled_version = chunk.weight_version
+                if chunk.finish_reason is not None:
+                    turn.finish = chunk.finish_reason
+                yield detok
+                if detok.stopped:
+                    turn.finish = "stop"
+                    break
+        finally:
+            aclose = getattr(stream, "aclose", None)  # stops the generation on the backend
+            if aclose is not None:
+                await aclose()
+            detok.finish()
+
+    async def run(self, turn: Turn) -> TurnResult:
+        """A whole turn, not streamed; the caller holds the session lock."""
+        detok = Detokenizer(self.template.decode, turn.stop_strings)
+        ttft = None
+        async for _ in self.tokens(turn, detok):
+            ttft = ttft or time.perf_counter()
+        return await self.finish(turn, detok, ttft)
+
+    async def finish(self, turn: Turn, detok: Detokenizer, ttft: float | None) -> TurnResult:
+        """Parse, publish (awaiting the ack), apply the event to the session."""
+        session = turn.session
+        text = detok.text
+        content: str | None = text
+        tool_calls: list[JSON] = []
+        finish = turn.finish
+        if turn.parse_tools:
+            parsed = self.parser.parse(turn.forced_text + text)
+            content = parsed.content
+            tool_calls = [
+                {
+                    "id": f"call_{secrets.token_hex(12)}",
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments},
+                }
+                for c in parsed.tool_calls
+            ]
+            if tool_calls:
+                finish = "tool_calls"
+        version = turn.sampled_version
+        if version is None:
+            version = self.weight_version()
+        generated = time.perf_counter()
+        draft = TurnDraft(
+            prompt_ids=turn.prompt_ids,
+            messages=turn.messages,
+            tools=turn.tools,
+            completion_ids=detok.ids,
+            logprobs=detok.logprobs,
+            text=content or "",
+            tool_calls=tool_calls,
+            finish_reason=finish,
+            sampling=turn.sampling,
+            weight_version=version,
+            template_hash=self.template.hash,
+            backend=turn.backend_id,
+            timings={
+                "ttft_ms": round(1000 * ((ttft or generated) - turn.started), 3),
+                "generate_ms": round(1000 * (generated - turn.started), 3),
+            },
+            created_at=time.time(),
+        )
+        event = turn_event(session.state, draft)
+        with self.metrics.publish_latency.time():
+            receipt = await self.publisher.publish(event)
+        while receipt.duplicate and await self._taken_by_earlier_attempt(session, event):
+            # An earlier attempt at this turn, answered with a 503 (its ack never came), reached
+            # the log after all: that index holds tokens the client never received. The session
+            # now holds the log's turns, and this reply is its next turn, so the log holds what
+            # the client gets.
+            event = turn_event(session.state, draft)
+            receipt = await self.publisher.publish(event)
+        session.state = apply(session.state, event)  # type: ignore[assignment]
+        self.metrics.tokens_in.inc(len(turn.prompt_ids))
+        self.metrics.tokens_out.inc(len(detok.ids))
+        self.metrics.turns.labels(turn.kind).inc()
+        prefix = "chatcmpl" if turn.kind == "chat" else "cmpl"
+        return TurnResult(
+            f"{prefix}-{session.state.id}-{event.turn}",
+            text,
+            content,
+            tool_calls,
+            finish,
+            list(detok.ids),
+            detok,
+            len(turn.prompt_ids),
+            version,
+        )
+
+    async def _taken_by_earlier_attempt(self, session: Session, event: TurnCompleted) -> bool:
+        """Whether the log holds another event under ``event``'s turn index (its publish was a
+        duplicate of an earlier attempt's); if so the session takes the log's state."""
+        if self._recover is None:
+            return False
+        events = await self._recover(*session.key)
+        stored = next(
+            (e for e in events if isinstance(e, TurnCompleted) and e.turn == event.turn), None
+        )
+        if stored is None or (
+            stored.created_at == event.created_at
+            and np.array_equal(stored.completion_ids, event.completion_ids)
+        ):
+            return False  # ours: a retry of this very publish
+        logged = fold(events)
+        if logged is None or logged.turns <= event.turn:
+            return False
+        log.warning(
+            "session %s turn %d: the log holds an earlier attempt (answered 503, stored late); "
+            "this reply becomes turn %d",
+            session.name,
+            event.turn,
+            logged.turns,
+        )
+        session.state = logged
+        return True
+
+
+def sampling_record(params: SamplingParams, stop: Sequence[str], tool_choice: object) -> JSON:
+    record: JSON = {
+        "max_tokens": params.max_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+    }
+    if params.seed is not None:
+        record["seed"] = params.seed
+    if stop:
+        record["stop"] = list(stop)
+    if tool_choice is not None:
+        record["tool_choice"] = tool_choice
+    return record

@@ -1,0 +1,120 @@
+"""The gateway's session store: one load per key however many ask, bounded memory."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+
+from gateway.sessions import SessionStore
+from gateway.turns import SessionState
+from schemas.events import SessionEvent, SessionOpened
+
+
+class Log:
+    """Sessions' events by key, and how often each was read (stands in for the EVENTS stream:
+    the store only calls ``recover(run, session)``; the real read is tested in integration)."""
+
+    def __init__(self) -> None:
+        self.events: dict[tuple[str, str], list[SessionEvent]] = {}
+        self.reads = 0
+
+    async def recover(self, run: str, session: str) -> Sequence[SessionEvent]:
+        self.reads += 1
+        await asyncio.sleep(0.01)  # a round trip: concurrent requests overlap here
+        return list(self.events.get((run, session), []))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_concurrent_first_requests_share_one_load_and_one_creation() -> None:
+    log, created = Log(), []
+
+    async def create() -> SessionState:
+        created.append(1)
+        await asyncio.sleep(0.01)
+        return SessionState(run="r", id="s")
+
+    store = SessionStore(recover=log.recover)
+    sessions = await asyncio.gather(*(store.load(("r", "s"), create) for _ in range(8)))
+    assert len(created) == 1 and log.reads == 1
+    assert all(s is sessions[0] for s in sessions)  # one handle, one lock
+
+
+async def test_runs_do_not_share_sessions() -> None:
+    log = Log()
+    log.events[("A", "x")] = [SessionOpened(run="A", session="x", metadata={"secret": 1})]
+    store = SessionStore(recover=log.recover)
+    assert await store.load(("B", "x")) is None
+    found = await store.load(("A", "x"))
+    assert found is not None and found.state.metadata == {"secret": 1}
+
+
+async def test_closed_sessions_go_after_the_grace_period() -> None:
+    clock = Clock()
+    store = SessionStore(closed_grace_s=10, clock=clock)
+    session = await store.load(("r", "s"), _create("s"))
+    assert session is not None
+    store.closed(session)
+    clock.now = 5
+    await store.load(("r", "t"), _create("t"))
+    assert len(store) == 2
+    clock.now = 11
+    await store.load(("r", "u"), _create("u"))
+    assert len(store) == 2 and store.evicted == 1
+
+
+async def test_least_recently_used_open_sessions_are_evicted_but_never_one_in_use() -> None:
+    store = SessionStore(max_sessions=2)
+    async with store.use(("r", "busy"), _create("busy")):
+        for name in "abcd":
+            await store.load(("r", name), _create(name))
+        assert await _held(store, "busy"), "a session in use is never evicted"
+        assert len(store) == 2
+    assert store.evicted == 3
+
+
+async def test_a_hold_keeps_a_session_until_released() -> None:
+    store = SessionStore(max_sessions=1)
+    session = await store.load(("r", "s"), _create("s"))
+    assert session is not None
+    release = store.hold(session)
+    await store.load(("r", "t"), _create("t"))
+    assert await _held(store, "s")
+    release()
+    release()  # once only
+    assert session.users == 0
+
+
+async def test_a_failed_load_reaches_every_waiter_and_the_next_request_tries_again() -> None:
+    attempts = []
+
+    async def recover(run: str, session: str) -> Sequence[SessionEvent]:
+        attempts.append(1)
+        await asyncio.sleep(0.01)
+        if len(attempts) == 1:
+            raise OSError("log down")
+        return []
+
+    store = SessionStore(recover=recover)
+    results = await asyncio.gather(
+        *(store.load(("r", "s")) for _ in range(3)), return_exceptions=True
+    )
+    assert all(isinstance(r, OSError) for r in results)
+    assert await store.load(("r", "s")) is None
+
+
+def _create(name: str) -> Callable[[], Awaitable[SessionState]]:
+    async def create() -> SessionState:
+        return SessionState(run="r", id=name)
+
+    return create
+
+
+async def _held(store: SessionStore, name: str) -> bool:
+    return await store.load(("r", name)) is not None
