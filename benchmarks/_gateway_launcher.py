@@ -13,11 +13,17 @@
 * ``--profile FILE``: a ``cProfile.Profile`` that SIGUSR1 switches on and off (the benchmark
   does so at the edges of its measured windows), so that startup is not in the profile;
   written at exit (``pstats`` format).
+* ``--source-tree DIR``: run the project's code from ``DIR`` (a checkout, e.g. a ``git worktree``
+  of another revision) instead of what the virtual environment has installed: ``DIR`` goes
+  first on ``sys.path`` and the editable install's import hook is dropped, so ``gateway``,
+  ``schemas``, ``turnstream``, ``consumers`` and ``trainer_sink`` resolve to ``DIR`` or not at
+  all. Where each one resolves is checked (a package found outside ``DIR`` exits with code 3)
+  and printed as ``launcher: <package> from <file>`` before the gateway starts.
 
 Usage::
 
-    python benchmarks/_gateway_launcher.py [--gc-log F] [--gc-freeze] [--profile F] --
-        gateway --flags...
+    python benchmarks/_gateway_launcher.py [--gc-log F] [--gc-freeze] [--profile F]
+        [--source-tree DIR] -- gateway --flags...
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import gc
+import importlib.util
 import json
 import signal
 import sys
@@ -32,6 +39,9 @@ import time
 from pathlib import Path
 from types import FrameType
 from typing import Any
+
+# The top-level packages of the project (pyproject.toml's [tool.setuptools.packages.find]).
+PACKAGES = ("gateway", "schemas", "turnstream", "consumers", "trainer_sink")
 
 
 class ProfileSwitch:
@@ -115,16 +125,51 @@ def freeze(signum: int, frame: FrameType | None) -> None:
     gc.freeze()
 
 
+def use_source_tree(tree: Path) -> None:
+    """Import the project's packages from ``tree`` only (see ``--source-tree``)."""
+    # The editable install (``pip install -e``) adds an import hook that maps the package names
+    # to the main checkout; it sits after the path finder, but it would still answer for a
+    # package that ``tree`` lacks. Drop it, so that such a package fails to import instead.
+    sys.meta_path[:] = [
+        finder
+        for finder in sys.meta_path
+        if not getattr(finder, "__module__", "").startswith("__editable__")
+    ]
+    sys.path.insert(0, str(tree))
+
+
+def check_source_tree(tree: Path) -> None:
+    """Print where each project package resolves; exit 3 if one resolves outside ``tree``."""
+    for name in PACKAGES:
+        spec = importlib.util.find_spec(name)
+        origin = spec.origin if spec is not None else None
+        if origin is None:
+            print(f"launcher: {name} not importable (not in {tree})", flush=True)
+            continue
+        print(f"launcher: {name} from {origin}", flush=True)
+        if not Path(origin).resolve().is_relative_to(tree):
+            print(f"launcher: {name} resolves outside the source tree {tree}", flush=True)
+            sys.exit(3)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gc-log", type=Path, default=None)
     parser.add_argument("--gc-freeze", action="store_true")
     parser.add_argument("--profile", type=Path, default=None)
+    parser.add_argument("--source-tree", type=Path, default=None)
     parser.add_argument("cli_args", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     cli_args = args.cli_args[1:] if args.cli_args[:1] == ["--"] else args.cli_args
 
+    tree = args.source_tree.resolve() if args.source_tree is not None else None
+    if tree is not None:
+        use_source_tree(tree)
+
     from turnstream.cli import main as cli_main
+
+    if tree is not None:
+        check_source_tree(tree)
 
     if args.gc_freeze:
         signal.signal(signal.SIGUSR2, freeze)

@@ -75,6 +75,48 @@ the backend, the gateway, nats-server and the load generator share the cores: at
 direct path is limited by the load generator's CPU (~0.85 ms per request) and the gateway path
 by the gateway's (~3.5-4.5 ms per request on one event loop), so the c=64 latencies are mostly
 queueing; CPU per request says where the time went.
+
+Paired before/after: ``--compare-with REV``
+-------------------------------------------
+What a change does to the gateway's CPU per request, measured so that the machine's load
+(which moves CPU per request by 30-50% between runs here) falls on both sides alike::
+
+    .venv/bin/python benchmarks/gateway_overhead.py --compare-with HEAD            # ~1.5 min
+    .venv/bin/python benchmarks/gateway_overhead.py --compare-with HEAD~3 --quick  # ~40 s
+
+* Two gateways: **before**, the code at git revision ``REV``, checked out by
+  ``git worktree add --detach`` into the temporary directory (removed with ``git worktree
+  remove --force`` at the end), and **after**, the checkout ``--after-tree`` (default: this
+  repository's work tree, uncommitted changes included). Both are started as above, through
+  ``_gateway_launcher.py --source-tree TREE`` (cwd and ``PYTHONPATH`` = TREE too): the launcher
+  puts TREE first on ``sys.path`` and drops the editable install's import hook, checks that
+  ``gateway``, ``schemas``, ``turnstream``, ``consumers`` and ``trainer_sink`` resolve inside
+  TREE, and prints where they came from (repeated in the progress lines). One backend and one
+  nats-server serve both; the tiny model is made with the before tree's code in a child
+  process, and this process does not import the ``gateway`` package at all in this mode (the
+  work tree's may be half-edited). Only ``POST /v1/chat/completions`` with ``X-Session-Id``,
+  ``GET /health`` and the gateway flags above are used; an answer is checked for the reply
+  text only (not its id, and EVENTS and /metrics are not read).
+* One concurrency (``--concurrency``, default 16), the ``gateway`` path's requests (sessions of
+  ``--turns-per-session`` turns; session ids carry the gateway's name and the round, so the two
+  never share one). ``rounds`` rounds (10; ``--quick`` 4), each a phase per gateway, the order
+  alternating per round; a phase is ``warmup_s`` (1 s; 0.5) + ``measure_s`` (2 s; 1) of load.
+* Per phase: the active gateway's CPU (user + system, from /proc, warm-up included) divided by
+  the requests it answered in the phase. Per round: the ratio after / before. The headline,
+  ``cpu_per_request_ratio_after_over_before``, is the median of the per-round ratios (< 1: the
+  change saves CPU). Also reported: both gateways' median and pooled CPU ms per request,
+  requests counted, the same ratio for user time alone, per-round lists (CPU ms per request,
+  requests, req/s, ratios, which went first). A HEAD-vs-HEAD run (``--after-tree`` a second
+  worktree of HEAD) shows the noise: single rounds vary by 10-40% on a busy 2-core machine.
+* ``--gateway-log-level`` and ``--gateway-gc-freeze`` apply to both gateways;
+  ``--profile-gateway`` is not available in this mode.
+* Any failed request (an HTTP error, another reply) aborts the run; so does a gateway that does
+  not start (its log's tail is printed).
+
+The LAST line is then one JSON object with ``cpu_per_request_ratio_after_over_before``,
+``before_rev``, ``before_commit``, ``after_tree`` and ``after_state`` (its commit, and how many
+files differ from it), ``rounds``, ``concurrency``, the figures and lists above, settings,
+machine info and date.
 """
 
 from __future__ import annotations
@@ -96,17 +138,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 from _common import arguments, banner, finish, say
 from _common import machine_info as common_machine_info
 
-from gateway.backends.base import SamplingParams
-from gateway.backends.vllm import completion_request
 from schemas.log import LogSettings, NatsServer, connect, free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -137,6 +177,8 @@ class Plan:
 
 FULL = Plan(warmup_s=1.0, measure_s=6.0, rounds=4)
 QUICK = Plan(warmup_s=0.5, measure_s=1.5, rounds=2)
+COMPARE_FULL = Plan(warmup_s=1.0, measure_s=2.0, rounds=10)  # --compare-with
+COMPARE_QUICK = Plan(warmup_s=0.5, measure_s=1.0, rounds=4)
 
 
 # -- processes --------------------------------------------------------------------------------
@@ -152,6 +194,12 @@ def cpu_seconds(pid: int, *, user_only: bool = False) -> float:
 def own_cpu_seconds() -> float:
     t = os.times()
     return t.user + t.system
+
+
+class CpuMeter(Protocol):
+    def cpu(self) -> dict[str, float]:
+        """CPU seconds so far per process name (what a phase's ``cpu_s`` holds the growth of)."""
+        ...
 
 
 @dataclass
@@ -189,9 +237,11 @@ async def wait_http(url: str, proc: subprocess.Popen[bytes], what: str, within_s
     raise RuntimeError(f"{what} not healthy at {url} within {within_s:.0f} s")
 
 
-def spawn(cmd: list[str], log_path: Path, env: Mapping[str, str]) -> subprocess.Popen[bytes]:
+def spawn(
+    cmd: list[str], log_path: Path, env: Mapping[str, str], cwd: Path = REPO
+) -> subprocess.Popen[bytes]:
     with log_path.open("wb") as log_file:
-        return subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, cwd=REPO, env=env)
+        return subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, cwd=cwd, env=env)
 
 
 def stop_process(proc: subprocess.Popen[bytes], sig: int = signal.SIGINT, wait: float = 20) -> None:
@@ -218,20 +268,26 @@ class Conversation:
     completion_ids: list[int]
 
 
+def conversation_messages(turns: int) -> list[list[dict[str, str]]]:
+    """The chat messages of turns 0 .. turns-1 of a session (each turn: the whole history)."""
+    history: list[dict[str, str]] = [{"role": "system", "content": SYSTEM}]
+    messages = []
+    for k in range(turns):
+        if k:
+            history.append({"role": "assistant", "content": REPLY})
+        history.append({"role": "user", "content": QUESTIONS[k % len(QUESTIONS)]})
+        messages.append(list(history))
+    return messages
+
+
 def build_conversation(model_dir: Path, turns: int) -> Conversation:
     from transformers import AutoTokenizer
 
     from gateway.templates import ChatTemplate
 
     template = ChatTemplate(AutoTokenizer.from_pretrained(model_dir))
-    history: list[dict[str, str]] = [{"role": "system", "content": SYSTEM}]
-    messages, prompt_ids = [], []
-    for k in range(turns):
-        if k:
-            history.append({"role": "assistant", "content": REPLY})
-        history.append({"role": "user", "content": QUESTIONS[k % len(QUESTIONS)]})
-        messages.append(list(history))
-        prompt_ids.append(template.prompt_ids(history, None))
+    messages = conversation_messages(turns)
+    prompt_ids = [template.prompt_ids(history, None) for history in messages]
     im_end = template.stop_token_ids[0]
     return Conversation(
         messages, prompt_ids, template.stop_token_ids, [*template.encode(REPLY), im_end]
@@ -259,6 +315,9 @@ class Direct(LoadPath):
     def __init__(
         self, clients: list[httpx.AsyncClient], per: int, url: str, model: str, conv: Conversation
     ):
+        from gateway.backends.base import SamplingParams
+        from gateway.backends.vllm import completion_request
+
         self.clients, self.per = clients, per
         self.url = f"{url}/v1/completions"
         params = SamplingParams(
@@ -306,11 +365,21 @@ class Direct(LoadPath):
 
 
 class Gateway(LoadPath):
-    name = "gateway"
+    """``check_id``: also check the answer's id (``chatcmpl-<session>-<turn>``), which is this
+    gateway's convention, not part of the OpenAI contract (``--compare-with`` leaves it out)."""
 
     def __init__(
-        self, clients: list[httpx.AsyncClient], per: int, url: str, model: str, conv: Conversation
+        self,
+        clients: list[httpx.AsyncClient],
+        per: int,
+        url: str,
+        model: str,
+        conv: Conversation,
+        *,
+        name: str = "gateway",
+        check_id: bool = True,
     ):
+        self.name, self.check_id = name, check_id
         self.clients, self.per = clients, per
         self.url = f"{url}/v1/chat/completions"
         self.bodies = [
@@ -330,11 +399,14 @@ class Gateway(LoadPath):
                 self.url, json=self.bodies[turn], headers={"X-Session-Id": sid}
             )
             if response.status_code != 200:
-                raise RuntimeError(f"gateway: HTTP {response.status_code}: {response.text[:300]}")
+                raise RuntimeError(
+                    f"{self.name}: HTTP {response.status_code} for session {sid} turn {turn}: "
+                    f"{response.text[:300]}"
+                )
             answer = response.json()
             content = answer["choices"][0]["message"]["content"]
-            if content != REPLY or answer["id"] != f"chatcmpl-{sid}-{turn}":
-                raise RuntimeError(f"gateway: unexpected answer {answer}")
+            if content != REPLY or (self.check_id and answer["id"] != f"chatcmpl-{sid}-{turn}"):
+                raise RuntimeError(f"{self.name}: unexpected answer {answer}")
             self.counts.requests += 1
             self.counts.sessions += turn == 0
             turn += 1
@@ -372,7 +444,7 @@ async def run_phase(
     concurrency: int,
     plan: Plan,
     tag: str,
-    procs: Procs,
+    procs: CpuMeter,
     rnd: int,
     on_window_edge: Callable[[], None] | None = None,
 ) -> Phase:
@@ -631,6 +703,46 @@ def print_profile(path: Path, top: int, requests: int, cpu_ms: float) -> dict[st
     return {"categories": categories, "top_functions": rows, "busy_s": busy, "idle_s": idle}
 
 
+def backend_command(args: argparse.Namespace, port: int, conv: Conversation) -> list[str]:
+    tokens = ",".join(str(t) for t in conv.completion_ids)
+    cmd = [sys.executable, str(BACKEND_SCRIPT), "--port", str(port)]
+    cmd += ["--tokens", tokens, "--ttft-ms", str(args.ttft_ms)]
+    return [*cmd, "--itl-ms", str(args.itl_ms)]
+
+
+def gateway_command(
+    args: argparse.Namespace,
+    model_dir: Path,
+    nats_url: str,
+    backend_url: str,
+    port: int,
+    data_dir: Path,
+    gc_log: Path,
+    source_tree: Path | None = None,
+) -> list[str]:
+    """``turnstream gateway`` through the launcher (``source_tree``: run that checkout's code)."""
+    cmd = [sys.executable, str(LAUNCHER_SCRIPT), "--gc-log", str(gc_log)]
+    if source_tree is not None:
+        cmd += ["--source-tree", str(source_tree)]
+    if args.profile_gateway:
+        cmd += ["--profile", str(args.profile_gateway)]
+    if args.gateway_gc_freeze:
+        cmd += ["--gc-freeze"]
+    cmd += ["--", "gateway", "--backend", "vllm"]
+    cmd += ["--backend-urls", json.dumps([backend_url]), "--max-context", "4096"]
+    cmd += ["--model", str(model_dir), "--log.url", nats_url, "--port", str(port)]
+    cmd += ["--data-dir", str(data_dir), "--run", RUN]
+    cmd += ["--max-inflight-per-replica", str(args.max_inflight_per_replica)]
+    return cmd
+
+
+def gateway_env(args: argparse.Namespace) -> dict[str, str]:
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    if args.gateway_log_level:
+        env["TURNSTREAM_LOG_LEVEL"] = args.gateway_log_level
+    return env
+
+
 async def bench(args: argparse.Namespace, plan: Plan, tmp: Path) -> dict[str, Any]:
     from gateway.model import ensure_tiny_model
 
@@ -644,24 +756,12 @@ async def bench(args: argparse.Namespace, plan: Plan, tmp: Path) -> dict[str, An
     backend_port, gateway_port = free_port(), free_port()
     backend_url = f"http://127.0.0.1:{backend_port}"
     gateway_url = f"http://127.0.0.1:{gateway_port}"
-    tokens = ",".join(str(t) for t in conv.completion_ids)
-    backend_cmd = [sys.executable, str(BACKEND_SCRIPT), "--port", str(backend_port)]
-    backend_cmd += ["--tokens", tokens, "--ttft-ms", str(args.ttft_ms)]
-    backend_cmd += ["--itl-ms", str(args.itl_ms)]
+    backend_cmd = backend_command(args, backend_port, conv)
     gc_log = tmp / "gateway-gc.json"
-    gateway_cmd = [sys.executable, str(LAUNCHER_SCRIPT), "--gc-log", str(gc_log)]
-    if args.profile_gateway:
-        gateway_cmd += ["--profile", str(args.profile_gateway)]
-    if args.gateway_gc_freeze:
-        gateway_cmd += ["--gc-freeze"]
-    gateway_cmd += ["--", "gateway", "--backend", "vllm"]
-    gateway_cmd += ["--backend-urls", json.dumps([backend_url]), "--max-context", "4096"]
-    gateway_cmd += ["--model", str(model_dir), "--log.url", nats.url, "--port", str(gateway_port)]
-    gateway_cmd += ["--data-dir", str(tmp / "data"), "--run", RUN]
-    gateway_cmd += ["--max-inflight-per-replica", str(args.max_inflight_per_replica)]
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    if args.gateway_log_level:
-        env["TURNSTREAM_LOG_LEVEL"] = args.gateway_log_level
+    gateway_cmd = gateway_command(
+        args, model_dir, nats.url, backend_url, gateway_port, tmp / "data", gc_log
+    )
+    env = gateway_env(args)
     t0 = time.perf_counter()
     log_dir = tmp / "logs"
     log_dir.mkdir()
@@ -878,9 +978,313 @@ def report(result: dict[str, Any]) -> dict[str, Any]:
     return {"figures": figures, "details": details}
 
 
+# -- --compare-with: the gateway's CPU per request, before and after a change ----------------
+
+
+def git(*argv: str, cwd: Path = REPO) -> str:
+    done = subprocess.run(["git", *argv], cwd=cwd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"git {' '.join(argv)} (in {cwd}): {done.stderr.strip()}")
+    return done.stdout.strip()
+
+
+def tree_state(tree: Path) -> str:
+    """``<commit>`` of a checkout, ``+ N changed files`` when its work tree differs from it."""
+    try:
+        commit = git("rev-parse", "HEAD", cwd=tree)
+        changed = len(git("status", "--porcelain", "--untracked-files=no", cwd=tree).splitlines())
+    except (RuntimeError, OSError) as exc:
+        return f"unknown ({exc})"
+    return commit + (f" + {changed} changed files" if changed else "")
+
+
+@contextlib.contextmanager
+def worktree(rev: str, path: Path) -> Iterator[Path]:
+    """``git worktree add --detach path rev``, removed (``--force``) on the way out."""
+    git("worktree", "add", "--detach", str(path), rev)
+    try:
+        yield path
+    finally:
+        try:
+            git("worktree", "remove", "--force", str(path))
+        except RuntimeError as exc:
+            say(f"warning: {exc}; run `git worktree prune` once {path} is gone")
+
+
+def tiny_model_in_tree(tree: Path, cache: Path) -> Path:
+    """``gateway.model.ensure_tiny_model(cache)`` run with ``tree``'s code, in a child process:
+    this process does not import the gateway package in ``--compare-with`` mode (the work tree's
+    may be half-edited)."""
+    code = (
+        "import sys; from pathlib import Path; sys.path.insert(0, sys.argv[1]); "
+        "from gateway.model import ensure_tiny_model; print(ensure_tiny_model(Path(sys.argv[2])))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tree), str(cache)],
+        cwd=tree,
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"the tiny model could not be made with {tree}'s code:\n{done.stderr}")
+    return Path(done.stdout.strip().splitlines()[-1])
+
+
+def compare_conversation(model_dir: Path, turns: int) -> Conversation:
+    """What the gateway path needs (messages; the backend's completion ids), from the tokenizer
+    alone: reply text + end of turn, as ``build_conversation`` makes them with ChatTemplate."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    eos = int(tokenizer.eos_token_id)
+    completion = [*tokenizer.encode(REPLY, add_special_tokens=False), eos]
+    return Conversation(conversation_messages(turns), [], (eos,), completion)
+
+
+@dataclass
+class PairProcs:
+    """The backend, the ``before`` and ``after`` gateways and nats-server (a ``CpuMeter``)."""
+
+    backend: subprocess.Popen[bytes]
+    gateways: dict[str, subprocess.Popen[bytes]]
+    nats: NatsServer
+
+    def cpu(self) -> dict[str, float]:
+        assert self.nats.pid is not None
+        out = {"backend": cpu_seconds(self.backend.pid)}
+        for name, proc in self.gateways.items():
+            out[name] = cpu_seconds(proc.pid)
+            out[f"{name}_user"] = cpu_seconds(proc.pid, user_only=True)
+        return {**out, "nats": cpu_seconds(self.nats.pid), "loadgen": own_cpu_seconds()}
+
+
+GATEWAYS = ("before", "after")
+
+
+async def compare(
+    args: argparse.Namespace, plan: Plan, tmp: Path, trees: dict[str, Path]
+) -> list[Phase]:
+    """Both gateways on one backend and one nats-server; phases alternate between them."""
+    c = args.levels[0]
+    t0 = time.perf_counter()
+    model_dir = tiny_model_in_tree(trees["before"], Path(args.model_cache))
+    conv = compare_conversation(model_dir, args.turns_per_session)
+    say(f"tiny model and tokenizer ready in {time.perf_counter() - t0:.1f} s ({model_dir})")
+
+    nats = NatsServer(tmp / "nats").start()
+    backend_port = free_port()
+    backend_url = f"http://127.0.0.1:{backend_port}"
+    urls = {name: f"http://127.0.0.1:{free_port()}" for name in GATEWAYS}
+    log_dir = tmp / "logs"
+    log_dir.mkdir()
+    t0 = time.perf_counter()
+    procs = PairProcs(
+        spawn(backend_command(args, backend_port, conv), log_dir / "backend.log", os.environ),
+        {},
+        nats,
+    )
+    try:
+        for name in GATEWAYS:
+            tree = trees[name]
+            cmd = gateway_command(
+                args,
+                model_dir,
+                nats.url,
+                backend_url,
+                int(urls[name].rsplit(":", 1)[1]),
+                tmp / f"data-{name}",
+                tmp / f"gc-{name}.json",
+                source_tree=tree,
+            )
+            env = {**gateway_env(args), "PYTHONPATH": str(tree)}
+            procs.gateways[name] = spawn(cmd, log_dir / f"gateway-{name}.log", env, cwd=tree)
+        await wait_http(f"{backend_url}/health", procs.backend, "fixed-latency backend", 30)
+        for name, proc in procs.gateways.items():
+            await wait_http(f"{urls[name]}/health", proc, f"{name} gateway ({trees[name]})", 120)
+        say(
+            f"backend (pid {procs.backend.pid}), gateways before (pid "
+            f"{procs.gateways['before'].pid}) and after (pid {procs.gateways['after'].pid}), "
+            f"nats-server (pid {nats.pid}) up in {time.perf_counter() - t0:.1f} s"
+        )
+        for name in GATEWAYS:  # the launcher checked and printed where the packages came from
+            text = (log_dir / f"gateway-{name}.log").read_text(errors="replace")
+            resolved = [
+                ln.rsplit(" ", 1)[-1]
+                for ln in text.splitlines()
+                if ln.startswith("launcher: ") and " from " in ln
+            ]
+            say(f"  {name}: {', '.join(resolved)}")
+        gc.collect()
+        gc.freeze()
+        per = args.workers_per_client
+        limits = httpx.Limits(max_connections=per + 2, max_keepalive_connections=per + 2)
+        async with contextlib.AsyncExitStack() as stack:
+            paths: dict[str, LoadPath] = {}
+            for name in GATEWAYS:  # pools of their own: no connection to one counts for the other
+                clients = [
+                    await stack.enter_async_context(httpx.AsyncClient(limits=limits, timeout=60.0))
+                    for _ in range(-(-c // per))
+                ]
+                load = Gateway(
+                    clients, per, urls[name], model_dir.name, conv, name=name, check_id=False
+                )
+                await load.worker(0, f"first-{name}")()
+                paths[name] = load
+            if args.gateway_gc_freeze:
+                for proc in procs.gateways.values():
+                    proc.send_signal(signal.SIGUSR2)
+                await asyncio.sleep(1.0)
+            return await compare_rounds(plan, c, paths, procs)
+    except BaseException:
+        for log_file in sorted(log_dir.iterdir()):
+            say(f"--- {log_file.name} (tail) ---\n{log_file.read_text(errors='replace')[-4000:]}")
+        raise
+    finally:
+        for proc in procs.gateways.values():
+            stop_process(proc, signal.SIGINT)
+        stop_process(procs.backend, signal.SIGTERM)
+        nats.stop()
+
+
+def cpu_ms_per_request(phase: Phase, key: str) -> float:
+    return 1000 * phase.cpu_s[key] / max(phase.requests, 1)
+
+
+async def compare_rounds(
+    plan: Plan, c: int, paths: dict[str, LoadPath], procs: PairProcs
+) -> list[Phase]:
+    say(
+        f"\nclosed loop at c={c}, {plan.rounds} rounds, each gateway per round: "
+        f"{plan.warmup_s:g} s warm-up + {plan.measure_s:g} s measured; gateway CPU (user + "
+        f"system) per request answered in its phase"
+    )
+    phases: list[Phase] = []
+    for rnd in range(plan.rounds):
+        order = GATEWAYS if rnd % 2 == 0 else GATEWAYS[::-1]
+        done = {}
+        for name in order:
+            try:
+                phase = await run_phase(paths[name], c, plan, f"{name}-r{rnd}", procs, rnd)
+            except (httpx.HTTPError, RuntimeError) as exc:
+                code = procs.gateways[name].poll()
+                raise RuntimeError(
+                    f"round {rnd + 1}: a request to the {name} gateway failed, run aborted"
+                    + (f" (the gateway exited with code {code})" if code is not None else "")
+                    + f": {exc!r}"
+                ) from exc
+            if phase.requests == 0:
+                raise RuntimeError(f"round {rnd}: the {name} gateway answered no request")
+            done[name] = phase
+            phases.append(phase)
+        ms = {name: cpu_ms_per_request(done[name], name) for name in GATEWAYS}
+        say(
+            f"  round {rnd + 1:>2}/{plan.rounds} ({order[0]} first): "
+            + " | ".join(
+                f"{name} {ms[name]:.3f} ms/req ({done[name].requests:,} req, "
+                f"{done[name].throughput:,.0f} req/s)"
+                for name in GATEWAYS
+            )
+            + f" | after/before {ms['after'] / ms['before']:.3f}"
+        )
+    return phases
+
+
+def compare_report(phases: list[Phase]) -> dict[str, Any]:
+    by = {name: [p for p in phases if p.path == name] for name in GATEWAYS}
+    rounds = {name: sorted(ps, key=lambda p: p.round) for name, ps in by.items()}
+    ms = {n: [cpu_ms_per_request(p, n) for p in rounds[n]] for n in GATEWAYS}
+    user_ms = {n: [cpu_ms_per_request(p, f"{n}_user") for p in rounds[n]] for n in GATEWAYS}
+    ratios = [a / b for a, b in zip(ms["after"], ms["before"], strict=True)]
+    user_ratios = [a / b for a, b in zip(user_ms["after"], user_ms["before"], strict=True)]
+    requests = {n: [p.requests for p in rounds[n]] for n in GATEWAYS}
+    pooled = {n: 1000 * sum(p.cpu_s[n] for p in rounds[n]) / sum(requests[n]) for n in GATEWAYS}
+    ratio = statistics.median(ratios)
+    say(
+        f"\ngateway CPU ms per request, median of {len(ratios)} rounds: before "
+        f"{statistics.median(ms['before']):.3f}, after {statistics.median(ms['after']):.3f} "
+        f"(pooled: {pooled['before']:.3f} -> {pooled['after']:.3f}); requests counted: before "
+        f"{sum(requests['before']):,}, after {sum(requests['after']):,}"
+    )
+    say(
+        f"per-round after/before: {', '.join(f'{r:.3f}' for r in ratios)} "
+        f"(range {min(ratios):.3f}-{max(ratios):.3f}); user time only: median "
+        f"{statistics.median(user_ratios):.3f}"
+    )
+    say(f"\nCPU per request after / before (median of per-round ratios): {ratio:.3f}")
+    return {
+        "cpu_per_request_ratio_after_over_before": round(ratio, 4),
+        "user_cpu_per_request_ratio_after_over_before": round(statistics.median(user_ratios), 4),
+        "cpu_ms_per_request_median": {n: round(statistics.median(ms[n]), 4) for n in GATEWAYS},
+        "cpu_ms_per_request_pooled": {n: round(pooled[n], 4) for n in GATEWAYS},
+        "requests_counted": {n: sum(requests[n]) for n in GATEWAYS},
+        "round_ratios": [round(r, 4) for r in ratios],
+        "round_user_ratios": [round(r, 4) for r in user_ratios],
+        "round_first": [GATEWAYS[r % 2] for r in range(len(ratios))],
+        **{f"round_{n}_cpu_ms_per_request": [round(x, 4) for x in ms[n]] for n in GATEWAYS},
+        **{
+            f"round_{n}_user_cpu_ms_per_request": [round(x, 4) for x in user_ms[n]]
+            for n in GATEWAYS
+        },
+        **{f"round_{n}_requests": requests[n] for n in GATEWAYS},
+        **{
+            f"round_{n}_throughput_rps": [round(p.throughput, 1) for p in rounds[n]]
+            for n in GATEWAYS
+        },
+    }
+
+
+async def compare_main(
+    args: argparse.Namespace, plan: Plan, info: dict[str, Any], started: float
+) -> None:
+    before_commit = git("rev-parse", "--verify", f"{args.compare_with}^{{commit}}")
+    after_tree: Path = args.after_tree
+    say(
+        f"before: {args.compare_with} ({before_commit[:12]}, in a temporary git worktree); "
+        f"after: {after_tree} ({tree_state(after_tree)}); backend: 16 tokens after "
+        f"{args.ttft_ms:g} ms; sessions of {args.turns_per_session} turns, "
+        f"max_inflight_per_replica {args.max_inflight_per_replica}, log level "
+        f"{args.gateway_log_level or 'as shipped'}"
+        + (", gc.freeze() after start" if args.gateway_gc_freeze else "")
+    )
+    with (
+        tempfile.TemporaryDirectory(prefix="ts-gwcmp-", dir=args.store_dir) as tmp,
+        worktree(before_commit, Path(tmp) / "before-tree") as before_tree,
+    ):
+        phases = await compare(args, plan, Path(tmp), {"before": before_tree, "after": after_tree})
+    out = compare_report(phases)
+    figures = {
+        "cpu_per_request_ratio_after_over_before": out.pop(
+            "cpu_per_request_ratio_after_over_before"
+        ),
+        "before_rev": args.compare_with,
+        "before_commit": before_commit,
+        "after_tree": str(after_tree),
+        "after_state": tree_state(after_tree),
+        "rounds": plan.rounds,
+        "concurrency": args.levels[0],
+        **out,
+        "settings": {
+            "ttft_ms": args.ttft_ms,
+            "itl_ms": args.itl_ms,
+            "completion_tokens": 16,
+            "turns_per_session": args.turns_per_session,
+            "max_inflight_per_replica": args.max_inflight_per_replica,
+            "gateway_log_level": args.gateway_log_level or "as shipped",
+            "warmup_s": plan.warmup_s,
+            "measure_s": plan.measure_s,
+            "gateway_gc_freeze": args.gateway_gc_freeze,
+        },
+    }
+    finish(figures, quick=args.quick, duration_s=time.perf_counter() - started, info=info)
+
+
 async def main() -> None:
     parser = arguments(__doc__, "shorter phases (< 60 s)", store_dir=True)
-    parser.add_argument("--concurrency", default="1,16,64", help="comma-separated levels")
+    parser.add_argument(
+        "--concurrency",
+        default=None,
+        help="comma-separated levels (default 1,16,64; with --compare-with: one level, 16)",
+    )
     parser.add_argument("--ttft-ms", type=float, default=20.0, help="backend's fixed latency")
     parser.add_argument(
         "--itl-ms", type=float, default=0.0, help="backend's delay between token events"
@@ -907,17 +1311,44 @@ async def main() -> None:
     )
     parser.add_argument("--profile-gateway", type=Path, default=None, help="cProfile output file")
     parser.add_argument("--profile-top", type=int, default=30)
+    parser.add_argument(
+        "--compare-with",
+        metavar="REV",
+        default=None,
+        help="paired before/after mode: the gateway at git revision REV vs --after-tree",
+    )
+    parser.add_argument(
+        "--after-tree",
+        type=lambda path: Path(path).resolve(),
+        default=REPO,
+        help="with --compare-with: the checkout the 'after' gateway runs (default: this one)",
+    )
     args = parser.parse_args()
+    compare_mode = args.compare_with is not None
     if args.profile_gateway and (args.rounds or 2) < 2:
         parser.error("--profile-gateway profiles odd rounds and needs at least 2")
-    plan = QUICK if args.quick else FULL
+    if compare_mode and args.profile_gateway:
+        parser.error("--profile-gateway does not go with --compare-with")
+    if args.concurrency is None:
+        args.concurrency = "16" if compare_mode else "1,16,64"
+    levels = [int(c) for c in args.concurrency.split(",")]
+    if compare_mode and len(levels) != 1:
+        parser.error("--compare-with measures one concurrency level")
+    args.levels = levels
+    if compare_mode:
+        plan = COMPARE_QUICK if args.quick else COMPARE_FULL
+    else:
+        plan = QUICK if args.quick else FULL
     if args.rounds is not None or args.measure_s is not None:
         plan = Plan(plan.warmup_s, args.measure_s or plan.measure_s, args.rounds or plan.rounds)
-    levels = [int(c) for c in args.concurrency.split(",")]
     if args.max_inflight_per_replica is None:
         args.max_inflight_per_replica = max(levels)
     started = time.perf_counter()
     info = machine_info()
+    if compare_mode:
+        banner("gateway CPU before/after", args.quick, info)
+        await compare_main(args, plan, info, started)
+        return
     banner("gateway overhead", args.quick, info)
     say(
         f"backend: 16 tokens after {args.ttft_ms:g} ms (itl {args.itl_ms:g} ms); gateway: "
