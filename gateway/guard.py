@@ -47,8 +47,13 @@ __all__ = [
 _JSON_KEY = "turnstream.json"
 _RUNS_KEY = "turnstream.runs"
 _RUN_LIST = re.compile(f"^{ID_PATTERN}(,{ID_PATTERN})*$")
-# An integer outside int64 has at least 19 digits; bodies without such a run skip that check.
-_LONG_DIGITS = re.compile(rb"\d{19}")
+# An integer outside int64 has at least 19 digits: bodies without such a run of digits skip the
+# walk that checks integers (digits -> "0", the rest -> " ": one C pass, ~5 ns a byte).
+_DIGITS = bytes(48 if 48 <= i <= 57 else 32 for i in range(256))
+_LONG_DIGITS = b"0" * 19
+# Bodies this large are decoded and checked on a worker thread: the event loop (and /health)
+# keeps answering while a huge body is refused.
+_OFF_LOOP_BYTES = 1024 * 1024
 _DECODER = msgspec.json.Decoder()
 _CONTAINERS = (dict, list)
 
@@ -96,13 +101,14 @@ def decode_json(body: bytes, max_depth: int) -> Any:
             f"the body is not valid JSON ({exc}); strings must be valid Unicode "
             "(no lone surrogates such as \\ud800) and numbers finite"
         ) from exc
-    long_ints = _LONG_DIGITS.search(body) is not None
-    if long_ints or body.count(b"{") + body.count(b"[") > max_depth:
-        _check_tree(value, max_depth, long_ints)
+    # Fewer brackets than the depth limit cannot nest past it; then the tree is walked only
+    # if the body holds a run of digits long enough to be an integer outside int64.
+    if body.count(b"{") + body.count(b"[") > max_depth or _LONG_DIGITS in body.translate(_DIGITS):
+        _check_tree(value, max_depth)
     return value
 
 
-def _check_tree(root: Any, max_depth: int, check_ints: bool) -> None:
+def _check_tree(root: Any, max_depth: int) -> None:
     stack: list[tuple[Any, int, str]] = [(root, 1, "$")]
     while stack:
         node, depth, path = stack.pop()
@@ -114,7 +120,7 @@ def _check_tree(root: Any, max_depth: int, check_ints: bool) -> None:
         for key, child in items:
             if isinstance(child, _CONTAINERS):
                 stack.append((child, depth + 1, f"{path}.{key}"))
-            elif check_ints and type(child) is int and not INT64_MIN <= child <= INT64_MAX:
+            elif type(child) is int and not INT64_MIN <= child <= INT64_MAX:
                 raise InvalidRequest(
                     f"integer at {path}.{key} is outside the 64-bit range", param=str(key)
                 )
@@ -189,7 +195,11 @@ class RequestGuard:
             ) from None
         body = b"".join(parts)
         if body and _is_json(_header(scope, b"content-type")):
-            scope[_JSON_KEY] = decode_json(body, self.limits.max_json_depth)
+            depth = self.limits.max_json_depth
+            if len(body) > _OFF_LOOP_BYTES:
+                scope[_JSON_KEY] = await asyncio.to_thread(decode_json, body, depth)
+            else:
+                scope[_JSON_KEY] = decode_json(body, depth)
         return _replay(body, receive)
 
 

@@ -50,8 +50,8 @@ class GenerationChunk:
     top_logprobs: list[list[TopLogprob]] | None = None  # one list per token when asked
     finish_reason: FinishReason | None = None
     weight_version: int | None = None  # policy version that sampled these tokens, if known
-    replica: str | None = None  # the replica that generated them, when a router chose one
     extra: dict[str, float] = field(default_factory=dict)  # backend timings etc.
+    replica: str | None = None  # the replica that generated them, when a router chose one
 
 
 @runtime_checkable

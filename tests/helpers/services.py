@@ -10,6 +10,21 @@ from pathlib import Path
 
 from schemas.shards import open_shards_dataset
 
+# Short ack waits, reaper timeouts and shard ages: pipeline tests take seconds, not minutes.
+WORKER_FLAGS = (
+    "--fold.ack-wait-s",
+    "3",
+    "--reaper.idle-timeout-s",
+    "3",
+    "--reaper.scan-interval-s",
+    "0.5",
+    "--reaper.ack-wait-s",
+    "3",
+    "--progress-interval-s",
+    "1",
+)
+WRITER_FLAGS = ("--shards.max-age-s", "0.5", "--shards.ack-wait-s", "3")
+
 
 class Service:
     """One turnstream command in its own process; ``kill()`` is SIGKILL, ``stop()`` SIGTERM."""

@@ -21,24 +21,10 @@ from schemas.events import TrajectoryReady
 from schemas.log import JetStreamPublisher
 from schemas.shards import TRAJECTORY_SCHEMA
 from tests.conftest import Log
-from tests.helpers.services import Service, shard_table_rows
+from tests.helpers.services import WORKER_FLAGS, WRITER_FLAGS, Service, shard_table_rows
 from tests.helpers.workload import PlannedSession, plan_sessions
 
 pytestmark = pytest.mark.integration
-
-WORKER_FLAGS = (
-    "--fold.ack-wait-s",
-    "3",
-    "--reaper.idle-timeout-s",
-    "3",
-    "--reaper.scan-interval-s",
-    "0.5",
-    "--reaper.ack-wait-s",
-    "3",
-    "--progress-interval-s",
-    "1",
-)
-WRITER_FLAGS = ("--shards.max-age-s", "0.5", "--shards.ack-wait-s", "3")
 
 
 def services(log: Log, data_dir: Path, workers: int = 2) -> list[Service]:

@@ -284,3 +284,18 @@ def test_configuration_is_checked(
 ) -> None:
     with pytest.raises(ValueError, match=match):
         ReplicaRouter(backends, max_inflight_per_replica=max_inflight)
+
+
+async def test_the_backend_port_routes_by_the_session_hint_and_names_the_replica(
+    replicas: list[FakeReplica], clock: Clock
+) -> None:
+    """Serving code calls ``generate(..., session=...)`` like on any backend; the first chunk
+    says which replica served it."""
+    router = make_router(replicas, clock)
+    first = [chunk async for chunk in router.generate([7], PARAMS, session="run/s1")]
+    home = first[0].replica
+    assert home in {"gpu-a", "gpu-b", "gpu-c"} and first[1].replica is None
+    for _ in range(3):
+        again = [chunk async for chunk in router.generate([7, 8], PARAMS, session="run/s1")]
+        assert again[0].replica == home  # sticky: its cache holds the conversation
+    assert inflight(router) == {"gpu-a": 0, "gpu-b": 0, "gpu-c": 0}
