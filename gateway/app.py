@@ -105,6 +105,11 @@ def create_app(
         metrics=metrics,
     )
 
+    # Starlette matches routes in order: turns first, then the session API, then service routes.
+    chat, completions = ChatServing(engine, sessions.store), CompletionServing(engine)
+    app.include_router(openai_routes(sessions, chat, completions, default_run))
+    app.include_router(session_routes(sessions, default_run))
+
     @app.get("/health", response_model=None, responses={200: {"model": Health}, **errors(503)})
     async def health_check() -> JSONResponse:
         body: JSON = {
@@ -124,9 +129,6 @@ def create_app(
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    app.include_router(session_routes(sessions, default_run))
-    chat, completions = ChatServing(engine, sessions.store), CompletionServing(engine)
-    app.include_router(openai_routes(sessions, chat, completions, default_run))
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
 

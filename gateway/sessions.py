@@ -16,8 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from gateway.errors import SessionClosed
@@ -78,22 +77,10 @@ class SessionStore:
     def __len__(self) -> int:
         return len(self._sessions)
 
-    @asynccontextmanager
-    async def use(self, key: SessionKey, create: Create | None = None) -> AsyncIterator[Session]:
-        """The session of ``key`` (from memory, else the log, else ``create``d), held for the
-        block: it is not evicted meanwhile. Raises LookupError when there is none."""
-        session = await self.load(key, create)
-        if session is None:
-            raise LookupError(key)
-        session.users += 1
-        try:
-            yield session
-        finally:
-            session.users -= 1
-            self._evict()
-
     def hold(self, session: Session) -> Callable[[], None]:
-        """Hold ``session`` beyond a ``use`` block (a streamed reply); call the result once."""
+        """Hold ``session`` (not evicted) until the returned release is called; a second call
+        of it does nothing. Requests hold their session; a streamed reply holds it until its
+        last chunk."""
         session.users += 1
         released = False
 

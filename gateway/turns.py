@@ -171,13 +171,20 @@ def _apply_turn(state: SessionState, event: TurnCompleted) -> SessionState:
         event.assistant_message,
     )
     tools = state.tools if event.tools is None else (event.tools or None)
-    return dataclasses.replace(
-        state,
-        turns=state.turns + 1,
-        context_ids=np.concatenate([prompt, event.completion_ids]).astype(np.int32, copy=False),
-        completion_len=len(event.completion_ids),
-        conversation=conversation,
-        tools=tools,
+    # Built directly, not with dataclasses.replace: this runs once per turn on the hot path.
+    return SessionState(
+        state.run,
+        state.id,
+        state.group,
+        state.metadata,
+        state.created_at,
+        state.turns + 1,
+        np.concatenate([prompt, event.completion_ids]).astype(np.int32, copy=False),
+        len(event.completion_ids),
+        conversation,
+        tools,
+        state.closed,
+        state.status,
     )
 
 

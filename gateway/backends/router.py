@@ -25,7 +25,6 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,6 +118,20 @@ class ReplicaRouter:
         replaced by another before anything is streamed. Iterate the stream to its end or
         ``aclose`` it: that gives the replica's slot back.
         """
+        stream = RoutedStream(self, session_id, prompt_ids, params)
+        await stream.begin()
+        return stream.replica_id, stream
+
+    def generate(
+        self, prompt_ids: Sequence[int], params: SamplingParams, *, session: str | None = None
+    ) -> RoutedStream:
+        """The Backend port: ``session`` makes the route sticky; the route is chosen when the
+        first chunk is asked for, and that chunk names the replica (``GenerationChunk.replica``)."""
+        return RoutedStream(self, session, prompt_ids, params)
+
+    async def _route(
+        self, session_id: str | None, prompt_ids: Sequence[int], params: SamplingParams
+    ) -> tuple[_Replica, GenerationChunk, AsyncIterator[GenerationChunk]]:
         tried: set[int] = set()
         last_error: BackendUnavailable | None = None
         while True:
@@ -142,21 +155,7 @@ class ReplicaRouter:
                 raise
             if session_id is not None:
                 self._stick(session_id, replica)
-            return replica.backend.id, RoutedStream(self, replica, first, chunks)
-
-    async def generate(
-        self, prompt_ids: Sequence[int], params: SamplingParams, *, session: str | None = None
-    ) -> AsyncIterator[GenerationChunk]:
-        """The Backend port: ``session`` makes the route sticky; the first chunk names the
-        replica that serves the generation (``GenerationChunk.replica``)."""
-        replica, stream = await self.generate_for(session, prompt_ids, params)
-        first = True
-        async with aclosing(stream) as chunks:
-            async for chunk in chunks:
-                if first:
-                    first = False
-                    chunk = dataclasses.replace(chunk, replica=replica)
-                yield chunk
+            return replica, first, chunks
 
     async def close(self) -> None:
         for replica in self._replicas:
@@ -221,36 +220,55 @@ class ReplicaRouter:
 
 
 class RoutedStream:
-    """The chunks of one routed generation. Gives the replica's slot back as soon as the last
-    chunk is out, on an error, on ``aclose``, or at the latest when garbage-collected."""
+    """The chunks of one routed generation, routed when the first chunk is asked for (or on
+    ``begin``). Gives the replica's slot back as soon as the last chunk is out, on an error, on
+    ``aclose``, or at the latest when garbage-collected."""
 
     def __init__(
         self,
         router: ReplicaRouter,
-        replica: _Replica,
-        first: GenerationChunk,
-        rest: AsyncIterator[GenerationChunk],
+        session_id: str | None,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
     ) -> None:
         self._router = router
-        self._replica = replica
-        self._pending: GenerationChunk | None = first
-        self._rest = rest
+        self._request: tuple[str | None, Sequence[int], SamplingParams] | None = (
+            session_id,
+            prompt_ids,
+            params,
+        )
+        self._replica: _Replica | None = None
+        self._pending: GenerationChunk | None = None
+        self._rest: AsyncIterator[GenerationChunk] | None = None
         self._released = False
-        self.replica_id = replica.backend.id
+        self.replica_id = ""
+
+    async def begin(self) -> None:
+        """Choose the replica and wait for its first chunk (a replica that cannot be reached
+        is replaced by another before anything is streamed)."""
+        if self._request is None:
+            return
+        request, self._request = self._request, None
+        self._replica, first, self._rest = await self._router._route(*request)
+        self.replica_id = self._replica.backend.id
+        self._pending = dataclasses.replace(first, replica=self.replica_id)
 
     def __aiter__(self) -> RoutedStream:
         return self
 
     async def __anext__(self) -> GenerationChunk:
+        if self._request is not None:
+            await self.begin()
         if self._pending is not None:
             chunk, self._pending = self._pending, None
-        elif self._released:
+        elif self._released or self._rest is None:
             raise StopAsyncIteration
         else:
             try:
                 chunk = await anext(self._rest)
             except BackendUnavailable as exc:
-                self._router._mark_down(self._replica, exc)
+                if self._replica is not None:
+                    self._router._mark_down(self._replica, exc)
                 self._release()
                 raise
             except BaseException:  # StopAsyncIteration included
@@ -261,6 +279,7 @@ class RoutedStream:
         return chunk
 
     async def aclose(self) -> None:
+        self._request = None  # never started: nothing to route any more
         if self._released:
             return
         self._release()
@@ -271,7 +290,8 @@ class RoutedStream:
     def _release(self) -> None:
         if not self._released:
             self._released = True
-            self._router._release(self._replica)
+            if self._replica is not None:
+                self._router._release(self._replica)
 
     def __del__(self) -> None:
         # A stream dropped without being read to the end must not hold its slot forever.

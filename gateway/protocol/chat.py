@@ -102,18 +102,15 @@ class ChatMessage(BaseModel):
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
 
-    @field_validator("content")
-    @classmethod
-    def _text_parts(cls, content: str | list[dict[str, Any]] | None) -> object:
-        message_text(content)
-        return content
-
     @model_validator(mode="after")
-    def _tool_results_name_their_call(self) -> ChatMessage:
+    def _checked(self) -> ChatMessage:
+        # One validator, not one per field: it runs for every message of every request.
         if self.role == "tool" and not self.tool_call_id:
             raise ValueError(
                 "a message with role 'tool' needs the tool_call_id of the call it answers"
             )
+        if isinstance(self.content, list):
+            message_text(self.content)  # text parts only
         return self
 
 

@@ -46,10 +46,12 @@ def openai_routes(
     completions: CompletionServing,
     default_run: str,
 ) -> APIRouter:
+    # Starlette matches routes in order: the turn routes come first, the most used first.
     router = APIRouter(route_class=GuardedRoute, tags=["openai"])
     models = ModelList.model_construct(data=[ModelCard.model_construct(id=chat.engine.model_name)])
 
     async def chat_turn(run: str, sid: str, body: ChatCompletionRequest, header: bool) -> Response:
+        chat.engine.check_model(body.model)  # before a session is opened for it
         async with sessions.use(run, sid, open_missing=header) as session:
             if body.stream:
                 stream = await chat.stream(session, body)
@@ -63,6 +65,7 @@ def openai_routes(
     async def completion_turn(
         run: str, sid: str, body: CompletionRequest, header: bool
     ) -> Response:
+        chat.engine.check_model(body.model)
         async with sessions.use(run, sid, open_missing=header) as session:
             return json_response(await completions.complete(session, body))
 
@@ -91,6 +94,34 @@ def openai_routes(
     @router.get("/sessions/{session_id}/v1/models", response_model=None, responses=_MODELS)
     async def session_model_list(session_id: SessionId, request: Request) -> Response:
         return await session_models(checked_run(request, None, default_run), session_id)
+
+    # -- /v1 with X-Session-Id ---------------------------------------------------------------
+
+    @router.post("/v1/chat/completions", response_model=None, responses=_CHAT)
+    async def header_chat(
+        body: ChatCompletionRequest,
+        request: Request,
+        x_session_id: SessionHeader,
+        x_run_id: RunHeader = None,
+    ) -> Response:
+        run = checked_run(request, x_run_id, default_run)
+        return await chat_turn(run, x_session_id, body, header=True)
+
+    @router.post("/v1/completions", response_model=None, responses=_COMPLETION)
+    async def header_complete(
+        body: CompletionRequest,
+        request: Request,
+        x_session_id: SessionHeader,
+        x_run_id: RunHeader = None,
+    ) -> Response:
+        run = checked_run(request, x_run_id, default_run)
+        return await completion_turn(run, x_session_id, body, header=True)
+
+    @router.get(
+        "/v1/models", response_model=None, responses={200: {"model": ModelList}, **errors()}
+    )
+    async def list_models() -> Response:
+        return json_response(models)
 
     # -- /runs/{run}/sessions/{sid}/v1: any run --------------------------------------------
 
@@ -123,33 +154,5 @@ def openai_routes(
         run: RunId, session_id: SessionId, request: Request
     ) -> Response:
         return await session_models(checked_run(request, run, default_run), session_id)
-
-    # -- /v1 with X-Session-Id ---------------------------------------------------------------
-
-    @router.post("/v1/chat/completions", response_model=None, responses=_CHAT)
-    async def header_chat(
-        body: ChatCompletionRequest,
-        request: Request,
-        x_session_id: SessionHeader,
-        x_run_id: RunHeader = None,
-    ) -> Response:
-        run = checked_run(request, x_run_id, default_run)
-        return await chat_turn(run, x_session_id, body, header=True)
-
-    @router.post("/v1/completions", response_model=None, responses=_COMPLETION)
-    async def header_complete(
-        body: CompletionRequest,
-        request: Request,
-        x_session_id: SessionHeader,
-        x_run_id: RunHeader = None,
-    ) -> Response:
-        run = checked_run(request, x_run_id, default_run)
-        return await completion_turn(run, x_session_id, body, header=True)
-
-    @router.get(
-        "/v1/models", response_model=None, responses={200: {"model": ModelList}, **errors()}
-    )
-    async def list_models() -> Response:
-        return json_response(models)
 
     return router

@@ -87,7 +87,6 @@ class ChatServing:
 
     async def prepare(self, session: Session, req: ChatCompletionRequest) -> Turn:
         engine = self.engine
-        engine.check_model(req.model)
         messages = [
             {**m.model_dump(exclude_none=True), "content": message_text(m.content)}
             for m in req.messages

@@ -25,7 +25,6 @@ class CompletionServing:
 
     def prepare(self, session: Session, req: CompletionRequest) -> Turn:
         engine = self.engine
-        engine.check_model(req.model)
         if isinstance(req.prompt, str):
             prompt_ids = engine.template.encode(req.prompt)
         else:

@@ -77,14 +77,17 @@ class SessionService:
         """The session (``open_missing``: opened when it does not exist), held for the block."""
         key = (run, sid)
         create = (lambda: self._open(key, None, {})) if open_missing else None
-        try:
-            async with self.store.use(key, create) as session:
-                yield session
-        except LookupError:
+        session = await self.store.load(key, create)
+        if session is None:
             raise SessionNotFound(
                 f"no session {sid!r} in run {run!r}; create one with POST /v1/sessions or send "
                 "an X-Session-Id header to /v1/chat/completions"
-            ) from None
+            )
+        release = self.store.hold(session)
+        try:
+            yield session
+        finally:
+            release()
 
     async def _open(
         self, key: SessionKey, group: str | None, metadata: dict[str, Any]

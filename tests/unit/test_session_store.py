@@ -71,12 +71,17 @@ async def test_closed_sessions_go_after_the_grace_period() -> None:
 
 async def test_least_recently_used_open_sessions_are_evicted_but_never_one_in_use() -> None:
     store = SessionStore(max_sessions=2)
-    async with store.use(("r", "busy"), _create("busy")):
-        for name in "abcd":
-            await store.load(("r", name), _create(name))
-        assert await _held(store, "busy"), "a session in use is never evicted"
-        assert len(store) == 2
-    assert store.evicted == 3
+    busy = await store.load(("r", "busy"), _create("busy"))
+    assert busy is not None
+    release = store.hold(busy)
+    for name in "abcd":
+        await store.load(("r", name), _create(name))
+    assert await _held(store, "busy"), "a session in use is never evicted"
+    assert len(store) == 2
+    release()
+    for name in "ef":
+        await store.load(("r", name), _create(name))
+    assert not await _held(store, "busy"), "released, it is evicted like any other"
 
 
 async def test_a_hold_keeps_a_session_until_released() -> None:
