@@ -182,8 +182,10 @@ class StreamOptions(BaseModel):
 
 class ChatCompletionRequest(OpenAIRequest):
     model: str | None = Field(None, description="the served model (GET /v1/models); omitted: it")
-    messages: list[ChatMessage] = Field(min_length=1)
-    tools: list[ChatTool] | None = None
+    # Bounded so that validating one request cannot hold the event loop for long (260k tiny
+    # messages took 1.3 s); agents' sessions stay far below it within any context length.
+    messages: list[ChatMessage] = Field(min_length=1, max_length=10_000)
+    tools: list[ChatTool] | None = Field(None, max_length=1024)
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     stream: bool = False

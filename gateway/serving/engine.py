@@ -36,9 +36,10 @@ log = logging.getLogger(__name__)
 JSON = dict[str, Any]
 Kind = Literal["chat", "completion"]
 Recover = Callable[[str, str], Awaitable[Sequence[SessionEvent]]]
-# Prompts with more text than this are rendered and tokenized on a worker thread, so that the
-# event loop (and /health) stays responsive while a huge prompt is built or refused.
+# Prompts with more text or messages than this are rendered and tokenized on a worker thread,
+# so that the event loop (and /health) stays responsive while a huge prompt is built or refused.
 _OFF_LOOP_CHARS = 64 * 1024
+_OFF_LOOP_MESSAGES = 512
 
 
 @dataclass
@@ -128,7 +129,7 @@ class TurnEngine:
                 f"model's context length of {self.backend.max_context} tokens",
                 param="messages",
             )
-        if chars > _OFF_LOOP_CHARS:
+        if chars > _OFF_LOOP_CHARS or len(messages) > _OFF_LOOP_MESSAGES:
             return await asyncio.to_thread(self._chat_prompt, state, messages, tools)
         return self._chat_prompt(state, messages, tools)
 
