@@ -29,6 +29,7 @@ from gateway.errors import (
 )
 from gateway.guard import BodyLimits, GuardedRoute, RequestGuard, parse_api_keys
 from gateway.metrics import GatewayMetrics
+from gateway.protocol.common import JSON_VALUE, JSON_VALUE_SCHEMA
 from gateway.routers import openai_routes, session_routes
 from gateway.routers.common import errors
 from gateway.serving import ChatServing, CompletionServing, SessionService, TurnEngine
@@ -129,7 +130,7 @@ def create_app(
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    app.openapi = lambda: _openapi(app, engine.template.vocab_size)  # type: ignore[method-assign]
     return app
 
 
@@ -150,9 +151,16 @@ def validation_problem(exc: RequestValidationError) -> InvalidRequest:
     return InvalidRequest(f"invalid request: {'; '.join(problems)}", param=param or None)
 
 
-def _openapi(app: FastAPI) -> JSON:
+def _openapi(app: FastAPI, vocab_size: int) -> JSON:
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        components[JSON_VALUE] = JSON_VALUE_SCHEMA
+        # Token-id prompts: ids of this model's vocabulary.
+        prompt = components["CompletionRequest"]["properties"]["prompt"]
+        for option in prompt["anyOf"]:
+            if option.get("type") == "array":
+                option["items"]["maximum"] = vocab_size - 1
         for path in schema["paths"].values():
             for operation in path.values():
                 operation.get("responses", {}).pop("422", None)

@@ -68,8 +68,9 @@ class BodyLimits:
 def parse_api_keys(entries: Sequence[str]) -> dict[str, frozenset[str] | None]:
     """``KEY`` (every run) or ``KEY=RUN[,RUN...]`` (only those runs) -> key: runs or None.
 
-    >>> parse_api_keys(["k1", "k2=runA,runB"])
-    {'k1': None, 'k2': frozenset({'runA', 'runB'})}
+    >>> keys = parse_api_keys(["k1", "k2=runA,runB"])
+    >>> keys["k1"], sorted(keys["k2"] or ())
+    (None, ['runA', 'runB'])
     """
     keys: dict[str, frozenset[str] | None] = {}
     for entry in entries:

@@ -66,7 +66,9 @@ class ChatTemplate:
         # No token stands for more characters than its vocabulary string has (byte-level
         # vocabularies write one character per byte), so text of n characters needs at least
         # n / longest tokens: a prompt far over the context is refused before it is rendered.
-        self._longest_token = max((len(t) for t in tokenizer.get_vocab()), default=1) or 1
+        vocab = tokenizer.get_vocab()
+        self.vocab_size = max(len(tokenizer), max(vocab.values(), default=-1) + 1)
+        self._longest_token = max((len(t) for t in vocab), default=1) or 1
 
     def _turn_end_text(self) -> str:
         """The template's text between an assistant message's content and the next message."""

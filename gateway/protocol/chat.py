@@ -9,7 +9,7 @@ renders and what the log records.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from jsonschema import exceptions as jsonschema_errors
@@ -23,7 +23,17 @@ from pydantic import (
     model_validator,
 )
 
-from gateway.protocol.common import FiniteFloat, Int64, TokenCount, Usage, Wire
+from gateway.protocol.common import (
+    JSON_VALUE_REF,
+    Int64,
+    JSONObject,
+    Temperature,
+    TokenCount,
+    TopP,
+    Usage,
+    Wire,
+    free_form_extras,
+)
 
 __all__ = [
     "AssistantMessage",
@@ -38,6 +48,7 @@ __all__ = [
     "Delta",
     "DeltaToolCall",
     "NamedToolChoice",
+    "TextPart",
     "TokenLogprob",
     "ToolCallFunction",
     "ToolCallOut",
@@ -48,8 +59,23 @@ __all__ = [
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
+def _documented_extras(schema: dict[str, Any]) -> None:
+    """The schema names the fields accepted beyond the model's own (at their neutral values,
+    or ignored) and nothing else: any other field is refused."""
+    properties = schema.setdefault("properties", {})
+    for name, values in _NEUTRAL.items():
+        properties[name] = {"enum": list(values), "description": "accepted at its neutral value"}
+    for name in sorted(_IGNORED):
+        properties[name] = {
+            **JSON_VALUE_REF,
+            "description": "accepted and ignored (never changes the completion)",
+        }
+    schema["additionalProperties"] = False
+
+
 class OpenAIRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")  # unknown OpenAI fields: checked in _unsupported
+    # Unknown OpenAI fields reach _unsupported, which names the field in its 400.
+    model_config = ConfigDict(extra="allow", json_schema_extra=_documented_extras)
 
     @model_validator(mode="after")
     def _unsupported(self) -> OpenAIRequest:
@@ -79,62 +105,86 @@ _IGNORED = {"user", "metadata", "store", "service_tier", "reasoning_effort", "mo
 class FunctionCall(BaseModel):
     """A tool call's function as a client sends it back in an assistant message."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", json_schema_extra=free_form_extras)
 
     name: str
-    arguments: str | dict[str, Any] = ""
+    arguments: str | JSONObject = ""
 
 
 class ToolCall(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", json_schema_extra=free_form_extras)
 
     id: str | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class TextPart(BaseModel):
+    # cache_control and the like
+    model_config = ConfigDict(extra="allow", json_schema_extra=free_form_extras)
 
-    role: Role
-    content: str | list[dict[str, Any]] | None = None
+    type: Literal["text"]
+    text: str
+
+
+Content = str | list[TextPart] | None
+
+
+class _Message(BaseModel):
+    # extra fields are recorded with the message
+    model_config = ConfigDict(extra="allow", json_schema_extra=free_form_extras)
+
+    content: Content
     name: str | None = None
+
+
+class _Said(_Message):
+    content: str | list[TextPart]  # required, and not null: only the assistant may omit it
+
+
+class SystemMessage(_Said):
+    role: Literal["system", "developer"]
+
+
+class UserMessage(_Said):
+    role: Literal["user"]
+
+
+class AssistantTurn(_Message):
+    """An assistant message a client sends back (the model's earlier reply)."""
+
+    role: Literal["assistant"]
+    content: Content = None
     tool_calls: list[ToolCall] | None = None
-    tool_call_id: str | None = None
-
-    @model_validator(mode="after")
-    def _checked(self) -> ChatMessage:
-        # One validator, not one per field: it runs for every message of every request.
-        if self.role == "tool" and not self.tool_call_id:
-            raise ValueError(
-                "a message with role 'tool' needs the tool_call_id of the call it answers"
-            )
-        if isinstance(self.content, list):
-            message_text(self.content)  # text parts only
-        return self
 
 
-def message_text(content: str | list[dict[str, Any]] | None) -> str | None:
-    """The text of a message: a string, or the concatenated text parts of a list."""
+class ToolMessage(_Said):
+    role: Literal["tool"]
+    tool_call_id: str = Field(description="the id of the tool call this result answers")
+
+
+ChatMessage = Annotated[
+    SystemMessage | UserMessage | AssistantTurn | ToolMessage, Field(discriminator="role")
+]
+
+
+def message_text(content: Content) -> str | None:
+    """The text of a message: a string, or the concatenated text parts.
+
+    >>> message_text([TextPart(type="text", text="a"), TextPart(type="text", text="b")])
+    'ab'
+    """
     if content is None or isinstance(content, str):
         return content
-    parts = []
-    for part in content:
-        if part.get("type") != "text" or not isinstance(part.get("text", ""), str):
-            raise ValueError(
-                f"content part of type {part.get('type')!r} is not supported "
-                "(text only: {'type': 'text', 'text': '...'})"
-            )
-        parts.append(part.get("text", ""))
-    return "".join(parts)
+    return "".join(part.text for part in content)
 
 
 class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", json_schema_extra=free_form_extras)
 
     name: str = Field(min_length=1, max_length=256)
     description: str | None = None
-    parameters: dict[str, Any] | None = Field(None, description="a JSON schema")
+    parameters: JSONObject | None = Field(None, description="a JSON schema")
 
     @field_validator("parameters")
     @classmethod
@@ -147,7 +197,7 @@ class FunctionDefinition(BaseModel):
 
 
 class ChatTool(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", json_schema_extra=free_form_extras)
 
     type: Literal["function"]
     function: FunctionDefinition
@@ -175,7 +225,7 @@ class NamedToolChoice(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", json_schema_extra=free_form_extras)
 
     include_usage: bool = False
 
@@ -186,17 +236,21 @@ class ChatCompletionRequest(OpenAIRequest):
     # messages took 1.3 s); agents' sessions stay far below it within any context length.
     messages: list[ChatMessage] = Field(min_length=1, max_length=10_000)
     tools: list[ChatTool] | None = Field(None, max_length=1024)
-    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = Field(
+        None, description="a named function must be one of the tools; 'required' needs tools"
+    )
     parallel_tool_calls: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="needs logprobs=true")
     stop: str | list[str] | None = Field(None, max_length=16)
-    max_tokens: TokenCount | None = None
-    max_completion_tokens: TokenCount | None = None
-    temperature: FiniteFloat | None = Field(None, ge=0, le=2)
-    top_p: FiniteFloat | None = Field(None, gt=0, le=1)
+    max_tokens: TokenCount | None = Field(
+        None, description="a cap: lowered to the room the prompt leaves in the context"
+    )
+    max_completion_tokens: TokenCount | None = Field(None, description="as max_tokens")
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
     seed: Int64 | None = None
     n: int = Field(1, ge=1, le=1, description="one choice per turn: a turn is one sample")
 

@@ -7,22 +7,29 @@ finite numbers, integers within int64, bounded nesting); these types bound each 
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 
 __all__ = [
     "INT64_MAX",
     "INT64_MIN",
+    "JSON_VALUE",
+    "JSON_VALUE_REF",
+    "JSON_VALUE_SCHEMA",
     "ErrorBody",
     "ErrorResponse",
     "FiniteFloat",
     "Int64",
+    "JSONObject",
     "ModelCard",
     "ModelList",
+    "Temperature",
     "TokenCount",
+    "TopP",
     "Usage",
     "Wire",
+    "free_form_extras",
 ]
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -37,7 +44,36 @@ def _not_a_bool(value: object) -> object:
     return value
 
 
-FiniteFloat = Annotated[float, BeforeValidator(_not_a_bool), Field(allow_inf_nan=False)]
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False), BeforeValidator(_not_a_bool)]
+# Constraints inside the Annotated: on an Optional they would not reach the JSON schema.
+Temperature = Annotated[float, Field(ge=0, le=2)]
+TopP = Annotated[float, Field(gt=0, le=1)]
+
+
+# Free-form JSON (metadata, extra message fields, tool schemas) as the OpenAPI schema documents
+# it: any JSON whose integers fit int64. Recursive, so it lives in the schema's components
+# (``gateway.app`` adds it); validation is the body guard's, once per request.
+JSON_VALUE = "JsonValue"
+JSON_VALUE_REF = {"$ref": f"#/components/schemas/{JSON_VALUE}"}
+JSON_VALUE_SCHEMA: dict[str, object] = {
+    "description": "any JSON value whose integers fit int64",
+    "anyOf": [
+        {"type": "string"},
+        {"type": "boolean"},
+        {"type": "null"},
+        {"type": "number", "minimum": INT64_MIN, "maximum": INT64_MAX},
+        {"type": "array", "items": JSON_VALUE_REF},
+        {"type": "object", "additionalProperties": JSON_VALUE_REF},
+    ],
+}
+JSONObject = Annotated[
+    dict[str, Any], WithJsonSchema({"type": "object", "additionalProperties": JSON_VALUE_REF})
+]
+
+
+def free_form_extras(schema: dict[str, Any]) -> None:
+    """``json_schema_extra`` of models that keep the fields a client adds: JSON values."""
+    schema["additionalProperties"] = JSON_VALUE_REF
 
 
 class Wire(BaseModel):

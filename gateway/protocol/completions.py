@@ -2,39 +2,32 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from gateway.protocol.chat import OpenAIRequest, StreamOptions
-from gateway.protocol.common import FiniteFloat, Int64, TokenCount, Usage, Wire
+from gateway.protocol.common import Int64, Temperature, TokenCount, TopP, Usage, Wire
 
 __all__ = ["Completion", "CompletionChoice", "CompletionLogprobs", "CompletionRequest"]
 
-TokenId = Field(ge=0, le=2**31 - 1)
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 
 
 class CompletionRequest(OpenAIRequest):
     model: str | None = Field(None, description="the served model (GET /v1/models); omitted: it")
-    prompt: str | list[int] = Field(description="text, or token ids (tokens in, tokens out)")
+    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)] = (
+        Field(description="text, or token ids (tokens in, tokens out)")
+    )
     stream: Literal[False] = Field(False, description="streaming: use chat/completions")
     stream_options: StreamOptions | None = None
     logprobs: int | None = Field(None, ge=0, le=20)
     stop: str | list[str] | None = Field(None, max_length=16)
     max_tokens: TokenCount | None = 16
-    temperature: FiniteFloat | None = Field(None, ge=0, le=2)
-    top_p: FiniteFloat | None = Field(None, gt=0, le=1)
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
     seed: Int64 | None = None
     n: int = Field(1, ge=1, le=1)
-
-    @field_validator("prompt")
-    @classmethod
-    def _non_empty(cls, prompt: str | list[int]) -> str | list[int]:
-        if len(prompt) == 0:
-            raise ValueError("prompt must not be empty")
-        if isinstance(prompt, list) and not all(0 <= t < 2**31 for t in prompt):
-            raise ValueError("prompt token ids must be between 0 and 2**31 - 1")
-        return prompt
 
     @property
     def stop_strings(self) -> list[str]:

@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.protocol.common import FiniteFloat, Wire
+from gateway.protocol.common import FiniteFloat, JSONObject, Wire
 from schemas.events import SessionStatus
 from schemas.ids import ID_PATTERN
 
@@ -28,7 +28,7 @@ class CreateSessionRequest(BaseModel):
     run: str | None = Field(None, pattern=ID, description="default: the request's run")
     session_id: str | None = Field(None, pattern=ID, description="default: random")
     group: str | None = Field(None, max_length=256, description="GRPO prompt id")
-    metadata: dict[str, Any] = Field(default_factory=dict, description="task, env, anything")
+    metadata: JSONObject = Field(default_factory=dict, description="task, env, anything")
 
 
 class RewardRequest(BaseModel):
@@ -38,7 +38,7 @@ class RewardRequest(BaseModel):
     turn: int | None = Field(None, ge=0, le=2**31 - 1, description="None: the whole episode")
     key: str = Field("default", pattern=ID)
     source: str = Field("", max_length=256)
-    info: dict[str, Any] = Field(default_factory=dict)
+    info: JSONObject = Field(default_factory=dict)
 
 
 class CloseSessionRequest(BaseModel):

@@ -120,7 +120,7 @@ class ChatServing:
             use_tools,
             req.logprobs,
             top,
-            sampling_record(params, req.stop_strings, tool_choice),
+            sampling_record(params, req.stop_strings, tool_choice, req.token_budget),
             forced,
         )
 

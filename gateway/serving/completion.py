@@ -6,6 +6,7 @@ import time
 
 import numpy as np
 
+from gateway.errors import InvalidRequest
 from gateway.protocol.completions import (
     Completion,
     CompletionChoice,
@@ -29,6 +30,12 @@ class CompletionServing:
             prompt_ids = engine.template.encode(req.prompt)
         else:
             prompt_ids = list(req.prompt)
+            vocab = engine.template.vocab_size
+            if max(prompt_ids) >= vocab:
+                raise InvalidRequest(
+                    f"token id {max(prompt_ids)} is outside the vocabulary (0..{vocab - 1})",
+                    param="prompt",
+                )
         top = req.logprobs or 0
         params = engine.params(
             session, len(prompt_ids), req.max_tokens, req.temperature, req.top_p, req.seed, top
@@ -44,7 +51,7 @@ class CompletionServing:
             False,
             req.logprobs is not None,
             top,
-            sampling_record(params, req.stop_strings, None),
+            sampling_record(params, req.stop_strings, None, req.max_tokens),
         )
 
     async def complete(self, session: Session, req: CompletionRequest) -> Completion:

@@ -162,15 +162,16 @@ class TurnEngine:
         top_logprobs: int,
     ) -> SamplingParams:
         room = self.backend.max_context - prompt_len
-        if room <= 0 or (budget is not None and budget > room):
-            asked = f" + max_tokens {budget}" if budget is not None else ""
+        if room <= 0:
             raise ContextLengthExceeded(
-                f"session {session.name}: prompt of {prompt_len} tokens{asked} exceeds the "
+                f"session {session.name}: prompt of {prompt_len} tokens leaves no room in the "
                 f"model's context length of {self.backend.max_context} tokens",
                 param="messages",
             )
+        # max_tokens is a cap (DESIGN §4): agents ask for 32k-64k whatever the model, so a cap
+        # past the room left is lowered to fit (the sampling record keeps both values).
         return SamplingParams(
-            max_tokens=budget or room,
+            max_tokens=room if budget is None else min(budget, room),
             temperature=1.0 if temperature is None else temperature,
             top_p=1.0 if top_p is None else top_p,
             seed=seed,
@@ -312,12 +313,16 @@ class TurnEngine:
         return True
 
 
-def sampling_record(params: SamplingParams, stop: Sequence[str], tool_choice: object) -> JSON:
+def sampling_record(
+    params: SamplingParams, stop: Sequence[str], tool_choice: object, asked: int | None
+) -> JSON:
     record: JSON = {
         "max_tokens": params.max_tokens,
         "temperature": params.temperature,
         "top_p": params.top_p,
     }
+    if asked is not None and asked != params.max_tokens:
+        record["max_tokens_requested"] = asked
     if params.seed is not None:
         record["seed"] = params.seed
     if stop:

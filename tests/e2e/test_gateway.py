@@ -257,7 +257,7 @@ def test_every_error_has_its_status_and_an_openai_body(gateway: GatewayProcess) 
         missing.chat.completions.create(model="tiny", messages=ok_body["messages"])
 
     too_long = [{"role": "user", "content": "x" * 5000}]
-    with pytest.raises(openai.APIStatusError, match=r"exceeds the model's context length") as big:
+    with pytest.raises(openai.APIStatusError, match=r"model's context length") as big:
         client.chat.completions.create(model="tiny", messages=too_long)
     assert big.value.status_code == 413
 
@@ -450,3 +450,18 @@ def test_a_restarted_gateway_continues_a_session_from_the_log(
     context = full_prompts(turns)[0] + turns[0].completion_ids.tolist()
     assert turns[1].prefix_len == len(context)  # still tokens in, tokens out
     assert [m["role"] for m in turns[1].new_messages] == ["tool"]
+
+
+def test_max_tokens_is_a_cap_lowered_to_the_room_left(
+    gateway: GatewayProcess, nats_server: NatsServer
+) -> None:
+    """Agents ask for 32k-64k tokens whatever the model (DESIGN §4): served, not refused."""
+    session = gateway.session()
+    reply = client_for(session).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=1_000_000, stop="a"
+    )
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    (turn,) = turns_of(events_of(nats_server, str(session["session_id"])))
+    room = 4096 - (turn.prefix_len + len(turn.prompt_ids))
+    assert turn.sampling["max_tokens"] == room
+    assert turn.sampling["max_tokens_requested"] == 1_000_000

@@ -1,0 +1,125 @@
+"""The OpenAPI schema is the contract (issue 9): schemathesis against a real gateway process.
+
+Every operation of ``/openapi.json`` is called with requests generated from the schema, valid
+ones and invalid ones (bounded and derandomized, so the run is reproducible), on the tiny model
+with a real nats-server. It fails on a server error, a status, content type or body the schema
+does not document, or a valid request refused. (Not on an invalid request accepted: the
+gateway accepts extra fields in messages and free-form JSON the schema describes narrowly, as
+agents send them.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis.errors import Unsatisfiable
+from schemathesis import GenerationMode
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    positive_data_acceptance,
+    response_schema_conformance,
+    status_code_conformance,
+)
+
+from schemas.log import NatsServer
+from tests.helpers.gateway_process import GatewayProcess
+
+pytestmark = pytest.mark.integration
+
+CHECKS = [
+    not_a_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_schema_conformance,
+    positive_data_acceptance,
+]
+# Generating on the tiny model costs ~2 ms a token and a turn without a cap may generate the
+# whole context: generated bodies get a small cap (a valid value, so the case stays valid).
+MAX_TOKENS = 4
+EXAMPLES = 20
+
+
+@pytest.fixture(scope="module")
+def contract_gateway(
+    nats_server: NatsServer, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[GatewayProcess]:
+    process = GatewayProcess(nats_server.url, tiny_model_dir, tmp_path_factory.mktemp("contract"))
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def contract_schema(contract_gateway: GatewayProcess) -> Any:
+    schema = schemathesis.openapi.from_url(f"{contract_gateway.url}/openapi.json")
+    schema.config.base_url = contract_gateway.url
+    return schema
+
+
+@pytest.mark.parametrize("mode", list(GenerationMode), ids=lambda m: m.value)
+def test_every_operation_keeps_the_contract(
+    contract_schema: Any, contract_gateway: GatewayProcess, mode: GenerationMode
+) -> None:
+    # Each operation as a hypothesis test of its own (schemathesis' lazy pytest fixture loader
+    # does not run under this pytest); every failure is collected, then reported together.
+    failures: dict[str, str] = {}
+    for result in contract_schema.get_all_operations():
+        operation = result.ok()
+
+        @given(case=operation.as_strategy(generation_mode=mode))
+        @settings(
+            max_examples=EXAMPLES,
+            derandomize=True,
+            deadline=None,
+            phases=[Phase.explicit, Phase.generate],
+            suppress_health_check=list(HealthCheck),
+            database=None,
+        )
+        def call(case: Any) -> None:
+            cap_generation(case)
+            case.call_and_validate(base_url=contract_gateway.url, checks=CHECKS, timeout=60)
+
+        try:
+            call()
+        except Unsatisfiable:
+            assert mode is GenerationMode.NEGATIVE, operation.label  # nothing to make invalid
+        except (Exception, BaseExceptionGroup) as exc:  # schemathesis' FailureGroup
+            failures[operation.label] = str(exc)[:3000]
+    assert not failures, "\n\n".join(f"{label}:\n{error}" for label, error in failures.items())
+
+
+def cap_generation(case: Any) -> None:
+    """Keep generated turns short, and make generated chat bodies follow the rules between
+    fields that a JSON schema cannot state (each documented on its field and tested in
+    tests/unit/test_protocol.py): a named tool_choice names one of the tools, "required"
+    needs tools, top_logprobs needs logprobs."""
+    if not isinstance(case.body, dict):
+        return
+    body = case.body
+    if case.path.endswith("chat/completions"):
+        names = [
+            t["function"].get("name")
+            for t in body.get("tools") or []
+            if isinstance(t, dict) and isinstance(t.get("function"), dict)
+        ]
+        choice = body.get("tool_choice")
+        if isinstance(choice, dict):
+            function = choice.get("function")
+            if isinstance(function, dict) and names:
+                function["name"] = names[0]
+            else:
+                body.pop("tool_choice")
+        elif choice == "required" and not names:
+            body.pop("tool_choice")
+        if body.get("top_logprobs"):
+            body["logprobs"] = True
+    for cap in ("max_tokens", "max_completion_tokens"):
+        if isinstance(body.get(cap), int) and body[cap] > MAX_TOKENS:
+            body[cap] = MAX_TOKENS
+    if case.path.endswith("completions"):
+        body.setdefault("max_tokens", MAX_TOKENS)
