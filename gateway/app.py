@@ -108,8 +108,8 @@ def create_app(
 
     # Starlette matches routes in order: turns first, then the session API, then service routes.
     chat, completions = ChatServing(engine, sessions.store), CompletionServing(engine)
-    app.include_router(openai_routes(sessions, chat, completions, default_run))
-    app.include_router(session_routes(sessions, default_run))
+    openai_routes(app.router, sessions, chat, completions, default_run)
+    session_routes(app.router, sessions, default_run)
 
     @app.get("/health", response_model=None, responses={200: {"model": Health}, **errors(503)})
     async def health_check() -> JSONResponse:
@@ -139,13 +139,7 @@ def validation_problem(exc: RequestValidationError) -> InvalidRequest:
     problems = []
     for error in exc.errors():
         where = ".".join(str(p) for p in error["loc"] if p != "body") or "body"
-        message = error["msg"]
-        if error["loc"][:2] == ("header", "X-Session-Id") and error["type"] == "missing":
-            message = (
-                "an X-Session-Id header is required on /v1/...; or create a session with "
-                "POST /v1/sessions and use its base_url"
-            )
-        problems.append(f"{where}: {message}")
+        problems.append(f"{where}: {error['msg']}")
     first = exc.errors()[0]["loc"] if exc.errors() else ()
     param = ".".join(str(p) for p in first if p not in ("body", "header", "path", "query"))
     return InvalidRequest(f"invalid request: {'; '.join(problems)}", param=param or None)

@@ -164,7 +164,6 @@ def apply(state: SessionState | None, event: SessionEvent) -> SessionState | Non
 def _apply_turn(state: SessionState, event: TurnCompleted) -> SessionState:
     if event.turn != state.turns:
         return state
-    prompt = np.concatenate([state.context_ids[: event.prefix_len], event.prompt_ids])
     conversation = (
         *state.conversation[: event.message_prefix_len],
         *event.new_messages,
@@ -179,7 +178,9 @@ def _apply_turn(state: SessionState, event: TurnCompleted) -> SessionState:
         state.metadata,
         state.created_at,
         state.turns + 1,
-        np.concatenate([prompt, event.completion_ids]).astype(np.int32, copy=False),
+        np.concatenate(
+            [state.context_ids[: event.prefix_len], event.prompt_ids, event.completion_ids]
+        ).astype(np.int32, copy=False),
         len(event.completion_ids),
         conversation,
         tools,

@@ -64,7 +64,13 @@ def sample_token(
         logprobs = torch.log_softmax(logits, dim=-1)
         token = int(torch.argmax(logprobs))
     else:
-        logprobs = torch.log_softmax(logits / params.temperature, dim=-1)
+        # A temperature so small that logits / T overflows (or is 0 in float32) would give
+        # inf - inf = NaN: shifted by the max first (log_softmax does not change) and divided by
+        # at least 1e-30, it is the one-hot distribution it tends to.
+        scaled = logits / params.temperature
+        if params.temperature < 1e-30:
+            scaled = (logits - logits.max()) / 1e-30
+        logprobs = torch.log_softmax(scaled, dim=-1)
         probs = logprobs.exp()
         if params.top_p < 1.0:
             probs = _nucleus(probs, params.top_p)

@@ -7,7 +7,7 @@ finite numbers, integers within int64, bounded nesting); these types bound each 
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Self
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 
@@ -77,10 +77,35 @@ def free_form_extras(schema: dict[str, Any]) -> None:
 
 
 class Wire(BaseModel):
-    """A response model: built by the gateway with ``model_construct`` (what it builds needs
-    no validation), serialized by pydantic's Rust serializer, documented in the OpenAPI schema."""
+    """A response model: built by the gateway with ``build`` (what it builds needs no
+    validation), serialized by pydantic's Rust serializer, documented in the OpenAPI schema."""
 
     model_config = ConfigDict(extra="forbid")
+
+    @classmethod
+    def build(cls, **fields: Any) -> Self:
+        """The model of ``fields`` (the rest at their defaults) without validation: what
+        ``model_construct`` does, in half its time (it runs several times per request)."""
+        model = cls.__new__(cls)
+        values = {**cls._defaults(), **fields}
+        object.__setattr__(model, "__dict__", values)
+        object.__setattr__(model, "__pydantic_fields_set__", set(fields))
+        object.__setattr__(model, "__pydantic_extra__", None)
+        object.__setattr__(model, "__pydantic_private__", None)
+        return model
+
+    @classmethod
+    def _defaults(cls) -> dict[str, Any]:
+        defaults: dict[str, Any] | None = cls.__dict__.get("_wire_defaults")
+        if defaults is None:
+            defaults = {}
+            for name, field in cls.model_fields.items():
+                if field.default_factory is not None:
+                    raise TypeError(f"{cls.__name__}.{name}: wire models take plain defaults")
+                if not field.is_required():
+                    defaults[name] = field.default
+            cls._wire_defaults = defaults  # type: ignore[attr-defined]
+        return defaults
 
     def json_bytes(self) -> bytes:
         return self.__pydantic_serializer__.to_json(self)

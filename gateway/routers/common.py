@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any
 
 from fastapi import Header, Request, Response
 
-from gateway.errors import RunNotAllowed
+from gateway.errors import InvalidRequest, RunNotAllowed
 from gateway.guard import allowed_runs
 from gateway.protocol.common import ErrorResponse, Wire
 from schemas.ids import ID_PATTERN
 
-__all__ = ["ID", "RunHeader", "checked_run", "errors", "json_response"]
+__all__ = ["ID", "RunHeader", "checked_run", "errors", "header_session", "json_response"]
 
 ID = f"^{ID_PATTERN}$"
+_ID = re.compile(ID)
 _DESCRIPTIONS = {
     400: "invalid request: the message names the field and what to do",
     401: "missing or invalid API key",
@@ -61,3 +63,22 @@ def checked_run(request: Request, run: str | None, default_run: str) -> str:
             param="X-Run-Id",
         )
     return run
+
+
+def header_session(request: Request, default_run: str) -> tuple[str, str]:
+    """The run and session of a /v1 turn route, from X-Run-Id and X-Session-Id."""
+    headers = request.headers
+    session = headers.get("x-session-id")
+    if not session:
+        raise InvalidRequest(
+            "an X-Session-Id header is required on /v1/...; or create a session with "
+            "POST /v1/sessions and use its base_url",
+            param="X-Session-Id",
+        )
+    run = headers.get("x-run-id")
+    for name, value in (("X-Session-Id", session), ("X-Run-Id", run)):
+        if value is not None and not _ID.match(value):
+            raise InvalidRequest(
+                f"{name} {value[:80]!r} must match {ID} (letters, digits, _ and -)", param=name
+            )
+    return checked_run(request, run, default_run), session

@@ -6,7 +6,6 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path, Request, Response
 
-from gateway.guard import GuardedRoute
 from gateway.protocol.sessions import (
     CloseSessionRequest,
     CreateSessionRequest,
@@ -23,8 +22,8 @@ __all__ = ["session_routes"]
 SessionId = Annotated[str, Path(pattern=ID, description="the session id")]
 
 
-def session_routes(sessions: SessionService, default_run: str) -> APIRouter:
-    router = APIRouter(route_class=GuardedRoute, tags=["sessions"])
+def session_routes(router: APIRouter, sessions: SessionService, default_run: str) -> None:
+    """Adds the session API's routes to ``router`` (the app's own, as ``openai_routes``)."""
 
     def run_of(request: Request, x_run_id: RunHeader = None) -> str:
         return checked_run(request, x_run_id, default_run)
@@ -43,7 +42,7 @@ def session_routes(sessions: SessionService, default_run: str) -> APIRouter:
         session = await sessions.create(run, body)
         state = session.state
         scope = "" if run == default_run else f"runs/{run}/"
-        created = SessionCreated.model_construct(
+        created = SessionCreated.build(
             **state.describe(), base_url=f"{request.base_url}{scope}sessions/{state.id}/v1"
         )
         return json_response(created)
@@ -80,5 +79,3 @@ def session_routes(sessions: SessionService, default_run: str) -> APIRouter:
     ) -> Response:
         async with sessions.use(run, session_id) as session:
             return json_response(await sessions.close(session, body or CloseSessionRequest()))
-
-    return router

@@ -41,7 +41,7 @@ JSON = dict[str, Any]
 
 def usage(result: TurnResult) -> Usage:
     prompt, completion = result.usage
-    return Usage.model_construct(
+    return Usage.build(
         prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
     )
 
@@ -129,17 +129,17 @@ class ChatServing:
             session.ensure_open()
             turn = await self.prepare(session, req)
             result = await self.engine.run(turn)
-        message = AssistantMessage.model_construct(
+        message = AssistantMessage.build(
             content=result.content, tool_calls=_tool_calls(result) or None
         )
-        choice = Choice.model_construct(
+        choice = Choice.build(
             message=message,
             finish_reason=result.finish_reason,
             logprobs=self._logprobs(result.detok, 0, len(result.completion_ids), turn)
             if turn.logprobs
             else None,
         )
-        return ChatCompletion.model_construct(
+        return ChatCompletion.build(
             id=result.completion_id,
             created=int(time.time()),
             model=self.engine.model_name,
@@ -182,33 +182,37 @@ class ChatServing:
             def chunk(
                 delta: Delta, finish: str | None = None, logprobs: ChoiceLogprobs | None = None
             ) -> bytes:
-                choice = ChunkChoice.model_construct(
-                    delta=delta, finish_reason=finish, logprobs=logprobs
-                )
+                choice = ChunkChoice.build(delta=delta, finish_reason=finish, logprobs=logprobs)
                 return sse(
-                    ChatCompletionChunk.model_construct(
+                    ChatCompletionChunk.build(
                         id=cid, created=created, model=engine.model_name, choices=[choice]
                     )
                 )
 
-            yield chunk(Delta.model_construct(role="assistant", content=""))
+            yield chunk(Delta.build(role="assistant", content=""))
             sent, sent_tokens, ttft = 0, 0, None
-            async for _ in engine.tokens(turn, detok):
-                ttft = ttft or time.perf_counter()
-                limit = None
-                if turn.parse_tools:  # hold back what may still turn out to be a tool call
-                    forced = turn.forced_text
-                    safe = engine.parser.content_safe_prefix_len(forced + detok.text)
-                    limit = max(safe - len(forced), 0)
-                text = detok.streamable(limit)
-                if len(text) > sent:
-                    lp = (
-                        self._logprobs(detok, sent_tokens, len(detok.ids), turn)
-                        if turn.logprobs
-                        else None
-                    )
-                    yield chunk(Delta.model_construct(content=text[sent:]), logprobs=lp)
-                    sent, sent_tokens = len(text), len(detok.ids)
+            try:
+                async for _ in engine.tokens(turn, detok):
+                    ttft = ttft or time.perf_counter()
+                    limit = None
+                    if turn.parse_tools:  # hold back what may still turn out to be a tool call
+                        forced = turn.forced_text
+                        safe = engine.parser.content_safe_prefix_len(forced + detok.text)
+                        limit = max(safe - len(forced), 0)
+                    text = detok.streamable(limit)
+                    if len(text) > sent:
+                        lp = (
+                            self._logprobs(detok, sent_tokens, len(detok.ids), turn)
+                            if turn.logprobs
+                            else None
+                        )
+                        yield chunk(Delta.build(content=text[sent:]), logprobs=lp)
+                        sent, sent_tokens = len(text), len(detok.ids)
+            except Exception as exc:
+                # The status line is gone: the backend's failure ends the stream as an error
+                # event, and the turn, which the client never got whole, is not recorded.
+                yield sse_error(exc)
+                return
             try:
                 result = await engine.finish(turn, detok, ttft)
             except Exception as exc:
@@ -222,17 +226,17 @@ class ChatServing:
                     if turn.logprobs
                     else None
                 )
-                yield chunk(Delta.model_construct(content=rest), logprobs=lp)
+                yield chunk(Delta.build(content=rest), logprobs=lp)
             if result.tool_calls:
                 calls = [
-                    DeltaToolCall.model_construct(index=i, id=c.id, function=c.function)
+                    DeltaToolCall.build(index=i, id=c.id, function=c.function)
                     for i, c in enumerate(_tool_calls(result))
                 ]
-                yield chunk(Delta.model_construct(tool_calls=calls))
-            yield chunk(Delta.model_construct(), result.finish_reason)
+                yield chunk(Delta.build(tool_calls=calls))
+            yield chunk(Delta.build(), result.finish_reason)
             if req.include_usage:
                 yield sse(
-                    ChatCompletionChunk.model_construct(
+                    ChatCompletionChunk.build(
                         id=cid,
                         created=created,
                         model=engine.model_name,
@@ -253,26 +257,24 @@ class ChatServing:
             for alt in detok.top_logprobs[i][: turn.top_logprobs]:
                 text = decode([alt.token_id], skip_special_tokens=False)
                 tops.append(
-                    TopLogprobOut.model_construct(
-                        token=text, logprob=alt.logprob, bytes=list(text.encode())
-                    )
+                    TopLogprobOut.build(token=text, logprob=alt.logprob, bytes=list(text.encode()))
                 )
             entries.append(
-                TokenLogprob.model_construct(
+                TokenLogprob.build(
                     token=token,
                     logprob=detok.logprobs[i],
                     bytes=list(token.encode()),
                     top_logprobs=tops,
                 )
             )
-        return ChoiceLogprobs.model_construct(content=entries)
+        return ChoiceLogprobs.build(content=entries)
 
 
 def _tool_calls(result: TurnResult) -> list[ToolCallOut]:
     return [
-        ToolCallOut.model_construct(
+        ToolCallOut.build(
             id=c["id"],
-            function=ToolCallFunction.model_construct(
+            function=ToolCallFunction.build(
                 name=c["function"]["name"], arguments=c["function"]["arguments"]
             ),
         )

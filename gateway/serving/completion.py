@@ -59,12 +59,12 @@ class CompletionServing:
             session.ensure_open()
             turn = self.prepare(session, req)
             result = await self.engine.run(turn)
-        choice = CompletionChoice.model_construct(
+        choice = CompletionChoice.build(
             text=result.text,
             finish_reason=result.finish_reason,
             logprobs=self._logprobs(turn, result) if turn.logprobs else None,
         )
-        return Completion.model_construct(
+        return Completion.build(
             id=result.completion_id,
             created=int(time.time()),
             model=self.engine.model_name,
@@ -75,7 +75,7 @@ class CompletionServing:
     def _logprobs(self, turn: Turn, result: TurnResult) -> CompletionLogprobs:
         decode = self.engine.template.decode
         tokens = [decode([i], skip_special_tokens=False) for i in result.completion_ids]
-        return CompletionLogprobs.model_construct(
+        return CompletionLogprobs.build(
             tokens=tokens,
             token_logprobs=result.detok.logprobs,
             top_logprobs=[

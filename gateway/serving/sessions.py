@@ -36,7 +36,7 @@ Recover = Callable[[str, str], Awaitable[Sequence[SessionEvent]]]
 
 
 def session_info(state: SessionState) -> SessionInfo:
-    return SessionInfo.model_construct(**state.describe())
+    return SessionInfo.build(**state.describe())
 
 
 class SessionService:
@@ -133,9 +133,7 @@ class SessionService:
                     created_at=time.time(),
                 )
             )
-        return RewardReceipt.model_construct(
-            session_id=state.id, acknowledged=True, seq=receipt.seq or 0
-        )
+        return RewardReceipt.build(session_id=state.id, acknowledged=True, seq=receipt.seq or 0)
 
     async def close(self, session: Session, req: CloseSessionRequest) -> SessionInfo:
         async with session.lock:

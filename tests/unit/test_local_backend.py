@@ -385,3 +385,13 @@ async def test_fitted_model_generates_a_tool_call_then_an_answer(tool_model_dir:
         "It is 18°C and sunny in Paris."
     )
     await backend.close()
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 5e-324, 1e-40])
+def test_a_vanishing_temperature_samples_the_argmax_not_nan(temperature: float) -> None:
+    """Found by the OpenAPI contract run: logits / 1e-300 overflowed (0 in float32) and
+    multinomial raised on a NaN distribution, mid-stream."""
+    logits = torch.randn(320, generator=torch.Generator().manual_seed(1)) * 10
+    params = SamplingParams(max_tokens=1, temperature=temperature, top_p=0.3)
+    sampled = sample_token(logits, params, torch.Generator().manual_seed(0))
+    assert sampled.token_id == int(torch.argmax(logits)) and sampled.logprob == 0.0
