@@ -105,10 +105,6 @@ class ReplicaRouter:
         index = self._sessions.get(session_id)
         return None if index is None else self._replicas[index].backend.id
 
-    def forget(self, session_id: str) -> None:
-        """Drop a closed session's stickiness."""
-        self._sessions.pop(session_id, None)
-
     async def generate_for(
         self, session_id: str | None, prompt_ids: Sequence[int], params: SamplingParams
     ) -> tuple[str, RoutedStream]:

@@ -77,6 +77,14 @@ class OpenAIRequest(BaseModel):
     # Unknown OpenAI fields reach _unsupported, which names the field in its 400.
     model_config = ConfigDict(extra="allow", json_schema_extra=_documented_extras)
 
+    stop: str | list[str] | None = Field(None, max_length=16)
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
     @model_validator(mode="after")
     def _unsupported(self) -> OpenAIRequest:
         for name, value in (self.model_extra or {}).items():
@@ -244,7 +252,6 @@ class ChatCompletionRequest(OpenAIRequest):
     stream_options: StreamOptions | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20, description="needs logprobs=true")
-    stop: str | list[str] | None = Field(None, max_length=16)
     max_tokens: TokenCount | None = Field(
         None, description="a cap: lowered to the room the prompt leaves in the context"
     )
@@ -272,12 +279,6 @@ class ChatCompletionRequest(OpenAIRequest):
     @property
     def raw_tools(self) -> list[dict[str, Any]] | None:
         return [t.raw for t in self.tools] if self.tools else None
-
-    @property
-    def stop_strings(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     @property
     def token_budget(self) -> int | None:

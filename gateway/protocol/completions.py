@@ -22,18 +22,11 @@ class CompletionRequest(OpenAIRequest):
     stream: Literal[False] = Field(False, description="streaming: use chat/completions")
     stream_options: StreamOptions | None = None
     logprobs: int | None = Field(None, ge=0, le=20)
-    stop: str | list[str] | None = Field(None, max_length=16)
     max_tokens: TokenCount | None = 16
     temperature: Temperature | None = None
     top_p: TopP | None = None
     seed: Int64 | None = None
     n: int = Field(1, ge=1, le=1)
-
-    @property
-    def stop_strings(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
 class CompletionLogprobs(Wire):
