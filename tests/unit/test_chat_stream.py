@@ -3,10 +3,21 @@ client never pulled a chunk."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
 
-from gateway.serving import ChatStream
+from transformers import AutoTokenizer
+
+from gateway.backends.base import GenerationChunk
+from gateway.errors import BackendError
+from gateway.metrics import GatewayMetrics
+from gateway.protocol import ChatCompletionRequest
+from gateway.serving import ChatServing, ChatStream, TurnEngine
 from gateway.sessions import Session, SessionStore
+from gateway.templates import ChatTemplate
+from gateway.tools import get_parser
 from gateway.turns import SessionState
 
 
@@ -54,4 +65,65 @@ async def test_a_started_stream_leaves_the_lock_to_its_generator() -> None:
     assert session.lock.locked()  # the generator's own finally releases it when it ends
 
     await iterator.aclose()  # type: ignore[attr-defined]
+    assert not session.lock.locked() and session.users == 0
+
+
+class _Receipt:
+    seq, duplicate = 1, False
+
+
+class _Publisher:
+    """Records what would be published (the log itself is tested in integration)."""
+
+    def __init__(self) -> None:
+        self.events: list[object] = []
+
+    async def publish(self, event: object) -> _Receipt:
+        self.events.append(event)
+        return _Receipt()
+
+
+class _FailingBackend:
+    """A backend that fails after its first token (stands in for a replica that dies)."""
+
+    id, max_context = "failing", 4096
+
+    async def generate(
+        self, prompt_ids: Any, params: Any, *, session: str | None = None
+    ) -> AsyncIterator[GenerationChunk]:
+        yield GenerationChunk([72], [-0.5])
+        raise BackendError("replica died mid-generation")
+
+    async def close(self) -> None:
+        return None
+
+
+async def test_a_backend_failure_mid_stream_ends_it_with_an_error_event(
+    tiny_model_dir: Path,
+) -> None:
+    """Found by the contract run: the exception escaped after the status line was sent and
+    the connection dropped. Now the stream ends with an OpenAI error event, the turn is not
+    recorded (the client never got it whole), and the session is free for the next turn."""
+    template = ChatTemplate(AutoTokenizer.from_pretrained(tiny_model_dir))
+    publisher = _Publisher()
+    engine = TurnEngine(
+        template=template,
+        backend=_FailingBackend(),
+        publisher=publisher,  # type: ignore[arg-type]
+        parser=get_parser("hermes"),
+        model_name="tiny",
+        metrics=GatewayMetrics(),
+    )
+    store = SessionStore()
+    session = await store.load(("run", "s"), _create)
+    assert session is not None
+    request = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 8}
+    )
+    stream = await ChatServing(engine, store).stream(session, request)
+    events = [chunk async for chunk in stream]
+    assert events[0].startswith(b"data: {")
+    error = json.loads(events[-1].removeprefix(b"data: "))["error"]
+    assert error["code"] == "backend_error" and "mid-generation" in error["message"]
+    assert publisher.events == [] and session.state.turns == 0
     assert not session.lock.locked() and session.users == 0
