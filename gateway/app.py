@@ -29,7 +29,6 @@ from gateway.errors import (
 )
 from gateway.guard import BodyLimits, GuardedRoute, RequestGuard, parse_api_keys
 from gateway.metrics import GatewayMetrics
-from gateway.protocol.common import JSON_VALUE, JSON_VALUE_SCHEMA
 from gateway.routers import openai_routes, session_routes
 from gateway.routers.common import errors
 from gateway.serving import ChatServing, CompletionServing, SessionService, TurnEngine
@@ -149,7 +148,6 @@ def _openapi(app: FastAPI, vocab_size: int) -> JSON:
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
         components = schema.setdefault("components", {}).setdefault("schemas", {})
-        components[JSON_VALUE] = JSON_VALUE_SCHEMA
         # Token-id prompts: ids of this model's vocabulary.
         prompt = components["CompletionRequest"]["properties"]["prompt"]
         for option in prompt["anyOf"]:

@@ -24,7 +24,7 @@ from pydantic import (
 )
 
 from gateway.protocol.common import (
-    JSON_VALUE_REF,
+    JSON_VALUE_SCHEMA,
     Int64,
     JSONObject,
     Temperature,
@@ -67,7 +67,7 @@ def _documented_extras(schema: dict[str, Any]) -> None:
         properties[name] = {"enum": list(values), "description": "accepted at its neutral value"}
     for name in sorted(_IGNORED):
         properties[name] = {
-            **JSON_VALUE_REF,
+            **JSON_VALUE_SCHEMA,
             "description": "accepted and ignored (never changes the completion)",
         }
     schema["additionalProperties"] = False

@@ -14,8 +14,6 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSche
 __all__ = [
     "INT64_MAX",
     "INT64_MIN",
-    "JSON_VALUE",
-    "JSON_VALUE_REF",
     "JSON_VALUE_SCHEMA",
     "ErrorBody",
     "ErrorResponse",
@@ -33,7 +31,14 @@ __all__ = [
 ]
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+# The schema states a range 1024 inside int64, exact as a float: JSON-schema tools compute
+# bounds in floating point (schemathesis generated -2**63 - 191 for a minimum of -2**63).
+_SAFE_INT64 = 2**63 - 1024
+Int64 = Annotated[
+    int,
+    Field(ge=INT64_MIN, le=INT64_MAX),
+    WithJsonSchema({"type": "integer", "minimum": -_SAFE_INT64, "maximum": _SAFE_INT64}),
+]
 TokenCount = Annotated[int, Field(ge=1, le=2**31 - 1)]
 
 
@@ -51,29 +56,35 @@ TopP = Annotated[float, Field(gt=0, le=1)]
 
 
 # Free-form JSON (metadata, extra message fields, tool schemas) as the OpenAPI schema documents
-# it: any JSON whose integers fit int64. Recursive, so it lives in the schema's components
-# (``gateway.app`` adds it); validation is the body guard's, once per request.
-JSON_VALUE = "JsonValue"
-JSON_VALUE_REF = {"$ref": f"#/components/schemas/{JSON_VALUE}"}
-JSON_VALUE_SCHEMA: dict[str, object] = {
-    "description": "any JSON value whose integers fit int64",
-    "anyOf": [
+# it: JSON whose integers fit int64, nested (in the schema) three levels deep. The schema states
+# less than the gateway accepts (deeper nesting, up to --max-json-depth, is fine), so every
+# document it allows is accepted; it is inline, not a recursive $ref, so each model's own
+# ``model_json_schema()`` stands alone. Validation is the body guard's, once per request.
+def _json_value(depth: int) -> dict[str, Any]:
+    options: list[dict[str, Any]] = [
         {"type": "string"},
         {"type": "boolean"},
         {"type": "null"},
-        {"type": "number", "minimum": INT64_MIN, "maximum": INT64_MAX},
-        {"type": "array", "items": JSON_VALUE_REF},
-        {"type": "object", "additionalProperties": JSON_VALUE_REF},
-    ],
-}
+        {"type": "number", "minimum": -_SAFE_INT64, "maximum": _SAFE_INT64},
+    ]
+    if depth > 0:
+        inner = _json_value(depth - 1)
+        options += [
+            {"type": "array", "items": inner},
+            {"type": "object", "additionalProperties": inner},
+        ]
+    return {"anyOf": options}
+
+
+JSON_VALUE_SCHEMA = _json_value(2)
 JSONObject = Annotated[
-    dict[str, Any], WithJsonSchema({"type": "object", "additionalProperties": JSON_VALUE_REF})
+    dict[str, Any], WithJsonSchema({"type": "object", "additionalProperties": JSON_VALUE_SCHEMA})
 ]
 
 
 def free_form_extras(schema: dict[str, Any]) -> None:
     """``json_schema_extra`` of models that keep the fields a client adds: JSON values."""
-    schema["additionalProperties"] = JSON_VALUE_REF
+    schema["additionalProperties"] = JSON_VALUE_SCHEMA
 
 
 class Wire(BaseModel):
