@@ -91,6 +91,7 @@ def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     # Keep a token when the mass before it is still short of top_p: the most likely token always
     # stays, and so does the one that crosses the threshold.
     keep = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) < top_p
+    keep[0] = True  # also when top_p is 0 in float32 (a subnormal 5e-324 is)
     return torch.zeros_like(probs).scatter(-1, order[keep], sorted_probs[keep])
 
 

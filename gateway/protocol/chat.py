@@ -77,7 +77,7 @@ class OpenAIRequest(BaseModel):
     # Unknown OpenAI fields reach _unsupported, which names the field in its 400.
     model_config = ConfigDict(extra="allow", json_schema_extra=_documented_extras)
 
-    stop: str | list[str] | None = Field(None, max_length=16)
+    stop: str | Annotated[list[str], Field(max_length=16)] | None = None
 
     @property
     def stop_strings(self) -> list[str]:

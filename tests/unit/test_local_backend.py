@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -387,11 +389,26 @@ async def test_fitted_model_generates_a_tool_call_then_an_answer(tool_model_dir:
     await backend.close()
 
 
-@pytest.mark.parametrize("temperature", [1e-300, 5e-324, 1e-40])
-def test_a_vanishing_temperature_samples_the_argmax_not_nan(temperature: float) -> None:
-    """Found by the OpenAPI contract run: logits / 1e-300 overflowed (0 in float32) and
-    multinomial raised on a NaN distribution, mid-stream."""
+@pytest.mark.parametrize(
+    ("temperature", "top_p"), [(1e-300, 0.3), (5e-324, 0.3), (1e-40, 0.3), (1.0, 5e-324)]
+)
+def test_vanishing_temperature_or_top_p_samples_the_argmax(
+    temperature: float, top_p: float
+) -> None:
+    """Found by the OpenAPI contract run: logits / 1e-300 overflowed (0 in float32), and a
+    top_p of 5e-324 (0 in float32) kept no token: multinomial raised, mid-stream."""
     logits = torch.randn(320, generator=torch.Generator().manual_seed(1)) * 10
-    params = SamplingParams(max_tokens=1, temperature=temperature, top_p=0.3)
+    params = SamplingParams(max_tokens=1, temperature=temperature, top_p=top_p)
     sampled = sample_token(logits, params, torch.Generator().manual_seed(0))
-    assert sampled.token_id == int(torch.argmax(logits)) and sampled.logprob == 0.0
+    assert sampled.token_id == int(torch.argmax(logits))
+
+
+@settings(max_examples=300, deadline=None)
+@given(temperature=st.floats(0, 2), top_p=st.floats(0, 1, exclude_min=True))
+def test_every_sampling_setting_the_api_accepts_samples_a_token(
+    temperature: float, top_p: float
+) -> None:
+    logits = torch.randn(320, generator=torch.Generator().manual_seed(1)) * 10
+    params = SamplingParams(max_tokens=1, temperature=temperature, top_p=top_p)
+    sampled = sample_token(logits, params, torch.Generator().manual_seed(0))
+    assert 0 <= sampled.token_id < 320 and sampled.logprob <= 0.0
