@@ -12,7 +12,7 @@ import subprocess
 import sys
 from typing import Any
 
-from schemas.log.server import find_nats_server
+from eventlog.server import find_nats_server
 
 
 def say(line: str = "") -> None:

@@ -17,7 +17,7 @@ What it measures
    adds ~4 characters of message / reply text per token, as a chat turn with its content would
    have, to show what strings cost next to the token arrays.
 
-2. **Publisher** (``schemas.log.publisher.JetStreamPublisher``) against raw nats-py JetStream
+2. **Publisher** (``eventlog.publisher.JetStreamPublisher``) against raw nats-py JetStream
    publishing of *the same bytes* (same subjects shape, same ``Nats-Msg-Id`` header, same count)
    on one nats-server started by this script (file store, default ``LogSettings`` streams).
    Events are ``TurnCompleted`` sized so the encoded payload is ~1 KB and ~512 KB; they are
@@ -67,14 +67,14 @@ from _common import arguments, banner, finish, machine_info, say
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
+from eventlog.config import LogSettings
+from eventlog.connection import connect
+from eventlog.provision import provision
+from eventlog.publisher import JetStreamPublisher
+from eventlog.server import NatsServer
 from schemas.codec import Codec
 from schemas.events import TurnCompleted
 from schemas.ids import event_subject, turn_msg_id
-from schemas.log.config import LogSettings
-from schemas.log.connection import connect
-from schemas.log.provision import provision
-from schemas.log.publisher import JetStreamPublisher
-from schemas.log.server import NatsServer
 
 KB = 1024
 MB = 1_000_000  # throughput unit: 10^6 payload bytes

@@ -14,7 +14,7 @@ Setup (all on this machine, started and stopped by this script)
   request body in both paths, and costs ~0.15-0.5 ms of CPU per request.
 * **Gateway**: ``turnstream gateway --backend vllm`` in its own process (uvicorn), on the tiny
   ChatML model's tokenizer and template (``gateway.model.ensure_tiny_model``), publishing to a
-  nats-server (file store, ``schemas.log.NatsServer``) that this script starts. It is started
+  nats-server (file store, ``eventlog.NatsServer``) that this script starts. It is started
   through ``benchmarks/_gateway_launcher.py``, which runs ``turnstream.cli.main`` unchanged and
   records the garbage collector's full collections (and, on request, the gc.freeze experiment and
   the profiler described below). Logging as shipped unless ``--gateway-log-level`` says
@@ -147,7 +147,7 @@ import httpx
 from _common import arguments, banner, finish, say
 from _common import machine_info as common_machine_info
 
-from schemas.log import LogSettings, NatsServer, connect, free_port
+from eventlog import LogSettings, NatsServer, connect, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 BACKEND_SCRIPT = Path(__file__).resolve().parent / "_fixed_latency_backend.py"

@@ -48,8 +48,7 @@ from _common import finish, machine_info, say
 from nats.js import JetStreamContext
 from nats.js import api as js_api
 
-from schemas.events import SessionClosed, SessionEvent, SessionOpened, TurnCompleted
-from schemas.log import (
+from eventlog import (
     JetStreamPublisher,
     LogSettings,
     NatsServer,
@@ -58,6 +57,7 @@ from schemas.log import (
     provision,
     read_session_messages,
 )
+from schemas.events import SessionClosed, SessionEvent, SessionOpened, TurnCompleted
 
 RUN = "bench"
 VOCAB = 151_000

@@ -35,7 +35,7 @@ summed over the sessions. ``bytes/token`` = bytes / unique tokens; ``ratio`` = f
 Target: ``full_over_delta_ratio_30_turns`` >= 10.
 
 Decode check (exits 1 when it fails): after the 30-turn delta run, every session is read back
-from the stream (``schemas.log.read_session``, the fold worker's path), every turn's full prompt
+from the stream (``eventlog.read_session``, the fold worker's path), every turn's full prompt
 and conversation are rebuilt with ``schemas.delta.replay_context`` and compared with what the
 model saw, and ``consumers.fold.fold`` must give one trajectory whose ``input_ids`` are the final
 context. After the 30-turn full run, the last turn of every session read back must hold the
@@ -65,10 +65,7 @@ from _common import arguments, banner, finish, machine_info, say
 from nats.js import JetStreamContext
 
 from consumers.fold import fold
-from schemas.codec import Codec
-from schemas.delta import encode_delta, replay_context
-from schemas.events import JSON, SessionClosed, SessionEvent, SessionOpened, TurnCompleted
-from schemas.log import (
+from eventlog import (
     JetStreamPublisher,
     LogSettings,
     NatsServer,
@@ -76,6 +73,9 @@ from schemas.log import (
     provision,
     read_session,
 )
+from schemas.codec import Codec
+from schemas.delta import encode_delta, replay_context
+from schemas.events import JSON, SessionClosed, SessionEvent, SessionOpened, TurnCompleted
 
 STREAM = "EVENTS"
 TURNS = 30

@@ -2,13 +2,7 @@
 
 from __future__ import annotations
 
-from consumers.config import (
-    ConsumerSettings,
-    FoldWorkerSettings,
-    ReaperSettings,
-    ShardWriterSettings,
-)
-from consumers.dispositions import DeadLetterIt, Disposition, Retry, disposition
+from consumers.config import FoldWorkerSettings, ReaperSettings, ShardWriterSettings
 from consumers.errors import ConsumerError, FoldError, MissingTurns
 from consumers.fold import FOLD_VERSION, FoldOptions, FoldResult, apply, finish, fold, initial
 from consumers.reaper import Reaper, ReaperStats, SessionActivity
@@ -17,9 +11,6 @@ from consumers.worker import FoldMarker, FoldWorker, WorkerStats
 __all__ = [
     "FOLD_VERSION",
     "ConsumerError",
-    "ConsumerSettings",
-    "DeadLetterIt",
-    "Disposition",
     "FoldError",
     "FoldMarker",
     "FoldOptions",
@@ -30,12 +21,10 @@ __all__ = [
     "Reaper",
     "ReaperSettings",
     "ReaperStats",
-    "Retry",
     "SessionActivity",
     "ShardWriterSettings",
     "WorkerStats",
     "apply",
-    "disposition",
     "finish",
     "fold",
     "initial",

@@ -11,37 +11,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["ConsumerSettings", "FoldWorkerSettings", "ReaperSettings", "ShardWriterSettings"]
+from eventlog.config import ConsumerSettings
+
+__all__ = ["FoldWorkerSettings", "ReaperSettings", "ShardWriterSettings"]
 
 MiB = 1024 * 1024
-
-
-class ConsumerSettings(BaseModel):
-    """A durable pull consumer: how much is in flight, how long before a redelivery."""
-
-    model_config = ConfigDict(frozen=True)
-
-    durable: str = Field(description="durable consumer name, shared by every process of the kind")
-    batch: int = Field(32, ge=1, description="messages per fetch (never above max_ack_pending)")
-    max_ack_pending: int = Field(256, ge=1, description="delivered, not yet acked, per consumer")
-    ack_wait_s: float = Field(30.0, gt=0, description="redelivery after this without ack/progress")
-    max_deliver: int = Field(10, ge=2, description="deliveries before a message is dead-lettered")
-    backoff_s: tuple[float, ...] = Field(
-        (1.0, 5.0, 30.0, 60.0), description="nak delays for retries, one per delivery, last repeats"
-    )
-    fetch_timeout_s: float = Field(1.0, gt=0, description="longest wait of one fetch")
-
-    @property
-    def fetch_batch(self) -> int:
-        # A pull request for more than max_ack_pending can never be filled: the server holds it
-        # until it expires, and every fetch would take the full timeout.
-        return min(self.batch, self.max_ack_pending)
-
-    def retry_delay_s(self, delivery: int) -> float:
-        """Delay before the next try of a message delivered ``delivery`` times (1 = first)."""
-        if not self.backoff_s:
-            return 0.0
-        return self.backoff_s[min(delivery, len(self.backoff_s)) - 1]
 
 
 class FoldWorkerSettings(ConsumerSettings):

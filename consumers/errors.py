@@ -2,17 +2,13 @@
 
     TurnstreamError                  (schemas.errors)
     └── ConsumerError                anything the consumers raise on purpose
-        ├── FoldError                a session's events contradict each other: folding them again
-        │   │                        gives the same error, so dead-letter the session
-        │   └── MissingTurns         turns 0..n-1 are not all there: they may still be in flight,
-        │                            so retry later before dead-lettering
-        └── ShardStoreError          the shard target (a directory, s3://...) failed
-            ├── ShardWriteFailed     a shard could not be written: nothing was acked, so its
-            │                        trajectories are redelivered; fix the target and restart
-            └── ShardUnreadable      a committed shard's footer or sequences cannot be read
+        └── FoldError                a session's events contradict each other: folding them again
+            │                        gives the same error, so dead-letter the session
+            └── MissingTurns         turns 0..n-1 are not all there: they may still be in flight,
+                                     so retry later before dead-lettering
 
-Every message names the run, the session and, where there is one, the turn; shard errors name
-the shard's path.
+Every message names the run, the session and, where there is one, the turn. (Shard target
+errors are the event-log runtime's: ``eventlog.errors``.)
 """
 
 from __future__ import annotations
@@ -21,14 +17,7 @@ from collections.abc import Sequence
 
 from schemas.errors import TurnstreamError
 
-__all__ = [
-    "ConsumerError",
-    "FoldError",
-    "MissingTurns",
-    "ShardStoreError",
-    "ShardUnreadable",
-    "ShardWriteFailed",
-]
+__all__ = ["ConsumerError", "FoldError", "MissingTurns"]
 
 
 class ConsumerError(TurnstreamError):
@@ -38,9 +27,15 @@ class ConsumerError(TurnstreamError):
 class FoldError(ConsumerError):
     """A session whose events cannot be folded into trajectories."""
 
+    reason = "fold_error"
+    permanent = True
+
 
 class MissingTurns(FoldError):
     """Some of a session's turns 0..n-1 are absent, so its prompts cannot be rebuilt."""
+
+    reason = "missing_turns"
+    permanent = False
 
     def __init__(
         self,
@@ -64,15 +59,3 @@ class MissingTurns(FoldError):
             f"({why}); their events may still be in flight: retry the fold later, and "
             f"dead-letter the session if they never arrive"
         )
-
-
-class ShardStoreError(ConsumerError):
-    """The shard target failed (pyarrow filesystem errors, translated at the store)."""
-
-
-class ShardWriteFailed(ShardStoreError):
-    """A shard could not be written and committed."""
-
-
-class ShardUnreadable(ShardStoreError):
-    """A committed shard whose footer or sequence column cannot be read."""

@@ -40,12 +40,13 @@ from nats.js import errors as js_errors
 from nats.js.kv import KeyValue
 
 from consumers.config import ReaperSettings
-from schemas.dead_letter import DeadLetter, publish_dead_letter
+from eventlog import Publisher, StreamNames
+from eventlog.dead_letters import publish_dead_letter
+from eventlog.pull import PullConsumer, fetch, release
+from schemas.dead_letter import DeadLetter
 from schemas.errors import EventLogUnavailable
 from schemas.events import SessionClosed
 from schemas.ids import EVENT_SUBJECT_PREFIX, event_subject, session_subjects
-from schemas.log import Publisher, StreamNames
-from schemas.log.pull import PullConsumer, fetch, release
 
 __all__ = [
     "Observation",

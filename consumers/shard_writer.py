@@ -48,17 +48,17 @@ from nats.js import JetStreamContext
 from nats.js import errors as js_errors
 
 from consumers.config import ShardWriterSettings
-from consumers.dispositions import dead_letter_for, reason_of
-from consumers.errors import ShardWriteFailed
 from consumers.seqset import SeqSet
-from consumers.shard_store import CommittedShard, ShardStore
+from eventlog import Publisher
+from eventlog.dead_letters import dead_letter_for, publish_dead_letter
+from eventlog.dispositions import reason_of
+from eventlog.errors import ShardWriteFailed
+from eventlog.pull import FetchSizer, PullConsumer, fetch, release, stream_seq
+from eventlog.shard_store import CommittedShard, ShardStore
 from schemas.codec import Codec
-from schemas.dead_letter import publish_dead_letter
 from schemas.errors import EventLogUnavailable, SchemaError, UndecodableEvent
 from schemas.events import TrajectoryReady
 from schemas.ids import TRAJ_SUBJECT_PREFIX
-from schemas.log import Publisher
-from schemas.log.pull import FetchSizer, PullConsumer, fetch, release, stream_seq
 from schemas.shards import ROW_ERRORS, ShardMetadata, ShardRow, shard_row, writable_table
 
 __all__ = ["ShardWriter", "ShardWriterStats"]

@@ -20,7 +20,7 @@ process's unacked closes to the others. Exactly-once into TRAJ comes from four l
   (``republish_could_duplicate``, ``stored_msg_ids``) and publishes only the rest. Only such
   redeliveries pay for the look; a first delivery reads and writes nothing more.
 
-What happens to a close whose handling failed is ``consumers.dispositions.disposition``: bad input
+What happens to a close whose handling failed is ``eventlog.dispositions.disposition``: bad input
 is dead-lettered at once, anything else retried with backoff and dead-lettered on delivery
 ``max_deliver``. If the log refuses the dead letter then, the worker keeps the close (in progress)
 and retries the letter (``when_dead_letter_fails``): a nak there could be the close's last.
@@ -44,25 +44,25 @@ from nats.js import errors as js_errors
 from nats.js.kv import KeyValue
 
 from consumers.config import FoldWorkerSettings
-from consumers.dispositions import (
+from consumers.errors import FoldError
+from consumers.fold import FoldOptions, FoldResult, fold
+from eventlog import Publisher, StoredMessage, StreamNames, read_session_messages
+from eventlog.dead_letters import dead_letter_for, publish_dead_letter
+from eventlog.dispositions import (
     DeadLetterIt,
     Retry,
     consumer_max_deliver,
-    dead_letter_for,
     disposition,
     reason_of,
     when_dead_letter_fails,
 )
-from consumers.errors import FoldError
-from consumers.fold import FoldOptions, FoldResult, fold
+from eventlog.pull import PullConsumer, delivery_count, fetch, keep_alive, release
+from eventlog.reader import stored_msg_ids
 from schemas.codec import Codec
-from schemas.dead_letter import DeadLetter, publish_dead_letter
+from schemas.dead_letter import DeadLetter
 from schemas.errors import EventLogUnavailable, SchemaError
 from schemas.events import SessionClosed, SessionEvent, SessionOpened, TrajectoryReady
 from schemas.ids import EVENT_SUBJECT_PREFIX, traj_subject
-from schemas.log import Publisher, StoredMessage, StreamNames, read_session_messages
-from schemas.log.pull import PullConsumer, delivery_count, fetch, keep_alive, release
-from schemas.log.reader import stored_msg_ids
 
 __all__ = ["FoldMarker", "FoldWorker", "WorkerStats", "fold_options", "republish_could_duplicate"]
 

@@ -12,6 +12,7 @@ from schemas.errors import (
     TurnstreamError,
     UndecodableEvent,
     UnsupportedSchemaVersion,
+    UntrustedEvent,
 )
 from schemas.events import (
     SCHEMA_VERSION,
@@ -48,6 +49,7 @@ __all__ = [
     "TurnstreamError",
     "UndecodableEvent",
     "UnsupportedSchemaVersion",
+    "UntrustedEvent",
     "Upcaster",
     "route",
     "validate_id",

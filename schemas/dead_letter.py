@@ -15,49 +15,24 @@ True
 
 from __future__ import annotations
 
-import logging
-from typing import TYPE_CHECKING
-
 import msgspec
 
-from schemas.errors import (
-    InvalidIdentifier,
-    PayloadTooLarge,
-    SchemaError,
-    UndecodableEvent,
-    UnsupportedSchemaVersion,
-)
+from schemas.errors import SchemaError, UndecodableEvent
 from schemas.ids import dlq_subject
-
-if TYPE_CHECKING:
-    from schemas.log.publisher import Publisher
 
 __all__ = [
     "DeadLetter",
     "decode_dead_letter",
     "encode_dead_letter",
-    "publish_dead_letter",
     "schema_reason",
 ]
 
-log = logging.getLogger(__name__)
-
 _MAX_ERROR_CHARS = 4000
-
-_SCHEMA_REASONS: tuple[tuple[type[SchemaError], str], ...] = (
-    (UnsupportedSchemaVersion, "unsupported_version"),
-    (UndecodableEvent, "undecodable"),
-    (InvalidIdentifier, "undecodable"),
-    (PayloadTooLarge, "payload_too_large"),
-)
 
 
 def schema_reason(error: BaseException) -> str | None:
     """The dead-letter reason of bad input (a SchemaError), else None."""
-    for kind, reason in _SCHEMA_REASONS:
-        if isinstance(error, kind):
-            return reason
-    return "undecodable" if isinstance(error, SchemaError) else None
+    return error.reason if isinstance(error, SchemaError) else None
 
 
 class DeadLetter(msgspec.Struct, kw_only=True, frozen=True):
@@ -111,22 +86,3 @@ def decode_dead_letter(data: bytes) -> DeadLetter:
         return _decoder.decode(data)
     except msgspec.DecodeError as exc:
         raise UndecodableEvent(f"not a dead letter: {exc}") from exc
-
-
-async def publish_dead_letter(publisher: Publisher, letter: DeadLetter, max_payload: int) -> None:
-    """Store ``letter`` in the DLQ (its original bytes cut to fit ``max_payload``).
-
-    Returns once JetStream acknowledged it; only then may the original be acked.
-    """
-    letter = letter.fitted(max_payload)
-    await publisher.publish_raw(letter.subject_out, encode_dead_letter(letter), letter.msg_id)
-    where = f"run={letter.run} session={letter.session} " if letter.session else ""
-    log.warning(
-        "dead-lettered %s seq %d (%s) to %s: %s%s",
-        letter.stream,
-        letter.seq,
-        letter.subject,
-        letter.subject_out,
-        where,
-        letter.error,
-    )

@@ -7,11 +7,18 @@ One root, two families: bad input in the wire format, and trouble with the event
     │   ├── UndecodableEvent         bytes that are not a valid event (msgpack, type, fields)
     │   ├── UnsupportedSchemaVersion an event written by a newer turnstream
     │   ├── InvalidIdentifier        a run / session / key that is not [A-Za-z0-9_-]{1,64}
-    │   └── PayloadTooLarge          an encoded event over the configured size limit
+    │   ├── PayloadTooLarge          an encoded event over the configured size limit
+    │   └── UntrustedEvent           an event the log holds but must not be believed: its
+    │                                subject disagrees with it, it has no Msg-Id, or it
+    │                                conflicts with an event stored before it
     └── EventLogError                the log (NATS JetStream) could not do what was asked
         ├── EventLogUnavailable      transient: no connection, timeout; retry later
         ├── OutboxFull               the on-disk outbox is at its byte limit; answer 503
         └── ProvisioningError        a stream or bucket exists with a conflicting config
+
+Every error carries ``reason``, the code its dead letter is filed under, and ``permanent``:
+whether handling the same message again could ever succeed. The pull loop's ``disposition``
+reads only these two, so a package adds a failure kind by subclassing, not by editing the loop.
 
 Third-party errors (nats, msgspec) are translated into these at the adapter boundary, with the
 original chained as ``__cause__``.
@@ -23,9 +30,15 @@ from __future__ import annotations
 class TurnstreamError(Exception):
     """Root of every error turnstream raises on purpose."""
 
+    reason: str = "worker_error"  # the dead-letter reason code
+    permanent: bool = False  # True: the same message would fail again; do not retry it
+
 
 class SchemaError(TurnstreamError):
     """Input that does not follow the wire format: never retried."""
+
+    reason = "undecodable"
+    permanent = True
 
 
 class UndecodableEvent(SchemaError):
@@ -34,6 +47,8 @@ class UndecodableEvent(SchemaError):
 
 class UnsupportedSchemaVersion(SchemaError):
     """An event whose schema version this build cannot read."""
+
+    reason = "unsupported_version"
 
     def __init__(self, version: int, supported: int, *, missing_upcaster: bool = False) -> None:
         self.version = version
@@ -66,6 +81,8 @@ class InvalidIdentifier(SchemaError):
 class PayloadTooLarge(SchemaError):
     """An encoded event larger than the log accepts."""
 
+    reason = "payload_too_large"
+
     def __init__(self, what: str, size: int, limit: int) -> None:
         self.size = size
         self.limit = limit
@@ -75,12 +92,24 @@ class PayloadTooLarge(SchemaError):
         )
 
 
+class UntrustedEvent(SchemaError):
+    """An event stored in the log that must not be folded (``reason`` says why)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        self.reason = reason
+        super().__init__(message)
+
+
 class EventLogError(TurnstreamError):
     """The event log failed to do what was asked."""
+
+    reason = "log_refused"
 
 
 class EventLogUnavailable(EventLogError):
     """The log did not answer in time or is not connected: transient, retry later."""
+
+    reason = "log_unavailable"
 
 
 class OutboxFull(EventLogError):

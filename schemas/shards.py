@@ -35,7 +35,6 @@ A row whose values do not fit the schema is left out of the table, and said why:
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -43,20 +42,15 @@ from typing import Any
 import msgspec
 import numpy as np
 import pyarrow as pa
-import pyarrow.dataset as ds
-import pyarrow.fs as pafs
 
 from schemas.events import TrajectoryReady
 
 __all__ = [
     "ROW_ERRORS",
-    "RUN_PARTITIONING",
     "SHARD_FORMAT",
     "TRAJECTORY_SCHEMA",
     "ShardMetadata",
     "ShardRow",
-    "filesystem_of",
-    "open_shards_dataset",
     "row_problem",
     "rows_to_table",
     "shard_row",
@@ -346,34 +340,3 @@ class ShardMetadata:
             rows=len(rows),
             fold_versions=tuple(sorted({r.trajectory.fold_version for r in rows})),
         )
-
-
-RUN_PARTITIONING = ds.partitioning(pa.schema([("run", pa.string())]), flavor="hive")
-"""``run=<run>`` directories read as strings: the inferred hive partitioning would read a run
-named ``123`` as an int32 and clash with the ``run`` column inside the files."""
-
-
-def filesystem_of(uri: str) -> tuple[pafs.FileSystem, str]:
-    """The pyarrow filesystem and root path of a shard target (a directory or a URI)."""
-    if "://" not in uri:  # a plain path, relative or absolute
-        return pafs.LocalFileSystem(), os.path.abspath(uri)
-    try:
-        fs, path = pafs.FileSystem.from_uri(uri)
-    except (OSError, pa.ArrowException) as exc:
-        raise ValueError(
-            f"shard target {uri!r} is not a usable pyarrow filesystem URI ({exc}); use a "
-            f"directory or e.g. s3://bucket/prefix"
-        ) from exc
-    return fs, str(path)
-
-
-def open_shards_dataset(uri: str, *, filesystem: pafs.FileSystem | None = None) -> ds.Dataset:
-    """All committed shards under ``uri`` as one ``pyarrow.dataset`` (filter on ``run``)."""
-    fs, root = (filesystem, uri) if filesystem is not None else filesystem_of(uri)
-    return ds.dataset(
-        root,
-        filesystem=fs,
-        format="parquet",
-        schema=TRAJECTORY_SCHEMA,
-        partitioning=RUN_PARTITIONING,
-    )

@@ -18,7 +18,7 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js import errors as js_errors
 
-from schemas.log import LogSettings, NatsServer, connect, provision
+from eventlog import LogSettings, NatsServer, connect, provision
 
 pytest_plugins = ["tests.conftest_model"]
 

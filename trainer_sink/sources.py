@@ -34,16 +34,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js import api as js_api
 
-from schemas.codec import Codec
-from schemas.dead_letter import DeadLetter, publish_dead_letter, schema_reason
-from schemas.errors import (
-    EventLogUnavailable,
-    SchemaError,
-    UndecodableEvent,
-)
-from schemas.events import TrajectoryReady
-from schemas.ids import TRAJ_SUBJECT_PREFIX
-from schemas.log import (
+from eventlog import (
     FetchSizer,
     JetStreamPublisher,
     LogSettings,
@@ -54,7 +45,18 @@ from schemas.log import (
     release,
     stream_seq,
 )
-from schemas.shards import open_shards_dataset, table_to_trajectories
+from eventlog.dead_letters import publish_dead_letter
+from eventlog.shard_store import open_shards_dataset
+from schemas.codec import Codec
+from schemas.dead_letter import DeadLetter, schema_reason
+from schemas.errors import (
+    EventLogUnavailable,
+    SchemaError,
+    UndecodableEvent,
+)
+from schemas.events import TrajectoryReady
+from schemas.ids import TRAJ_SUBJECT_PREFIX
+from schemas.shards import table_to_trajectories
 from trainer_sink.config import LiveSourceSettings
 
 __all__ = [

@@ -31,9 +31,10 @@ from rich.table import Table
 from rich.text import Text
 from transformers import AutoTokenizer
 
+from eventlog import JetStreamPublisher, read_session
+from eventlog.shard_store import open_shards_dataset
 from schemas.events import TrajectoryReady, TurnCompleted
-from schemas.log import JetStreamPublisher, read_session
-from schemas.shards import open_shards_dataset, table_to_trajectories
+from schemas.shards import table_to_trajectories
 from trainer_sink import (
     BatchingSettings,
     LiveSource,

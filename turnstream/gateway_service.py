@@ -23,6 +23,7 @@ from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 from transformers import AutoTokenizer, GenerationConfig
 
+from eventlog import JetStreamPublisher, Outbox, read_session
 from gateway.app import create_app
 from gateway.backends.base import Backend
 from gateway.backends.local import LocalBackend
@@ -34,7 +35,6 @@ from gateway.sessions import SessionStore
 from gateway.templates import ChatTemplate
 from gateway.tools import get_parser
 from schemas.errors import TurnstreamError
-from schemas.log import JetStreamPublisher, Outbox, read_session
 from turnstream.settings import ServiceSettings
 from turnstream.stack import EventLog, open_log
 

@@ -25,8 +25,8 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from eventlog import LogSettings, PublisherSettings, check_retry_horizon
 from schemas.ids import ID_PATTERN
-from schemas.log import LogSettings, PublisherSettings, check_retry_horizon
 
 __all__ = ["ServiceSettings", "with_toml"]
 

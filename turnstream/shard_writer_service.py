@@ -15,10 +15,10 @@ from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from consumers.config import ShardWriterSettings
-from consumers.shard_store import FileShardStore
 from consumers.shard_writer import ShardWriter
+from eventlog import JetStreamPublisher, LogSettings
+from eventlog.shard_store import FileShardStore
 from schemas.codec import Codec
-from schemas.log import JetStreamPublisher, LogSettings
 from turnstream.settings import ServiceSettings
 from turnstream.stack import EventLog, open_log, require_log_url, stop_on_signals
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
+from eventlog import NatsServer, ProvisionAction, connect, provision
 from schemas.errors import TurnstreamError
-from schemas.log import NatsServer, ProvisionAction, connect, provision
 from turnstream.settings import ServiceSettings
 
 __all__ = ["EventLog", "open_log", "require_log_url", "stop_on_signals"]

@@ -20,7 +20,7 @@ from pydantic_settings import SettingsConfigDict
 
 from consumers import FoldWorker, FoldWorkerSettings, Reaper, ReaperSettings, ShardWriterSettings
 from consumers.shard_writer import ShardWriter
-from schemas.log import JetStreamPublisher, free_port
+from eventlog import JetStreamPublisher, free_port
 from turnstream.gateway_service import Gateway, GatewaySettings, build_gateway
 from turnstream.shard_writer_service import shard_writer
 from turnstream.stack import EventLog, open_log, stop_on_signals

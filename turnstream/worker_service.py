@@ -16,7 +16,7 @@ from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from consumers import FoldWorker, FoldWorkerSettings, Reaper, ReaperSettings
-from schemas.log import JetStreamPublisher, LogSettings
+from eventlog import JetStreamPublisher, LogSettings
 from turnstream.settings import ServiceSettings
 from turnstream.stack import EventLog, open_log, require_log_url, stop_on_signals
 

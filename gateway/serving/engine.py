@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from eventlog import Publisher
 from gateway.backends.base import Backend, GenerationChunk, SamplingParams
 from gateway.conversation import message_key
 from gateway.decoding import Detokenizer
@@ -28,7 +29,6 @@ from gateway.templates import ChatTemplate
 from gateway.tools import ToolCallParser
 from gateway.turns import SessionState, TurnDraft, apply, fold, turn_event
 from schemas.events import SessionEvent, TurnCompleted
-from schemas.log import Publisher
 
 __all__ = ["Turn", "TurnEngine", "TurnResult", "sampling_record"]
 

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
+from eventlog import Publisher
 from gateway.errors import InvalidRequest, SessionExists, SessionNotFound
 from gateway.protocol.sessions import (
     CloseSessionRequest,
@@ -27,7 +28,6 @@ from gateway.turns import SessionState, apply, fold
 from schemas import RewardAssigned, SessionClosed, SessionEvent, SessionOpened
 from schemas.errors import EventLogUnavailable
 from schemas.ids import new_session_id
-from schemas.log import Publisher
 
 __all__ = ["SessionService", "session_info"]
 

@@ -12,8 +12,8 @@ import httpx
 import openai
 import pytest
 
-from schemas.log import NatsServer, free_port
-from schemas.shards import open_shards_dataset
+from eventlog import NatsServer, free_port
+from eventlog.shard_store import open_shards_dataset
 from tests.conftest import Log
 
 
@@ -169,7 +169,7 @@ async def test_status_shows_consumer_lag_and_dead_letters_by_reason(log: Log) ->
 
 def test_status_summarizes_the_shards_per_run(nats_server: NatsServer, tmp_path: Path) -> None:
     from consumers import fold
-    from consumers.shard_store import FileShardStore
+    from eventlog.shard_store import FileShardStore
     from schemas.shards import ShardMetadata, rows_to_table, shard_row
     from tests.helpers.sessions import append_only, session_events
 

@@ -20,8 +20,8 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
+from eventlog import NatsServer, connect, read_session
 from schemas import SessionClosed, SessionEvent, SessionOpened, TurnCompleted
-from schemas.log import NatsServer, connect, read_session
 from tests.helpers.gateway_process import GatewayProcess
 from tests.helpers.tiny_model import TOOLS, WEATHER_QUESTION, WEATHER_RESULT
 

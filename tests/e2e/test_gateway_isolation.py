@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from eventlog import NatsServer
 from schemas import SessionOpened, TurnCompleted
-from schemas.log import NatsServer
 from tests.e2e.test_gateway import events_of
 from tests.helpers.gateway_process import GatewayProcess
 from tests.helpers.hostile import assert_error, served_model

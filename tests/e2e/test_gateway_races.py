@@ -14,8 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from eventlog import NatsServer
 from schemas import SessionClosed, SessionOpened
-from schemas.log import NatsServer
 from tests.e2e.test_gateway import events_of, turns_of
 from tests.helpers.gateway_process import GatewayProcess
 from tests.helpers.hostile import assert_error, concurrently, served_model

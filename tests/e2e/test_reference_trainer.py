@@ -19,8 +19,8 @@ import openai
 import pytest
 
 from consumers import FoldWorker
+from eventlog import JetStreamPublisher, connect, read_session
 from schemas import TurnCompleted
-from schemas.log import JetStreamPublisher, connect, read_session
 from tests.conftest import FAST_LOG, Log
 from tests.helpers.gateway_process import GatewayProcess
 from trainer_sink.config import BatchingSettings, LiveSourceSettings

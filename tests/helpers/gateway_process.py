@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 
-from schemas.log import free_port
+from eventlog import free_port
 
 
 class GatewayProcess:

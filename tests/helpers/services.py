@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from schemas.shards import open_shards_dataset
+from eventlog.shard_store import open_shards_dataset
 
 # Short ack waits, reaper timeouts and shard ages: pipeline tests take seconds, not minutes.
 WORKER_FLAGS = (

@@ -8,10 +8,10 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js import errors as js_errors
 
+from eventlog import JetStreamPublisher
 from schemas.codec import Codec
 from schemas.dead_letter import DeadLetter, decode_dead_letter
 from schemas.events import Event, TrajectoryReady
-from schemas.log import JetStreamPublisher
 
 
 async def stream_payloads(js: JetStreamContext, stream: str) -> list[tuple[int, str, bytes]]:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from nats.js import api as js_api
 
+from eventlog import JetStreamPublisher, LogSettings, Outbox, PublisherSettings, provision
 from schemas import (
     EventLogUnavailable,
     PayloadTooLarge,
@@ -21,7 +22,6 @@ from schemas import (
     TurnCompleted,
     route,
 )
-from schemas.log import JetStreamPublisher, LogSettings, Outbox, PublisherSettings, provision
 from tests.conftest import Log
 from tests.helpers.waiting import eventually
 

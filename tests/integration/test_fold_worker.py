@@ -20,6 +20,8 @@ from consumers import (
 )
 from consumers.fold import FoldOptions
 from consumers.worker import FoldMarker
+from eventlog import JetStreamPublisher, Publisher, PublishReceipt, connect, provision
+from eventlog.pull import fetch
 from schemas import (
     Codec,
     Event,
@@ -30,8 +32,6 @@ from schemas import (
     TurnCompleted,
     route,
 )
-from schemas.log import JetStreamPublisher, Publisher, PublishReceipt, connect, provision
-from schemas.log.pull import fetch
 from tests.conftest import FAST_LOG, Log
 from tests.helpers.sessions import RUN, append_only, reward, session_events
 from tests.helpers.streams import (
@@ -258,7 +258,7 @@ async def test_reapers_close_an_idle_session_once_and_it_is_folded_as_timeout(lo
 
 
 async def _session(log: Log, session: str) -> list[SessionEvent]:
-    from schemas.log import read_session
+    from eventlog import read_session
 
     return await read_session(log.js, RUN, session)
 

@@ -17,8 +17,8 @@ import duckdb
 import numpy as np
 import pytest
 
+from eventlog import JetStreamPublisher
 from schemas.events import TrajectoryReady
-from schemas.log import JetStreamPublisher
 from schemas.shards import TRAJECTORY_SCHEMA
 from tests.conftest import Log
 from tests.helpers.services import WORKER_FLAGS, WRITER_FLAGS, Service, shard_table_rows
@@ -148,7 +148,7 @@ async def test_500_sessions_become_their_trajectories_in_shards_exactly_once(
 
 
 def _schema_of(root: Path) -> tuple[list[str], list[object]]:
-    from schemas.shards import open_shards_dataset
+    from eventlog.shard_store import open_shards_dataset
 
     schema = open_shards_dataset(str(root)).schema
     return schema.names, list(schema.types)

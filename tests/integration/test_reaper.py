@@ -14,8 +14,8 @@ from nats.js import JetStreamContext
 from nats.js.errors import NoKeysError
 
 from consumers import Reaper, ReaperSettings
-from schemas.log import JetStreamPublisher, connect
-from schemas.log.pull import fetch
+from eventlog import JetStreamPublisher, connect
+from eventlog.pull import fetch
 from tests.conftest import FAST_LOG, Log
 from tests.helpers.sessions import RUN, append_only, reward, session_events
 from tests.helpers.streams import publish_events, stream_payloads

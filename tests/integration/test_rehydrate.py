@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from consumers import fold
+from eventlog import JetStreamPublisher, read_session, read_session_messages
 from schemas import route
-from schemas.log import JetStreamPublisher, read_session, read_session_messages
 from tests.conftest import Log
 from tests.helpers.sessions import append_only, session_events
 

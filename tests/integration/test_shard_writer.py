@@ -19,18 +19,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from consumers import shard_store
 from consumers.config import ShardWriterSettings
-from consumers.shard_store import FileShardStore
 from consumers.shard_writer import ShardWriter
+from eventlog import JetStreamPublisher, provision, shard_store
+from eventlog.shard_store import FileShardStore, open_shards_dataset
 from schemas.codec import Codec
 from schemas.dead_letter import decode_dead_letter
 from schemas.events import TrajectoryReady
-from schemas.log import JetStreamPublisher, provision
 from schemas.shards import (
     TRAJECTORY_SCHEMA,
     ShardMetadata,
-    open_shards_dataset,
     table_to_trajectories,
 )
 from tests.conftest import Log

@@ -17,9 +17,9 @@ from tensordict import TensorDict
 from torch.utils.data import DataLoader
 
 from consumers import FoldWorker, fold
+from eventlog import JetStreamPublisher, connect
 from schemas.errors import EventLogUnavailable
 from schemas.events import SessionEvent, TrajectoryReady
-from schemas.log import JetStreamPublisher, connect
 from schemas.shards import trajectories_to_table
 from tests.conftest import FAST_LOG, Log
 from tests.helpers.sessions import append_only, session_events

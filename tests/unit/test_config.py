@@ -7,7 +7,7 @@ from typing import Any
 import pydantic
 import pytest
 
-from schemas.log.config import LogSettings, PublisherSettings, StreamNames, check_retry_horizon
+from eventlog.config import LogSettings, PublisherSettings, StreamNames, check_retry_horizon
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 
 from consumers import FoldError, FoldWorkerSettings, MissingTurns
-from consumers.dispositions import (
+from consumers.reaper import Observation, SessionActivity, forgettable, idle_sessions, observe
+from consumers.worker import fold_options, republish_could_duplicate
+from eventlog.dispositions import (
     DeadLetterIt,
     Retry,
     RetryDeadLetter,
@@ -14,8 +16,6 @@ from consumers.dispositions import (
     reason_of,
     when_dead_letter_fails,
 )
-from consumers.reaper import Observation, SessionActivity, forgettable, idle_sessions, observe
-from consumers.worker import fold_options, republish_could_duplicate
 from schemas import (
     EventLogError,
     EventLogUnavailable,

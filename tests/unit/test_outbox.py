@@ -9,8 +9,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from eventlog.outbox import Outbox, OutboxRecord
 from schemas.errors import OutboxFull
-from schemas.log.outbox import Outbox, OutboxRecord
 
 LIMIT = 1 << 20
 HEADER = 8  # <u32 length><u32 crc32>

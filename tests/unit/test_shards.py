@@ -15,14 +15,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from consumers import fold
-from consumers.errors import ShardUnreadable, ShardWriteFailed
 from consumers.seqset import SeqSet
-from consumers.shard_store import FileShardStore
+from eventlog.errors import ShardUnreadable, ShardWriteFailed
+from eventlog.shard_store import FileShardStore, open_shards_dataset
 from schemas.events import TrajectoryReady
 from schemas.shards import (
     TRAJECTORY_SCHEMA,
     ShardMetadata,
-    open_shards_dataset,
     shard_row,
     table_to_trajectories,
     trajectories_to_table,

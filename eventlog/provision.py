@@ -16,9 +16,9 @@ from nats.js import JetStreamContext
 from nats.js import api as js_api
 from nats.js import errors as js_errors
 
+from eventlog.config import LogSettings
 from schemas.errors import EventLogUnavailable, ProvisioningError
 from schemas.ids import DLQ_SUBJECT_PREFIX, EVENT_SUBJECT_PREFIX, TRAJ_SUBJECT_PREFIX
-from schemas.log.config import LogSettings
 
 __all__ = ["ProvisionAction", "desired_streams", "provision"]
 

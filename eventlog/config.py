@@ -11,7 +11,13 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["LogSettings", "PublisherSettings", "StreamNames", "check_retry_horizon"]
+__all__ = [
+    "ConsumerSettings",
+    "LogSettings",
+    "PublisherSettings",
+    "StreamNames",
+    "check_retry_horizon",
+]
 
 MiB = 1024 * 1024
 DAY = 86_400.0
@@ -106,3 +112,39 @@ def check_retry_horizon(log: LogSettings, publisher: PublisherSettings) -> None:
             f"horizon of {publisher.retry_horizon_s:g}s (max_attempts x ack_timeout_s + "
             f"backoff), or a retried event could be stored twice"
         )
+
+
+class ConsumerSettings(BaseModel):
+    """A durable pull consumer: how much is in flight, how long before a redelivery."""
+
+    model_config = ConfigDict(frozen=True)
+
+    durable: str = Field(description="durable consumer name, shared by every process of the kind")
+    batch: int = Field(32, ge=1, description="messages per fetch (never above max_ack_pending)")
+    max_ack_pending: int = Field(256, ge=1, description="delivered, not yet acked, per consumer")
+    ack_wait_s: float = Field(30.0, gt=0, description="redelivery after this without ack/progress")
+    max_deliver: int = Field(
+        10, ge=-1, description="deliveries before a message is dead-lettered; -1: never give up"
+    )
+    backoff_s: tuple[float, ...] = Field(
+        (1.0, 5.0, 30.0, 60.0), description="nak delays for retries, one per delivery, last repeats"
+    )
+    fetch_timeout_s: float = Field(1.0, gt=0, description="longest wait of one fetch")
+
+    @model_validator(mode="after")
+    def _max_deliver_valid(self) -> ConsumerSettings:
+        if self.max_deliver in (0, 1):
+            raise ValueError("max_deliver must be -1 (never give up) or at least 2")
+        return self
+
+    @property
+    def fetch_batch(self) -> int:
+        # A pull request for more than max_ack_pending can never be filled: the server holds it
+        # until it expires, and every fetch would take the full timeout.
+        return min(self.batch, self.max_ack_pending)
+
+    def retry_delay_s(self, delivery: int) -> float:
+        """Delay before the next try of a message delivered ``delivery`` times (1 = first)."""
+        if not self.backoff_s:
+            return 0.0
+        return self.backoff_s[min(delivery, len(self.backoff_s)) - 1]

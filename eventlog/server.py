@@ -62,6 +62,7 @@ class NatsServer:
         max_payload: int = 8 * 1024 * 1024,
         sync_always: bool = False,
         binary: str | None = None,
+        extra_config: str = "",
     ) -> None:
         self.store_dir = Path(store_dir)
         self.host = host
@@ -70,6 +71,7 @@ class NatsServer:
         self.max_payload = max_payload
         self.sync_always = sync_always
         self.binary = binary or find_nats_server()
+        self.extra_config = extra_config  # appended to the config file (auth, TLS blocks)
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -98,6 +100,7 @@ class NatsServer:
             f"  store_dir: {json.dumps(str(self.store_dir.resolve()))}",
             "  sync_interval: always" if self.sync_always else "",
             "}",
+            self.extra_config,
         ]
         conf.write_text("\n".join(line for line in lines if line) + "\n")
         return conf

@@ -26,11 +26,11 @@ import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+from eventlog.config import PublisherSettings
+from eventlog.outbox import Outbox, OutboxRecord
 from schemas.codec import Codec
 from schemas.errors import EventLogError, EventLogUnavailable, OutboxFull, PayloadTooLarge
 from schemas.events import Event
-from schemas.log.config import PublisherSettings
-from schemas.log.outbox import Outbox, OutboxRecord
 from schemas.routing import route
 
 __all__ = ["JetStreamPublisher", "PublishReceipt", "Publisher", "PublisherStats"]

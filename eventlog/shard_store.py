@@ -38,14 +38,22 @@ from typing import Protocol
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from consumers.errors import ShardUnreadable, ShardWriteFailed
+from eventlog.errors import ShardUnreadable, ShardWriteFailed
 from schemas.ids import ID_PATTERN
-from schemas.shards import ShardMetadata, filesystem_of
+from schemas.shards import TRAJECTORY_SCHEMA, ShardMetadata
 
-__all__ = ["CommittedShard", "FileShardStore", "ShardStore"]
+__all__ = [
+    "RUN_PARTITIONING",
+    "CommittedShard",
+    "FileShardStore",
+    "ShardStore",
+    "filesystem_of",
+    "open_shards_dataset",
+]
 
 log = logging.getLogger(__name__)
 
@@ -259,3 +267,34 @@ def _fsync(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+RUN_PARTITIONING = ds.partitioning(pa.schema([("run", pa.string())]), flavor="hive")
+"""``run=<run>`` directories read as strings: the inferred hive partitioning would read a run
+named ``123`` as an int32 and clash with the ``run`` column inside the files."""
+
+
+def filesystem_of(uri: str) -> tuple[pafs.FileSystem, str]:
+    """The pyarrow filesystem and root path of a shard target (a directory or a URI)."""
+    if "://" not in uri:  # a plain path, relative or absolute
+        return pafs.LocalFileSystem(), os.path.abspath(uri)
+    try:
+        fs, path = pafs.FileSystem.from_uri(uri)
+    except (OSError, pa.ArrowException) as exc:
+        raise ValueError(
+            f"shard target {uri!r} is not a usable pyarrow filesystem URI ({exc}); use a "
+            f"directory or e.g. s3://bucket/prefix"
+        ) from exc
+    return fs, str(path)
+
+
+def open_shards_dataset(uri: str, *, filesystem: pafs.FileSystem | None = None) -> ds.Dataset:
+    """All committed shards under ``uri`` as one ``pyarrow.dataset`` (filter on ``run``)."""
+    fs, root = (filesystem, uri) if filesystem is not None else filesystem_of(uri)
+    return ds.dataset(
+        root,
+        filesystem=fs,
+        format="parquet",
+        schema=TRAJECTORY_SCHEMA,
+        partitioning=RUN_PARTITIONING,
+    )

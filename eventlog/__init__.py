@@ -1,11 +1,11 @@
 """The event log runtime: embedded nats-server, connection, provisioning, publisher, outbox."""
 
-from schemas.log.config import LogSettings, PublisherSettings, StreamNames, check_retry_horizon
-from schemas.log.connection import connect
-from schemas.log.outbox import Outbox, OutboxRecord
-from schemas.log.provision import ProvisionAction, provision
-from schemas.log.publisher import JetStreamPublisher, Publisher, PublisherStats, PublishReceipt
-from schemas.log.pull import (
+from eventlog.config import LogSettings, PublisherSettings, StreamNames, check_retry_horizon
+from eventlog.connection import connect
+from eventlog.outbox import Outbox, OutboxRecord
+from eventlog.provision import ProvisionAction, provision
+from eventlog.publisher import JetStreamPublisher, Publisher, PublisherStats, PublishReceipt
+from eventlog.pull import (
     FetchSizer,
     PullConsumer,
     delivery_count,
@@ -14,8 +14,8 @@ from schemas.log.pull import (
     release,
     stream_seq,
 )
-from schemas.log.reader import StoredMessage, read_session, read_session_messages
-from schemas.log.server import NatsServer, find_nats_server, free_port
+from eventlog.reader import StoredMessage, read_session, read_session_messages
+from eventlog.server import NatsServer, find_nats_server, free_port
 
 __all__ = [
     "FetchSizer",

@@ -24,11 +24,11 @@ import nats.errors
 from nats.js import JetStreamContext
 from nats.js import api as js_api
 
+from eventlog.pull import fetch, release
 from schemas.codec import Codec
 from schemas.errors import EventLogUnavailable
 from schemas.events import SessionEvent, TrajectoryReady
 from schemas.ids import session_subjects
-from schemas.log.pull import fetch, release
 
 __all__ = ["StoredMessage", "read_session", "read_session_messages", "stored_msg_ids"]
 

@@ -1,22 +1,24 @@
 """What to do with a message whose handling failed: one pure function of the error.
 
-    bad input (undecodable, newer schema, oversized, a fold error) -> dead-letter now
-    turns missing (maybe still in flight)                           -> retry, dead-letter at the end
-    the log unavailable, or a bug of ours                           -> retry, dead-letter at the end
+    bad input (``error.permanent``: undecodable, newer schema, untrusted, a fold error)
+                                              -> dead-letter now, filed under ``error.reason``
+    anything else (turns maybe still in flight, the log unavailable, a bug of ours)
+                                              -> retry, dead-letter at the end
 
-"At the end" is delivery ``max_deliver``: a message JetStream gives up on would vanish without a
-trace, so that try dead-letters instead of naking. The DLQ is in the same log, so the dead letter
+"At the end" is delivery ``max_deliver`` (never, for a consumer with ``max_deliver=-1``): a
+message JetStream gives up on would vanish without a trace, so that try dead-letters instead of
+naking. The DLQ is in the same log, so the dead letter
 itself can fail to be stored (``when_dead_letter_fails``): before that delivery the message is
 naked and comes back whole; from it on the worker keeps the message and retries the letter. The
 consumer allows one delivery more than the worker (``consumer_max_deliver``), so a worker stopped
 or killed while dead-lettering leaves the message to that spare delivery rather than to nothing.
 
+>>> from schemas.errors import EventLogUnavailable, UndecodableEvent
 >>> settings = ConsumerSettings(durable="fold", max_deliver=3, backoff_s=(1.0, 5.0))
 >>> disposition(EventLogUnavailable("down"), delivery=1, settings=settings)
 Retry(delay_s=1.0)
 >>> disposition(EventLogUnavailable("down"), delivery=3, settings=settings)
 DeadLetterIt(reason='log_unavailable')
->>> from schemas.errors import UndecodableEvent
 >>> disposition(UndecodableEvent("junk"), delivery=1, settings=settings)
 DeadLetterIt(reason='undecodable')
 >>> when_dead_letter_fails(delivery=3, attempt=1, stopping=False, settings=settings)
@@ -25,18 +27,10 @@ RetryDeadLetter(delay_s=1.0)
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
-from nats.aio.msg import Msg
-
-from consumers.config import ConsumerSettings
-from consumers.errors import FoldError, MissingTurns
-from schemas.dead_letter import DeadLetter, schema_reason
-from schemas.errors import (
-    EventLogError,
-    EventLogUnavailable,
-)
+from eventlog.config import ConsumerSettings
+from schemas.errors import TurnstreamError
 
 __all__ = [
     "DeadLetterIt",
@@ -44,7 +38,6 @@ __all__ = [
     "Retry",
     "RetryDeadLetter",
     "consumer_max_deliver",
-    "dead_letter_for",
     "disposition",
     "reason_of",
     "when_dead_letter_fails",
@@ -76,27 +69,19 @@ Disposition = Retry | DeadLetterIt
 
 
 def reason_of(error: BaseException) -> str:
-    """The dead-letter reason code of ``error``."""
-    bad_input = schema_reason(error)
-    if bad_input is not None:
-        return bad_input
-    if isinstance(error, MissingTurns):
-        return "missing_turns"
-    if isinstance(error, FoldError):
-        return "fold_error"
-    if isinstance(error, EventLogUnavailable):
-        return "log_unavailable"
-    if isinstance(error, EventLogError):
-        return "log_refused"
-    return "worker_error"
+    """The dead-letter reason code of ``error``: its own, or ``worker_error`` (a bug of ours)."""
+    return error.reason if isinstance(error, TurnstreamError) else "worker_error"
+
+
+def _last_try(delivery: int, settings: ConsumerSettings) -> bool:
+    return settings.max_deliver != -1 and delivery >= settings.max_deliver
 
 
 def disposition(error: BaseException, *, delivery: int, settings: ConsumerSettings) -> Disposition:
     """Dead-letter bad input at once; retry the rest until the consumer's last delivery."""
-    reason = reason_of(error)
-    permanent = reason in ("undecodable", "unsupported_version", "payload_too_large", "fold_error")
-    if permanent or delivery >= settings.max_deliver:
-        return DeadLetterIt(reason)
+    permanent = isinstance(error, TurnstreamError) and error.permanent
+    if permanent or _last_try(delivery, settings):
+        return DeadLetterIt(reason_of(error))
     return Retry(settings.retry_delay_s(delivery))
 
 
@@ -108,7 +93,7 @@ def consumer_max_deliver(settings: ConsumerSettings) -> int:
     while the log refused the dead letter), and it is the backstop against a close that kills
     every worker that folds it.
     """
-    return settings.max_deliver + 1
+    return -1 if settings.max_deliver == -1 else settings.max_deliver + 1
 
 
 def when_dead_letter_fails(
@@ -123,34 +108,8 @@ def when_dead_letter_fails(
     The hand-back waits out ``fetch_timeout_s``: the stopping worker's last fetch may still be
     open, and the close must go to another worker, not back to this one.
     """
-    if delivery < settings.max_deliver:
+    if not _last_try(delivery, settings):
         return Retry(settings.retry_delay_s(delivery))
     if stopping and delivery < consumer_max_deliver(settings):
         return Retry(max(settings.retry_delay_s(delivery), settings.fetch_timeout_s + 1.0))
     return RetryDeadLetter(settings.retry_delay_s(attempt))
-
-
-def dead_letter_for(
-    msg: Msg,
-    *,
-    source: str,
-    reason: str,
-    error: BaseException | str,
-    run: str | None = None,
-    session: str | None = None,
-) -> DeadLetter:
-    """The dead letter of a JetStream message ``msg``."""
-    meta = msg.metadata
-    return DeadLetter(
-        source=source,
-        reason=reason,
-        error=error if isinstance(error, str) else f"{type(error).__name__}: {error}",
-        stream=meta.stream,
-        subject=msg.subject,
-        seq=int(meta.sequence.stream),
-        deliveries=int(meta.num_delivered),
-        run=run,
-        session=session,
-        payload=bytes(msg.data),
-        created_at=time.time(),
-    )

@@ -13,8 +13,8 @@ from collections.abc import Awaitable, Callable
 import nats
 from nats.aio.client import Client as NATS
 
+from eventlog.config import LogSettings
 from schemas.errors import EventLogUnavailable
-from schemas.log.config import LogSettings
 
 __all__ = ["connect"]
 
