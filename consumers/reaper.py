@@ -2,11 +2,12 @@
 
 Two loops per process:
 
-- **track**: a durable pull consumer (``reaper``, headers only: the payloads are not needed) on
-  every session event. Each event's server timestamp, turn index (from its Msg-Id) and sequence
-  are merged into the session's entry in the ``ts_sessions`` bucket with a compare-and-set, so
-  any number of reapers can track at once and a restart loses nothing (the entry is the state;
-  the events are acked only after their entries are written).
+- **track**: a handler of the one pull loop (``eventlog.loop.PullLoop``) on a durable consumer
+  (``reaper``, headers only: the payloads are not needed) on every session event. Each
+  event's server timestamp, turn index (from its Msg-Id) and sequence are merged into the
+  session's entry in the ``ts_sessions`` bucket with a compare-and-set, so any number of
+  reapers can track at once and a restart loses nothing (the entry is the state; the events
+  are acked only after their entries are written).
 - **scan**: every ``scan_interval_s``, read the bucket; for each open session idle longer than
   ``idle_timeout_s``, confirm with the stream and publish ``SessionClosed(status="timeout",
   num_turns=<turns in the stream>)``. The close's Msg-Id is deterministic, so reapers scanning at
@@ -25,7 +26,6 @@ it and dead-letters a pointer to it (reason ``late_event``) so it stays visible.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import OrderedDict
@@ -33,17 +33,16 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import msgspec
-import nats.errors
-from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js import errors as js_errors
-from nats.js.kv import KeyValue
 
 from consumers.config import ReaperSettings
 from eventlog import Publisher, StreamNames
-from eventlog.dead_letters import publish_dead_letter
-from eventlog.pull import PullConsumer, fetch, release
-from schemas.dead_letter import DeadLetter
+from eventlog.buckets import Bucket
+from eventlog.config import ConsumerSettings
+from eventlog.loop import ACK, Delivery, Outcome, PullLoop, Reject
+from eventlog.metrics import ConsumerMetrics, LoopMetrics
+from eventlog.pull import PullConsumer
+from eventlog.streams import newest_message
 from schemas.errors import EventLogUnavailable
 from schemas.events import SessionClosed
 from schemas.ids import EVENT_SUBJECT_PREFIX, event_subject, session_subjects
@@ -60,9 +59,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_MSG_ID = "Nats-Msg-Id"
 _CACHE_SIZE = 65_536
-_WRONG_LAST_SEQUENCE = 10071  # JetStream's err_code; nats-py raises it as BadRequestError here
+SOURCE = "reaper"
 
 
 class SessionActivity(msgspec.Struct, frozen=True):
@@ -121,20 +119,19 @@ def forgettable(
     return [key for key, a in entries if a.close_seq and now - a.last_at > after_s]
 
 
-def _turn_index(headers: dict[str, str] | None) -> int | None:
+def _turn_index(msg_id: str | None) -> int | None:
     """A turn event's index, from its Msg-Id (``<run>.<session>.turn.<index>``)."""
-    tail = (headers or {}).get(_MSG_ID, "").rsplit(".", 1)[-1]
+    tail = (msg_id or "").rsplit(".", 1)[-1]
     return int(tail) if tail.isdigit() else None
 
 
-def _observation(msg: Msg) -> tuple[str, Observation] | None:
-    parts = msg.subject.split(".")
+def _observation(delivery: Delivery) -> tuple[str, Observation] | None:
+    parts = delivery.subject.split(".")
     if len(parts) != 5 or ".".join(parts[:2]) != EVENT_SUBJECT_PREFIX:
         return None
     _, _, run, session, kind = parts
-    turn = _turn_index(msg.headers) if kind == "turn" else None
-    at = msg.metadata.timestamp.timestamp()
-    return f"{run}.{session}", Observation(int(msg.metadata.sequence.stream), kind, at, turn)
+    turn = _turn_index(delivery.msg_id) if kind == "turn" else None
+    return f"{run}.{session}", Observation(delivery.seq, kind, delivery.stored_at, turn)
 
 
 @dataclass
@@ -162,16 +159,33 @@ class Reaper:
         names: StreamNames | None = None,
         *,
         max_payload: int = 8 * 1024 * 1024,
+        metrics: ConsumerMetrics | None = None,
     ) -> None:
         self._js = js
         self._publisher = publisher
         self.settings = settings or ReaperSettings()
         self.names = names or StreamNames()
-        self._max_payload = max_payload
         self.stats = ReaperStats()
-        self._kv: KeyValue | None = None
+        self._kv: Bucket | None = None
         # key -> (revision, activity) of our last write: saves a read per update
         self._known: OrderedDict[str, tuple[int, SessionActivity]] = OrderedDict()
+        s = self.settings
+        self.loop = PullLoop(
+            js,
+            self.consumer(),
+            self,
+            settings=ConsumerSettings(
+                durable=s.durable,
+                batch=s.batch,
+                max_ack_pending=s.max_ack_pending,
+                ack_wait_s=s.ack_wait_s,
+                max_deliver=-1,  # tracking is retried until the bucket takes it
+            ),
+            publisher=publisher,
+            source=SOURCE,
+            max_payload=max_payload,
+            metrics=metrics.loop(SOURCE) if metrics else LoopMetrics.disabled(),
+        )
 
     def consumer(self) -> PullConsumer:
         s = self.settings
@@ -184,86 +198,66 @@ class Reaper:
             headers_only=True,
         )
 
-    async def attach(self) -> JetStreamContext.PullSubscription:
-        """Bind the durable consumer and open the bucket (``run`` does it first)."""
-        sub = await self.consumer().bind(self._js)
-        self._kv = await self._js.key_value(self.names.sessions_bucket)
-        return sub
+    async def attach(self) -> None:
+        """Open the bucket and bind the durable consumer (``run`` does it first); a caller
+        may then drive the tracking itself with ``loop.step``."""
+        self._kv = await Bucket.open(self._js, self.names.sessions_bucket)
+        await self.loop.bind()
 
     async def run(self, stop: asyncio.Event) -> None:
-        sub = await self.attach()
+        await self.attach()
         scanner = asyncio.create_task(self._scan_loop(stop), name="reaper-scan")
         try:
-            while not stop.is_set():
-                try:
-                    msgs = await fetch(
-                        sub, min(self.settings.batch, self.settings.max_ack_pending), 1.0
-                    )
-                    if msgs:
-                        await self.track(msgs)
-                except EventLogUnavailable as exc:
-                    log.warning("reaper: %s; retrying", exc)
-                    await asyncio.sleep(1.0)
+            await self.loop.run(stop)
         finally:
             scanner.cancel()
             await asyncio.gather(scanner, return_exceptions=True)
-            await release(sub)
 
     # -- tracking ---------------------------------------------------------------------------
 
-    async def track(self, msgs: Sequence[Msg]) -> None:
-        """Merge a batch of events into their sessions' entries, then ack them."""
-        by_key: dict[str, list[tuple[Observation, Msg | None]]] = {}
-        for msg in msgs:
-            seen = _observation(msg)
+    async def handle_batch(self, deliveries: Sequence[Delivery]) -> Sequence[Outcome]:
+        """Merge a fetch's events into their sessions' entries (one write per session); the
+        loop acks them after. A lost ack redelivers an event; merging it again changes nothing
+        but lateness."""
+        by_key: dict[str, list[tuple[Observation, Delivery | None]]] = {}
+        for delivery in deliveries:
+            seen = _observation(delivery)
             if seen is not None:
-                by_key.setdefault(seen[0], []).append((seen[1], msg))
+                by_key.setdefault(seen[0], []).append((seen[1], delivery))
         await asyncio.gather(*(self._merge(key, seen) for key, seen in by_key.items()))
-        for msg in msgs:
-            # A lost ack redelivers the event; merging it again changes nothing but lateness.
-            with contextlib.suppress(nats.errors.Error, OSError):
-                await msg.ack()
-        self.stats.events_tracked += len(msgs)
+        self.stats.events_tracked += len(deliveries)
+        return [ACK] * len(deliveries)
 
-    async def _merge(self, key: str, seen: list[tuple[Observation, Msg | None]]) -> None:
+    async def _merge(self, key: str, seen: list[tuple[Observation, Delivery | None]]) -> None:
         assert self._kv is not None
         seen.sort(key=lambda pair: pair[0].seq)
         for _ in range(32):
             revision, current = self._known.get(key) or await self._read(key)
             activity, late = current, []
-            for obs, msg in seen:
+            for obs, delivery in seen:
                 activity, is_late = observe(activity, obs)
-                if is_late and msg is not None:
-                    late.append(msg)
+                if is_late and delivery is not None:
+                    late.append(delivery)
             assert activity is not None
             try:
-                payload = msgspec.json.encode(activity)
-                if revision:
-                    new_revision = await self._kv.update(key, payload, last=revision)
-                else:
-                    new_revision = await self._kv.create(key, payload)
-            except js_errors.KeyWrongLastSequenceError:
+                new_revision = await self._kv.swap(key, msgspec.json.encode(activity), revision)
+            except EventLogUnavailable:
+                self._known.pop(key, None)
+                raise
+            if new_revision is None:  # another reaper wrote it first: read and merge again
                 self.stats.conflicts += 1
                 self._known.pop(key, None)
                 continue
-            except (TimeoutError, nats.errors.Error) as exc:
-                self._known.pop(key, None)
-                raise EventLogUnavailable(f"writing the activity of session {key}: {exc}") from exc
             self._remember(key, new_revision, activity)
-            for msg in late:
-                await self._report_late(key, msg, activity)
+            for delivery in late:
+                await self._report_late(key, delivery, activity)
             return
         raise EventLogUnavailable(f"session {key}: 32 write conflicts in a row in the bucket")
 
     async def _read(self, key: str) -> tuple[int, SessionActivity | None]:
         assert self._kv is not None
-        try:
-            entry = await self._kv.get(key)
-        except js_errors.KeyNotFoundError:
-            return 0, None
-        except (TimeoutError, nats.errors.Error) as exc:
-            raise EventLogUnavailable(f"reading the activity of session {key}: {exc}") from exc
-        if entry.value is None or entry.revision is None:
+        entry = await self._kv.get(key)
+        if entry is None:
             return 0, None
         return entry.revision, _decoder.decode(entry.value)
 
@@ -273,23 +267,15 @@ class Reaper:
         while len(self._known) > _CACHE_SIZE:
             self._known.popitem(last=False)
 
-    async def _report_late(self, key: str, msg: Msg, activity: SessionActivity) -> None:
+    async def _report_late(self, key: str, delivery: Delivery, activity: SessionActivity) -> None:
         self.stats.late_events += 1
         run, session = key.split(".", 1)
-        letter = DeadLetter(
-            source="reaper",
-            reason="late_event",
-            error=f"run={run} session={session}: event after the session's close (EVENTS seq "
+        error = (
+            f"run={run} session={session}: event after the session's close (EVENTS seq "
             f"{activity.close_seq}); it is not folded. The event is still in EVENTS at seq "
-            f"{msg.metadata.sequence.stream}",
-            stream=self.names.events,
-            subject=msg.subject,
-            seq=int(msg.metadata.sequence.stream),
-            run=run,
-            session=session,
-            created_at=time.time(),
+            f"{delivery.seq}"
         )
-        await publish_dead_letter(self._publisher, letter, self._max_payload)
+        await self.loop.dead_letter(delivery, Reject("late_event", error))
 
     # -- scanning ---------------------------------------------------------------------------
 
@@ -364,16 +350,12 @@ class Reaper:
 
     async def _newest(self, subject: str) -> Observation | None:
         """The newest event on ``subject`` (wildcards allowed), as the tracker would see it."""
-        try:
-            msg = await self._js.get_last_msg(self.names.events, subject)
-        except js_errors.NotFoundError:
+        newest = await newest_message(self._js, self.names.events, subject)
+        if newest is None:
             return None
-        except (TimeoutError, nats.errors.Error) as exc:
-            raise EventLogUnavailable(f"reading the newest event on {subject}: {exc}") from exc
-        kind = (msg.subject or "").rsplit(".", 1)[-1]
-        at = msg.time.timestamp() if msg.time is not None else 0.0
-        turn = _turn_index(msg.headers) if kind == "turn" else None
-        return Observation(msg.seq or 0, kind, at, turn)
+        kind = newest.subject.rsplit(".", 1)[-1]
+        turn = _turn_index(newest.msg_id) if kind == "turn" else None
+        return Observation(newest.seq, kind, newest.stored_at, turn)
 
     async def _forget(
         self, keys: list[str], revisions: list[tuple[str, SessionActivity, int]]
@@ -384,34 +366,12 @@ class Reaper:
             self._known.pop(key, None)
             # Compare-and-delete: an event merged meanwhile (or another reaper forgetting the
             # same entry) keeps or removes it; either way not this scan's business.
-            try:
-                await self._kv.delete(key, last=revision_of[key])
-            except js_errors.NotFoundError:
-                continue
-            except js_errors.BadRequestError as exc:
-                if exc.err_code != _WRONG_LAST_SEQUENCE:
-                    raise EventLogUnavailable(f"forgetting session {key}: {exc}") from exc
-                continue
-            except (TimeoutError, nats.errors.Error) as exc:
-                raise EventLogUnavailable(f"forgetting session {key}: {exc}") from exc
-            self.stats.forgotten += 1
+            if await self._kv.delete(key, revision_of[key]):
+                self.stats.forgotten += 1
 
     async def _entries(self) -> list[tuple[str, SessionActivity, int]]:
         assert self._kv is not None
-        entries: list[tuple[str, SessionActivity, int]] = []
-        try:
-            watcher = await self._kv.watchall(ignore_deletes=True)
-            try:
-                while True:
-                    entry = await watcher.updates(timeout=5.0)  # type: ignore[no-untyped-call]
-                    if entry is None:
-                        break
-                    if entry.value and entry.revision is not None:
-                        entries.append((entry.key, _decoder.decode(entry.value), entry.revision))
-            finally:
-                await watcher.stop()  # type: ignore[no-untyped-call]
-        except (TimeoutError, nats.errors.Error) as exc:
-            raise EventLogUnavailable(
-                f"reading the {self.names.sessions_bucket} bucket: {exc}"
-            ) from exc
-        return entries
+        return [
+            (entry.key, _decoder.decode(entry.value), entry.revision)
+            for entry in await self._kv.entries()
+        ]

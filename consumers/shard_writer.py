@@ -1,9 +1,9 @@
 """The shard writer: TRAJ in, Parquet shards out, every trajectory in exactly one shard.
 
-A thin loop: fetch -> decode -> buffer per run -> rotate (rows, bytes, age) -> commit the
-shard -> ack its messages. A message is acked only after the shard holding it is committed
-(or after its dead letter is stored), so a kill at any point loses nothing: what was not acked
-comes again.
+A handler of the one pull loop (``eventlog.loop.PullLoop``): decode -> buffer per run (held,
+kept alive by the loop) -> rotate (rows, bytes, age; after each fetch) -> commit the shard ->
+ack its messages. A message is acked only after the shard holding it is committed (or after its
+dead letter is stored), so a kill at any point loses nothing: what was not acked comes again.
 
 **Exactly once.** What comes again must not be written twice. The writer keeps the set of TRAJ
 sequences already committed (``SeqSet``: merged intervals) and acks-and-skips a delivery whose
@@ -35,28 +35,26 @@ redelivery could then be written twice.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import nats.errors
 import pyarrow as pa
-from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js import errors as js_errors
 
 from consumers.config import ShardWriterSettings
 from consumers.seqset import SeqSet
 from eventlog import Publisher
-from eventlog.dead_letters import dead_letter_for, publish_dead_letter
-from eventlog.dispositions import reason_of
+from eventlog.config import ConsumerSettings
 from eventlog.errors import ShardWriteFailed
-from eventlog.pull import FetchSizer, PullConsumer, fetch, release, stream_seq
+from eventlog.loop import ACK, HOLD, Delivery, Outcome, PullLoop, Reject
+from eventlog.metrics import ConsumerMetrics, LoopMetrics
+from eventlog.pull import PullConsumer
 from eventlog.shard_store import CommittedShard, ShardStore
+from eventlog.streams import consumer_ack_floor, stream_facts
 from schemas.codec import Codec
-from schemas.errors import EventLogUnavailable, SchemaError, UndecodableEvent
+from schemas.errors import SchemaError, UndecodableEvent
 from schemas.events import TrajectoryReady
 from schemas.ids import TRAJ_SUBJECT_PREFIX
 from schemas.shards import ROW_ERRORS, ShardMetadata, ShardRow, shard_row, writable_table
@@ -75,14 +73,13 @@ class ShardWriterStats:
     rows_written: int = 0
     shards_written: int = 0
     duplicates_skipped: int = 0  # deliveries of a sequence already committed or buffered
-    dead_lettered: int = 0
     write_retries: int = 0
 
 
 @dataclass
 class _RunBuffer:
     opened_at: float
-    rows: dict[int, tuple[ShardRow, Msg]] = field(default_factory=dict)  # by TRAJ sequence
+    rows: dict[int, tuple[ShardRow, Delivery]] = field(default_factory=dict)  # by TRAJ sequence
     nbytes: int = 0
 
 
@@ -107,9 +104,9 @@ class ShardWriter:
         stream: str = "TRAJ",
         codec: Codec | None = None,
         clock: Callable[[], float] = time.monotonic,
+        metrics: ConsumerMetrics | None = None,
     ) -> None:
         self._js = js
-        self._publisher = publisher
         self.store = store
         self.settings = settings or ShardWriterSettings()
         self.stream = stream
@@ -121,7 +118,27 @@ class ShardWriter:
         self._buffered_run: dict[int, str] = {}  # TRAJ sequence -> run of its buffer
         self._buffered_bytes = 0  # over all runs
         self._stream_created = ""
-        self._sizer = FetchSizer(self.settings.fetch_max_bytes)
+        self._metrics = metrics.loop(SOURCE) if metrics else LoopMetrics.disabled()
+        s = self.settings
+        self.loop = PullLoop(
+            js,
+            self.consumer(),
+            self,
+            # a trajectory is never given up on: it waits for a writable target
+            settings=ConsumerSettings(
+                durable=s.durable,
+                batch=s.batch,
+                max_ack_pending=s.max_ack_pending,
+                ack_wait_s=s.effective_ack_wait_s,
+                max_deliver=-1,
+                fetch_timeout_s=s.fetch_timeout_s,
+            ),
+            publisher=publisher,
+            source=SOURCE,
+            max_payload=self._codec.max_payload,
+            fetch_max_bytes=s.fetch_max_bytes,
+            metrics=self._metrics,
+        )
 
     def consumer(self) -> PullConsumer:
         s = self.settings
@@ -142,40 +159,21 @@ class ShardWriter:
         An error (the target unwritable after WRITE_ATTEMPTS tries, the log gone at start)
         ends it; the writer is then spent, and what it had not acked goes to the next one.
         """
-        sub = await self.consumer().bind(self._js)
+        await self.loop.bind()
         try:
             await self.recover()
-            while not stop.is_set():
-                try:
-                    batch = self._sizer.batch(self.settings.batch)
-                    msgs = await fetch(sub, batch, self._fetch_wait_s())
-                    self._sizer.observe(msgs)
-                except EventLogUnavailable as exc:
-                    log.warning("shard writer: %s; retrying", exc)
-                    with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(1.0):
-                            await stop.wait()
-                    continue
-                for msg in msgs:
-                    await self._take(msg)
-                await self._rotate_aged()
+            # Shards are written only here (tick) and at the end, never inside a message's
+            # handling: a failed write must end the writer, not be retried as that message.
+            await self.loop.run(stop, tick=self._rotate, wait_s=self._fetch_wait_s)
             await self.flush()
         finally:
-            await release(sub)
+            await self.loop.close()
         return self.stats
 
     async def recover(self) -> None:
         """Rebuild the committed set from the shards; remove half-written ones."""
-        try:
-            consumer = await self._js.consumer_info(self.stream, self.settings.durable)
-            stream = await self._js.stream_info(self.stream)
-        except (TimeoutError, nats.errors.Error, js_errors.Error, OSError) as exc:
-            raise EventLogUnavailable(
-                f"shard writer: cannot read consumer {self.settings.durable} of {self.stream}: "
-                f"{exc}"
-            ) from exc
-        ack_floor = int(consumer.ack_floor.stream_seq) if consumer.ack_floor else 0
-        self._stream_created = stream.created.isoformat() if stream.created else ""
+        ack_floor = await consumer_ack_floor(self._js, self.stream, self.settings.durable)
+        self._stream_created = (await stream_facts(self._js, self.stream)).created
         found = await asyncio.to_thread(self._read_committed, ack_floor)
         self._committed = found.committed
         for path in found.partial_removed:
@@ -225,73 +223,57 @@ class ShardWriter:
 
     # -- one message ------------------------------------------------------------------------
 
-    async def _take(self, msg: Msg) -> None:
-        seq = stream_seq(msg)
+    async def handle(self, delivery: Delivery) -> Outcome:
+        seq = delivery.seq
         if seq in self._committed:
             self.stats.duplicates_skipped += 1
-            await _ack(msg)
-            return
+            return ACK
         run = self._buffered_run.get(seq)
         if run is not None:  # redelivered while buffered: ack the newest delivery later
             buffer = self._buffers[run]
-            buffer.rows[seq] = (buffer.rows[seq][0], msg)
+            buffer.rows[seq] = (buffer.rows[seq][0], delivery)
             self.stats.duplicates_skipped += 1
-            return
+            return HOLD
         try:
-            event = self._codec.decode(msg.data)
+            event = self._codec.decode(delivery.data)
             if not isinstance(event, TrajectoryReady):
                 raise UndecodableEvent(
-                    f"{msg.subject} carries a {type(event).__name__}; TRAJ holds TrajectoryReady"
+                    f"{delivery.subject} carries a {type(event).__name__}; TRAJ holds "
+                    f"TrajectoryReady"
                 )
             try:
                 row = shard_row(seq, event)
             except ValueError as exc:
                 raise UndecodableEvent(str(exc)) from exc
         except SchemaError as exc:
-            await self._dead_letter(msg, seq, reason_of(exc), exc)
-            return
-        self._buffer(event.run, row, msg)
-        buffer = self._buffers[event.run]
+            return Reject(exc.reason, f"{type(exc).__name__}: {exc}")
+        self._buffer(event.run, row, delivery)
+        return HOLD
+
+    async def _rotate(self) -> None:
+        """Write the buffers that are full or old; over all runs too (bounds memory and keeps
+        the unacked below max_ack_pending)."""
         s = self.settings
-        if len(buffer.rows) >= s.max_rows or buffer.nbytes >= s.max_bytes:
-            await self._write(event.run)
-        # Over all runs too: bounds memory and keeps the unacked below max_ack_pending.
+        for run in [
+            r
+            for r, b in self._buffers.items()
+            if len(b.rows) >= s.max_rows or b.nbytes >= s.max_bytes
+        ]:
+            await self._write(run)
         while self._buffered_run and (
             len(self._buffered_run) >= s.max_rows or self._buffered_bytes >= s.max_bytes
         ):
             await self._write(min(self._buffers, key=lambda r: self._buffers[r].opened_at))
+        await self._rotate_aged()
 
-    def _buffer(self, run: str, row: ShardRow, msg: Msg) -> None:
+    def _buffer(self, run: str, row: ShardRow, delivery: Delivery) -> None:
         buffer = self._buffers.get(run)
         if buffer is None:
             buffer = self._buffers[run] = _RunBuffer(self._clock())
-        buffer.rows[row.traj_seq] = (row, msg)
+        buffer.rows[row.traj_seq] = (row, delivery)
         buffer.nbytes += row.nbytes
         self._buffered_bytes += row.nbytes
         self._buffered_run[row.traj_seq] = run
-
-    async def _dead_letter(
-        self,
-        msg: Msg,
-        seq: int,
-        reason: str,
-        error: SchemaError | str,
-        session: str | None = None,
-    ) -> None:
-        prefix = f"{TRAJ_SUBJECT_PREFIX}."
-        run = msg.subject[len(prefix) :] if msg.subject.startswith(prefix) else None
-        letter = dead_letter_for(
-            msg, source=SOURCE, reason=reason, error=error, run=run, session=session
-        )
-        try:
-            await publish_dead_letter(self._publisher, letter, self._codec.max_payload)
-        except EventLogUnavailable as exc:
-            # Not acked: it comes again after the ack wait, and is dead-lettered then.
-            log.warning("%s seq %d: cannot dead-letter it yet: %s", self.stream, seq, exc)
-            return
-        self._committed.add(seq)
-        self.stats.dead_lettered += 1
-        await _ack(msg)
 
     # -- shards -----------------------------------------------------------------------------
 
@@ -319,7 +301,7 @@ class ShardWriter:
             ) from exc
         if unwritable:
             await self._dead_letter_unwritable(entries, unwritable)
-            entries = [(row, msg) for row, msg in entries if row.traj_seq not in unwritable]
+            entries = [(row, d) for row, d in entries if row.traj_seq not in unwritable]
         if table is None:
             return
         rows = [row for row, _ in entries]
@@ -332,8 +314,8 @@ class ShardWriter:
         self._committed.add_many(seqs)
         for seq in seqs:
             del self._buffered_run[seq]
-        for _, msg in entries:
-            await _ack(msg)
+        await self.loop.ack(delivery for _, delivery in entries)
+        self._metrics.shard_committed(len(rows))
         self.stats.shards_written += 1
         self.stats.rows_written += len(rows)
         log.info(
@@ -347,9 +329,9 @@ class ShardWriter:
         )
 
     async def _dead_letter_unwritable(
-        self, entries: Sequence[tuple[ShardRow, Msg]], unwritable: dict[int, str]
+        self, entries: Sequence[tuple[ShardRow, Delivery]], unwritable: dict[int, str]
     ) -> None:
-        for row, msg in entries:
+        for row, delivery in entries:
             why = unwritable.get(row.traj_seq)
             if why is None:
                 continue
@@ -362,7 +344,7 @@ class ShardWriter:
                 f"shard row: {why}"
             )
             log.warning("%s; dead-lettering it", error)
-            await self._dead_letter(msg, row.traj_seq, "unwritable_row", error, t.session)
+            await self.loop.reject(delivery, Reject("unwritable_row", error, session=t.session))
 
     async def _commit(self, table: pa.Table, meta: ShardMetadata) -> CommittedShard:
         for attempt in range(WRITE_ATTEMPTS):
@@ -375,12 +357,6 @@ class ShardWriter:
                 log.warning("%s; trying again", exc)
                 await asyncio.sleep(2.0**attempt)
         raise AssertionError("unreachable")
-
-
-async def _ack(msg: Msg) -> None:
-    # A lost ack only means a redelivery, which the committed set then skips.
-    with contextlib.suppress(nats.errors.Error, OSError):
-        await msg.ack()
 
 
 def _show(seqs: SeqSet) -> str:

@@ -20,49 +20,45 @@ process's unacked closes to the others. Exactly-once into TRAJ comes from four l
   (``republish_could_duplicate``, ``stored_msg_ids``) and publishes only the rest. Only such
   redeliveries pay for the look; a first delivery reads and writes nothing more.
 
-What happens to a close whose handling failed is ``eventlog.dispositions.disposition``: bad input
-is dead-lettered at once, anything else retried with backoff and dead-lettered on delivery
-``max_deliver``. If the log refuses the dead letter then, the worker keeps the close (in progress)
-and retries the letter (``when_dead_letter_fails``): a nak there could be the close's last.
+The worker is a handler of the one pull loop (``eventlog.loop.PullLoop``), which fetches,
+keeps the close alive while it folds, acks, and dead-letters what the handler rejects or what
+``eventlog.dispositions.disposition`` gives up on (bad input at once, anything else after
+``max_deliver`` tries).
+
+**Trust.** The close must match its subject and carry a Msg-Id, or it is dead-lettered
+(``subject_mismatch``, ``no_msg_id``) and nothing is folded. The session's events are vetted
+the same way (``schemas.trust.vet_session``): an event stored under another subject, without a
+Msg-Id, or a second different turn *t* (the one the stream stored first wins) is dead-lettered
+and left out of the fold; the trajectories' metadata counts ``conflicting_turns``. Bytes that are
+no event at all stop the fold: the session is dead-lettered with the bad event's bytes.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import datetime
-import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import msgspec
-import nats.errors
-from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js import errors as js_errors
-from nats.js.kv import KeyValue
 
 from consumers.config import FoldWorkerSettings
 from consumers.errors import FoldError
 from consumers.fold import FoldOptions, FoldResult, fold
-from eventlog import Publisher, StoredMessage, StreamNames, read_session_messages
-from eventlog.dead_letters import dead_letter_for, publish_dead_letter
-from eventlog.dispositions import (
-    DeadLetterIt,
-    Retry,
-    consumer_max_deliver,
-    disposition,
-    reason_of,
-    when_dead_letter_fails,
-)
-from eventlog.pull import PullConsumer, delivery_count, fetch, keep_alive, release
+from eventlog import Publisher, StreamNames, read_session_messages
+from eventlog.buckets import Bucket
+from eventlog.dispositions import consumer_max_deliver
+from eventlog.loop import ACK, Delivery, Outcome, PullLoop, Reject
+from eventlog.metrics import ConsumerMetrics, LoopMetrics
+from eventlog.pull import PullConsumer
 from eventlog.reader import stored_msg_ids
+from eventlog.streams import stream_facts
 from schemas.codec import Codec
-from schemas.dead_letter import DeadLetter
-from schemas.errors import EventLogUnavailable, SchemaError
-from schemas.events import SessionClosed, SessionEvent, SessionOpened, TrajectoryReady
+from schemas.events import SessionClosed, SessionOpened, TrajectoryReady
 from schemas.ids import EVENT_SUBJECT_PREFIX, traj_subject
+from schemas.trust import PoisonEvent, VettedSession, check_stored, vet_session
 
 __all__ = ["FoldMarker", "FoldWorker", "WorkerStats", "fold_options", "republish_could_duplicate"]
 
@@ -92,19 +88,9 @@ class WorkerStats:
     trajectories: int = 0
     already_folded: int = 0  # closes redelivered after their session was folded
     already_published: int = 0  # trajectories an earlier delivery stored past the dup window
-    retried: int = 0
-    dead_letters: dict[str, int] = field(default_factory=dict)  # by reason
     late_events: int = 0  # events the fold left out because they came after the close
     forks: int = 0
-
-
-class _PoisonEvent(Exception):
-    """An event of the session cannot be decoded: dead-letter that event, not only the close."""
-
-    def __init__(self, stored: StoredMessage, error: SchemaError) -> None:
-        super().__init__(str(error))
-        self.stored = stored
-        self.error = error
+    untrusted_events: int = 0  # events of folded sessions left out (schemas.trust)
 
 
 def fold_options(defaults: FoldWorkerSettings, opened: SessionOpened | None) -> FoldOptions:
@@ -159,17 +145,27 @@ class FoldWorker:
         *,
         codec: Codec | None = None,
         max_payload: int = 8 * 1024 * 1024,
+        metrics: ConsumerMetrics | None = None,
     ) -> None:
         self._js = js
         self._publisher = publisher
         self.settings = settings or FoldWorkerSettings()
         self.names = names or StreamNames()
         self._codec = codec or Codec(max_payload=max_payload)
-        self._max_payload = max_payload
         self.stats = WorkerStats()
-        self._markers: KeyValue | None = None
+        self._markers: Bucket | None = None
         self._traj_window_s: float | None = None
-        self._stop = asyncio.Event()
+        self.loop = PullLoop(
+            js,
+            self.consumer(),
+            self,
+            settings=self.settings,
+            publisher=publisher,
+            source=SOURCE,
+            max_payload=max_payload,
+            concurrency=self.settings.concurrency,
+            metrics=metrics.loop(SOURCE) if metrics else LoopMetrics.disabled(),
+        )
 
     def consumer(self) -> PullConsumer:
         s = self.settings
@@ -183,66 +179,19 @@ class FoldWorker:
         )
 
     async def run(self, stop: asyncio.Event) -> None:
-        s = self.settings
-        self._stop = stop
-        sub = await self.consumer().bind(self._js)
-        self._markers = await self._js.key_value(self.names.folded_bucket)
-        working: set[asyncio.Task[None]] = set()
-        stopping = asyncio.create_task(stop.wait())
-        try:
-            while not stop.is_set():
-                free = s.concurrency - len(working)
-                if free <= 0:
-                    await asyncio.wait({*working, stopping}, return_when=asyncio.FIRST_COMPLETED)
-                    continue
-                try:
-                    msgs = await fetch(sub, min(free, s.fetch_batch), s.fetch_timeout_s)
-                except EventLogUnavailable as exc:
-                    log.warning("fold worker: %s; retrying", exc)
-                    await asyncio.wait({stopping}, timeout=1.0)
-                    continue
-                for msg in msgs:
-                    task = asyncio.create_task(self._handle(msg))
-                    working.add(task)
-                    task.add_done_callback(working.discard)
-        finally:
-            stopping.cancel()
-            if working:
-                await asyncio.gather(*working, return_exceptions=True)
-            await release(sub)
+        self._markers = await Bucket.open(self._js, self.names.folded_bucket)
+        await self.loop.run(stop)
 
-    async def _handle(self, msg: Msg) -> None:
-        run = session = None
-        try:
-            async with keep_alive([msg], self.settings.ack_wait_s / 3):
-                close = self._codec.decode(msg.data)
-                if not isinstance(close, SessionClosed):
-                    raise FoldError(
-                        f"{msg.subject} holds a {type(close).__name__}; only SessionClosed "
-                        f"belongs on a close subject"
-                    )
-                run, session = close.run, close.session
-                await self._fold_session(close, msg)
-            await self._ack(msg)
-        except asyncio.CancelledError:
-            raise
-        except _PoisonEvent as exc:
-            await self._dead_letter_poison(msg, exc, run, session)
-        except Exception as exc:
-            await self._fail(msg, exc, run, session)
-
-    async def _fold_session(self, close: SessionClosed, msg: Msg) -> None:
+    async def handle(self, delivery: Delivery) -> Outcome:
+        """One close: fold its session unless that was done; raises what should be retried."""
+        close = check_stored(delivery.stored, self._codec.decode(delivery.data))
+        if not isinstance(close, SessionClosed):
+            raise FoldError(f"{delivery.subject} holds a {type(close).__name__}")
         assert self._markers is not None
         key = f"{close.run}.{close.session}"
-        try:
-            await self._markers.get(key)
-        except js_errors.KeyNotFoundError:  # KeyDeletedError (an expired marker) included
-            pass
-        except (TimeoutError, nats.errors.Error) as exc:
-            raise EventLogUnavailable(f"reading the fold marker of {key}: {exc}") from exc
-        else:
+        if await self._markers.get(key) is not None:
             self.stats.already_folded += 1
-            return
+            return ACK
         stored = await read_session_messages(
             self._js,
             close.run,
@@ -250,39 +199,70 @@ class FoldWorker:
             stream=self.names.events,
             batch=self.settings.rehydrate_batch,
         )
-        events = [self._decode(m) for m in stored]
-        opened = next((e for e in events if isinstance(e, SessionOpened)), None)
-        result = fold(events, fold_options(self.settings, opened))
-        await self._publish_unstored(msg, close, result.trajectories)
+        try:
+            vetted = vet_session(stored, self._codec)
+        except PoisonEvent as exc:
+            return Reject(
+                exc.reason,
+                f"{type(exc.error).__name__}: {exc.error} (the session is not folded; its "
+                f"close is {delivery.subject} seq {delivery.seq})",
+                about=exc.stored,
+            )
+        await self._dead_letter_untrusted(delivery, vetted)
+        opened = next((e for e in vetted.events if isinstance(e, SessionOpened)), None)
+        result = fold(vetted.events, fold_options(self.settings, opened))
+        trajectories = result.trajectories
+        if vetted.conflicting_turns:
+            count = {"conflicting_turns": vetted.conflicting_turns}
+            trajectories = [
+                msgspec.structs.replace(t, metadata={**t.metadata, **count}) for t in trajectories
+            ]
+        await self._publish_unstored(delivery, close, trajectories)
         marker = FoldMarker(
-            trajectories=len(result.trajectories),
-            fold_version=result.trajectories[0].fold_version if result.trajectories else 0,
-            close_seq=int(msg.metadata.sequence.stream),
+            trajectories=len(trajectories),
+            fold_version=trajectories[0].fold_version if trajectories else 0,
+            close_seq=delivery.seq,
             forks=result.forks,
             late_events=result.late_events,
             folded_at=time.time(),
         )
         await self._write_marker(key, marker)
         self._count(close, result)
+        return ACK
+
+    async def _write_marker(self, key: str, marker: FoldMarker) -> None:
+        assert self._markers is not None
+        await self._markers.put(key, msgspec.json.encode(marker))
+
+    async def _dead_letter_untrusted(self, delivery: Delivery, vetted: VettedSession) -> None:
+        """Letters for the events the fold leaves out; published before the fold's output, so a
+        failure retries the whole close (the letters' Msg-Ids make the repeat harmless)."""
+        for stored, error in vetted.rejected:
+            await self.loop.dead_letter(
+                delivery, Reject(error.reason, f"UntrustedEvent: {error}", about=stored)
+            )
+        self.stats.untrusted_events += len(vetted.rejected)
 
     async def _publish_unstored(
-        self, msg: Msg, close: SessionClosed, trajectories: list[TrajectoryReady]
+        self, delivery: Delivery, close: SessionClosed, trajectories: list[TrajectoryReady]
     ) -> None:
         """Publish the trajectories that no earlier delivery of this close stored in TRAJ."""
         if not trajectories:
             return
-        stamped = msg.metadata.timestamp  # when the close was stored (server clock)
         if republish_could_duplicate(
-            delivery=delivery_count(msg),
-            close_age_s=time.time() - stamped.timestamp(),
+            delivery=delivery.delivery,
+            close_age_s=time.time() - delivery.stored_at,
             window_s=await self._traj_duplicate_window_s(),
         ):
+            since = datetime.datetime.fromtimestamp(
+                delivery.stored_at - CLOCK_SKEW_S, tz=datetime.UTC
+            )
             stored = await stored_msg_ids(
                 self._js,
                 self.names.trajectories,
                 traj_subject(close.run),
                 [t.trajectory_id for t in trajectories],
-                since=stamped - datetime.timedelta(seconds=CLOCK_SKEW_S),
+                since=since,
             )
             if stored:
                 self.stats.already_published += len(stored)
@@ -302,29 +282,9 @@ class FoldWorker:
     async def _traj_duplicate_window_s(self) -> float:
         """TRAJ's duplicate window as the server has it (an operator may have changed it)."""
         if self._traj_window_s is None:
-            stream = self.names.trajectories
-            try:
-                info = await self._js.stream_info(stream)
-            except (TimeoutError, nats.errors.Error) as exc:
-                raise EventLogUnavailable(f"reading the config of stream {stream}: {exc}") from exc
-            self._traj_window_s = float(info.config.duplicate_window or 0.0)
+            facts = await stream_facts(self._js, self.names.trajectories)
+            self._traj_window_s = facts.duplicate_window_s
         return self._traj_window_s
-
-    async def _write_marker(self, key: str, marker: FoldMarker) -> None:
-        assert self._markers is not None
-        try:
-            await self._markers.put(key, msgspec.json.encode(marker))
-        except (TimeoutError, nats.errors.Error) as exc:
-            raise EventLogUnavailable(f"writing the fold marker of {key}: {exc}") from exc
-
-    def _decode(self, stored: StoredMessage) -> SessionEvent:
-        try:
-            event = self._codec.decode(stored.data)
-        except SchemaError as exc:
-            raise _PoisonEvent(stored, exc) from exc
-        if isinstance(event, TrajectoryReady):
-            raise _PoisonEvent(stored, _NotASessionEvent(stored.subject))
-        return event
 
     def _count(self, close: SessionClosed, result: FoldResult) -> None:
         st = self.stats
@@ -339,101 +299,3 @@ class FoldWorker:
                 close.session,
                 result.late_events,
             )
-
-    # -- failures ---------------------------------------------------------------------------
-
-    async def _fail(self, msg: Msg, exc: Exception, run: str | None, session: str | None) -> None:
-        decision = disposition(exc, delivery=delivery_count(msg), settings=self.settings)
-        if isinstance(decision, Retry):
-            self.stats.retried += 1
-            log.info(
-                "close %s (delivery %d): %s; retry in %.1fs",
-                msg.subject,
-                delivery_count(msg),
-                exc,
-                decision.delay_s,
-            )
-            await self._nak(msg, decision.delay_s)
-            return
-        assert isinstance(decision, DeadLetterIt)
-        letter = dead_letter_for(
-            msg, source=SOURCE, reason=decision.reason, error=exc, run=run, session=session
-        )
-        await self._send_dead_letter(msg, letter)
-
-    async def _dead_letter_poison(
-        self, msg: Msg, exc: _PoisonEvent, run: str | None, session: str | None
-    ) -> None:
-        """The letter names the bad event (its bytes, subject, seq); the close is acked."""
-        letter = DeadLetter(
-            source=SOURCE,
-            reason=reason_of(exc.error),
-            error=f"{type(exc.error).__name__}: {exc.error} (the session is not folded; its "
-            f"close is {msg.subject} seq {msg.metadata.sequence.stream})",
-            stream=self.names.events,
-            subject=exc.stored.subject,
-            seq=exc.stored.seq,
-            deliveries=delivery_count(msg),
-            run=run,
-            session=session,
-            payload=exc.stored.data,
-            created_at=time.time(),
-        )
-        await self._send_dead_letter(msg, letter)
-
-    async def _send_dead_letter(self, msg: Msg, letter: DeadLetter) -> None:
-        """Store the letter, then ack; what a refused letter gets is ``when_dead_letter_fails``."""
-        delivery = delivery_count(msg)
-        async with keep_alive([msg], self.settings.ack_wait_s / 3):
-            for attempt in itertools.count(1):
-                try:
-                    await publish_dead_letter(self._publisher, letter, self._max_payload)
-                    break
-                except Exception as exc:  # the DLQ is in the same log
-                    decision = when_dead_letter_fails(
-                        delivery=delivery,
-                        attempt=attempt,
-                        stopping=self._stop.is_set(),
-                        settings=self.settings,
-                    )
-                    log.warning(
-                        "cannot dead-letter %s seq %d (delivery %d, try %d): %s; %s",
-                        letter.subject,
-                        letter.seq,
-                        delivery,
-                        attempt,
-                        exc,
-                        decision,
-                    )
-                    if isinstance(decision, Retry):
-                        await self._nak(msg, decision.delay_s)
-                        return
-                    await self._pause(decision.delay_s)
-        self.stats.dead_letters[letter.reason] = self.stats.dead_letters.get(letter.reason, 0) + 1
-        await self._ack(msg)
-
-    async def _pause(self, delay_s: float) -> None:
-        """Sleep ``delay_s``, cut short by a stop request (but not once stopping already)."""
-        if self._stop.is_set():
-            await asyncio.sleep(delay_s)
-            return
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(delay_s):
-                await self._stop.wait()
-
-    async def _nak(self, msg: Msg, delay_s: float) -> None:
-        try:
-            await msg.nak(delay=delay_s)
-        except (nats.errors.Error, OSError) as exc:  # it comes back after ack_wait anyway
-            log.info("nak of %s failed: %s", msg.subject, exc)
-
-    async def _ack(self, msg: Msg) -> None:
-        try:
-            await msg.ack()
-        except (nats.errors.Error, OSError) as exc:  # redelivered; the marker makes it a no-op
-            log.info("ack of %s failed: %s", msg.subject, exc)
-
-
-class _NotASessionEvent(SchemaError):
-    def __init__(self, subject: str) -> None:
-        super().__init__(f"{subject} holds a TrajectoryReady; EVENTS takes session events only")

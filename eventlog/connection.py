@@ -7,16 +7,19 @@ seconds and reconnect forever; publishers retry with the same Msg-Id meanwhile.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
 import nats
+import nats.errors
 from nats.aio.client import Client as NATS
 
 from eventlog.config import LogSettings
 from schemas.errors import EventLogUnavailable
 
-__all__ = ["connect"]
+__all__ = ["close_connection", "connect"]
 
 log = logging.getLogger(__name__)
 
@@ -76,3 +79,13 @@ async def connect(
     nc.options["max_reconnect_attempts"] = -1
     client.append(nc)
     return nc
+
+
+async def close_connection(nc: NATS) -> None:
+    """Drain (flush what is buffered, let subscriptions finish), bounded: then just close."""
+    try:
+        async with asyncio.timeout(5.0):
+            await nc.drain()
+    except (TimeoutError, OSError, nats.errors.Error):
+        with contextlib.suppress(OSError, nats.errors.Error):
+            await nc.close()

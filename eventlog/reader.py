@@ -17,8 +17,8 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
-from collections.abc import Collection
-from typing import Any, NamedTuple
+from collections.abc import AsyncIterator, Collection
+from typing import Any
 
 import nats.errors
 from nats.js import JetStreamContext
@@ -27,23 +27,22 @@ from nats.js import api as js_api
 from eventlog.pull import fetch, release
 from schemas.codec import Codec
 from schemas.errors import EventLogUnavailable
-from schemas.events import SessionEvent, TrajectoryReady
+from schemas.events import SessionEvent
 from schemas.ids import session_subjects
+from schemas.trust import StoredMessage, vet_session
 
-__all__ = ["StoredMessage", "read_session", "read_session_messages", "stored_msg_ids"]
+__all__ = [
+    "StoredMessage",
+    "read_range",
+    "read_session",
+    "read_session_messages",
+    "stored_msg_ids",
+]
 
 _STATUS = "Status"
 _END_OF_BATCH = "204"
 _NOT_FOUND = "404"
 _MSG_ID = "Nats-Msg-Id"
-
-
-class StoredMessage(NamedTuple):
-    """One message as the stream holds it."""
-
-    seq: int
-    subject: str
-    data: bytes
 
 
 async def read_session_messages(
@@ -89,7 +88,12 @@ async def read_session_messages(
                         f"{headers.get('Description', '')}"
                     )
                 found.append(
-                    StoredMessage(int(headers["Nats-Sequence"]), headers["Nats-Subject"], msg.data)
+                    StoredMessage(
+                        int(headers["Nats-Sequence"]),
+                        headers["Nats-Subject"],
+                        msg.data,
+                        headers.get(_MSG_ID),
+                    )
                 )
             if not found or int(headers.get("Nats-Num-Pending", 0)) == 0:
                 return found
@@ -112,14 +116,11 @@ async def read_session(
     stream: str = "EVENTS",
     codec: Codec | None = None,
 ) -> list[SessionEvent]:
-    """Every event of ``run``/``session`` in ``stream``, decoded, in stream order."""
-    codec = codec or Codec()
-    events: list[SessionEvent] = []
-    for stored in await read_session_messages(js, run, session, stream=stream):
-        event = codec.decode(stored.data)
-        if not isinstance(event, TrajectoryReady):
-            events.append(event)
-    return events
+    """The trusted events of ``run``/``session`` in ``stream``, decoded, in stream order
+    (``schemas.trust``: events stored under another subject, without a Msg-Id, or conflicting
+    with an earlier turn are left out; bytes that are no event raise ``PoisonEvent``)."""
+    stored = await read_session_messages(js, run, session, stream=stream)
+    return vet_session(stored, codec or Codec()).events
 
 
 async def stored_msg_ids(
@@ -173,3 +174,45 @@ async def stored_msg_ids(
     except (TimeoutError, nats.errors.Error, OSError) as exc:
         raise EventLogUnavailable(f"scanning {where}: {type(exc).__name__}: {exc}") from exc
     return found
+
+
+async def read_range(
+    js: JetStreamContext,
+    stream: str,
+    subject: str,
+    first: int,
+    last: int,
+    *,
+    timeout_s: float = 5.0,
+) -> AsyncIterator[StoredMessage]:
+    """Messages on ``subject`` with stream sequences ``first``..``last``, in order, read with an
+    ordered consumer (nothing in the stream changes). Ends early at the stream's end."""
+    where = f"{stream} seq {first}..{last}"
+    try:
+        sub = await js.subscribe(
+            subject,
+            stream=stream,
+            ordered_consumer=True,
+            config=js_api.ConsumerConfig(
+                deliver_policy=js_api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=first
+            ),
+        )
+    except (TimeoutError, nats.errors.Error, OSError) as exc:
+        raise EventLogUnavailable(f"reading {where}: {exc}") from exc
+    try:
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=timeout_s)
+            except (TimeoutError, nats.errors.TimeoutError):
+                return  # the range ends past the stream's last message
+            except (nats.errors.Error, OSError) as exc:
+                raise EventLogUnavailable(f"reading {where}: {exc}") from exc
+            seq = int(msg.metadata.sequence.stream)
+            if seq > last:
+                return
+            yield StoredMessage(seq, msg.subject, msg.data, (msg.headers or {}).get(_MSG_ID))
+            if seq == last or msg.metadata.num_pending == 0:
+                return
+    finally:
+        with contextlib.suppress(nats.errors.Error, OSError):
+            await sub.unsubscribe()

@@ -3,21 +3,22 @@
 Every source hands out ``Received`` items; the sink acknowledges them through the source once
 their batch is committed (or once it dropped them):
 
-- ``LiveSource``: a durable pull consumer on TRAJ, flow-controlled by ``max_ack_pending``
-  (JetStream delivers no more than that many uncommitted trajectories). What is not committed
-  is redelivered after ``ack_wait_s`` (a trainer crash), and the sink drops repeated
-  trajectory ids. Uncommitted items are kept alive with ``in_progress`` while the trainer holds
-  them, so a long step is not taken for a crash.
+- ``LiveSource``: a handler of the one pull loop (``eventlog.loop.PullLoop``) on a durable
+  consumer on TRAJ, flow-controlled by ``max_ack_pending`` (JetStream delivers no more than
+  that many uncommitted trajectories). The sink pulls at its own pace (``loop.step``). What is
+  not committed is redelivered after ``ack_wait_s`` (a trainer crash), and the sink drops
+  repeated trajectory ids. Uncommitted items are held, and the loop keeps them alive
+  (``in_progress``) while the trainer holds them, so a long step is not taken for a crash.
 - ``OfflineSource``: the Parquet shards through ``pyarrow.dataset`` with filters (run, reward,
   weight version, time). Finite; nothing to acknowledge.
 - ``ReplaySource``: a range of TRAJ sequences, read with an ordered consumer. Finite; nothing to
-  acknowledge (the stream is not changed).
+  acknowledge (the stream is not changed). A message that is not a TrajectoryReady is skipped
+  with a warning naming its sequence (it cannot be dead-lettered: replay changes nothing).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import datetime as dt
 import itertools
 import logging
@@ -25,35 +26,20 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import nats.errors
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js import api as js_api
 
-from eventlog import (
-    FetchSizer,
-    JetStreamPublisher,
-    LogSettings,
-    Publisher,
-    PullConsumer,
-    connect,
-    fetch,
-    release,
-    stream_seq,
-)
-from eventlog.dead_letters import publish_dead_letter
+from eventlog import JetStreamPublisher, LogSettings, Publisher, PullConsumer, connect
+from eventlog.config import ConsumerSettings
+from eventlog.connection import close_connection
+from eventlog.loop import HOLD, Delivery, Outcome, PullLoop, Reject
+from eventlog.reader import read_range
 from eventlog.shard_store import open_shards_dataset
 from schemas.codec import Codec
-from schemas.dead_letter import DeadLetter, schema_reason
-from schemas.errors import (
-    EventLogUnavailable,
-    SchemaError,
-    UndecodableEvent,
-)
+from schemas.errors import EventLogUnavailable, SchemaError, UndecodableEvent
 from schemas.events import TrajectoryReady
 from schemas.ids import TRAJ_SUBJECT_PREFIX
 from schemas.shards import table_to_trajectories
@@ -73,11 +59,11 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, eq=False)
 class Received:
-    """One trajectory and what acknowledges it (``handle``: the TRAJ message, live only)."""
+    """One trajectory and what acknowledges it (``handle``: its delivery, live only)."""
 
     trajectory: TrajectoryReady
     seq: int | None = None  # TRAJ sequence, where known
-    handle: Msg | None = None
+    handle: Delivery | None = None
 
 
 class Source(Protocol):
@@ -127,18 +113,29 @@ class LiveSource:
         run: str | None = None,
         codec: Codec | None = None,
     ) -> None:
-        self._js = js
-        self._publisher = publisher
-        self.settings = settings or LiveSourceSettings()
+        self.settings = s = settings or LiveSourceSettings()
         self.stream = stream
         self.run = run
         self._codec = codec or Codec()
-        self._sizer = FetchSizer(self.settings.fetch_max_bytes)
-        self._sub: JetStreamContext.PullSubscription | None = None
-        self._outstanding: dict[int, Msg] = {}  # delivered, not yet acked, by TRAJ sequence
-        self._keeper: asyncio.Task[None] | None = None
+        self._ready: list[Received] = []
         self._owned: tuple[NATS, JetStreamPublisher] | None = None
         self.stats = LiveStats()
+        self.loop = PullLoop(
+            js,
+            self.consumer(),
+            self,
+            settings=ConsumerSettings(
+                durable=s.durable,
+                batch=s.fetch_batch,
+                max_ack_pending=s.max_ack_pending,
+                ack_wait_s=s.ack_wait_s,
+                max_deliver=-1,  # a trajectory waits for its trainer, however long
+            ),
+            publisher=publisher,
+            source="sink",
+            max_payload=self._codec.max_payload,
+            fetch_max_bytes=s.fetch_max_bytes,
+        )
 
     @property
     def max_unacked(self) -> int | None:
@@ -180,32 +177,26 @@ class LiveSource:
         return await source.start()
 
     async def start(self) -> LiveSource:
-        self._sub = await self.consumer().bind(self._js)
-        self._keeper = asyncio.create_task(self._keep_alive(), name="sink-in-progress")
+        await self.loop.bind()
         return self
 
+    async def handle(self, delivery: Delivery) -> Outcome:
+        try:
+            event = self._codec.decode(delivery.data)
+            if not isinstance(event, TrajectoryReady):
+                raise UndecodableEvent(
+                    f"{delivery.subject} carries a {type(event).__name__}; TRAJ holds "
+                    f"TrajectoryReady"
+                )
+        except SchemaError as exc:
+            self.stats.dead_lettered += 1
+            return Reject(exc.reason, f"{type(exc).__name__}: {exc}")
+        self._ready.append(Received(event, delivery.seq, delivery))
+        return HOLD  # until the trainer commits its batch
+
     async def receive(self, max_items: int, wait_s: float) -> list[Received] | None:
-        if self._sub is None:
-            await self.start()
-        assert self._sub is not None
-        batch = self._sizer.batch(min(max_items, self.settings.fetch_batch))
-        msgs = await fetch(self._sub, batch, wait_s)
-        self._sizer.observe(msgs)
-        received = []
-        for msg in msgs:
-            seq = stream_seq(msg)
-            try:
-                event = self._codec.decode(msg.data)
-                if not isinstance(event, TrajectoryReady):
-                    raise UndecodableEvent(
-                        f"{msg.subject} carries a {type(event).__name__}; TRAJ holds "
-                        f"TrajectoryReady"
-                    )
-            except SchemaError as exc:
-                await self._dead_letter(msg, seq, exc)
-                continue
-            self._outstanding[seq] = msg
-            received.append(Received(event, seq, msg))
+        await self.loop.step(max_items, wait_s)
+        received, self._ready = self._ready, []
         self.stats.received += len(received)
         return received
 
@@ -215,75 +206,29 @@ class LiveSource:
             if item.handle is None:
                 continue
             try:
-                await item.handle.ack_sync(timeout=self.settings.ack_timeout_s)
-            except (TimeoutError, nats.errors.Error, OSError) as exc:
+                await self.loop.ack([item.handle], confirm_s=self.settings.ack_timeout_s)
+            except EventLogUnavailable as exc:
                 # No longer kept alive: what JetStream did not get is delivered again after
                 # ack_wait_s (the sink drops repeated ids); acking again meanwhile is harmless.
-                for left in items[done:]:
-                    if left.seq is not None:
-                        self._outstanding.pop(left.seq, None)
+                self.loop.drop(i.handle for i in items[done:] if i.handle is not None)
                 raise EventLogUnavailable(
                     f"ack of {item.trajectory.trajectory_id} (TRAJ seq {item.seq}) and "
-                    f"{len(items) - done - 1} after it was not confirmed: {exc}; commit again "
-                    f"or release the batch; unconfirmed, it is delivered again after "
-                    f"ack_wait_s={self.settings.ack_wait_s:g}"
+                    f"{len(items) - done - 1} after it was not confirmed: {exc.__cause__}; "
+                    f"commit again or release the batch; unconfirmed, it is delivered again "
+                    f"after ack_wait_s={self.settings.ack_wait_s:g}"
                 ) from exc
-            if item.seq is not None:
-                self._outstanding.pop(item.seq, None)
             self.stats.acked += 1
 
     async def nak(self, items: Sequence[Received]) -> None:
-        for item in items:
-            if item.seq is not None:
-                self._outstanding.pop(item.seq, None)
-            if item.handle is not None:
-                with contextlib.suppress(nats.errors.Error, OSError):  # else after ack_wait
-                    await item.handle.nak()
+        await self.loop.nak(i.handle for i in items if i.handle is not None)
 
     async def close(self) -> None:
-        if self._keeper is not None:
-            self._keeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._keeper
-        if self._sub is not None:
-            await release(self._sub)
-            self._sub = None
+        await self.loop.close()
         if self._owned is not None:
             nc, publisher = self._owned
             self._owned = None
             await publisher.close()
-            with contextlib.suppress(nats.errors.Error, OSError):
-                await nc.close()
-
-    async def _keep_alive(self) -> None:
-        # A trajectory waits in a GRPO group or in the trainer's hands for minutes; tell
-        # JetStream it is being worked on so it is not redelivered meanwhile.
-        interval = self.settings.ack_wait_s / 3
-        while True:
-            await asyncio.sleep(interval)
-            for msg in list(self._outstanding.values()):
-                with contextlib.suppress(nats.errors.Error, OSError):
-                    await msg.in_progress()
-
-    async def _dead_letter(self, msg: Msg, seq: int, error: SchemaError) -> None:
-        letter = DeadLetter(
-            source="sink",
-            reason=schema_reason(error) or "undecodable",
-            error=f"{type(error).__name__}: {error}",
-            stream=self.stream,
-            subject=msg.subject,
-            seq=seq,
-            deliveries=int(msg.metadata.num_delivered),
-            payload=bytes(msg.data),
-        )
-        try:
-            await publish_dead_letter(self._publisher, letter, self._codec.max_payload)
-        except EventLogUnavailable as exc:
-            log.warning("TRAJ seq %d: cannot dead-letter it yet: %s", seq, exc)
-            return  # not acked: it comes again after ack_wait
-        self.stats.dead_lettered += 1
-        with contextlib.suppress(nats.errors.Error, OSError):
-            await msg.ack()
+            await close_connection(nc)
 
 
 # -- offline --------------------------------------------------------------------------------
@@ -391,31 +336,22 @@ class ReplaySource(_ReadOnly):
         self._done = False
 
     async def _iterate(self) -> AsyncIterator[Received]:
-        sub = await self._js.subscribe(
-            f"{TRAJ_SUBJECT_PREFIX}.>",
-            stream=self.stream,
-            ordered_consumer=True,
-            config=js_api.ConsumerConfig(
-                deliver_policy=js_api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=self.first
-            ),
-        )
-        try:
-            while True:
-                try:
-                    msg = await sub.next_msg(timeout=5.0)
-                except (TimeoutError, nats.errors.TimeoutError):
-                    return  # the range ends past the stream's last message
-                seq = stream_seq(msg)
-                if seq > self.last:
-                    return
-                event = self._codec.decode(msg.data)
-                if isinstance(event, TrajectoryReady):
-                    yield Received(event, seq)
-                if seq == self.last or msg.metadata.num_pending == 0:
-                    return
-        finally:
-            with contextlib.suppress(nats.errors.Error, OSError):
-                await sub.unsubscribe()
+        subject = f"{TRAJ_SUBJECT_PREFIX}.>"
+        async for stored in read_range(self._js, self.stream, subject, self.first, self.last):
+            try:
+                event = self._codec.decode(stored.data)
+            except SchemaError as exc:
+                log.warning("replay: %s seq %d skipped: %s", self.stream, stored.seq, exc)
+                continue
+            if not isinstance(event, TrajectoryReady):
+                log.warning(
+                    "replay: %s seq %d skipped: a %s, not a TrajectoryReady",
+                    self.stream,
+                    stored.seq,
+                    type(event).__name__,
+                )
+                continue
+            yield Received(event, stored.seq)
 
     async def receive(self, max_items: int, wait_s: float) -> list[Received] | None:
         if self._done:

@@ -17,6 +17,7 @@ from pydantic_settings import SettingsConfigDict
 from consumers.config import ShardWriterSettings
 from consumers.shard_writer import ShardWriter
 from eventlog import JetStreamPublisher, LogSettings
+from eventlog.metrics import ConsumerMetrics
 from eventlog.shard_store import FileShardStore
 from schemas.codec import Codec
 from turnstream.settings import ServiceSettings
@@ -33,6 +34,7 @@ def shard_writer(
     shards: ShardWriterSettings,
     log_settings: LogSettings,
     target: str,
+    metrics: ConsumerMetrics | None = None,
 ) -> ShardWriter:
     """A shard writer on ``event_log`` writing to ``target`` (not started)."""
     return ShardWriter(
@@ -42,6 +44,7 @@ def shard_writer(
         shards,
         stream=log_settings.names.trajectories,
         codec=Codec(max_payload=log_settings.max_payload),
+        metrics=metrics,
     )
 
 
@@ -51,6 +54,9 @@ class ShardWriterCommand(ServiceSettings):
     model_config = SettingsConfigDict(cli_prog_name="turnstream shard-writer")
 
     shards: ShardWriterSettings = Field(ShardWriterSettings())
+    metrics_port: int | None = Field(
+        None, ge=0, le=65535, description="serve Prometheus /metrics on this port; unset: off"
+    )
 
     def cli_cmd(self) -> None:
         require_log_url(self, "shard-writer")
@@ -62,16 +68,19 @@ class ShardWriterCommand(ServiceSettings):
         async with open_log(self, name="turnstream-shard-writer") as event_log:
             publisher = await JetStreamPublisher(event_log.nc, self.publisher).start()
             try:
-                writer = shard_writer(event_log, publisher, self.shards, self.log, target)
+                metrics = ConsumerMetrics()
+                if self.metrics_port is not None:
+                    metrics.serve(self.metrics_port)
+                writer = shard_writer(event_log, publisher, self.shards, self.log, target, metrics)
                 log.info("shard writer: %s -> %s", self.log.names.trajectories, target)
                 stats = await writer.run(stop)
             finally:
                 await publisher.close()
         log.info(
             "shard writer stopped: %d trajectories in %d shards, %d duplicate deliveries "
-            "skipped, %d dead-lettered",
+            "skipped, dead letters %s",
             stats.rows_written,
             stats.shards_written,
             stats.duplicates_skipped,
-            stats.dead_lettered,
+            writer.loop.stats.dead_letters,
         )

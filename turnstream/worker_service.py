@@ -17,6 +17,7 @@ from pydantic_settings import SettingsConfigDict
 
 from consumers import FoldWorker, FoldWorkerSettings, Reaper, ReaperSettings
 from eventlog import JetStreamPublisher, LogSettings
+from eventlog.metrics import ConsumerMetrics
 from turnstream.settings import ServiceSettings
 from turnstream.stack import EventLog, open_log, require_log_url, stop_on_signals
 
@@ -33,6 +34,9 @@ class WorkerSettings(ServiceSettings):
     fold: FoldWorkerSettings = FoldWorkerSettings()
     reaper: ReaperSettings = ReaperSettings()
     progress_interval_s: float = Field(10.0, gt=0, description="seconds between progress lines")
+    metrics_port: int | None = Field(
+        None, ge=0, le=65535, description="serve Prometheus /metrics on this port; unset: off"
+    )
 
 
 def fold_workers(
@@ -41,13 +45,18 @@ def fold_workers(
     fold: FoldWorkerSettings,
     reaper: ReaperSettings,
     log_settings: LogSettings,
+    metrics: ConsumerMetrics | None = None,
 ) -> tuple[FoldWorker, Reaper | None]:
     """A fold worker, and a reaper when enabled, on ``event_log`` (not started)."""
     names, max_payload = log_settings.names, log_settings.max_payload
-    worker = FoldWorker(event_log.js, publisher, fold, names, max_payload=max_payload)
+    worker = FoldWorker(
+        event_log.js, publisher, fold, names, max_payload=max_payload, metrics=metrics
+    )
     if not reaper.enabled:
         return worker, None
-    return worker, Reaper(event_log.js, publisher, reaper, names, max_payload=max_payload)
+    return worker, Reaper(
+        event_log.js, publisher, reaper, names, max_payload=max_payload, metrics=metrics
+    )
 
 
 async def run_workers(
@@ -55,8 +64,11 @@ async def run_workers(
 ) -> tuple[FoldWorker, Reaper | None]:
     """Run a fold worker (and a reaper, when enabled) on ``event_log`` until ``stop`` is set."""
     publisher = await JetStreamPublisher(event_log.nc, settings.publisher).start()
+    metrics = ConsumerMetrics()
+    if settings.metrics_port is not None:
+        metrics.serve(settings.metrics_port)
     worker, reaper = fold_workers(
-        event_log, publisher, settings.fold, settings.reaper, settings.log
+        event_log, publisher, settings.fold, settings.reaper, settings.log, metrics
     )
     runs = [worker.run(stop)] + ([reaper.run(stop)] if reaper is not None else [])
     progress = asyncio.create_task(_report(worker, reaper, settings.progress_interval_s, stop))
@@ -76,9 +88,13 @@ async def _report(
     last: tuple[object, ...] = ()
     while not stop.is_set():
         await asyncio.sleep(interval_s)
-        now = (asdict(worker.stats), asdict(reaper.stats) if reaper else None)
+        now = (
+            asdict(worker.stats),
+            asdict(worker.loop.stats),
+            asdict(reaper.stats) if reaper else None,
+        )
         if now != last:
-            log.info("fold: %s | reaper: %s", now[0], now[1])
+            log.info("fold: %s %s | reaper: %s", *now)
             last = now
 
 

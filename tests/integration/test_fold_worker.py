@@ -21,7 +21,6 @@ from consumers import (
 from consumers.fold import FoldOptions
 from consumers.worker import FoldMarker
 from eventlog import JetStreamPublisher, Publisher, PublishReceipt, connect, provision
-from eventlog.pull import fetch
 from schemas import (
     Codec,
     Event,
@@ -188,7 +187,9 @@ async def test_each_poison_case_is_dead_lettered_with_its_reason_while_good_sess
 
     async with running(log) as (worker, _):
         await until_trajectories(log, 4)
-        await eventually(lambda: sum(worker.stats.dead_letters.values()) == 5, 15, "5 dead letters")
+        await eventually(
+            lambda: sum(worker.loop.stats.dead_letters.values()) == 5, 15, "5 dead letters"
+        )
 
     letters = {letter.session or letter.subject: letter for letter in await dead_letters(log.js)}
     assert letters["junk-turn"].reason == "undecodable"
@@ -204,7 +205,7 @@ async def test_each_poison_case_is_dead_lettered_with_its_reason_while_good_sess
     closes = [letter for letter in letters.values() if letter.subject.endswith("junk-close.close")]
     assert [c.reason for c in closes] == ["undecodable"]
     assert all(letter.stream == "EVENTS" and letter.seq > 0 for letter in letters.values())
-    assert worker.stats.dead_letters == {
+    assert worker.loop.stats.dead_letters == {
         "undecodable": 2,
         "unsupported_version": 1,
         "fold_error": 1,
@@ -309,8 +310,8 @@ async def test_a_reaper_behind_the_stream_closes_on_what_the_stream_holds(log: L
     pub = await JetStreamPublisher(nc).start()
     reaper = Reaper(nc.jetstream(), pub, ReaperSettings(idle_timeout_s=1.0))
     try:
-        sub = await reaper.attach()
-        await reaper.track(await fetch(sub, 6, 2.0))
+        await reaper.attach()
+        assert await reaper.loop.step(6, 2.0) == 6
         await asyncio.sleep(1.2)  # both entries idle now
         await publish_events(log.nc, slow[3:] + done[3:])  # untracked: the third turn; the close
         assert await reaper.scan() == 0  # the stream has newer events: not idle
@@ -375,7 +376,9 @@ async def test_a_dead_letter_refused_on_the_last_delivery_is_retried_until_store
         return refused[0]
 
     async with running(log, LAST_TRY, publisher=wrap) as (worker, _):
-        await eventually(lambda: worker.stats.dead_letters == {"missing_turns": 1}, 10, "letter")
+        await eventually(
+            lambda: worker.loop.stats.dead_letters == {"missing_turns": 1}, 10, "letter"
+        )
 
     assert refused[0].tries == 2
     [letter] = await dead_letters(log.js)
@@ -402,10 +405,10 @@ async def test_a_worker_stopped_while_its_last_dead_letter_is_refused_hands_the_
         await eventually(lambda: refusing[0].tries >= 3, 10, "dead letter retried in process")
         stopped_at = time.monotonic()
     assert time.monotonic() - stopped_at < 2.0  # the stop was not held by the refused letter
-    assert first.stats.dead_letters == {}
+    assert first.loop.stats.dead_letters == {}
 
     async with running(log, LAST_TRY) as (second, _):
-        await eventually(lambda: second.stats.dead_letters == {"missing_turns": 1}, 10, "letter")
+        await eventually(lambda: second.loop.stats.dead_letters == {"missing_turns": 1}, 10, "letter")
     [letter] = await dead_letters(log.js)
     assert letter.deliveries == LAST_TRY.max_deliver + 1
 
@@ -470,7 +473,63 @@ async def test_a_close_redelivered_past_the_duplicate_window_publishes_each_traj
 
     ids = Counter(t.trajectory_id for t in await trajectories(log.js))
     assert ids == {f"{RUN}/stepwise/{i}": 1 for i in range(3)}
-    assert worker.stats.retried == 1
+    assert worker.loop.stats.retried == 1
     assert worker.stats.already_published == stored_before
     marker = await (await log.js.key_value("ts_folded")).get(f"{RUN}.stepwise")
     assert msgspec.json.decode(marker.value or b"")["trajectories"] == 3
+
+
+async def test_untrusted_events_are_dead_lettered_with_their_reason_and_never_folded(
+    log: Log,
+) -> None:
+    """DESIGN §3 "Trusting the log": a close whose subject names another session, a turn
+    forged without a Msg-Id (dated earlier than the real one), a second different turn 0 under
+    its own Msg-Id, a close without a Msg-Id — each dead-lettered with its reason while good
+    sessions flow, and none of them changes a trajectory."""
+    good = good_sessions(2)
+    await publish_events(log.nc, [e for s in good for e in s])
+    # A close for session g6 stored under session other6's subject.
+    mismatched = session_events(append_only(1), session="g6")
+    await publish_events(log.nc, mismatched[:-1])
+    await publish_raw(
+        log, f"ts.ev.{RUN}.other6.close", Codec().encode(mismatched[-1]), "other6-close"
+    )
+    # A live session, then a forged turn 0 by anyone: no Msg-Id, an earlier created_at.
+    forged_session = session_events(append_only(2), session="forged")
+    await publish_events(log.nc, forged_session[:-1])
+    real_turn0 = next(e for e in forged_session if isinstance(e, TurnCompleted) and e.turn == 0)
+    fake_turn0 = msgspec.structs.replace(
+        real_turn0, completion_ids=real_turn0.completion_ids[::-1].copy(), created_at=1.0
+    )
+    await log.js.publish(route(fake_turn0).subject, Codec().encode(fake_turn0))
+    # A different turn 0 with a Msg-Id of its own (past the duplicate window, say).
+    await publish_raw(log, route(fake_turn0).subject, Codec().encode(fake_turn0), "other-id")
+    await publish_events(log.nc, forged_session[-1:])
+    # A close with no Msg-Id.
+    anonymous = session_events(append_only(1), session="anonymous")
+    await publish_events(log.nc, anonymous[:-1])
+    await log.js.publish(route(anonymous[-1]).subject, Codec().encode(anonymous[-1]))
+
+    async with running(log) as (worker, _):
+        await until_trajectories(log, 3)
+        await eventually(lambda: sum(worker.loop.stats.dead_letters.values()) == 4, 15, "4")
+
+    assert worker.loop.stats.dead_letters == {
+        "subject_mismatch": 1,
+        "no_msg_id": 2,
+        "conflicting_turn": 1,
+    }
+    letters = await dead_letters(log.js)
+    by_reason = {(letter.reason, letter.subject) for letter in letters}
+    assert by_reason == {
+        ("subject_mismatch", f"ts.ev.{RUN}.other6.close"),
+        ("no_msg_id", route(fake_turn0).subject),
+        ("conflicting_turn", route(fake_turn0).subject),
+        ("no_msg_id", route(anonymous[-1]).subject),
+    }
+    folded = {t.session: t for t in await trajectories(log.js)}
+    assert sorted(folded) == ["forged", "good-0", "good-1"]  # g6, anonymous: not folded
+    want = fold(forged_session).trajectories[0]
+    assert folded["forged"].input_ids.tolist() == want.input_ids.tolist()  # the real turn 0
+    assert folded["forged"].metadata["conflicting_turns"] == 1
+    assert "conflicting_turns" not in folded["good-0"].metadata

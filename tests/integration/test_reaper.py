@@ -10,12 +10,10 @@ from collections.abc import AsyncIterator
 
 import msgspec
 import pytest
-from nats.js import JetStreamContext
 from nats.js.errors import NoKeysError
 
 from consumers import Reaper, ReaperSettings
 from eventlog import JetStreamPublisher, connect
-from eventlog.pull import fetch
 from tests.conftest import FAST_LOG, Log
 from tests.helpers.sessions import RUN, append_only, reward, session_events
 from tests.helpers.streams import publish_events, stream_payloads
@@ -39,9 +37,9 @@ async def reapers(log: Log, n: int) -> AsyncIterator[list[Reaper]]:
         await nc.close()
 
 
-async def track_all(reaper: Reaper, sub: JetStreamContext.PullSubscription) -> None:
-    while msgs := await fetch(sub, 256, 0.5):
-        await reaper.track(msgs)
+async def track_all(reaper: Reaper) -> None:
+    while await reaper.loop.step(256, 0.5):
+        pass
 
 
 async def test_reapers_forgetting_the_same_entries_at_once_both_finish_their_scans(
@@ -50,9 +48,9 @@ async def test_reapers_forgetting_the_same_entries_at_once_both_finish_their_sca
     sessions = [session_events(append_only(1), session=f"done-{i}") for i in range(20)]
     await publish_events(log.nc, [e for s in sessions for e in s])
     async with reapers(log, 2) as (a, b):
-        sub = await a.attach()
+        await a.attach()
         await b.attach()
-        await track_all(a, sub)
+        await track_all(a)
         now = time.time() + LATER
         # Both read the bucket, then both compare-and-delete the same 20 entries.
         await asyncio.gather(a.scan(now=now), b.scan(now=now))
@@ -67,15 +65,15 @@ async def test_a_late_event_after_the_entry_was_forgotten_gets_no_second_close(
 ) -> None:
     await publish_events(log.nc, session_events(append_only(2), session="done"))
     async with reapers(log, 1) as (reaper,):
-        sub = await reaper.attach()
-        await track_all(reaper, sub)
+        await reaper.attach()
+        await track_all(reaper)
         await reaper.scan(now=time.time() + LATER)
         assert reaper.stats.forgotten == 1  # closed long ago: its entry is gone
 
         await publish_events(
             log.nc, [reward(0.5, session="done", key="late", created_at=time.time())]
         )
-        await track_all(reaper, sub)  # a fresh entry, open as far as it knows
+        await track_all(reaper)  # a fresh entry, open as far as it knows
         assert await reaper.scan(now=time.time() + LATER) == 0
         assert reaper.stats.closed_before == 1
 

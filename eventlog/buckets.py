@@ -1,0 +1,108 @@
+"""JetStream key-value buckets as the consumers use them, nats errors translated here.
+
+Two buckets hold consumer state: ``ts_folded`` (a marker per folded session, so a close
+redelivered late is a no-op) and ``ts_sessions`` (the reaper's activity entry per session,
+written with compare-and-set so any number of reapers can share it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import nats.errors
+from nats.js import JetStreamContext
+from nats.js import errors as js_errors
+from nats.js.kv import KeyValue
+
+from schemas.errors import EventLogUnavailable
+
+__all__ = ["Bucket", "Entry"]
+
+_WRONG_LAST_SEQUENCE = 10071  # JetStream's err_code; nats-py raises it as BadRequestError here
+_UNAVAILABLE = (TimeoutError, nats.errors.Error, OSError)
+
+
+@dataclass(frozen=True)
+class Entry:
+    key: str
+    value: bytes
+    revision: int
+
+
+class Bucket:
+    """One KV bucket: every method raises EventLogUnavailable when the log does not answer."""
+
+    def __init__(self, kv: KeyValue, name: str) -> None:
+        self._kv = kv
+        self.name = name
+
+    @classmethod
+    async def open(cls, js: JetStreamContext, name: str) -> Bucket:
+        try:
+            return cls(await js.key_value(name), name)
+        except _UNAVAILABLE as exc:
+            raise EventLogUnavailable(
+                f"cannot open bucket {name}: {exc}; is the log provisioned?"
+            ) from exc
+
+    async def get(self, key: str) -> Entry | None:
+        """The entry, or None (never written, deleted or expired)."""
+        try:
+            entry = await self._kv.get(key)
+        except js_errors.KeyNotFoundError:  # KeyDeletedError (an expired entry) included
+            return None
+        except _UNAVAILABLE as exc:
+            raise EventLogUnavailable(f"reading {key} in bucket {self.name}: {exc}") from exc
+        if entry.value is None or entry.revision is None:
+            return None
+        return Entry(key, entry.value, entry.revision)
+
+    async def put(self, key: str, value: bytes) -> int:
+        try:
+            return int(await self._kv.put(key, value))
+        except _UNAVAILABLE as exc:
+            raise EventLogUnavailable(f"writing {key} in bucket {self.name}: {exc}") from exc
+
+    async def swap(self, key: str, value: bytes, revision: int) -> int | None:
+        """Write ``value`` if the entry is still at ``revision`` (0: if there is none yet);
+        the new revision, or None when another writer got there first."""
+        try:
+            if revision:
+                return int(await self._kv.update(key, value, last=revision))
+            return int(await self._kv.create(key, value))
+        except js_errors.KeyWrongLastSequenceError:
+            return None
+        except _UNAVAILABLE as exc:
+            raise EventLogUnavailable(f"writing {key} in bucket {self.name}: {exc}") from exc
+
+    async def delete(self, key: str, revision: int) -> bool:
+        """Delete the entry if it is still at ``revision``; False if it changed or went."""
+        try:
+            await self._kv.delete(key, last=revision)
+        except js_errors.NotFoundError:
+            return False
+        except js_errors.BadRequestError as exc:
+            if exc.err_code == _WRONG_LAST_SEQUENCE:
+                return False
+            raise EventLogUnavailable(f"deleting {key} in bucket {self.name}: {exc}") from exc
+        except _UNAVAILABLE as exc:
+            raise EventLogUnavailable(f"deleting {key} in bucket {self.name}: {exc}") from exc
+        return True
+
+    async def entries(self, timeout_s: float = 5.0) -> list[Entry]:
+        """Every live entry (a snapshot read with a watcher)."""
+        found: list[Entry] = []
+        try:
+            watcher = await self._kv.watchall(ignore_deletes=True)
+            try:
+                while True:
+                    entry = await watcher.updates(timeout=timeout_s)  # type: ignore[no-untyped-call]
+                    if entry is None:
+                        break
+                    if entry.value and entry.revision is not None:
+                        found.append(Entry(entry.key, entry.value, entry.revision))
+            finally:
+                await watcher.stop()  # type: ignore[no-untyped-call]
+        except _UNAVAILABLE as exc:
+            raise EventLogUnavailable(f"reading bucket {self.name}: {exc}") from exc
+        return found
