@@ -49,13 +49,12 @@ from pathlib import Path
 from typing import Literal, Protocol
 
 import torch
-from nats.js.errors import KeyNotFoundError
-from nats.js.kv import KeyValue
 from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import save_file
 from tensordict import TensorDict
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from eventlog.buckets import Entry
 from schemas.errors import EventLogUnavailable
 from schemas.events import TrajectoryReady
 from schemas.policy import PolicyUpdate, encode_policy_update, parse_policy_update
@@ -117,12 +116,13 @@ class StepReport:
 
 
 class PolicyStore(Protocol):
-    """Where PolicyUpdated goes: the ``ts_policy`` bucket (a nats ``KeyValue`` fits). ``get``
-    raises ``KeyNotFoundError`` for a run with no policy published yet."""
+    """Where PolicyUpdated goes: the ``ts_policy`` bucket (``eventlog.buckets.Bucket`` fits).
+    ``get`` answers None for a run with no policy published yet; both raise
+    EventLogUnavailable when the log does not answer."""
 
     async def put(self, key: str, value: bytes) -> int: ...
 
-    async def get(self, key: str) -> KeyValue.Entry: ...
+    async def get(self, key: str) -> Entry | None: ...
 
 
 # -- the math (pure) --------------------------------------------------------------------------
@@ -273,13 +273,8 @@ class ReferenceTrainer:
         """Continue from the run's newest published policy when it is newer than the weights
         held; returns the version held afterwards."""
         run = self.settings.run
-        try:
-            entry = await policy.get(run)
-        except KeyNotFoundError:
-            return self.version
-        except Exception as exc:  # nats raises its own zoo; the trainer sees one error
-            raise EventLogUnavailable(f"could not read run {run!r}'s policy: {exc!r}") from exc
-        if entry.value is None:  # deleted or purged: nothing to resume
+        entry = await policy.get(run)
+        if entry is None:  # never published, deleted or purged: nothing to resume
             return self.version
         try:
             published = parse_policy_update(entry.value)
@@ -356,7 +351,7 @@ class ReferenceTrainer:
         entry = encode_policy_update(PolicyUpdate(report.version, report.checkpoint))
         try:
             await policy.put(self.settings.run, entry)
-        except Exception as exc:  # nats raises its own zoo; the trainer sees one error
+        except EventLogUnavailable as exc:
             raise EventLogUnavailable(
                 f"could not publish policy version {report.version} of run "
                 f"{self.settings.run!r} ({report.checkpoint}) to ts_policy: {exc!r}; the "

@@ -32,6 +32,7 @@ from rich.text import Text
 from transformers import AutoTokenizer
 
 from eventlog import JetStreamPublisher, read_session
+from eventlog.buckets import Bucket
 from eventlog.shard_store import open_shards_dataset
 from schemas.events import TrajectoryReady, TurnCompleted
 from schemas.shards import table_to_trajectories
@@ -155,7 +156,7 @@ async def run_demo(settings: DemoSettings, console: Console) -> None:
                 temperature=TEMPERATURE,
             )
         )
-        kv = await stack.event_log.js.key_value(settings.log.names.policy_bucket)
+        kv = await Bucket.open(stack.event_log.js, settings.log.names.policy_bucket)
         try:
             async with httpx.AsyncClient(base_url=stack.url, timeout=60) as http:
                 training = asyncio.create_task(trainer.run(sink, kv))

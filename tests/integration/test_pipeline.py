@@ -230,3 +230,58 @@ def _ready_line(service: Service) -> str:
 def _flat(log_path: Path) -> str:
     """A service's log with rich's line wrapping undone (words joined by single spaces)."""
     return " ".join(log_path.read_text().split()) if log_path.exists() else ""
+
+
+def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of a /metrics page, by (name, sorted labels)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+async def test_worker_and_shard_writer_serve_prometheus_metrics(log: Log, tmp_path: Path) -> None:
+    from eventlog import free_port
+
+    planned = plan_sessions(30, seed=5)
+    want = expected_by_id(planned)
+    await publish_sessions(log, planned)
+    await log.js.publish(  # bytes that are no close: one dead letter, reason undecodable
+        "ts.ev.run-1.junk.close", b"\xc1", headers={"Nats-Msg-Id": "junk"}
+    )
+    worker_port, writer_port = free_port(), free_port()
+    data = tmp_path / "data"
+    procs = [
+        Service("worker", log.server.url, data, *WORKER_FLAGS, "--metrics-port", str(worker_port)),
+        Service(
+            "shard-writer", log.server.url, data, *WRITER_FLAGS, "--metrics-port", str(writer_port)
+        ),
+    ]
+    try:
+        for p in procs:
+            p.start()
+        await until_all_in_shards(data / "shards", len(want), procs, within=120)
+        worker, writer = _scrape(worker_port), _scrape(writer_port)
+    finally:
+        for p in procs:
+            p.kill()
+    closes = len(planned)  # each session is closed, by its agent or by the reaper
+    assert worker[("turnstream_consumer_messages_total", (("consumer", "fold"),))] >= closes
+    assert worker[("turnstream_consumer_messages_total", (("consumer", "reaper"),))] > closes
+    dead = (
+        "turnstream_consumer_dead_letters_total",
+        (("consumer", "fold"), ("reason", "undecodable")),
+    )
+    assert worker[dead] == 1
+    assert worker[("turnstream_consumer_handle_seconds_count", (("consumer", "fold"),))] >= closes
+    assert ("turnstream_consumer_pending", (("consumer", "fold"),)) in worker
+    assert writer[("turnstream_shard_commits_total", ())] >= 1
+    assert writer[("turnstream_shard_rows_total", ())] == len(want)
+    assert writer[("turnstream_consumer_messages_total", (("consumer", "shard-writer"),))] >= len(
+        want
+    )

@@ -9,6 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from eventlog.buckets import Bucket
 from schemas.events import TrajectoryReady
 from schemas.policy import PolicyUpdate, encode_policy_update
 from schemas.shards import trajectories_to_table
@@ -49,7 +50,7 @@ async def test_a_restarted_trainer_continues_from_the_published_policy(
     settings = ReferenceTrainerSettings(
         model_dir=tiny_model_dir, checkpoint_dir=tmp_path / "ckpt", run="resume", lr=1e-2
     )
-    kv = await log.js.key_value("ts_policy")
+    kv = await Bucket.open(log.js, "ts_policy")
     first = ReferenceTrainer(settings)
     assert await first.resume(kv) == 0  # nothing published yet: model_dir at initial_version
     samples = samples_of()
@@ -81,7 +82,7 @@ async def test_a_restarted_trainer_continues_from_the_published_policy(
 async def test_a_published_policy_the_trainer_cannot_read_is_a_clear_error(
     log: Log, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    kv = await log.js.key_value("ts_policy")
+    kv = await Bucket.open(log.js, "ts_policy")
     elsewhere = tmp_path / "on-another-host" / "v5"
     await kv.put("gone", encode_policy_update(PolicyUpdate(5, elsewhere)))
     settings = ReferenceTrainerSettings(
