@@ -55,7 +55,6 @@ from eventlog.shard_store import CommittedShard, ShardStore
 from eventlog.streams import consumer_ack_floor, stream_facts
 from schemas.codec import Codec
 from schemas.errors import SchemaError, UndecodableEvent
-from schemas.events import TrajectoryReady
 from schemas.ids import TRAJ_SUBJECT_PREFIX
 from schemas.shards import ROW_ERRORS, ShardMetadata, ShardRow, shard_row, writable_table
 
@@ -235,12 +234,7 @@ class ShardWriter:
             self.stats.duplicates_skipped += 1
             return HOLD
         try:
-            event = self._codec.decode(delivery.data)
-            if not isinstance(event, TrajectoryReady):
-                raise UndecodableEvent(
-                    f"{delivery.subject} carries a {type(event).__name__}; TRAJ holds "
-                    f"TrajectoryReady"
-                )
+            event = self._codec.decode_trajectory(delivery.data, delivery.subject)
             try:
                 row = shard_row(seq, event)
             except ValueError as exc:

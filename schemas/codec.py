@@ -26,7 +26,7 @@ import msgspec
 import numpy as np
 
 from schemas.errors import PayloadTooLarge, UndecodableEvent, UnsupportedSchemaVersion
-from schemas.events import SCHEMA_VERSION, Event, SessionClosed
+from schemas.events import SCHEMA_VERSION, Event, SessionClosed, TrajectoryReady
 
 __all__ = ["DEFAULT_MAX_PAYLOAD", "Codec", "Upcaster"]
 
@@ -97,6 +97,18 @@ class Codec:
             return self._decode_versioned(data, exc)
         if event.v != SCHEMA_VERSION:
             return self._decode_versioned(data, None)
+        return event
+
+    def decode_trajectory(
+        self, data: bytes | bytearray | memoryview, where: str
+    ) -> TrajectoryReady:
+        """``data`` (read from ``where``, e.g. a TRAJ subject) as a TrajectoryReady, or a
+        SchemaError: TRAJ holds trajectories only."""
+        event = self.decode(data)
+        if not isinstance(event, TrajectoryReady):
+            raise UndecodableEvent(
+                f"{where} carries a {type(event).__name__}; TRAJ holds TrajectoryReady"
+            )
         return event
 
     def _decode_versioned(

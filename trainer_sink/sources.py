@@ -39,7 +39,7 @@ from eventlog.loop import HOLD, Delivery, Outcome, PullLoop, Reject
 from eventlog.reader import read_range
 from eventlog.shard_store import open_shards_dataset
 from schemas.codec import Codec
-from schemas.errors import EventLogUnavailable, SchemaError, UndecodableEvent
+from schemas.errors import EventLogUnavailable, SchemaError
 from schemas.events import TrajectoryReady
 from schemas.ids import TRAJ_SUBJECT_PREFIX
 from schemas.shards import table_to_trajectories
@@ -182,12 +182,7 @@ class LiveSource:
 
     async def handle(self, delivery: Delivery) -> Outcome:
         try:
-            event = self._codec.decode(delivery.data)
-            if not isinstance(event, TrajectoryReady):
-                raise UndecodableEvent(
-                    f"{delivery.subject} carries a {type(event).__name__}; TRAJ holds "
-                    f"TrajectoryReady"
-                )
+            event = self._codec.decode_trajectory(delivery.data, delivery.subject)
         except SchemaError as exc:
             self.stats.dead_lettered += 1
             return Reject(exc.reason, f"{type(exc).__name__}: {exc}")
@@ -339,17 +334,9 @@ class ReplaySource(_ReadOnly):
         subject = f"{TRAJ_SUBJECT_PREFIX}.>"
         async for stored in read_range(self._js, self.stream, subject, self.first, self.last):
             try:
-                event = self._codec.decode(stored.data)
+                event = self._codec.decode_trajectory(stored.data, stored.subject)
             except SchemaError as exc:
                 log.warning("replay: %s seq %d skipped: %s", self.stream, stored.seq, exc)
-                continue
-            if not isinstance(event, TrajectoryReady):
-                log.warning(
-                    "replay: %s seq %d skipped: a %s, not a TrajectoryReady",
-                    self.stream,
-                    stored.seq,
-                    type(event).__name__,
-                )
                 continue
             yield Received(event, stored.seq)
 
