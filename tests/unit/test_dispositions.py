@@ -7,6 +7,7 @@ import pytest
 from consumers import FoldError, FoldWorkerSettings, MissingTurns
 from consumers.reaper import Observation, SessionActivity, forgettable, idle_sessions, observe
 from consumers.worker import fold_options, republish_could_duplicate
+from eventlog.config import ConsumerSettings
 from eventlog.dispositions import (
     DeadLetterIt,
     Retry,
@@ -22,6 +23,7 @@ from schemas import (
     PayloadTooLarge,
     UndecodableEvent,
     UnsupportedSchemaVersion,
+    UntrustedEvent,
 )
 from schemas.dead_letter import DeadLetter, decode_dead_letter, encode_dead_letter
 from tests.helpers.sessions import opened
@@ -93,6 +95,22 @@ def test_only_old_redelivered_closes_look_for_trajectories_already_in_traj(
 ) -> None:
     decision = republish_could_duplicate(delivery=delivery, close_age_s=close_age_s, window_s=120.0)
     assert decision is expected
+
+
+def test_a_consumer_that_never_gives_up_retries_everything_but_bad_input() -> None:
+    """max_deliver=-1 (the shard writer, the live feed, the reaper's tracking): a transient error
+    or a refused dead letter is retried however many deliveries it took; bad input and untrusted
+    events are still dead-lettered at once."""
+    forever = ConsumerSettings(durable="shard-writer", max_deliver=-1, backoff_s=(1.0, 5.0))
+    assert consumer_max_deliver(forever) == -1
+    assert disposition(EventLogUnavailable("down"), delivery=10**6, settings=forever) == Retry(5.0)
+    assert disposition(RuntimeError("a bug"), delivery=50, settings=forever) == Retry(5.0)
+    untrusted = UntrustedEvent("subject_mismatch", "not its subject")
+    assert disposition(untrusted, delivery=1, settings=forever) == DeadLetterIt("subject_mismatch")
+    refused = when_dead_letter_fails(delivery=10**6, attempt=3, stopping=True, settings=forever)
+    assert refused == Retry(5.0)
+    with pytest.raises(ValueError, match="max_deliver must be -1"):
+        ConsumerSettings(durable="x", max_deliver=1)
 
 
 def test_missing_turns_is_a_fold_error_with_its_own_reason() -> None:
