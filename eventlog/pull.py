@@ -2,7 +2,8 @@
 
 Every process of a kind (fold workers, reapers, the shard writer, a trainer's sink) binds to one
 durable consumer, so JetStream spreads the messages over them and redelivers what a dead process
-left unacked.
+left unacked. The consumers themselves run in ``eventlog.loop.PullLoop``; these are its parts
+(and ``reader.stored_msg_ids`` fetches with them too).
 nats-py errors are translated here: a fetch that finds nothing returns ``[]``; a log that does
 not answer raises EventLogUnavailable.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import nats.errors
@@ -23,15 +24,7 @@ from nats.js import errors as js_errors
 
 from schemas.errors import EventLogUnavailable, ProvisioningError
 
-__all__ = [
-    "FetchSizer",
-    "PullConsumer",
-    "delivery_count",
-    "fetch",
-    "keep_alive",
-    "release",
-    "stream_seq",
-]
+__all__ = ["FetchSizer", "PullConsumer", "fetch", "release"]
 
 log = logging.getLogger(__name__)
 
@@ -145,37 +138,3 @@ class FetchSizer:
         if msgs:
             largest = max(len(m.data) for m in msgs)
             self.typical = max(float(largest), self.typical * 0.9)
-
-
-def stream_seq(msg: Msg) -> int:
-    """The message's sequence in its stream."""
-    return int(msg.metadata.sequence.stream)
-
-
-def delivery_count(msg: Msg) -> int:
-    """How many times this message has been delivered, this time included."""
-    return int(msg.metadata.num_delivered)
-
-
-@contextlib.asynccontextmanager
-async def keep_alive(msgs: Sequence[Msg], interval_s: float) -> AsyncIterator[None]:
-    """Tell JetStream the messages are still being worked on, every ``interval_s``.
-
-    A fold of a very long session can take longer than ack_wait; without this the message
-    would be redelivered to another worker while the first one is still folding it.
-    """
-
-    async def beat() -> None:
-        while True:
-            await asyncio.sleep(interval_s)
-            for msg in msgs:
-                with contextlib.suppress(nats.errors.Error, OSError):
-                    await msg.in_progress()
-
-    task = asyncio.create_task(beat(), name="in-progress")
-    try:
-        yield
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task

@@ -45,10 +45,10 @@ class NatsCommand(ServiceSettings):
 
     async def _run(self) -> None:
         settings = self.model_copy(update={"log": self.log.model_copy(update={"url": None})})
-        async with open_log(settings, name="turnstream-nats") as event_log:
+        stop = stop_on_signals()
+        async with open_log(settings, name="turnstream-nats", stop=stop) as event_log:
             console.print(_actions_table(event_log.provisioned))
             console.print(f"nats-server ready at [bold]{event_log.url}[/] (Ctrl-C stops it)")
-            stop = stop_on_signals()
             await stop.wait()
 
 

@@ -12,7 +12,7 @@ import contextlib
 import functools
 import gc
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -36,9 +36,9 @@ from gateway.templates import ChatTemplate
 from gateway.tools import get_parser
 from schemas.errors import TurnstreamError
 from turnstream.settings import ServiceSettings
-from turnstream.stack import EventLog, open_log
+from turnstream.stack import EventLog, open_log, stop_on_signals
 
-__all__ = ["GatewayCommand", "GatewaySettings", "build_gateway"]
+__all__ = ["GatewayCommand", "GatewaySettings", "build_gateway", "http_server", "serve_until"]
 
 log = logging.getLogger(__name__)
 
@@ -217,6 +217,41 @@ async def build_gateway(settings: GatewaySettings, event_log: EventLog) -> Async
             outbox.close()
 
 
+class _HttpServer(uvicorn.Server):
+    """uvicorn without signal handlers of its own: SIGINT/SIGTERM belong to the command.
+
+    uvicorn's handlers, once the server has stopped, restore the previous ones and raise the
+    signal again. With Python's default SIGTERM handler that killed the process on the spot,
+    skipping every ``finally``: the gateway's publisher was never closed and its embedded
+    nats-server was left running. The command's ``stop_on_signals()`` event stops the server
+    instead (``serve_until``), and the stack unwinds in order.
+    """
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def http_server(app: FastAPI, host: str, port: int) -> uvicorn.Server:
+    """A uvicorn server for ``app`` that leaves SIGINT/SIGTERM to its caller."""
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off")
+    return _HttpServer(config)
+
+
+async def serve_until(server: uvicorn.Server, stop: asyncio.Event) -> None:
+    """Serve until ``stop`` is set (or uvicorn gives up by itself: a port already taken)."""
+
+    async def stop_serving() -> None:
+        await stop.wait()
+        server.should_exit = True
+
+    stopper = asyncio.create_task(stop_serving(), name="stop-http")
+    try:
+        await server.serve()
+    finally:
+        stopper.cancel()
+
+
 class GatewayCommand(GatewaySettings):
     __doc__ = GatewaySettings.__doc__
 
@@ -224,14 +259,12 @@ class GatewayCommand(GatewaySettings):
         asyncio.run(self._serve())
 
     async def _serve(self) -> None:
+        stop = stop_on_signals()
         async with (
-            open_log(self, name="turnstream-gateway") as event_log,
+            open_log(self, name="turnstream-gateway", stop=stop) as event_log,
             build_gateway(self, event_log) as gateway,
         ):
-            config = uvicorn.Config(
-                gateway.app, host=self.host, port=self.port, log_level="warning", lifespan="off"
-            )
-            server = uvicorn.Server(config)
+            server = http_server(gateway.app, self.host, self.port)
             # torch, transformers and the tokenizer leave ~400k long-lived objects; every full
             # collection walked them all (120-290 ms pauses under load). Freeze them.
             gc.collect()
@@ -244,4 +277,4 @@ class GatewayCommand(GatewaySettings):
                 event_log.url,
                 self.run,
             )
-            await server.serve()
+            await serve_until(server, stop)

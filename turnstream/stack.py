@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
-from eventlog import NatsServer, ProvisionAction, connect, provision
+from eventlog import NatsServer, ProvisionAction, connect, provision, supervised
+from eventlog.connection import close_connection
 from schemas.errors import TurnstreamError
 from turnstream.settings import ServiceSettings
 
@@ -47,19 +48,15 @@ def require_log_url(settings: ServiceSettings, command: str) -> None:
         )
 
 
-async def _close(nc: NATS) -> None:
-    """Drain (flush what is buffered, let subscriptions finish), bounded: then just close."""
-    try:
-        async with asyncio.timeout(5.0):
-            await nc.drain()
-    except (TimeoutError, OSError):
-        with contextlib.suppress(OSError):
-            await nc.close()
-
-
 @contextlib.asynccontextmanager
-async def open_log(settings: ServiceSettings, *, name: str) -> AsyncIterator[EventLog]:
-    """Connect to ``settings.log.url``, or start an embedded nats-server; provision; yield."""
+async def open_log(
+    settings: ServiceSettings, *, name: str, stop: asyncio.Event | None = None
+) -> AsyncIterator[EventLog]:
+    """Connect to ``settings.log.url``, or start an embedded nats-server; provision; yield.
+
+    An embedded server is supervised while the block runs (restarted when it dies); if it keeps
+    dying, ``stop`` is set and ``ServerCrashLoop`` is raised when the block ends.
+    """
     server: NatsServer | None = None
     url = settings.log.url
     if url is None:
@@ -76,9 +73,10 @@ async def open_log(settings: ServiceSettings, *, name: str) -> AsyncIterator[Eve
         try:
             js = nc.jetstream()
             actions = await provision(js, settings.log)
-            yield EventLog(nc, js, url, server, actions)
+            async with supervised(server, stop=stop) if server else contextlib.nullcontext():
+                yield EventLog(nc, js, url, server, actions)
         finally:
-            await _close(nc)
+            await close_connection(nc)
     finally:
         if server is not None:
             server.stop()

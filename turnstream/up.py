@@ -14,14 +14,13 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-import uvicorn
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from consumers import FoldWorker, FoldWorkerSettings, Reaper, ReaperSettings, ShardWriterSettings
 from consumers.shard_writer import ShardWriter
 from eventlog import JetStreamPublisher, free_port
-from turnstream.gateway_service import Gateway, GatewaySettings, build_gateway
+from turnstream.gateway_service import Gateway, GatewaySettings, build_gateway, http_server
 from turnstream.shard_writer_service import shard_writer
 from turnstream.stack import EventLog, open_log, stop_on_signals
 from turnstream.worker_service import fold_workers
@@ -58,18 +57,20 @@ class Stack:
 
 
 @contextlib.asynccontextmanager
-async def embedded_stack(settings: UpSettings) -> AsyncIterator[Stack]:
-    """Start the stack; on exit stop taking work, finish what was taken, and close."""
+async def embedded_stack(
+    settings: UpSettings, *, stop: asyncio.Event | None = None
+) -> AsyncIterator[Stack]:
+    """Start the stack; on exit stop taking work, finish what was taken, and close.
+
+    The embedded nats-server is restarted when it dies; if it keeps dying, ``stop`` is set and
+    ``ServerCrashLoop`` is raised on exit.
+    """
     async with (
-        open_log(settings, name="turnstream-up") as event_log,
+        open_log(settings, name="turnstream-up", stop=stop) as event_log,
         build_gateway(settings, event_log) as gateway,
     ):
         port = settings.port or free_port()
-        server = uvicorn.Server(
-            uvicorn.Config(
-                gateway.app, host=settings.host, port=port, log_level="warning", lifespan="off"
-            )
-        )
+        server = http_server(gateway.app, settings.host, port)
         publisher = await JetStreamPublisher(event_log.nc, settings.publisher).start()
         worker, reaper = fold_workers(
             event_log, publisher, settings.fold, settings.reaper, settings.log
@@ -77,16 +78,16 @@ async def embedded_stack(settings: UpSettings) -> AsyncIterator[Stack]:
         writer = shard_writer(
             event_log, publisher, settings.shards, settings.log, settings.shard_target
         )
-        stop = asyncio.Event()
+        done = asyncio.Event()
         gc.collect()
         gc.freeze()  # see GatewayCommand: torch's long-lived objects made full GCs slow
         tasks = [
             asyncio.create_task(server.serve(), name="gateway"),
-            asyncio.create_task(worker.run(stop), name="fold-worker"),
-            asyncio.create_task(writer.run(stop), name="shard-writer"),
+            asyncio.create_task(worker.run(done), name="fold-worker"),
+            asyncio.create_task(writer.run(done), name="shard-writer"),
         ]
         if reaper is not None:
-            tasks.append(asyncio.create_task(reaper.run(stop), name="reaper"))
+            tasks.append(asyncio.create_task(reaper.run(done), name="reaper"))
         while not server.started:
             if tasks[0].done():
                 tasks[0].result()  # the gateway could not start (port taken): say why
@@ -96,7 +97,7 @@ async def embedded_stack(settings: UpSettings) -> AsyncIterator[Stack]:
             yield Stack(event_log, gateway, url, worker, reaper, writer, settings.shard_target)
         finally:
             server.should_exit = True
-            stop.set()
+            done.set()
             results = await asyncio.gather(*tasks, return_exceptions=True)
             await publisher.close()
             for task, result in zip(tasks, results, strict=True):
@@ -110,7 +111,7 @@ class UpCommand(UpSettings):
 
     async def _run(self) -> None:
         stop = stop_on_signals()
-        async with embedded_stack(self) as stack:
+        async with embedded_stack(self, stop=stop) as stack:
             log.info(
                 "turnstream up: gateway %s (OpenAI API at %s/v1, run %s), log %s, shards %s; "
                 "Ctrl-C stops",

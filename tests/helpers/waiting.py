@@ -14,3 +14,12 @@ async def eventually(condition: Callable[[], bool], within: float, what: str) ->
         if time.monotonic() > deadline:
             raise AssertionError(f"not within {within}s: {what}")
         await asyncio.sleep(0.02)
+
+
+def wait_for(condition: Callable[[], bool], within: float, what: str) -> None:
+    """``eventually`` for synchronous tests: poll ``condition``, fail naming ``what``."""
+    deadline = time.monotonic() + within
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {within}s: {what}")
+        time.sleep(0.05)

@@ -408,7 +408,9 @@ async def test_a_worker_stopped_while_its_last_dead_letter_is_refused_hands_the_
     assert first.loop.stats.dead_letters == {}
 
     async with running(log, LAST_TRY) as (second, _):
-        await eventually(lambda: second.loop.stats.dead_letters == {"missing_turns": 1}, 10, "letter")
+        await eventually(
+            lambda: second.loop.stats.dead_letters == {"missing_turns": 1}, 10, "letter"
+        )
     [letter] = await dead_letters(log.js)
     assert letter.deliveries == LAST_TRY.max_deliver + 1
 
