@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 __all__ = [
     "ConsumerSettings",
@@ -69,7 +69,75 @@ class LogSettings(BaseModel):
     connect_wait_s: float = Field(
         5.0, gt=0, description="how long the first connect keeps trying before it fails"
     )
+    # -- who this client is and how it checks the server (eventlog.security makes both) ------
+    user: str | None = Field(None, description="NATS user name (with --log.password)")
+    password: SecretStr | None = Field(None, description="password of --log.user")
+    token: SecretStr | None = Field(None, description="NATS authorization token (no user)")
+    nkey_seed: Path | None = Field(
+        None, description="file holding an NKey user seed (SU...), for nkey users"
+    )
+    creds: Path | None = Field(
+        None, description=".creds file (user JWT + NKey seed, from nsc) for operator-mode NATS"
+    )
+    tls_ca: Path | None = Field(
+        None,
+        description="CA certificate(s), PEM, the server's certificate must chain to "
+        "(unset: the system's CAs); TLS itself is the server's to require, as --log.secure's does",
+    )
+    tls_cert: Path | None = Field(
+        None, description="client certificate, PEM, for servers that verify clients (mutual TLS)"
+    )
+    tls_key: Path | None = Field(None, description="private key of --log.tls-cert, PEM")
+    tls_server_name: str | None = Field(
+        None, description="name the server's certificate must carry; unset: the URL's host"
+    )
+    secure: bool = Field(
+        False,
+        description="embedded server only: require TLS and a user per role (admin, gateway, "
+        "worker, trainer), made under --log.auth-dir on first use and reused after",
+    )
+    auth_dir: Path | None = Field(
+        None,
+        description="--log.secure's CA, certificates and role credentials; "
+        "unset: <data_dir>/nats-auth",
+    )
+
     names: StreamNames = StreamNames()
+
+    @model_validator(mode="after")
+    def _credentials_make_sense(self) -> LogSettings:
+        given = [
+            flag
+            for flag, value in (
+                ("--log.user", self.user),
+                ("--log.token", self.token),
+                ("--log.nkey-seed", self.nkey_seed),
+                ("--log.creds", self.creds),
+            )
+            if value is not None
+        ]
+        if len(given) > 1:
+            raise ValueError(
+                f"{' and '.join(given)} are different ways to log in to NATS: give one"
+            )
+        if (self.user is None) != (self.password is None):
+            raise ValueError("--log.user and --log.password go together: give both or neither")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError(
+                "--log.tls-cert and --log.tls-key go together: a client certificate is "
+                "useless without its key"
+            )
+        if self.secure and self.url is not None:
+            raise ValueError(
+                "--log.secure sets up the embedded server; to join a server at --log.url, "
+                "give its credentials (--log.user/--log.password, --log.tls-ca) instead"
+            )
+        if self.secure and given:
+            raise ValueError(
+                f"--log.secure makes the embedded stack connect as its generated admin user; "
+                f"leave {', '.join(given)} unset"
+            )
+        return self
 
 
 class PublisherSettings(BaseModel):

@@ -6,7 +6,9 @@ subscription of ours, and every wait for an ack has a deadline. A publish that g
 time is retried with the *same* Msg-Id, so the stream's duplicate window absorbs the copies; once
 the tries are spent the event goes to the on-disk outbox (when configured), which drains in order
 on its own. While the outbox holds anything, new events are appended behind it: the log sees
-every event in the order it was acknowledged to the caller.
+every event in the order it was acknowledged to the caller. A publish the server's permissions
+refuse (the wrong role's credentials) raises ``PublishForbidden``: retries and the outbox
+cannot help it.
 
 ``publish_many`` pipelines: it sends a window of events (bounded by in-flight bytes) before
 waiting for their acks, and sends the stragglers through the retry path.
@@ -27,6 +29,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from eventlog.config import PublisherSettings
+from eventlog.errors import PublishForbidden
 from eventlog.outbox import Outbox, OutboxRecord
 from schemas.codec import Codec
 from schemas.errors import EventLogError, EventLogUnavailable, OutboxFull, PayloadTooLarge
@@ -168,13 +171,27 @@ class JetStreamPublisher:
         self.stats.duplicates += ack.duplicate
         return PublishReceipt(msg_id, ack.stream, ack.seq, ack.duplicate)
 
-    async def _await_ack(self, future: asyncio.Future[bytes], msg_id: str) -> PublishReceipt:
+    async def _await_ack(
+        self, future: asyncio.Future[bytes], subject: str, msg_id: str
+    ) -> PublishReceipt:
         try:
             async with asyncio.timeout(self.settings.ack_timeout_s):
                 raw = await future
         except TimeoutError as exc:
+            self._raise_if_forbidden(subject, msg_id)
             raise _Transient(f"no ack within {self.settings.ack_timeout_s}s") from exc
         return self._receipt(msg_id, raw)
+
+    def _raise_if_forbidden(self, subject: str, msg_id: str) -> None:
+        """A publish the server's permissions refuse gets no ack: the refusal comes as an
+        error on the connection (nats-py keeps it as ``last_error``). Retrying cannot help."""
+        error = str(self._nc.last_error or "").lower()
+        if "permissions violation" in error and f'publish to "{subject.lower()}"' in error:
+            raise PublishForbidden(
+                f"the log refused {msg_id} on {subject}: {self._nc.last_error}; the role of "
+                f"this process's credentials may not publish there (see eventlog.permissions "
+                f"for what each role may do, and use the role meant for this service)"
+            )
 
     async def _publish_with_retry(
         self, subject: str, payload: bytes, msg_id: str
@@ -186,7 +203,8 @@ class JetStreamPublisher:
                 self.stats.retried += 1
                 await asyncio.sleep(min(s.backoff_initial_s * 2 ** (attempt - 1), s.backoff_max_s))
             try:
-                return await self._await_ack(await self._send(subject, payload, msg_id), msg_id)
+                sent = await self._send(subject, payload, msg_id)
+                return await self._await_ack(sent, subject, msg_id)
             except _Transient as exc:
                 last = str(exc)
         raise EventLogUnavailable(

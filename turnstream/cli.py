@@ -19,6 +19,8 @@ from rich.console import Console
 from rich.logging import RichHandler
 from rich.table import Table
 
+from eventlog import LogSecurity, ensure_log_security
+from eventlog.permissions import ROLE_DUTIES
 from schemas import TurnstreamError
 from turnstream.settings import ServiceSettings, with_toml
 from turnstream.stack import open_log, stop_on_signals
@@ -48,8 +50,24 @@ class NatsCommand(ServiceSettings):
         stop = stop_on_signals()
         async with open_log(settings, name="turnstream-nats", stop=stop) as event_log:
             console.print(_actions_table(event_log.provisioned))
+            if settings.log.secure:
+                security = ensure_log_security(settings.nats_auth_dir)
+                console.print(_credentials_table(security))
+                worker = security.roles["worker"].config_file
+                console.print(
+                    f"TLS and a user per role required; clients trust [bold]{security.ca_file}[/] "
+                    f"(--log.tls-ca). A service joins with its role's file, e.g.\n"
+                    f"  turnstream worker --log.url {event_log.url} --config {worker}"
+                )
             console.print(f"nats-server ready at [bold]{event_log.url}[/] (Ctrl-C stops it)")
             await stop.wait()
+
+
+def _credentials_table(security: LogSecurity) -> Table:
+    table = Table("role (user)", "for", "credentials: --config FILE", title="log users")
+    for role, credentials in security.roles.items():
+        table.add_row(role, ROLE_DUTIES[role], str(credentials.config_file))
+    return table
 
 
 class ProvisionCommand(ServiceSettings):
@@ -230,6 +248,12 @@ def _pop_config(argv: list[str]) -> Path | None:
     return Path(env) if env else None
 
 
+def _quiet_tls_close(record: logging.LogRecord) -> bool:
+    # asyncio warns each time a TLS peer closes a nats-py connection (its stream protocol asks
+    # to stay half-open, which TLS cannot): one harmless line per connection on a secure log.
+    return "eof_received() has no effect when using ssl" not in record.getMessage()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
@@ -247,6 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Per-request INFO lines from client libraries cost ~0.6 ms a turn in the gateway.
     for noisy in ("nats", "httpx", "httpcore", "httpx2", "httpcore2"):  # httpx2: the openai SDK
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    logging.getLogger("asyncio").addFilter(_quiet_tls_close)
     try:
         CliApp.run(with_toml(COMMANDS[name][1](), _pop_config(args)), cli_args=args)
     except ValidationError as exc:

@@ -56,6 +56,12 @@ class ServiceSettings(BaseSettings):
         """The embedded server's JetStream store: ``log.store_dir``, else ``<data_dir>/nats``."""
         return self.log.store_dir or self.data_dir / "nats"
 
+    @property
+    def nats_auth_dir(self) -> Path:
+        """``--log.secure``'s CA, certificates, role credentials: ``log.auth_dir``, else
+        ``<data_dir>/nats-auth``."""
+        return self.log.auth_dir or self.data_dir / "nats-auth"
+
     @model_validator(mode="after")
     def _retry_horizon_inside_dedup_window(self) -> ServiceSettings:
         check_retry_horizon(self.log, self.publisher)

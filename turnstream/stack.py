@@ -12,7 +12,14 @@ from dataclasses import dataclass
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
-from eventlog import NatsServer, ProvisionAction, connect, provision, supervised
+from eventlog import (
+    NatsServer,
+    ProvisionAction,
+    connect,
+    ensure_log_security,
+    provision,
+    supervised,
+)
 from eventlog.connection import close_connection
 from schemas.errors import TurnstreamError
 from turnstream.settings import ServiceSettings
@@ -59,17 +66,25 @@ async def open_log(
     """
     server: NatsServer | None = None
     url = settings.log.url
+    client = settings.log
     if url is None:
+        security = ensure_log_security(settings.nats_auth_dir) if settings.log.secure else None
         server = NatsServer(
             settings.nats_store_dir,
             port=settings.log.port,
             max_payload=settings.log.max_payload,
             sync_always=settings.log.sync_always,
+            extra_config=security.server_config(settings.log.names) if security else "",
         ).start()
         url = server.url
+        if security is not None:
+            # One connection serves every service in this process (up: gateway, workers,
+            # shard writer), so it logs in as admin; the roles keep other processes apart.
+            url = url.replace("nats://", "tls://", 1)
+            client = security.client_settings(settings.log, "admin")
         log.info("embedded nats-server at %s, store %s", url, settings.nats_store_dir)
     try:
-        nc = await connect(url, settings.log, name=name)
+        nc = await connect(url, client, name=name)
         try:
             js = nc.jetstream()
             actions = await provision(js, settings.log)
