@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 TD_OLDEST_VERSION := 0.8.3
 TD_OLDEST := $(VENV)/compat/tensordict-$(TD_OLDEST_VERSION)
 
-.PHONY: setup demo test lint typecheck unit bench clean
+.PHONY: setup demo test lint typecheck unit bench soak clean
 
 setup: $(STAMP)
 
@@ -39,6 +39,11 @@ bench: setup
 	@set -e; for b in $$(ls benchmarks/*.py | grep -v '/_'); do \
 		echo "== $$b"; PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python $$b $(BENCH_ARGS); \
 	done
+
+# The full chaos soak (docs/RELIABILITY.md): 10 minutes of SIGKILLs, >= 100 faults, then an audit.
+# `make soak SOAK_ARGS="--seed 7 --data-dir /tmp/soak"` reproduces a run.
+soak: setup
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m tests.chaos.soak --duration-s 600 $(SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache

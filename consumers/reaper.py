@@ -39,6 +39,7 @@ from consumers.config import ReaperSettings
 from eventlog import Publisher, StreamNames
 from eventlog.buckets import Bucket
 from eventlog.config import ConsumerSettings
+from eventlog.connection import reconnects
 from eventlog.loop import ACK, Delivery, Outcome, PullLoop, Reject
 from eventlog.metrics import ConsumerMetrics, LoopMetrics
 from eventlog.pull import PullConsumer
@@ -105,10 +106,25 @@ def observe(activity: SessionActivity | None, obs: Observation) -> tuple[Session
 
 
 def idle_sessions(
-    entries: Iterable[tuple[str, SessionActivity]], now: float, idle_timeout_s: float
+    entries: Iterable[tuple[str, SessionActivity]],
+    now: float,
+    idle_timeout_s: float,
+    log_back_at: float = 0.0,
 ) -> list[tuple[str, SessionActivity]]:
-    """The open sessions with no event for longer than ``idle_timeout_s``."""
-    return [(key, a) for key, a in entries if not a.close_seq and now - a.last_at > idle_timeout_s]
+    """The open sessions with no event for longer than ``idle_timeout_s``, counting only since
+    ``log_back_at``: while the log was down (or this reaper was) no agent could add an event.
+
+    >>> a = SessionActivity(last_at=100.0)
+    >>> [k for k, _ in idle_sessions([("r.s", a)], now=200.0, idle_timeout_s=60.0)]
+    ['r.s']
+    >>> idle_sessions([("r.s", a)], now=200.0, idle_timeout_s=60.0, log_back_at=150.0)
+    []
+    """
+    return [
+        (key, a)
+        for key, a in entries
+        if not a.close_seq and now - max(a.last_at, log_back_at) > idle_timeout_s
+    ]
 
 
 def forgettable(
@@ -167,6 +183,11 @@ class Reaper:
         self.names = names or StreamNames()
         self.stats = ReaperStats()
         self._kv: Bucket | None = None
+        # Idle time counts from the later of a session's last event and the moment this reaper
+        # last saw the log come back (its start, or a reconnect): a nats-server outage stalls
+        # every agent, and reaping them the moment it ends would close active sessions.
+        self._log_back_at = time.time()
+        self._reconnects = 0
         # key -> (revision, activity) of our last write: saves a read per update
         self._known: OrderedDict[str, tuple[int, SessionActivity]] = OrderedDict()
         s = self.settings
@@ -297,13 +318,16 @@ class Reaper:
         """Close every idle open session; returns how many closes were published. Also deletes
         the entries of sessions closed long ago (``forget_closed_after_s``)."""
         now = time.time() if now is None else now
+        if (count := reconnects(self._js)) != self._reconnects:
+            self._reconnects, self._log_back_at = count, time.time()
         revisions = await self._entries()
         entries = [(key, activity) for key, activity, _ in revisions]
         await self._forget(
             forgettable(entries, now, self.settings.forget_closed_after_s), revisions
         )
         reaped = 0
-        for key, activity in idle_sessions(entries, now, self.settings.idle_timeout_s):
+        idle = idle_sessions(entries, now, self.settings.idle_timeout_s, self._log_back_at)
+        for key, activity in idle:
             run, session = key.split(".", 1)
             turns = await self._confirm_idle(run, session, activity, now)
             if turns is None:
@@ -333,7 +357,8 @@ class Reaper:
         newest = await self._newest(session_subjects(run, session))
         if newest is None:  # its events are gone from the stream: close on what was tracked
             return activity.turns
-        if newest.kind == "close" or now - newest.at <= self.settings.idle_timeout_s:
+        since = max(newest.at, self._log_back_at)
+        if newest.kind == "close" or now - since <= self.settings.idle_timeout_s:
             self.stats.not_idle_yet += 1
             return None
         # An event after a close whose entry was forgotten started a fresh entry: the session

@@ -44,13 +44,13 @@ import pyarrow as pa
 from nats.js import JetStreamContext
 
 from consumers.config import ShardWriterSettings
-from consumers.seqset import SeqSet
 from eventlog import Publisher
 from eventlog.config import ConsumerSettings
 from eventlog.errors import ShardWriteFailed
 from eventlog.loop import ACK, HOLD, Delivery, Outcome, PullLoop, Reject
 from eventlog.metrics import ConsumerMetrics, LoopMetrics
 from eventlog.pull import PullConsumer
+from eventlog.seqset import SeqSet
 from eventlog.shard_store import CommittedShard, ShardStore
 from eventlog.streams import consumer_ack_floor, stream_facts
 from schemas.codec import Codec

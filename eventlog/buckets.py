@@ -89,11 +89,12 @@ class Bucket:
             raise EventLogUnavailable(f"deleting {key} in bucket {self.name}: {exc}") from exc
         return True
 
-    async def entries(self, timeout_s: float = 5.0) -> list[Entry]:
-        """Every live entry (a snapshot read with a watcher)."""
+    async def entries(self, keys: str = ">", timeout_s: float = 5.0) -> list[Entry]:
+        """Every live entry whose key matches ``keys`` (NATS wildcards; a snapshot read with a
+        watcher)."""
         found: list[Entry] = []
         try:
-            watcher = await self._kv.watchall(ignore_deletes=True)
+            watcher = await self._kv.watch(keys, ignore_deletes=True)
             try:
                 while True:
                     entry = await watcher.updates(timeout=timeout_s)  # type: ignore[no-untyped-call]

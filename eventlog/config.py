@@ -34,6 +34,7 @@ class StreamNames(BaseModel):
     policy_bucket: str = "ts_policy"  # PolicyUpdated: weight_version per run
     sessions_bucket: str = "ts_sessions"  # reaper: last activity per open session
     folded_bucket: str = "ts_folded"  # fold worker: markers of sessions already folded
+    commits_bucket: str = "ts_commits"  # live sinks: TRAJ sequences each durable committed
 
 
 class LogSettings(BaseModel):
@@ -63,6 +64,12 @@ class LogSettings(BaseModel):
     dead_letters_max_age_s: float = Field(90 * DAY, ge=0, description="DLQ retention")
     session_idle_ttl_s: float = Field(7 * DAY, ge=0, description="TTL of reaper session entries")
     folded_marker_ttl_s: float = Field(30 * DAY, ge=0, description="TTL of fold markers")
+    commit_record_ttl_s: float = Field(
+        DAY,
+        gt=0,
+        description="TTL of a live sink's commit records (needed only until the "
+        "consumer's own ack state is on disk, milliseconds later)",
+    )
     ping_interval_s: float = Field(2.0, gt=0, description="client ping; a hung server is noticed")
     max_outstanding_pings: int = Field(2, ge=1, description="unanswered pings before reconnect")
     connect_timeout_s: float = Field(2.0, gt=0, description="per connection attempt")

@@ -19,11 +19,12 @@ from typing import Any
 
 import nats.errors
 from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
 
 from eventlog.config import LogSettings
 from schemas.errors import EventLogUnavailable
 
-__all__ = ["close_connection", "connect"]
+__all__ = ["close_connection", "connect", "reconnects"]
 
 log = logging.getLogger(__name__)
 
@@ -218,3 +219,8 @@ async def close_connection(nc: NATS) -> None:
     except (TimeoutError, OSError, nats.errors.Error):
         with contextlib.suppress(OSError, nats.errors.Error):
             await nc.close()
+
+
+def reconnects(js: JetStreamContext) -> int:
+    """How often the connection under ``js`` has reconnected (a reaper's outage clock)."""
+    return int(js._nc.stats["reconnects"])

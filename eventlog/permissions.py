@@ -65,7 +65,12 @@ class Permissions:
 
 def _stream_info(names: StreamNames) -> list[str]:
     streams = [names.events, names.trajectories, names.dead_letters]
-    buckets = [names.policy_bucket, names.sessions_bucket, names.folded_bucket]
+    buckets = [
+        names.policy_bucket,
+        names.sessions_bucket,
+        names.folded_bucket,
+        names.commits_bucket,
+    ]
     return (
         [f"{_API}.INFO"]
         + [f"{_API}.STREAM.INFO.{s}" for s in streams]
@@ -135,6 +140,7 @@ def role_permissions(role: Role, names: StreamNames) -> Permissions:
             f"{DLQ_SUBJECT_PREFIX}.>",  # the live sink dead-letters what is no trajectory
             *_consume(names.trajectories),
             *_bucket(names.policy_bucket, write=True),
+            *_bucket(names.commits_bucket, write=True),  # the live sink's commit records
         ]
     else:
         raise ValueError(f"unknown role {role!r}: one of {', '.join(ROLES)}")

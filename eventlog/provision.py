@@ -109,6 +109,13 @@ def desired_buckets(s: LogSettings) -> list[js_api.KeyValueConfig]:
             ttl=s.folded_marker_ttl_s or None,
             storage=js_api.StorageType.FILE,
         ),
+        js_api.KeyValueConfig(
+            bucket=n.commits_bucket,
+            history=1,
+            replicas=s.replicas,
+            ttl=s.commit_record_ttl_s,
+            storage=js_api.StorageType.FILE,
+        ),
     ]
 
 

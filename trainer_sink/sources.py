@@ -8,7 +8,10 @@ their batch is committed (or once it dropped them):
   that many uncommitted trajectories). The sink pulls at its own pace (``loop.step``). What is
   not committed is redelivered after ``ack_wait_s`` (a trainer crash), and the sink drops
   repeated trajectory ids. Uncommitted items are held, and the loop keeps them alive
-  (``in_progress``) while the trainer holds them, so a long step is not taken for a crash.
+  (``in_progress``) while the trainer holds them, so a long step is not taken for a crash. A
+  commit is recorded in the log before it is acknowledged (``eventlog.commits``): nats-server
+  can forget acks it confirmed moments before a crash, and a committed trajectory it redelivers
+  is dropped here, never handed to the trainer again.
 - ``OfflineSource``: the Parquet shards through ``pyarrow.dataset`` with filters (run, reward,
   weight version, time). Finite; nothing to acknowledge.
 - ``ReplaySource``: a range of TRAJ sequences, read with an ordered consumer. Finite; nothing to
@@ -33,9 +36,10 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
 from eventlog import JetStreamPublisher, LogSettings, Publisher, PullConsumer, connect
+from eventlog.commits import CommitLedger
 from eventlog.config import ConsumerSettings
 from eventlog.connection import close_connection
-from eventlog.loop import HOLD, Delivery, Outcome, PullLoop, Reject
+from eventlog.loop import ACK, HOLD, Delivery, Outcome, PullLoop, Reject
 from eventlog.reader import read_range
 from eventlog.shard_store import open_shards_dataset
 from schemas.codec import Codec
@@ -98,6 +102,7 @@ class LiveStats:
     received: int = 0
     acked: int = 0
     dead_lettered: int = 0
+    already_committed: int = 0  # redelivered after their commit (eventlog.commits): dropped
 
 
 class LiveSource:
@@ -112,11 +117,15 @@ class LiveSource:
         stream: str = "TRAJ",
         run: str | None = None,
         codec: Codec | None = None,
+        commits_bucket: str = "ts_commits",
     ) -> None:
         self.settings = s = settings or LiveSourceSettings()
         self.stream = stream
         self.run = run
         self._codec = codec or Codec()
+        self._js = js
+        self._commits_bucket = commits_bucket
+        self._ledger: CommitLedger | None = None
         self._ready: list[Received] = []
         self._owned: tuple[NATS, JetStreamPublisher] | None = None
         self.stats = LiveStats()
@@ -172,15 +181,25 @@ class LiveSource:
             stream=log_settings.names.trajectories,
             run=run,
             codec=Codec(max_payload=log_settings.max_payload),
+            commits_bucket=log_settings.names.commits_bucket,
         )
         source._owned = (nc, publisher)
         return await source.start()
 
     async def start(self) -> LiveSource:
+        """Read this durable's commit records back, then bind its consumer."""
+        if self._ledger is None:
+            self._ledger = await CommitLedger.open(
+                self._js, self._commits_bucket, self.settings.durable
+            )
         await self.loop.bind()
         return self
 
     async def handle(self, delivery: Delivery) -> Outcome:
+        assert self._ledger is not None
+        if delivery.seq in self._ledger:  # committed, but nats-server forgot the ack
+            self.stats.already_committed += 1
+            return ACK
         try:
             event = self._codec.decode_trajectory(delivery.data, delivery.subject)
         except SchemaError as exc:
@@ -190,13 +209,26 @@ class LiveSource:
         return HOLD  # until the trainer commits its batch
 
     async def receive(self, max_items: int, wait_s: float) -> list[Received] | None:
+        if self._ledger is None:
+            await self.start()
         await self.loop.step(max_items, wait_s)
         received, self._ready = self._ready, []
         self.stats.received += len(received)
         return received
 
     async def ack(self, items: Sequence[Received]) -> None:
-        """Acknowledge with confirmation: a commit returns once JetStream has the acks."""
+        """Commit: record the items' sequences (``eventlog.commits``: what survives a crash of
+        nats-server), then acknowledge with confirmation; returns once JetStream has both."""
+        assert self._ledger is not None
+        seqs = [i.seq for i in items if i.handle is not None and i.seq is not None]
+        try:
+            await self._ledger.record(seqs)
+        except EventLogUnavailable as exc:
+            raise EventLogUnavailable(
+                f"the commit of {len(seqs)} trajectories was not stored: {exc}; commit again or "
+                f"release the batch; uncommitted, it is delivered again after ack_wait_s="
+                f"{self.settings.ack_wait_s:g}"
+            ) from exc
         for done, item in enumerate(items):
             if item.handle is None:
                 continue

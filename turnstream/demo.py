@@ -143,6 +143,7 @@ async def run_demo(settings: DemoSettings, console: Console) -> None:
             LiveSourceSettings(durable=f"trainer-{settings.run}"),
             stream=settings.log.names.trajectories,
             run=settings.run,
+            commits_bucket=settings.log.names.commits_bucket,
         )
         batching = BatchingSettings(policy="groups", group_size=settings.group_size, batch_size=1)
         sink = TrainerSink(source, batching, wait_s=0.2)

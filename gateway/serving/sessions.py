@@ -16,6 +16,7 @@ from typing import Any
 
 from eventlog import Publisher
 from gateway.errors import InvalidRequest, SessionExists, SessionNotFound
+from gateway.errors import SessionClosed as ClosedAlready
 from gateway.protocol.sessions import (
     CloseSessionRequest,
     CreateSessionRequest,
@@ -148,7 +149,19 @@ class SessionService:
                 num_turns=state.turns,
                 created_at=time.time(),
             )
-            await self.publisher.publish(event)
+            receipt = await self.publisher.publish(event)
+            if receipt.duplicate:
+                # A close with this Msg-Id was stored first: ours (a retry whose first ack was
+                # lost) or the reaper's, if it found the session idle meanwhile.
+                await self._catch_up(session)
+                logged = session.state
+                if logged.closed and logged.status != req.status:
+                    self.store.closed(session)
+                    raise ClosedAlready(
+                        f"session {session.name} was closed as {logged.status!r} (by the reaper: "
+                        f"idle too long) before this close arrived; its status and reward stay "
+                        f"as closed"
+                    )
             session.state = apply(state, event)  # type: ignore[assignment]
         self.store.closed(session)
         return session_info(session.state)

@@ -62,7 +62,7 @@ async def test_provisioning_twice_changes_nothing(log: Log) -> None:
     actions = await provision(log.js, log.settings)
 
     assert {a.action for a in actions} == {"unchanged"}
-    assert len(actions) == 6
+    assert len(actions) == 7  # 3 streams, 4 buckets
     for name, info in before.items():
         after = await log.js.stream_info(name)
         assert after.config == info.config, name

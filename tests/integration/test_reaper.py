@@ -14,9 +14,11 @@ from nats.js.errors import NoKeysError
 
 from consumers import Reaper, ReaperSettings
 from eventlog import JetStreamPublisher, connect
+from eventlog.connection import reconnects
 from tests.conftest import FAST_LOG, Log
 from tests.helpers.sessions import RUN, append_only, reward, session_events
 from tests.helpers.streams import publish_events, stream_payloads
+from tests.helpers.waiting import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -81,3 +83,25 @@ async def test_a_late_event_after_the_entry_was_forgotten_gets_no_second_close(
     assert closes == [f"ts.ev.{RUN}.done.close"]  # the gateway's, no timeout close after it
     entry = await (await log.js.key_value("ts_sessions")).get(f"{RUN}.done")
     assert msgspec.json.decode(entry.value or b"")["close_seq"] > 0  # forgotten again later
+
+
+async def test_an_outage_of_the_log_is_not_idle_time(log: Log) -> None:
+    """Agents cannot add events while nats-server is down: a session idle only because of the
+    outage is not reaped when it ends, but a full idle timeout after the reaper saw it end."""
+    await publish_events(log.nc, session_events(append_only(1), session="busy", close=False))
+    nc = await connect(log.server.url, FAST_LOG, name="reaper")
+    pub = await JetStreamPublisher(nc).start()
+    reaper = Reaper(nc.jetstream(), pub, ReaperSettings(idle_timeout_s=2.0))
+    try:
+        await reaper.attach()
+        await track_all(reaper)
+        await asyncio.sleep(2.5)  # idle past the timeout by its last event
+        log.server.kill()
+        log.server.restart()
+        await eventually(lambda: reconnects(nc.jetstream()) > 0, 15, "the reaper reconnected")
+        assert await reaper.scan() == 0  # the log just came back: not idle yet
+        await asyncio.sleep(2.1)
+        assert await reaper.scan() == 1  # idle for a full timeout since the comeback
+    finally:
+        await pub.close()
+        await nc.close()

@@ -373,3 +373,43 @@ async def test_the_dataset_commits_before_it_fetches_so_one_batch_may_fill_the_w
     await asyncio.to_thread(trainer.join, 30)
     assert not trainer.is_alive(), f"the dataset wedged after {len(seen)} trajectories"
     assert len(set(seen)) == 20
+
+
+class _AcksForgotten(LiveSource):
+    """Test double: the commit's acks never reach the consumer's state, as when nats-server is
+    SIGKILLed within milliseconds of confirming them (measured by the chaos soak: the server
+    writes consumer state asynchronously). The server itself stays real."""
+
+    async def ack(self, items: Any) -> None:
+        assert self._ledger is not None
+        await self._ledger.record([i.seq for i in items])
+        self.loop.drop(i.handle for i in items)  # no ack: redelivered after ack_wait_s
+
+
+async def test_a_committed_batch_whose_acks_the_server_forgot_is_never_delivered_again(
+    log: Log,
+) -> None:
+    await fold_into_traj(log, sessions(4))
+    nc = await connect(log.server.url, FAST_LOG, name="sink")
+    pub = await JetStreamPublisher(nc).start()
+    settings = LiveSourceSettings(durable="forgetful", ack_wait_s=1.0)
+    try:
+        source = await _AcksForgotten(nc.jetstream(), pub, settings).start()
+        sink = TrainerSink(source, BatchingSettings(batch_size=4), wait_s=0.3)
+        [batch] = await take(sink, 1, commit=True)
+        assert len(batch.trajectory_ids) == 4
+        # A new source on the same durable (a restarted trainer) reads the commit back.
+        again = await LiveSource(nc.jetstream(), pub, settings).start()
+        got: list[object] = []
+        deadline = asyncio.get_running_loop().time() + 5.0
+        while again.stats.already_committed < 4:
+            assert asyncio.get_running_loop().time() < deadline, again.stats
+            got += await again.receive(8, 0.5) or []
+        assert got == []  # redelivered by the server, never handed to the trainer
+        await again.close()
+        await sink.close()
+        info = await log.js.consumer_info("TRAJ", "forgetful")
+        assert info.num_ack_pending == 0 and info.num_pending == 0
+    finally:
+        await pub.close()
+        await nc.close()

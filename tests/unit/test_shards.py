@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from consumers import fold
-from consumers.seqset import SeqSet
 from eventlog.errors import ShardUnreadable, ShardWriteFailed
+from eventlog.seqset import SeqSet
 from eventlog.shard_store import FileShardStore, open_shards_dataset
 from schemas.events import TrajectoryReady
 from schemas.shards import (

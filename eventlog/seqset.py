@@ -1,7 +1,8 @@
 """A set of stream sequences kept as merged closed intervals (pure).
 
 The shard writer remembers which TRAJ sequences are already in a committed shard (or were
-dead-lettered) so that a redelivered message is skipped. Sequences get committed roughly in
+dead-lettered), a live sink which ones its trainer committed (``eventlog.commits``), so that a
+redelivered message is skipped. Sequences get committed roughly in
 order and every one eventually is, so the intervals keep merging: after a long run the set is a
 handful of intervals, not millions of integers.
 

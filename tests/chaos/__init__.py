@@ -1,0 +1,1 @@
+"""The chaos soak: agents through the whole system while processes are SIGKILLed (issue 10)."""

@@ -1,0 +1,53 @@
+"""What the soak saw, saved in its data dir (``soak.json``) so a run can be audited again.
+
+``python -m tests.chaos.soak --reaudit DIR`` restarts nats-server on DIR's store and audits the
+saved agent sessions against it: after a failed soak, to see whether something still in flight
+at the deadline arrived, or to check the auditor itself on a tampered copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from tests.chaos.agents import AgentSession, Completion
+from tests.chaos.stack import Exit, Fault
+
+RECORD_FILE = "soak.json"
+
+
+@dataclasses.dataclass
+class SoakRecord:
+    seed: int
+    duration_s: float
+    agents: int
+    sessions: list[AgentSession]
+    faults: list[Fault]
+    exits: list[Exit]
+
+    def save(self, data_dir: Path) -> None:
+        body = dataclasses.asdict(self)
+        (data_dir / RECORD_FILE).write_text(json.dumps(body))
+
+    @classmethod
+    def load(cls, data_dir: Path) -> SoakRecord:
+        body: dict[str, Any] = json.loads((data_dir / RECORD_FILE).read_text())
+        sessions = [
+            AgentSession(
+                **{
+                    **s,
+                    "completions": [Completion(**c) for c in s["completions"]],
+                }
+            )
+            for s in body["sessions"]
+        ]
+        return cls(
+            seed=body["seed"],
+            duration_s=body["duration_s"],
+            agents=body["agents"],
+            sessions=sessions,
+            faults=[Fault(**f) for f in body["faults"]],
+            exits=[Exit(**e) for e in body["exits"]],
+        )

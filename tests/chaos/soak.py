@@ -1,0 +1,298 @@
+"""The chaos soak (issue 10): agents through the whole system while its processes are SIGKILLed.
+
+    .venv/bin/python -m tests.chaos.soak --duration-s 600 --seed 7 [--sessions 32] [--data-dir D]
+
+It starts nats-server, the gateway (tiny model), two fold workers with reapers, the shard writer
+and a live sink consumer, each a real process (``tests.chaos.stack``); runs ``--sessions``
+concurrent ``openai``-SDK agents (``tests.chaos.agents``) for ``--duration-s`` while a seeded
+controller SIGKILLs one of those processes at random moments and restarts it after a random
+downtime. Then it stops the faults, lets the agents finish, waits until the pipeline is quiet
+(every session closed, by its client or the reaper; every consumer drained) and audits
+(``tests.chaos.audit``). It prints a table of faults and counts and, as its last stdout line,
+one JSON object with ``faults``, ``sessions``, ``turns``, ``lost``, ``duplicated``,
+``redelivered_after_commit`` and more. The exit status is 1 when anything was lost, duplicated
+or redelivered after its commit. Every process it started is gone when it returns, also after
+a failure, Ctrl-C or SIGTERM; the data dir (logs, store, shards, sink journal) is kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import random
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from eventlog import LogSettings, NatsServer, connect
+from tests.chaos.agents import Agent, AgentSession
+from tests.chaos.audit import Auditor, Report, pipeline_idle
+from tests.chaos.record import SoakRecord
+from tests.chaos.stack import SINK_JOURNAL, Fault, Stack, kill_leftovers
+from tests.chaos.summary import print_tables, summarize
+
+log = logging.getLogger("soak")
+
+RUN = "soak"
+MODEL_CACHE = "model-cache"
+
+
+@dataclass(frozen=True)
+class SoakSettings:
+    duration_s: float
+    seed: int
+    sessions: int  # concurrent agents
+    data_dir: Path
+    fault_interval_s: float  # mean time between two faults
+    max_down_s: float  # longest planned downtime of a killed process
+    idle_timeout_s: float  # the reaper's
+    finish_s: float  # how long agents may take to finish their sessions after the faults
+    settle_s: float  # how long the pipeline may take to become quiet
+    outbox: bool
+
+
+def parse_args(argv: list[str] | None = None) -> SoakSettings | Path:
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.chaos.soak", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--duration-s", type=float, default=600.0, help="faults for this long")
+    parser.add_argument("--seed", type=int, default=None, help="fault schedule and agent choices")
+    parser.add_argument("--sessions", type=int, default=32, help="concurrent agent sessions")
+    parser.add_argument("--data-dir", type=Path, default=None, help="new or empty; else a temp dir")
+    parser.add_argument("--fault-interval-s", type=float, default=4.5, help="mean between faults")
+    parser.add_argument("--max-down-s", type=float, default=3.0, help="longest planned downtime")
+    parser.add_argument("--idle-timeout-s", type=float, default=5.0, help="the reaper's")
+    parser.add_argument("--finish-s", type=float, default=150.0)
+    parser.add_argument("--settle-s", type=float, default=240.0)
+    parser.add_argument("--outbox", action="store_true", help="the gateway spools to an outbox")
+    parser.add_argument(
+        "--reaudit", type=Path, default=None, help="audit this finished soak's data dir again"
+    )
+    args = parser.parse_args(argv)
+    if args.reaudit is not None:
+        finished: Path = args.reaudit
+        return finished.resolve()
+    data_dir = args.data_dir or Path(tempfile.mkdtemp(prefix="turnstream-soak-"))
+    data_dir = data_dir.resolve()
+    if data_dir.exists() and any(data_dir.iterdir()):
+        parser.error(f"--data-dir {data_dir} is not empty: the soak needs a fresh store")
+    data_dir.mkdir(parents=True, exist_ok=True)
+    return SoakSettings(
+        duration_s=args.duration_s,
+        seed=args.seed if args.seed is not None else random.randrange(1 << 30),
+        sessions=args.sessions,
+        data_dir=data_dir,
+        fault_interval_s=args.fault_interval_s,
+        max_down_s=args.max_down_s,
+        idle_timeout_s=args.idle_timeout_s,
+        finish_s=args.finish_s,
+        settle_s=args.settle_s,
+        outbox=args.outbox,
+    )
+
+
+async def soak(settings: SoakSettings) -> dict[str, Any]:
+    from gateway.model import ensure_tiny_model  # torch: only once the arguments are good
+
+    data_dir = settings.data_dir
+    model_dir = await asyncio.to_thread(ensure_tiny_model, data_dir / MODEL_CACHE)
+    stack = Stack(
+        data_dir, model_dir, RUN, settings.seed, settings.idle_timeout_s, outbox=settings.outbox
+    )
+    supervising = asyncio.Event()
+    supervisor: asyncio.Task[None] | None = None
+    clean = False
+    try:
+        log.info("data dir %s, seed %d: starting the stack", data_dir, settings.seed)
+        await stack.start()
+        supervisor = asyncio.create_task(stack.supervise(supervising))
+        stack.started = time.monotonic()
+        faults, sessions = await _chaos(stack, settings, random.Random(settings.seed))
+        log.info("faults over (%d); bringing every process up, then waiting for quiet", len(faults))
+        record = SoakRecord(
+            settings.seed, settings.duration_s, settings.sessions, sessions, faults, stack.exits
+        )
+        record.save(data_dir)  # already, for --reaudit should the rest fail
+        await _all_up(stack, within=180.0)
+        report, settled = await _settle_and_audit(stack.nats.url, model_dir, record, settings)
+        record.save(data_dir)  # with the exits seen while settling
+        summary = summarize(record, report, settled)
+        print_tables(record, report, summary)
+        supervising.set()
+        await supervisor
+        supervisor = None
+        summary["exit_codes_on_sigterm"] = stack.stop()
+        summary["data_dir"] = str(data_dir)
+        clean = True
+        return summary
+    finally:
+        supervising.set()
+        if supervisor is not None:
+            supervisor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await supervisor
+        if not clean:
+            stack.kill_all()
+        kill_leftovers(data_dir)
+
+
+async def reaudit(data_dir: Path) -> dict[str, Any]:
+    """Audit a finished soak's data dir again (nats-server restarted on its store)."""
+    from gateway.model import tiny_model_dir
+
+    record = SoakRecord.load(data_dir)
+    server = NatsServer(data_dir / "nats")
+    await asyncio.to_thread(server.start, 60.0)
+    try:
+        settings = SoakSettings(
+            record.duration_s, record.seed, record.agents, data_dir, 0, 0, 0, 0, 0, False
+        )
+        model_dir = tiny_model_dir(data_dir / MODEL_CACHE)
+        report, settled = await _settle_and_audit(server.url, model_dir, record, settings)
+        summary = summarize(record, report, settled)
+        print_tables(record, report, summary)
+        summary["data_dir"] = str(data_dir)
+        return summary
+    finally:
+        server.stop()
+
+
+async def _chaos(
+    stack: Stack, settings: SoakSettings, rng: random.Random
+) -> tuple[list[Fault], list[AgentSession]]:
+    stopping = asyncio.Event()
+    limits = httpx.Limits(max_connections=settings.sessions * 2)
+    async with httpx.AsyncClient(limits=limits) as http:
+        agents = [
+            Agent(i, stack.gateway_url, settings.seed, http) for i in range(settings.sessions)
+        ]
+        tasks = [asyncio.create_task(a.run(stopping), name=f"agent-{a.index}") for a in agents]
+        faulting = asyncio.create_task(
+            stack.inject_faults(stopping, rng, settings.fault_interval_s, settings.max_down_s)
+        )
+        progress = asyncio.create_task(_progress(stack, agents))
+        try:
+            await asyncio.sleep(settings.duration_s)
+            stopping.set()
+            faults = await faulting
+            # The sessions under way finish (what is down comes back meanwhile).
+            _, late = await asyncio.wait(tasks, timeout=settings.finish_s)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            stopping.set()
+            progress.cancel()
+            faulting.cancel()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, faulting, progress, return_exceptions=True)
+    return faults, [s for a in agents for s in a.sessions]
+
+
+async def _progress(stack: Stack, agents: list[Agent]) -> None:
+    while True:
+        await asyncio.sleep(15.0)
+        sessions = [s for a in agents for s in a.sessions]
+        log.info(
+            "%.0fs: %d sessions, %d turns, %d retried requests, %d unexpected exits",
+            stack.elapsed(),
+            len(sessions),
+            sum(len(s.completions) for s in sessions),
+            sum(s.retries for s in sessions),
+            len(stack.exits),
+        )
+
+
+async def _all_up(stack: Stack, within: float) -> None:
+    deadline = time.monotonic() + within
+    while not all(t.running for t in stack.targets):
+        if time.monotonic() > deadline:
+            down = [t.name for t in stack.targets if not t.running]
+            raise RuntimeError(f"not running {within:g}s after the faults: {down}")
+        await asyncio.sleep(0.25)
+    await stack.wait_gateway_healthy(max(deadline - time.monotonic(), 10.0))
+
+
+async def _settle_and_audit(
+    nats_url: str, model_dir: Path, record: SoakRecord, settings: SoakSettings
+) -> tuple[Report, bool]:
+    """Wait until the pipeline is quiet, then audit; while something is missing and time is
+    left, wait and audit again (a trajectory still on its way is not lost)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    nc = await connect(nats_url, LogSettings(), name="soak-auditor")
+    try:
+        js = nc.jetstream()
+        auditor = Auditor(js, RUN, tokenizer)
+        deadline = time.monotonic() + settings.settle_s
+        while True:
+            idle, why = await pipeline_idle(js, RUN)
+            if idle:
+                await asyncio.sleep(3.0)  # a copy written twice would show by now
+                idle, why = await pipeline_idle(js, RUN)
+            late = time.monotonic() > deadline
+            if idle or late:
+                report = await auditor.audit(
+                    record.sessions,
+                    settings.data_dir / "shards",
+                    settings.data_dir / SINK_JOURNAL,
+                    [f.wall for f in record.faults if f.target == "nats"],
+                )
+                if late or not report.lost:
+                    if not idle:
+                        log.warning("not quiet after %gs: %s", settings.settle_s, why)
+                    return report, idle
+                why = f"quiet, but {report.lost} lost so far"
+            log.info("waiting for quiet: %s", why)
+            await asyncio.sleep(2.0)
+    finally:
+        await nc.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    settings = parse_args(argv)
+    data_dir = settings if isinstance(settings, Path) else settings.data_dir
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        handlers=[
+            logging.StreamHandler(sys.stderr),
+            logging.FileHandler(data_dir / "soak.log"),
+        ],
+    )
+    for noisy in ("httpx", "httpx2"):  # a line per request
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+    async def run() -> dict[str, Any]:
+        # SIGTERM (a CI runner, the pytest wrapper) ends the soak like Ctrl-C: the finally
+        # blocks kill every process it started.
+        task = asyncio.current_task()
+        assert task is not None
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+        if isinstance(settings, Path):
+            return await reaudit(settings)
+        return await soak(settings)
+
+    try:
+        summary = asyncio.run(run())
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        print(f"interrupted; data dir {data_dir}", file=sys.stderr)
+        return 130
+    print(json.dumps(summary), flush=True)
+    failed = summary["lost"] or summary["duplicated"] or summary["redelivered_after_commit"]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,392 @@
+"""The whole system as real processes, a supervisor that keeps them up, and the fault injector.
+
+nats-server (``eventlog.NatsServer``: fixed port and store, so a restart keeps the address and
+the data), the gateway, two fold workers (reapers on), the shard writer and the live sink
+consumer, each a ``tests.helpers.services.Service`` logging into the data dir. The supervisor
+restarts whatever should be up and is not (a process that exited on its own is recorded and
+restarted with a backoff, like systemd's ``Restart=always``); the controller SIGKILLs one
+target at a time at random moments and brings it back after a random downtime.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import random
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from eventlog import NatsServer, free_port
+from tests.helpers.services import WORKER_FLAGS, WRITER_FLAGS, Service
+
+log = logging.getLogger("soak")
+
+PIDS_FILE = "pids"  # every process the soak started, for cleanup after a hard failure
+SINK_JOURNAL = "sink-journal.log"
+
+
+def with_flag(flags: Sequence[str], name: str, value: str) -> tuple[str, ...]:
+    """``flags`` with ``name``'s value replaced (or appended)."""
+    out = list(flags)
+    if name in out:
+        out[out.index(name) + 1] = value
+    else:
+        out += [name, value]
+    return tuple(out)
+
+
+@dataclass
+class Fault:
+    at_s: float  # since the soak started
+    target: str
+    pid: int
+    downtime_s: float  # planned: from the kill until the restart is started
+    back_after_s: float | None = None  # measured: until the new process runs (nats: healthy)
+    wall: float = 0.0  # Unix time of the kill, to line it up with the sink's journal
+
+
+@dataclass
+class Exit:
+    """A process that ended without being killed by the controller."""
+
+    at_s: float
+    target: str
+    pid: int
+    code: int | None
+    log_tail: str
+
+
+@dataclass
+class Target:
+    """One process the controller may kill; ``wanted`` says whether it should be running."""
+
+    name: str
+    kind: str  # nats, gateway, worker, shard-writer, sink
+    service: Service | None = None
+    server: NatsServer | None = None
+    wanted: bool = True
+    killed_by_us: bool = False
+    exits_in_a_row: int = 0
+    started_at: float = 0.0
+    restart_not_before: float = 0.0
+    starting: bool = False
+    up: asyncio.Event = field(default_factory=asyncio.Event)  # set by each (re)start
+
+    @property
+    def pid(self) -> int | None:
+        if self.server is not None:
+            return self.server.pid
+        proc = self.service.proc if self.service is not None else None
+        return proc.pid if proc is not None else None
+
+    @property
+    def running(self) -> bool:
+        if self.server is not None:
+            return self.server.running
+        return self.service is not None and self.service.running
+
+    def kill(self) -> None:
+        self.killed_by_us = True
+        self.up.clear()
+        if self.server is not None:
+            self.server.kill()
+        elif self.service is not None:
+            self.service.kill()
+
+    def exit_code(self) -> int | None:
+        proc = self.service.proc if self.service is not None else None
+        return proc.returncode if proc is not None else None
+
+    def log_tail(self) -> str:
+        if self.service is not None:
+            return self.service.output()[-1500:]
+        if self.server is not None:
+            path = self.server.store_dir / "nats-server.log"
+            return path.read_text(errors="replace")[-1500:] if path.exists() else ""
+        return ""
+
+
+class SinkConsumer(Service):
+    """``tests.chaos.sink_consumer`` in its own process, with the Service kill/stop/log API."""
+
+    def __init__(self, nats_url: str, data_dir: Path, run: str, seed: int) -> None:
+        super().__init__("sink", nats_url, data_dir)
+        self.args = [
+            sys.executable,
+            "-m",
+            "tests.chaos.sink_consumer",
+            "--url",
+            nats_url,
+            "--journal",
+            str(data_dir / SINK_JOURNAL),
+            "--run",
+            run,
+            "--seed",
+            str(seed),
+        ]
+
+
+@dataclass
+class Stack:
+    data_dir: Path
+    model_dir: Path
+    run: str
+    seed: int
+    idle_timeout_s: float
+    workers: int = 2
+    outbox: bool = False
+    started: float = field(default_factory=time.monotonic)
+    targets: list[Target] = field(default_factory=list)
+    exits: list[Exit] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.nats = NatsServer(self.data_dir / "nats", port=free_port())
+        self.gateway_port = free_port()
+        url = self.nats.url
+        gateway_flags = [
+            "--port",
+            str(self.gateway_port),
+            "--model",
+            str(self.model_dir),
+            "--model-name",
+            "tiny",
+            "--run",
+            self.run,
+        ]
+        if self.outbox:
+            # A retry horizon (~1 s) shorter than a nats-server outage, or nothing is spooled.
+            gateway_flags += [
+                "--publisher.outbox-path",
+                str(self.data_dir / "outbox"),
+                "--publisher.ack-timeout-s",
+                "0.5",
+                "--publisher.max-attempts",
+                "2",
+            ]
+        worker_flags = with_flag(
+            WORKER_FLAGS, "--reaper.idle-timeout-s", f"{self.idle_timeout_s:g}"
+        )
+        # A close whose session cannot be read during an outage is retried within seconds,
+        # not after the production backoff of up to a minute.
+        worker_flags = with_flag(worker_flags, "--fold.backoff-s", "[0.5,1,2]")
+        worker_flags = with_flag(worker_flags, "--fold.max-deliver", "-1")
+        self.targets = [
+            Target("nats", "nats", server=self.nats),
+            Target("gateway", "gateway", Service("gateway", url, self.data_dir, *gateway_flags)),
+            *(
+                Target(
+                    f"worker-{i}", "worker", Service("worker", url, self.data_dir, *worker_flags)
+                )
+                for i in range(self.workers)
+            ),
+            Target(
+                "shard-writer",
+                "shard-writer",
+                Service("shard-writer", url, self.data_dir, *WRITER_FLAGS),
+            ),
+            Target("sink", "sink", SinkConsumer(url, self.data_dir, self.run, self.seed)),
+        ]
+
+    @property
+    def gateway_url(self) -> str:
+        return f"http://127.0.0.1:{self.gateway_port}"
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def target(self, name: str) -> Target:
+        return next(t for t in self.targets if t.name == name)
+
+    # -- starting and keeping up ------------------------------------------------------------
+
+    async def start_target(self, target: Target) -> None:
+        target.starting = True
+        try:
+            if target.server is not None:
+                # Blocks until JetStream is healthy again (it recovers the streams first).
+                await asyncio.to_thread(target.server.start, 60.0)
+            else:
+                assert target.service is not None
+                target.service.start()
+        finally:
+            target.starting = False
+        target.killed_by_us = False
+        target.started_at = time.monotonic()
+        target.up.set()
+        self._record_pid(target)
+
+    def _record_pid(self, target: Target) -> None:
+        with (self.data_dir / PIDS_FILE).open("a") as pids:
+            pids.write(f"{target.pid} {target.name}\n")
+
+    async def start(self) -> None:
+        """nats first; the sink once the gateway is healthy: every service provisions the
+        streams as it starts, and the sink's consumer needs TRAJ to exist."""
+        for target in self.targets:
+            if target.kind != "sink":
+                await self.start_target(target)
+        await self.wait_gateway_healthy(180.0)
+        for target in self.targets:
+            if target.kind == "sink":
+                await self.start_target(target)
+
+    async def wait_gateway_healthy(self, within: float) -> None:
+        deadline = time.monotonic() + within
+        async with httpx.AsyncClient(timeout=2.0) as client:
+            while time.monotonic() < deadline:
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await client.get(f"{self.gateway_url}/health")).status_code == 200:
+                        return
+                await asyncio.sleep(0.5)
+        raise RuntimeError(
+            f"gateway not healthy within {within:g}s:\n{self.target('gateway').log_tail()}"
+        )
+
+    async def supervise(self, stop: asyncio.Event) -> None:
+        """Restart what should run and does not; record processes that ended on their own."""
+        starts: set[asyncio.Task[None]] = set()
+        while not stop.is_set():
+            now = time.monotonic()
+            for target in self.targets:
+                if not target.wanted or target.running or target.starting:
+                    continue
+                if not target.killed_by_us and target.started_at:
+                    self._record_exit(target, now)
+                    target.started_at = 0.0
+                if now < target.restart_not_before:
+                    continue
+                # In a task: nats-server takes seconds to recover its streams, and the others
+                # must not wait for it.
+                target.starting = True
+                task = asyncio.create_task(self._restart(target))
+                starts.add(task)
+                task.add_done_callback(starts.discard)
+            await asyncio.sleep(0.25)
+        await asyncio.gather(*starts)
+
+    async def _restart(self, target: Target) -> None:
+        try:
+            await self.start_target(target)
+        except Exception as exc:  # nats-server that did not come up: record, retry later
+            self.exits.append(Exit(self.elapsed(), target.name, -1, None, repr(exc)[-1500:]))
+            target.exits_in_a_row += 1
+            target.restart_not_before = time.monotonic() + min(2.0**target.exits_in_a_row, 8.0)
+
+    def _record_exit(self, target: Target, now: float) -> None:
+        # A process that ran a while before it ended starts a new series of backoffs.
+        if now - target.started_at > 10.0:
+            target.exits_in_a_row = 0
+        target.exits_in_a_row += 1
+        target.restart_not_before = now + min(2.0 ** (target.exits_in_a_row - 1), 8.0)
+        pid = target.pid or -1
+        self.exits.append(
+            Exit(self.elapsed(), target.name, pid, target.exit_code(), target.log_tail())
+        )
+        log.warning("%s (pid %s) exited on its own with %s", target.name, pid, target.exit_code())
+
+    # -- faults -------------------------------------------------------------------------------
+
+    async def inject_faults(
+        self, stop: asyncio.Event, rng: random.Random, mean_interval_s: float, max_down_s: float
+    ) -> list[Fault]:
+        """SIGKILL a random running target at random moments until ``stop``; each comes back
+        after a random downtime (restarts run beside the next faults)."""
+        faults: list[Fault] = []
+        restarts: set[asyncio.Task[None]] = set()
+        kinds = sorted({t.kind for t in self.targets})
+        order: list[str] = []
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), rng.uniform(0.3, 1.7) * mean_interval_s)
+            if stop.is_set():
+                break
+            # Kinds in shuffled rounds: each kind equally often, whatever its process count,
+            # and every kind hit in any run of len(kinds) faults.
+            if not order:
+                order = rng.sample(kinds, len(kinds))
+            kind = order.pop()
+            up = [
+                t
+                for t in self.targets
+                if t.kind == kind and t.wanted and t.running and not t.starting
+            ]
+            if not up:  # still down from an earlier fault: it comes later in this round
+                order.insert(0, kind)
+                continue
+            target = rng.choice(up)
+            pid = target.pid or -1
+            target.wanted = False
+            target.kill()
+            fault = Fault(
+                self.elapsed(), target.name, pid, rng.uniform(0.2, max_down_s), wall=time.time()
+            )
+            faults.append(fault)
+            log.info(
+                "fault %d: SIGKILL %s (pid %d), down %.1fs",
+                len(faults),
+                target.name,
+                pid,
+                fault.downtime_s,
+            )
+            task = asyncio.create_task(self._bring_back(target, fault))
+            restarts.add(task)
+            task.add_done_callback(restarts.discard)
+        await asyncio.gather(*restarts)
+        return faults
+
+    async def _bring_back(self, target: Target, fault: Fault) -> None:
+        await asyncio.sleep(fault.downtime_s)
+        target.wanted = True  # the supervisor starts it
+        await target.up.wait()
+        fault.back_after_s = self.elapsed() - fault.at_s
+
+    # -- stopping ---------------------------------------------------------------------------
+
+    def stop(self) -> dict[str, int | None]:
+        """SIGTERM every service (they drain and exit), then nats; their exit codes."""
+        codes: dict[str, int | None] = {}
+        for target in reversed(self.targets):
+            target.wanted = False
+            if target.service is not None:
+                codes[target.name] = target.service.stop(timeout=20.0) if target.running else None
+            elif target.server is not None:
+                target.server.stop()
+        return codes
+
+    def kill_all(self) -> None:
+        for target in self.targets:
+            target.wanted = False
+            with contextlib.suppress(OSError):
+                target.kill()
+
+
+def kill_leftovers(data_dir: Path) -> list[int]:
+    """SIGKILL every process the soak in ``data_dir`` started that still runs (after the soak
+    itself was killed). A PID counts only if its command line names ``data_dir``: never another
+    program that reused the number."""
+    path = data_dir / PIDS_FILE
+    killed: list[int] = []
+    if not path.exists():
+        return killed
+    for line in path.read_text().splitlines():
+        pid_text = line.split(" ", 1)[0]
+        if not pid_text.isdigit():
+            continue
+        pid = int(pid_text)
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if str(data_dir) in cmdline:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+    return killed

@@ -1,0 +1,101 @@
+"""The soak's verdict: a table of faults, a table of counts, and the one-line JSON summary."""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from tests.chaos.audit import Report, examples
+from tests.chaos.record import SoakRecord
+
+
+def summarize(record: SoakRecord, report: Report, settled: bool) -> dict[str, Any]:
+    """The JSON the soak prints last: the issue's six keys first, then the detail."""
+    sink = report.sink
+    assert sink is not None
+    return {
+        "faults": len(record.faults),
+        "sessions": report.sessions,
+        "turns": report.turns,
+        "lost": report.lost,
+        "duplicated": report.duplicated,
+        "redelivered_after_commit": sink.redelivered_after_commit,
+        "seed": record.seed,
+        "duration_s": record.duration_s,
+        "agents": record.agents,
+        "faults_by_target": dict(sorted(Counter(f.target for f in record.faults).items())),
+        "lost_completions": len(report.lost_completions),
+        "lost_sessions": len(report.lost_sessions),
+        "unclosed_sessions": len(report.unclosed),
+        "uncommitted": len(sink.never_committed),
+        "closed": report.outcomes["closed"],
+        "reaped": report.reaped,
+        "left_open": report.outcomes["left_open"] + report.outcomes["gave_up"],
+        "refused": report.outcomes["refused"],  # an unexpected 4xx ended the agent's session
+        "late_turns": len(report.late_turns),
+        "closes_overridden": len(report.closes_overridden),
+        "log_sessions": report.log_sessions,
+        "trajectories": report.trajectories,
+        "traj_messages": sink.traj_messages,
+        "traj_duplicate_ids": sink.traj_duplicate_ids,
+        "sink_deliveries": sink.delivered,
+        "batches_committed": sink.batches_committed,
+        "redelivered_after_commit_nats_crash": sink.redelivered_after_commit_nats_crash,
+        "redelivered_before_commit": sink.redelivered_before_commit,
+        "commit_unconfirmed": sink.commit_unconfirmed,
+        "unexpected_exits": dict(sorted(Counter(e.target for e in record.exits).items())),
+        "dead_letters": report.dead_letters,
+        "untrusted_events": dict(sorted(report.untrusted.items())),
+        "settled": settled,
+    }
+
+
+def print_tables(record: SoakRecord, report: Report, summary: dict[str, Any]) -> None:
+    console = Console(file=sys.stdout, width=110)
+    faults = Table(title="faults: SIGKILL, then a restart")
+    for column in ("target", "kills", "planned down s", "back after s", "exited on its own"):
+        faults.add_column(column, justify="right")
+    exits = Counter(e.target for e in record.exits)
+    for target in sorted({f.target for f in record.faults} | set(exits)):
+        mine = [f for f in record.faults if f.target == target]
+        back = [f.back_after_s for f in mine if f.back_after_s is not None]
+        faults.add_row(
+            target,
+            str(len(mine)),
+            f"{sum(f.downtime_s for f in mine) / max(len(mine), 1):.1f}",
+            f"{sum(back) / max(len(back), 1):.1f}",
+            str(exits[target]),
+        )
+    console.print(faults)
+    counts = Table(title="counts")
+    counts.add_column("what")
+    counts.add_column("count", justify="right")
+    for key, value in summary.items():
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            counts.add_row(key, f"{value:g}" if isinstance(value, float) else str(value))
+    for outcome, n in sorted(report.outcomes.items()):
+        counts.add_row(f"agent sessions: {outcome}", str(n))
+    for subject, n in report.dead_letters.items():
+        counts.add_row(f"dead letters: {subject}", str(n))
+    console.print(counts)
+    never = report.sink.never_committed if report.sink else []
+    for line in [
+        *examples(report.lost_completions),
+        *examples(report.lost_sessions),
+        *examples(report.unclosed),
+        *(f"TRAJ seq {seq}: never committed by the sink" for seq in never[:5]),
+    ]:
+        console.print(line, style="red", markup=False, highlight=False)
+    for line in [*examples(report.late_turns), *examples(report.closes_overridden)]:
+        console.print(line, style="yellow", markup=False, highlight=False)
+    for exit_ in record.exits[:5]:
+        console.print(
+            f"{exit_.target} (pid {exit_.pid}) exited with {exit_.code} at {exit_.at_s:.0f}s; "
+            f"its log ends:\n{exit_.log_tail[-600:]}",
+            markup=False,
+            highlight=False,
+        )
