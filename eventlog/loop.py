@@ -214,9 +214,13 @@ class PullLoop:
         await self.bind()
         working: set[asyncio.Task[None]] = set()
         stopping = asyncio.create_task(stop.wait())
+        # In order, one fetch at a time (a batch handler, or one message at a time): a fetch is
+        # as large as the settings allow. Concurrent handlers: no more than the free slots, so
+        # nothing waits unhandled (and unkept) in this process while another could take it.
+        in_order = self._concurrency == 1 or isinstance(self._handler, BatchHandler)
         try:
             while not stop.is_set():
-                free = self._concurrency - len(working)
+                free = self.settings.fetch_batch if in_order else self._concurrency - len(working)
                 if free <= 0:
                     await asyncio.wait({*working, stopping}, return_when=asyncio.FIRST_COMPLETED)
                     continue
@@ -227,7 +231,7 @@ class PullLoop:
                     log.warning("%s: %s; retrying", self.source, exc)
                     await asyncio.wait({stopping}, timeout=1.0)
                     continue
-                if self._concurrency == 1 or isinstance(self._handler, BatchHandler):
+                if in_order:
                     await self._dispatch(deliveries)
                 else:
                     for delivery in deliveries:
