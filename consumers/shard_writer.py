@@ -161,9 +161,8 @@ class ShardWriter:
         await self.loop.bind()
         try:
             await self.recover()
-            # Shards are written only here (tick) and at the end, never inside a message's
-            # handling: a failed write must end the writer, not be retried as that message.
-            await self.loop.run(stop, tick=self._rotate, wait_s=self._fetch_wait_s)
+            # A failed write (ShardWriteFailed, fatal) ends the loop, never blamed on a message.
+            await self.loop.run(stop, tick=self._rotate_aged, wait_s=self._fetch_wait_s)
             await self.flush()
         finally:
             await self.loop.close()
@@ -242,23 +241,16 @@ class ShardWriter:
         except SchemaError as exc:
             return Reject(exc.reason, f"{type(exc).__name__}: {exc}")
         self._buffer(event.run, row, delivery)
-        return HOLD
-
-    async def _rotate(self) -> None:
-        """Write the buffers that are full or old; over all runs too (bounds memory and keeps
-        the unacked below max_ack_pending)."""
+        buffer = self._buffers[event.run]
         s = self.settings
-        for run in [
-            r
-            for r, b in self._buffers.items()
-            if len(b.rows) >= s.max_rows or b.nbytes >= s.max_bytes
-        ]:
-            await self._write(run)
+        if len(buffer.rows) >= s.max_rows or buffer.nbytes >= s.max_bytes:
+            await self._write(event.run)  # a ShardWriteFailed is fatal: it ends the writer
+        # Over all runs too: bounds memory and keeps the unacked below max_ack_pending.
         while self._buffered_run and (
             len(self._buffered_run) >= s.max_rows or self._buffered_bytes >= s.max_bytes
         ):
             await self._write(min(self._buffers, key=lambda r: self._buffers[r].opened_at))
-        await self._rotate_aged()
+        return HOLD
 
     def _buffer(self, run: str, row: ShardRow, delivery: Delivery) -> None:
         buffer = self._buffers.get(run)

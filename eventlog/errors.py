@@ -53,6 +53,7 @@ class ShardStoreError(TurnstreamError):
     """The shard target failed (pyarrow filesystem errors, translated at the store)."""
 
     reason = "shard_store_error"
+    fatal = True  # the writer stops; what it had not acked goes to the next one
 
 
 class ShardWriteFailed(ShardStoreError):

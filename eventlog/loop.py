@@ -13,9 +13,10 @@ a decoded ``Delivery`` (subject, bytes, stream sequence, delivery count, Msg-Id)
 outcome; none of them sees a nats message. The loop owns what they used to write four times:
 fetch sizing, keep-alive (``in_progress`` for messages being handled or held), stop and drain,
 ack/nak/term, the one dead-letter builder and its retry policy (``when_dead_letter_fails``), and
-the translation of nats errors. A handler with ``handle_batch`` gets a fetch's deliveries at
-once (the reaper merges a session's events in one write); one with ``handle`` gets them one by
-one, up to ``concurrency`` at a time.
+the translation of nats errors. An error marked ``fatal`` (the shard target failed) is not the
+message's fault: it ends ``run`` and nothing is acknowledged for it. A handler with
+``handle_batch`` gets a fetch's deliveries at once (the reaper merges a session's events in one
+write); one with ``handle`` gets them one by one, up to ``concurrency`` at a time.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from eventlog.metrics import LoopMetrics
 from eventlog.publisher import Publisher
 from eventlog.pull import FetchSizer, PullConsumer, fetch, release
 from schemas.dead_letter import DeadLetter
-from schemas.errors import EventLogUnavailable
+from schemas.errors import EventLogUnavailable, TurnstreamError
 from schemas.ids import EVENT_SUBJECT_PREFIX, TRAJ_SUBJECT_PREFIX
 from schemas.trust import StoredMessage
 
@@ -178,6 +179,7 @@ class PullLoop:
         self._alive: dict[int, Delivery] = {}  # being handled or held, by stream sequence
         self._keeper: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
+        self._fatal: TurnstreamError | None = None  # ends run(): the consumer cannot go on
 
     # -- life cycle -------------------------------------------------------------------------
 
@@ -231,6 +233,8 @@ class PullLoop:
                     log.warning("%s: %s; retrying", self.source, exc)
                     await asyncio.wait({stopping}, timeout=1.0)
                     continue
+                if self._fatal is not None:
+                    raise self._fatal
                 if in_order:
                     await self._dispatch(deliveries)
                 else:
@@ -290,6 +294,9 @@ class PullLoop:
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:
+                    if isinstance(exc, TurnstreamError) and exc.fatal:
+                        self._fatal = exc
+                        raise
                     await self._fail(delivery, exc)
                 else:
                     await self._settle(delivery, outcome)

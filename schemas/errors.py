@@ -16,8 +16,10 @@ One root, two families: bad input in the wire format, and trouble with the event
         ├── OutboxFull               the on-disk outbox is at its byte limit; answer 503
         └── ProvisioningError        a stream or bucket exists with a conflicting config
 
-Every error carries ``reason``, the code its dead letter is filed under, and ``permanent``:
-whether handling the same message again could ever succeed. The pull loop's ``disposition``
+Every error carries ``reason``, the code its dead letter is filed under, ``permanent``:
+whether handling the same message again could ever succeed, and ``fatal``: the consumer itself
+cannot go on (a shard target that cannot be written), so the pull loop ends instead of blaming
+the message. The pull loop's ``disposition``
 reads only these two, so a package adds a failure kind by subclassing, not by editing the loop.
 
 Third-party errors (nats, msgspec) are translated into these at the adapter boundary, with the
@@ -32,6 +34,7 @@ class TurnstreamError(Exception):
 
     reason: str = "worker_error"  # the dead-letter reason code
     permanent: bool = False  # True: the same message would fail again; do not retry it
+    fatal: bool = False  # True: not the message's fault; the consumer must stop (its target)
 
 
 class SchemaError(TurnstreamError):

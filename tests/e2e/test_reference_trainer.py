@@ -20,6 +20,7 @@ import pytest
 
 from consumers import FoldWorker
 from eventlog import JetStreamPublisher, connect, read_session
+from eventlog.buckets import Bucket
 from schemas import TurnCompleted
 from tests.conftest import FAST_LOG, Log
 from tests.helpers.gateway_process import GatewayProcess
@@ -147,7 +148,7 @@ async def test_the_reference_trainer_agrees_with_the_gateway_and_its_policies_ar
             fold_worker(log),
             live_sink(log) as sink,
         ):
-            kv = await log.js.key_value("ts_policy")
+            kv = await Bucket.open(log.js, "ts_policy")
             training = asyncio.create_task(trainer.run(sink, kv))
             groups = await agents(http, until=training)
             reports = await training
