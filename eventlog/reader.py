@@ -36,6 +36,7 @@ __all__ = [
     "read_range",
     "read_session",
     "read_session_messages",
+    "read_subject",
     "stored_msg_ids",
 ]
 
@@ -212,6 +213,53 @@ async def read_range(
                 return
             yield StoredMessage(seq, msg.subject, msg.data, (msg.headers or {}).get(_MSG_ID))
             if seq == last or msg.metadata.num_pending == 0:
+                return
+    finally:
+        with contextlib.suppress(nats.errors.Error, OSError):
+            await sub.unsubscribe()
+
+
+async def read_subject(
+    js: JetStreamContext,
+    stream: str,
+    subject: str,
+    *,
+    since: datetime.datetime | None = None,
+    until: datetime.datetime | None = None,
+    timeout_s: float = 5.0,
+) -> AsyncIterator[tuple[StoredMessage, float, int]]:
+    """Every message on ``subject`` stored in [``since``, ``until``], in stream order, with its
+    stored time (epoch seconds) and how many remain after it (for progress); read with an
+    ordered consumer up to what the stream held when the read began."""
+    where = f"{subject} in {stream}"
+    policy = (
+        js_api.ConsumerConfig(
+            deliver_policy=js_api.DeliverPolicy.BY_START_TIME, opt_start_time=since
+        )
+        if since is not None
+        else js_api.ConsumerConfig(deliver_policy=js_api.DeliverPolicy.ALL)
+    )
+    try:
+        sub = await js.subscribe(subject, stream=stream, ordered_consumer=True, config=policy)
+    except (TimeoutError, nats.errors.Error, OSError) as exc:
+        raise EventLogUnavailable(f"reading {where}: {exc}") from exc
+    try:
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=timeout_s)
+            except (TimeoutError, nats.errors.TimeoutError):
+                return  # nothing (more) on the subject
+            except (nats.errors.Error, OSError) as exc:
+                raise EventLogUnavailable(f"reading {where}: {exc}") from exc
+            meta = msg.metadata
+            at = meta.timestamp.timestamp()
+            if until is not None and at > until.timestamp():
+                return
+            stored = StoredMessage(
+                int(meta.sequence.stream), msg.subject, msg.data, (msg.headers or {}).get(_MSG_ID)
+            )
+            yield stored, at, int(meta.num_pending or 0)
+            if not meta.num_pending:
                 return
     finally:
         with contextlib.suppress(nats.errors.Error, OSError):

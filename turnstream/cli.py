@@ -190,6 +190,12 @@ def _worker() -> type[ServiceSettings]:
     return WorkerCommand
 
 
+def _record() -> type[ServiceSettings]:
+    from turnstream.record_command import RecordCommand
+
+    return RecordCommand
+
+
 def _shard_writer() -> type[ServiceSettings]:
     from turnstream.shard_writer_service import ShardWriterCommand
 
@@ -208,6 +214,10 @@ COMMANDS: dict[str, tuple[str, Callable[[], type[ServiceSettings]]]] = {
     ),
     "nats": (NatsCommand.__doc__ or "", lambda: NatsCommand),
     "provision": (ProvisionCommand.__doc__ or "", lambda: ProvisionCommand),
+    "record": (
+        "Record a run's raw events (EVENTS) into one portable, checksummed Parquet file.",
+        _record,
+    ),
     "shard-writer": (
         "Write trajectories (TRAJ) to Parquet shards, each exactly once.",
         _shard_writer,

@@ -1,0 +1,90 @@
+"""``turnstream record``: a run's raw events from EVENTS into one checksummed file.
+
+    turnstream record --log.url nats://127.0.0.1:4222 --run r1 -o r1.parquet [--since T] [--until T]
+
+Every message of the run (``ts.ev.<run>.>``), in stream order, with its subject, stream sequence,
+stored time, Msg-Id and bytes as stored (``consumers.recording`` has the format). Read-only: the
+stream and its consumers are not changed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+from pathlib import Path
+
+from pydantic import AliasChoices, Field
+from pydantic_settings import SettingsConfigDict
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from consumers.recording import RecordedEvent, RecordingMeta, write_recording
+from eventlog.reader import read_subject
+from schemas.errors import TurnstreamError
+from schemas.ids import EVENT_SUBJECT_PREFIX
+from turnstream.settings import ServiceSettings
+from turnstream.stack import open_log, require_log_url
+
+__all__ = ["RecordCommand", "record_run"]
+
+console = Console(stderr=True)
+
+
+async def record_run(
+    settings: ServiceSettings,
+    output: Path,
+    *,
+    since: dt.datetime | None = None,
+    until: dt.datetime | None = None,
+    progress: bool = True,
+) -> RecordingMeta:
+    """Record ``settings.run``'s events to ``output``; the recording's footer."""
+    stream = settings.log.names.events
+    subject = f"{EVENT_SUBJECT_PREFIX}.{settings.run}.>"
+    events: list[RecordedEvent] = []
+    async with open_log(settings, name="turnstream-record") as event_log:
+        with Progress(
+            TextColumn(f"recording run {settings.run}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=console,
+            disable=not progress,
+        ) as bar:
+            task = bar.add_task("events", total=None)
+            async for stored, at, left in read_subject(
+                event_log.js, stream, subject, since=since, until=until
+            ):
+                events.append(
+                    RecordedEvent(stored.seq, stored.subject, at, stored.msg_id, stored.data)
+                )
+                bar.update(task, completed=len(events), total=len(events) + left)
+    if not events:
+        raise TurnstreamError(
+            f"run {settings.run} has no events in {stream}"
+            + (f" between {since} and {until}" if since or until else "")
+            + "; check --run (and --since/--until) and --log.url"
+        )
+    return await asyncio.to_thread(
+        write_recording, output, events, stream=stream, run=settings.run, since=since, until=until
+    )
+
+
+class RecordCommand(ServiceSettings):
+    """Record a run's raw events (EVENTS) into one portable, checksummed Parquet file."""
+
+    model_config = SettingsConfigDict(cli_prog_name="turnstream record")
+
+    output: Path = Field(
+        validation_alias=AliasChoices("o", "output"), description="the recording file to write"
+    )
+    since: dt.datetime | None = Field(None, description="only events stored at or after this")
+    until: dt.datetime | None = Field(None, description="only events stored at or before this")
+
+    def cli_cmd(self) -> None:
+        require_log_url(self, "record")
+        meta = asyncio.run(record_run(self, self.output, since=self.since, until=self.until))
+        console.print(
+            f"recorded {meta.count} events of run {meta.run} ({meta.stream} seq "
+            f"{meta.first_seq}..{meta.last_seq}) to {self.output}, sha256 {meta.sha256[:16]}…"
+        )
