@@ -124,7 +124,8 @@ def write_recording(
         {
             "seq": pa.array([e.seq for e in events], pa.int64()),
             "subject": pa.array([e.subject for e in events], pa.string()),
-            "stored_at": pa.array([round(e.stored_at * 1e6) for e in events], pa.int64()).cast(
+            # Whole microseconds (the server's nanoseconds as nats-py rounds them).
+            "stored_at": pa.array([int(e.stored_at * 1e6) for e in events], pa.int64()).cast(
                 pa.timestamp("us", tz="UTC")
             ),
             "msg_id": pa.array([e.msg_id for e in events], pa.string()),

@@ -60,10 +60,13 @@ async def record_run(
                 )
                 bar.update(task, completed=len(events), total=len(events) + left)
     if not events:
+        window = "".join(
+            [f" stored from {since.isoformat()}" if since else "",
+             f" stored until {until.isoformat()}" if until else ""]
+        )  # fmt: skip
         raise TurnstreamError(
-            f"run {settings.run} has no events in {stream}"
-            + (f" between {since} and {until}" if since or until else "")
-            + "; check --run (and --since/--until) and --log.url"
+            f"run {settings.run} has no events in {stream}{window}; check --run "
+            f"(and --since/--until) and --log.url"
         )
     return await asyncio.to_thread(
         write_recording, output, events, stream=stream, run=settings.run, since=since, until=until

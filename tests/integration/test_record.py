@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import subprocess
 import sys
 from pathlib import Path
@@ -18,10 +19,10 @@ from tests.helpers.streams import publish_events, stream_payloads
 pytestmark = pytest.mark.integration
 
 
-def record(log: Log, run: str, output: Path) -> subprocess.CompletedProcess[str]:
+def record(log: Log, run: str, output: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "turnstream.cli", "record", "--log.url", log.server.url,
-         "--run", run, "-o", str(output)],
+         "--run", run, "-o", str(output), *extra],
         capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
 
@@ -69,3 +70,21 @@ async def test_recording_a_run_with_no_events_says_so(log: Log, tmp_path: Path) 
     assert done.returncode != 0
     assert "run nobody has no events in EVENTS" in done.stderr
     assert not (tmp_path / "nobody.parquet").exists()
+
+
+async def test_since_and_until_bound_the_recording_by_stored_time(log: Log, tmp_path: Path) -> None:
+    events = [e for i in range(4) for e in session_events(append_only(2), session=f"t{i}")]
+    for event in events:  # one publish each: distinct stored times
+        await publish_events(log.nc, [event])
+    whole = tmp_path / "whole.parquet"
+    assert record(log, "run-1", whole).returncode == 0
+    every = read_recording(whole).events
+    middle = every[len(every) // 3 : 2 * len(every) // 3]
+    # The server stores nanoseconds; clients (and the recording) see them rounded to a
+    # microsecond, so the bounds get one microsecond of slack (publishes are ms apart).
+    since = dt.datetime.fromtimestamp(middle[0].stored_at - 1e-6, dt.UTC)
+    until = dt.datetime.fromtimestamp(middle[-1].stored_at + 1e-6, dt.UTC)
+    part = tmp_path / "part.parquet"
+    done = record(log, "run-1", part, "--since", since.isoformat(), "--until", until.isoformat())
+    assert done.returncode == 0, done.stderr
+    assert [e.seq for e in read_recording(part).events] == [e.seq for e in middle]
