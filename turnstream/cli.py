@@ -7,6 +7,7 @@ Each command is a settings model (flags, ``TURNSTREAM_*`` env, ``--config`` TOML
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 import os
 import sys
@@ -166,70 +167,65 @@ def _shards_table(target: str) -> Table | str:
     return table
 
 
-def _gateway() -> type[ServiceSettings]:
-    from turnstream.gateway_service import GatewayCommand  # torch/transformers: import on use
+def _lazy(module: str, name: str) -> Callable[[], type[ServiceSettings]]:
+    """The settings class ``module.name``, imported only when its command runs (torch,
+    transformers, pyarrow and duckdb are slow to import and most commands need none of them)."""
 
-    return GatewayCommand
+    def load() -> type[ServiceSettings]:
+        cls: type[ServiceSettings] = getattr(importlib.import_module(module), name)
+        return cls
 
-
-def _demo() -> type[ServiceSettings]:
-    from turnstream.demo import DemoCommand  # torch, transformers: import on use
-
-    return DemoCommand
-
-
-def _up() -> type[ServiceSettings]:
-    from turnstream.up import UpCommand
-
-    return UpCommand
-
-
-def _worker() -> type[ServiceSettings]:
-    from turnstream.worker_service import WorkerCommand
-
-    return WorkerCommand
-
-
-def _record() -> type[ServiceSettings]:
-    from turnstream.record_command import RecordCommand
-
-    return RecordCommand
-
-
-def _shard_writer() -> type[ServiceSettings]:
-    from turnstream.shard_writer_service import ShardWriterCommand
-
-    return ShardWriterCommand
+    return load
 
 
 # name -> (one-line help, the command's settings class, imported only when it runs)
 COMMANDS: dict[str, tuple[str, Callable[[], type[ServiceSettings]]]] = {
     "demo": (
         "The main job on the embedded default: agents, gateway, log, shards, a GRPO trainer.",
-        _demo,
+        _lazy("turnstream.demo", "DemoCommand"),
+    ),
+    "export": (
+        "Export a run's trajectories from the shards as a dataset (tokens or chat messages).",
+        _lazy("turnstream.export_command", "ExportCommand"),
     ),
     "gateway": (
         "Run the OpenAI-compatible gateway; every turn is published before it answers.",
-        _gateway,
+        _lazy("turnstream.gateway_service", "GatewayCommand"),
+    ),
+    "inspect": (
+        "Show one session's turns and trajectories: loss mask, logprobs, forks, rewards.",
+        _lazy("turnstream.inspect_command", "InspectCommand"),
     ),
     "nats": (NatsCommand.__doc__ or "", lambda: NatsCommand),
     "provision": (ProvisionCommand.__doc__ or "", lambda: ProvisionCommand),
     "record": (
         "Record a run's raw events (EVENTS) into one portable, checksummed Parquet file.",
-        _record,
+        _lazy("turnstream.record_command", "RecordCommand"),
+    ),
+    "refold": (
+        "Fold a run's stored events again and publish the trajectories under a new run.",
+        _lazy("turnstream.refold_command", "RefoldCommand"),
+    ),
+    "replay": (
+        "Publish a recording's events into a log again (same run, or a new one).",
+        _lazy("turnstream.replay_command", "ReplayCommand"),
     ),
     "shard-writer": (
         "Write trajectories (TRAJ) to Parquet shards, each exactly once.",
-        _shard_writer,
+        _lazy("turnstream.shard_writer_service", "ShardWriterCommand"),
     ),
     "status": (StatusCommand.__doc__ or "", lambda: StatusCommand),
+    "train": (
+        "The reference GRPO trainer as a service: live from TRAJ, publishes its policies.",
+        _lazy("turnstream.train_service", "TrainCommand"),
+    ),
     "up": (
         "Everything in one process: nats-server, gateway, fold worker + reaper, shard writer.",
-        _up,
+        _lazy("turnstream.up", "UpCommand"),
     ),
     "worker": (
         "Fold closed sessions into trajectories (TRAJ); close idle sessions (reaper).",
-        _worker,
+        _lazy("turnstream.worker_service", "WorkerCommand"),
     ),
 }
 
@@ -237,7 +233,7 @@ COMMANDS: dict[str, tuple[str, Callable[[], type[ServiceSettings]]]] = {
 def _usage() -> str:
     lines = ["usage: turnstream COMMAND [--flags]   (turnstream COMMAND --help for its flags)", ""]
     for name, (doc, _) in COMMANDS.items():
-        lines.append(f"  {name:<10} {doc.strip().splitlines()[0]}")
+        lines.append(f"  {name:<12} {doc.strip().splitlines()[0]}")
     lines += [
         "",
         "Config: flags > TURNSTREAM_* env vars (nested with __) > --config FILE.toml > defaults.",

@@ -35,7 +35,7 @@ from gateway.sessions import SessionStore
 from gateway.templates import ChatTemplate
 from gateway.tools import get_parser
 from schemas.errors import TurnstreamError
-from turnstream.settings import ServiceSettings
+from turnstream.settings import PublishingSettings
 from turnstream.stack import EventLog, open_log, stop_on_signals
 
 __all__ = ["GatewayCommand", "GatewaySettings", "build_gateway", "http_server", "serve_until"]
@@ -43,7 +43,7 @@ __all__ = ["GatewayCommand", "GatewaySettings", "build_gateway", "http_server", 
 log = logging.getLogger(__name__)
 
 
-class GatewaySettings(ServiceSettings):
+class GatewaySettings(PublishingSettings):
     """Run the OpenAI-compatible gateway; every turn is published to the log before it answers."""
 
     model_config = SettingsConfigDict(cli_prog_name="turnstream gateway")

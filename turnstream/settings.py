@@ -28,13 +28,13 @@ from pydantic_settings import (
 from eventlog import LogSettings, PublisherSettings, check_retry_horizon
 from schemas.ids import ID_PATTERN
 
-__all__ = ["ServiceSettings", "with_toml"]
+__all__ = ["PublishingSettings", "ServiceSettings", "with_toml"]
 
 S = TypeVar("S", bound="ServiceSettings")
 
 
 class ServiceSettings(BaseSettings):
-    """What every service shares: where data lives, which run, the log, the publisher."""
+    """What every command shares: where data lives, which run, the log."""
 
     model_config = SettingsConfigDict(
         env_prefix="TURNSTREAM_",
@@ -49,7 +49,6 @@ class ServiceSettings(BaseSettings):
     data_dir: Path = Field(Path("data"), description="root of everything turnstream writes")
     run: str = Field("default", pattern=f"^{ID_PATTERN}$", description="run id for new sessions")
     log: LogSettings = LogSettings()
-    publisher: PublisherSettings = PublisherSettings()
 
     @property
     def nats_store_dir(self) -> Path:
@@ -62,11 +61,6 @@ class ServiceSettings(BaseSettings):
         ``<data_dir>/nats-auth``."""
         return self.log.auth_dir or self.data_dir / "nats-auth"
 
-    @model_validator(mode="after")
-    def _retry_horizon_inside_dedup_window(self) -> ServiceSettings:
-        check_retry_horizon(self.log, self.publisher)
-        return self
-
     @classmethod
     def settings_customise_sources(
         cls,
@@ -78,6 +72,17 @@ class ServiceSettings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # The CLI source, when parsing a command line, is put ahead of these by CliApp.
         return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls))
+
+
+class PublishingSettings(ServiceSettings):
+    """A command that publishes to the log: the publisher's retries and outbox too."""
+
+    publisher: PublisherSettings = PublisherSettings()
+
+    @model_validator(mode="after")
+    def _retry_horizon_inside_dedup_window(self) -> PublishingSettings:
+        check_retry_horizon(self.log, self.publisher)
+        return self
 
 
 def with_toml(settings_cls: type[S], path: Path | None) -> type[S]:

@@ -20,7 +20,7 @@ from eventlog import JetStreamPublisher, LogSettings
 from eventlog.metrics import ConsumerMetrics
 from eventlog.shard_store import FileShardStore
 from schemas.codec import Codec
-from turnstream.settings import ServiceSettings
+from turnstream.settings import PublishingSettings
 from turnstream.stack import EventLog, open_log, require_log_url, stop_on_signals
 
 __all__ = ["ShardWriterCommand", "shard_writer"]
@@ -48,7 +48,7 @@ def shard_writer(
     )
 
 
-class ShardWriterCommand(ServiceSettings):
+class ShardWriterCommand(PublishingSettings):
     """Write the trajectories of TRAJ to Parquet shards (zstd), each exactly once."""
 
     model_config = SettingsConfigDict(cli_prog_name="turnstream shard-writer")

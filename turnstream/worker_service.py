@@ -18,7 +18,7 @@ from pydantic_settings import SettingsConfigDict
 from consumers import FoldWorker, FoldWorkerSettings, Reaper, ReaperSettings
 from eventlog import JetStreamPublisher, LogSettings
 from eventlog.metrics import ConsumerMetrics
-from turnstream.settings import ServiceSettings
+from turnstream.settings import PublishingSettings
 from turnstream.stack import EventLog, open_log, require_log_url, stop_on_signals
 
 __all__ = ["WorkerCommand", "WorkerSettings", "fold_workers", "run_workers"]
@@ -26,7 +26,7 @@ __all__ = ["WorkerCommand", "WorkerSettings", "fold_workers", "run_workers"]
 log = logging.getLogger(__name__)
 
 
-class WorkerSettings(ServiceSettings):
+class WorkerSettings(PublishingSettings):
     """Fold closed sessions into trajectories (TRAJ); close idle sessions (reaper)."""
 
     model_config = SettingsConfigDict(cli_prog_name="turnstream worker")
