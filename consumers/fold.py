@@ -64,7 +64,7 @@ __all__ = [
     "initial",
 ]
 
-FOLD_VERSION = 2
+FOLD_VERSION = 3
 """Stored in every TrajectoryReady: bump it whenever the same events would fold differently."""
 
 RewardKey = tuple[str, int | None]  # (key, turn); turn None is the episode reward
@@ -236,6 +236,18 @@ def _temperatures(sample: list[RebuiltTurn]) -> JSON:
     return {"temperatures": sorted(recorded)} if recorded else {}
 
 
+def _tools_by_turn(turns: list[TurnCompleted]) -> dict[int, list[JSON]]:
+    """The tool schemas each turn's model was given: a turn records them only when they changed
+    (None: as the turn before)."""
+    given: list[JSON] = []
+    by_turn: dict[int, list[JSON]] = {}
+    for turn in turns:
+        if turn.tools is not None:
+            given = turn.tools
+        by_turn[turn.turn] = given
+    return by_turn
+
+
 def _created_at(
     state: SessionState, turns: list[TurnCompleted], rewards: list[RewardAssigned]
 ) -> float:
@@ -275,6 +287,7 @@ def finish(state: SessionState, options: FoldOptions = FoldOptions()) -> FoldRes
         model=opened.model if opened is not None else "", forks=forks, segments=len(samples)
     )
     created_at = _created_at(state, turns, rewards)
+    tools = _tools_by_turn(turns)
 
     def trajectory(index: int, sample: list[RebuiltTurn]) -> TrajectoryReady:
         arrays = sample_arrays(sample)
@@ -299,6 +312,7 @@ def finish(state: SessionState, options: FoldOptions = FoldOptions()) -> FoldRes
             num_turns=len(sample),
             finish_reason=last.event.finish_reason,
             messages=[*last.conversation, last.event.assistant_message],
+            tools=tools[last.event.turn],
             metadata={**base_metadata, "first_turn": sample[0].event.turn, **_temperatures(sample)},
             fold_version=FOLD_VERSION,
         )

@@ -160,6 +160,7 @@ class TrajectoryReady(_Event, tag="TrajectoryReady", kw_only=True):
     messages: list[JSON]
     metadata: JSON
     fold_version: int
+    tools: list[JSON] = msgspec.field(default_factory=list)  # the tool schemas the model was given
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -2,9 +2,9 @@
 
 One row per TrajectoryReady, plus ``traj_seq``, the TRAJ stream sequence the row came from. The
 token columns are built from the events' numpy arrays with one concatenation per column and an
-offsets array (``pa.ListArray.from_arrays``): no per-token Python object. ``messages`` and
-``metadata`` are JSON text (msgspec), encoded when a row is buffered, so a row that cannot be
-encoded is found before it can spoil a whole shard.
+offsets array (``pa.ListArray.from_arrays``): no per-token Python object. ``messages``,
+``metadata`` and ``tools`` are JSON text (msgspec), encoded when a row is buffered, so a row
+that cannot be encoded is found before it can spoil a whole shard.
 
 Types: ids and enums ``string``; token columns ``list<int32>`` / ``list<int8>`` /
 ``list<float32>``; counts and versions ``int32``; ``reward`` nullable ``float64``;
@@ -90,6 +90,7 @@ TRAJECTORY_SCHEMA = pa.schema(
         _required("finish_reason", pa.string()),
         _required("messages", pa.string()),  # JSON: the conversation, for SFT export
         _required("metadata", pa.string()),  # JSON: the session's metadata (task, env, ...)
+        _required("tools", pa.string()),  # JSON: the tool schemas the model was given, for SFT
         _required("created_at", pa.timestamp("us", tz="UTC")),
         _required("fold_version", pa.int32()),
         _required("traj_seq", pa.int64()),  # TRAJ stream sequence of the row's message
@@ -115,34 +116,38 @@ class ShardRow:
     """One trajectory ready for a shard.
 
     ``trajectory`` keeps its token arrays (views onto the message that carried it) but its
-    ``messages`` and ``metadata`` are emptied: they are held as JSON text only, which is several
-    times smaller than the Python objects while a shard fills up.
+    ``messages``, ``metadata`` and ``tools`` are emptied: they are held as JSON text only, which
+    is several times smaller than the Python objects while a shard fills up.
     """
 
     traj_seq: int
     trajectory: TrajectoryReady
     messages: bytes
     metadata: bytes
+    tools: bytes
 
     @property
     def nbytes(self) -> int:
         """What the row holds in memory, roughly: arrays, JSON text and a fixed overhead."""
         t = self.trajectory
         arrays = t.input_ids.nbytes + t.loss_mask.nbytes + t.logprobs.nbytes + t.versions.nbytes
-        return arrays + t.turn_ends.nbytes + len(self.messages) + len(self.metadata) + _ROW_OVERHEAD
+        text = len(self.messages) + len(self.metadata) + len(self.tools)
+        return arrays + t.turn_ends.nbytes + text + _ROW_OVERHEAD
 
 
 def shard_row(traj_seq: int, trajectory: TrajectoryReady) -> ShardRow:
-    """The row of ``trajectory``; ValueError when its messages or metadata are not JSON-able."""
+    """The row of ``trajectory``; ValueError when its messages, metadata or tools are not
+    JSON-able."""
     try:
         messages = _json.encode(trajectory.messages)
         metadata = _json.encode(trajectory.metadata)
+        tools = _json.encode(trajectory.tools)
     except (TypeError, msgspec.EncodeError) as exc:
         raise ValueError(
-            f"trajectory {trajectory.trajectory_id}: messages/metadata cannot be JSON: {exc}"
+            f"trajectory {trajectory.trajectory_id}: messages/metadata/tools cannot be JSON: {exc}"
         ) from exc
-    lean = msgspec.structs.replace(trajectory, messages=[], metadata={})
-    return ShardRow(traj_seq, lean, messages, metadata)
+    lean = msgspec.structs.replace(trajectory, messages=[], metadata={}, tools=[])
+    return ShardRow(traj_seq, lean, messages, metadata, tools)
 
 
 def _list_column(arrays: Sequence[np.ndarray], value_type: pa.DataType, dtype: str) -> pa.Array:
@@ -176,7 +181,7 @@ def _column(name: str, type_: pa.DataType, rows: Sequence[ShardRow]) -> pa.Array
     if name in _NUMPY_DTYPE:
         arrays = [getattr(r.trajectory, name) for r in rows]
         return _list_column(arrays, type_.value_type, _NUMPY_DTYPE[name])
-    if name in ("messages", "metadata", "traj_seq"):
+    if name in ("messages", "metadata", "tools", "traj_seq"):
         return pa.array([getattr(r, name) for r in rows], type_)
     if name == "created_at":
         micros = [round(r.trajectory.created_at * 1e6) for r in rows]
@@ -262,6 +267,8 @@ def table_to_trajectories(table: pa.Table) -> list[tuple[int, TrajectoryReady]]:
             row.pop(derived)
         row["messages"] = msgspec.json.decode(row["messages"])
         row["metadata"] = msgspec.json.decode(row["metadata"])
+        # Shards written before the column existed read back with tools null.
+        row["tools"] = msgspec.json.decode(row["tools"]) if row["tools"] is not None else []
         arrays = {name: lists[name][i] for name in lists}
         out.append(
             (seq, TrajectoryReady(**row, **arrays, created_at=created[i] / 1e6))  # type: ignore[arg-type]

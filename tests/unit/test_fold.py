@@ -33,6 +33,7 @@ from schemas.codec import Codec
 from schemas.errors import TurnstreamError
 from schemas.events import (
     RewardAssigned,
+    SessionClosed,
     SessionEvent,
     SessionOpened,
     TrajectoryReady,
@@ -714,3 +715,20 @@ def test_trajectory_arrays_have_the_wire_dtypes() -> None:
         trajectory.turn_ends.dtype,
     ]
     assert dtypes == [np.int32, np.int8, np.float32, np.int32, np.int32]
+
+
+def test_each_sample_carries_the_tool_schemas_its_last_turn_was_given() -> None:
+    # A turn records its tools only when they changed: None means "as the turn before".
+    search = {"type": "function", "function": {"name": "search", "parameters": {}}}
+    t0 = TurnCompleted(run="r", session="s", turn=0, prompt_ids=[1], completion_ids=[2],
+                       logprobs=[-0.1], tools=[search])  # fmt: skip
+    t1 = TurnCompleted(run="r", session="s", turn=1, prefix_len=2, prompt_ids=[3],
+                       completion_ids=[4], logprobs=[-0.2])  # fmt: skip
+    t2 = TurnCompleted(run="r", session="s", turn=2, prefix_len=4, prompt_ids=[5],
+                       completion_ids=[6], logprobs=[-0.3], tools=[])  # fmt: skip
+    close = SessionClosed(run="r", session="s", num_turns=3)
+
+    [whole] = fold([t0, t1]).trajectories
+    assert whole.tools == [search]
+    per_turn = fold([t2, t1, t0, close], FoldOptions(per_turn=True)).trajectories
+    assert [t.tools for t in per_turn] == [[search], [search], []]

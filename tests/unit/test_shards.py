@@ -51,6 +51,7 @@ EXPECTED_TYPES = {
     "finish_reason": pa.string(),
     "messages": pa.string(),
     "metadata": pa.string(),
+    "tools": pa.string(),
     "created_at": pa.timestamp("us", tz="UTC"),
     "fold_version": pa.int32(),
     "traj_seq": pa.int64(),
@@ -99,6 +100,7 @@ def same(a: TrajectoryReady, b: TrajectoryReady) -> None:
         "finish_reason",
         "messages",
         "metadata",
+        "tools",
         "fold_version",
     ):
         assert getattr(a, name) == getattr(b, name), name
