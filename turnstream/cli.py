@@ -38,6 +38,12 @@ def _actions_table(actions: Sequence[object]) -> Table:
     return table
 
 
+NATS_PORT = 4222
+"""Where ``turnstream nats`` listens unless ``--log.port`` says otherwise: NATS's own port, so
+the URL other services join with is the same each time (the embedded servers of ``up`` and
+``gateway`` pick a free one)."""
+
+
 class NatsCommand(ServiceSettings):
     """Run an embedded nats-server with JetStream and turnstream's streams until Ctrl-C."""
 
@@ -47,7 +53,9 @@ class NatsCommand(ServiceSettings):
         asyncio.run(self._run())
 
     async def _run(self) -> None:
-        settings = self.model_copy(update={"log": self.log.model_copy(update={"url": None})})
+        port = self.log.port if "port" in self.log.model_fields_set else NATS_PORT
+        log = self.log.model_copy(update={"url": None, "port": port})
+        settings = self.model_copy(update={"log": log})
         stop = stop_on_signals()
         async with open_log(settings, name="turnstream-nats", stop=stop) as event_log:
             console.print(_actions_table(event_log.provisioned))
@@ -60,7 +68,10 @@ class NatsCommand(ServiceSettings):
                     f"(--log.tls-ca). A service joins with its role's file, e.g.\n"
                     f"  turnstream worker --log.url {event_log.url} --config {worker}"
                 )
-            console.print(f"nats-server ready at [bold]{event_log.url}[/] (Ctrl-C stops it)")
+            console.print(
+                f"nats-server ready at [bold]{event_log.url}[/] (Ctrl-C stops it); services "
+                f"join with [bold]--log.url {event_log.url}[/]"
+            )
             await stop.wait()
 
 

@@ -196,3 +196,25 @@ def test_consumers_refuse_to_start_without_the_log_url(command: str, tmp_path: P
     result = turnstream(command, "--data-dir", str(tmp_path))
     assert result.returncode == 1
     assert f"{command} needs the log's URL: --log.url" in result.stderr
+
+
+def test_nats_listens_on_the_port_it_prints_for_services_to_join(tmp_path: Path) -> None:
+    port = free_port()  # stands for NATS's 4222, the default when no port is given
+    log_path = tmp_path / "nats.log"
+    with log_path.open("w") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "turnstream.cli", "nats", "--data-dir", str(tmp_path)],
+            stdout=subprocess.DEVNULL, stderr=log_file,
+            env={**os.environ, "COLUMNS": "200", "TURNSTREAM_LOG__PORT": str(port)},
+        )  # fmt: skip
+    try:
+        url = f"nats://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while f"--log.url {url}" not in log_path.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.1)
+        joined = turnstream("status", "--log.url", url)
+        assert joined.returncode == 0 and "EVENTS" in joined.stderr, joined.stderr
+    finally:
+        proc.terminate()
+        assert proc.wait(30) == 0, log_path.read_text()
