@@ -36,6 +36,7 @@ no event at all stop the fold: the session is dead-lettered with the bad event's
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime
 import logging
 import time
@@ -60,7 +61,14 @@ from schemas.events import SessionClosed, SessionOpened, TrajectoryReady
 from schemas.ids import EVENT_SUBJECT_PREFIX, traj_subject
 from schemas.trust import PoisonEvent, VettedSession, check_stored, vet_session
 
-__all__ = ["FoldMarker", "FoldWorker", "WorkerStats", "fold_options", "republish_could_duplicate"]
+__all__ = [
+    "FoldMarker",
+    "FoldWorker",
+    "WorkerStats",
+    "fold_options",
+    "fold_session",
+    "republish_could_duplicate",
+]
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +120,33 @@ def fold_options(defaults: FoldWorkerSettings, opened: SessionOpened | None) -> 
             f"and final_reward_scope ('last' or 'all') only"
         )
     return FoldOptions(per_turn=per_turn, final_reward_scope=scope)
+
+
+def fold_session(
+    vetted: VettedSession, defaults: FoldWorkerSettings, *, per_turn: bool | None = None
+) -> FoldResult:
+    """How the worker folds one vetted session (``schemas.trust.vet_session``). Pure.
+
+    The options are ``fold_options`` (the worker's defaults, overridden by the session's
+    ``metadata["fold"]``; ``per_turn``, when given, overrides both). When the vetting left out
+    conflicting turns, every trajectory's metadata counts them (``conflicting_turns``).
+    ``turnstream refold`` folds with this too, so a refold is the worker's fold, byte for byte.
+    """
+    opened = next((e for e in vetted.events if isinstance(e, SessionOpened)), None)
+    options = fold_options(defaults, opened)
+    if per_turn is not None:
+        options = dataclasses.replace(options, per_turn=per_turn)
+    result = fold(vetted.events, options)
+    if not vetted.conflicting_turns:
+        return result
+    count = {"conflicting_turns": vetted.conflicting_turns}
+    return dataclasses.replace(
+        result,
+        trajectories=[
+            msgspec.structs.replace(t, metadata={**t.metadata, **count})
+            for t in result.trajectories
+        ],
+    )
 
 
 def republish_could_duplicate(*, delivery: int, close_age_s: float, window_s: float) -> bool:
@@ -209,14 +244,8 @@ class FoldWorker:
                 about=exc.stored,
             )
         await self._dead_letter_untrusted(delivery, vetted)
-        opened = next((e for e in vetted.events if isinstance(e, SessionOpened)), None)
-        result = fold(vetted.events, fold_options(self.settings, opened))
+        result = fold_session(vetted, self.settings)
         trajectories = result.trajectories
-        if vetted.conflicting_turns:
-            count = {"conflicting_turns": vetted.conflicting_turns}
-            trajectories = [
-                msgspec.structs.replace(t, metadata={**t.metadata, **count}) for t in trajectories
-            ]
         await self._publish_unstored(delivery, close, trajectories)
         marker = FoldMarker(
             trajectories=len(trajectories),

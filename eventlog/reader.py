@@ -9,15 +9,17 @@ closed session with it; the gateway recovers a session it does not hold in memor
 ordered consumer.)
 
 ``stored_msg_ids`` answers the other question a redelivered fold asks: which of these Msg-Ids
-does a subject already hold, past the stream's duplicate window?
+does a subject already hold, past the stream's duplicate window? ``msg_id_counts`` (how many
+copies of each) is what a replay asks.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import datetime
 import json
-from collections.abc import AsyncIterator, Collection
+from collections.abc import AsyncGenerator, AsyncIterator, Collection
 from typing import Any
 
 import nats.errors
@@ -33,6 +35,7 @@ from schemas.trust import StoredMessage, vet_session
 
 __all__ = [
     "StoredMessage",
+    "msg_id_counts",
     "read_range",
     "read_session",
     "read_session_messages",
@@ -142,9 +145,55 @@ async def stored_msg_ids(
     minutes; this answers it for any age, at the cost of a scan of the subject since ``since``.
     """
     want = set(wanted)
-    where = f"{subject} in {stream} since {since.isoformat()}"
+    found: set[str] = set()
+    if not want:
+        return found
+    async with contextlib.aclosing(
+        _scan_msg_ids(js, stream, subject, since, batch, timeout_s)
+    ) as scan:
+        async for ids in scan:
+            found.update(ids)
+            found &= want
+            if found == want:
+                break
+    return found
+
+
+async def msg_id_counts(
+    js: JetStreamContext,
+    stream: str,
+    subject: str,
+    *,
+    since: datetime.datetime | None = None,
+    batch: int = 512,
+    timeout_s: float = 5.0,
+) -> collections.Counter[str]:
+    """How many messages on ``subject`` in ``stream`` (since ``since``; None: all) carry each
+    Msg-Id; the same headers-only scan as ``stored_msg_ids``, read to the end. (A Msg-Id is
+    held more than once when a copy came after the stream's duplicate window.)"""
+    counts: collections.Counter[str] = collections.Counter()
+    async with contextlib.aclosing(
+        _scan_msg_ids(js, stream, subject, since, batch, timeout_s)
+    ) as scan:
+        async for ids in scan:
+            counts.update(ids)
+    return counts
+
+
+async def _scan_msg_ids(
+    js: JetStreamContext,
+    stream: str,
+    subject: str,
+    since: datetime.datetime | None,
+    batch: int,
+    timeout_s: float,
+) -> AsyncGenerator[list[str], None]:
+    """The Msg-Ids of the messages on ``subject`` (headers only), a fetch at a time."""
+    where = f"{subject} in {stream}" + (f" since {since.isoformat()}" if since else "")
     config = js_api.ConsumerConfig(
-        deliver_policy=js_api.DeliverPolicy.BY_START_TIME,
+        deliver_policy=js_api.DeliverPolicy.BY_START_TIME
+        if since is not None
+        else js_api.DeliverPolicy.ALL,
         opt_start_time=since,
         ack_policy=js_api.AckPolicy.NONE,
         filter_subject=subject,
@@ -153,28 +202,25 @@ async def stored_msg_ids(
         num_replicas=1,
         inactive_threshold=max(timeout_s * 2, 10.0),  # the server drops it if we die mid-scan
     )
-    found: set[str] = set()
     try:
         info = await js.add_consumer(stream, config)
         left = info.num_pending or 0
         sub = await js.pull_subscribe_bind(info.name, stream=stream)
         try:
-            while left > 0 and found != want:
+            while left > 0:
                 msgs = await fetch(sub, min(batch, left), timeout_s)
                 if not msgs:
                     raise EventLogUnavailable(
                         f"scanning {where}: {left} message(s) not delivered within {timeout_s}s"
                     )
                 left -= len(msgs)
-                found.update(m.headers.get(_MSG_ID, "") for m in msgs if m.headers)
-                found &= want
+                yield [m.headers.get(_MSG_ID, "") for m in msgs if m.headers]
         finally:
             await release(sub)
             with contextlib.suppress(nats.errors.Error, OSError, TimeoutError):
                 await js.delete_consumer(stream, info.name)
     except (TimeoutError, nats.errors.Error, OSError) as exc:
         raise EventLogUnavailable(f"scanning {where}: {type(exc).__name__}: {exc}") from exc
-    return found
 
 
 async def read_range(
