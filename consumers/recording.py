@@ -42,6 +42,7 @@ __all__ = [
     "Recording",
     "RecordingDamaged",
     "RecordingMeta",
+    "RecordingWriter",
     "read_recording",
     "write_recording",
 ]
@@ -94,33 +95,78 @@ class Recording:
 def digest(datas: Iterable[bytes]) -> str:
     """SHA-256 over each event's bytes, length-prefixed, in order."""
     h = hashlib.sha256()
-    for data in datas:
-        h.update(len(data).to_bytes(8, "little"))
-        h.update(data)
+    _feed(h, datas)
     return h.hexdigest()
 
 
-def write_recording(
-    path: Path,
-    events: Sequence[RecordedEvent],
-    *,
-    stream: str,
-    run: str,
-    since: dt.datetime | None = None,
-    until: dt.datetime | None = None,
-) -> RecordingMeta:
-    """Write ``events`` (stream order) to ``path`` atomically (a temporary name, then rename)."""
-    meta = RecordingMeta(
-        stream=stream,
-        run=run,
-        first_seq=events[0].seq if events else 0,
-        last_seq=events[-1].seq if events else 0,
-        count=len(events),
-        sha256=digest(e.data for e in events),
-        since=since.isoformat() if since else "",
-        until=until.isoformat() if until else "",
-    )
-    table = pa.table(
+def _feed(h: hashlib._Hash, datas: Iterable[bytes]) -> None:
+    for data in datas:
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+
+
+class RecordingWriter:
+    """Writes a recording while its events arrive: ``append`` batches in stream order, then
+    ``finish`` (the footer) or ``abort``. The file appears under its name only when finished
+    (a temporary name, then rename), so a recording cut short never looks whole.
+
+    The footer's values are known only at the end, so they go into the Parquet file's
+    key-value metadata when it is closed (``store_schema=False``: readers then take the schema
+    from the Parquet columns and that metadata, as they would for any other tool's file).
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._partial = path.with_name(f".{path.name}.tmp")
+        self._writer = pq.ParquetWriter(
+            self._partial, RECORDING_SCHEMA, compression="zstd", store_schema=False
+        )
+        self._digest = hashlib.sha256()
+        self.count = 0
+        self.first_seq = 0
+        self.last_seq = 0
+
+    def append(self, events: Sequence[RecordedEvent]) -> None:
+        if not events:
+            return
+        _feed(self._digest, (e.data for e in events))
+        if not self.count:
+            self.first_seq = events[0].seq
+        self.count += len(events)
+        self.last_seq = events[-1].seq
+        self._writer.write_table(_events_table(events))
+
+    def finish(
+        self,
+        *,
+        stream: str,
+        run: str,
+        since: dt.datetime | None = None,
+        until: dt.datetime | None = None,
+    ) -> RecordingMeta:
+        meta = RecordingMeta(
+            stream=stream,
+            run=run,
+            first_seq=self.first_seq,
+            last_seq=self.last_seq,
+            count=self.count,
+            sha256=self._digest.hexdigest(),
+            since=since.isoformat() if since else "",
+            until=until.isoformat() if until else "",
+        )
+        self._writer.add_key_value_metadata({f"{_KEY}{k}": str(v) for k, v in asdict(meta).items()})
+        self._writer.close()
+        os.replace(self._partial, self.path)
+        return meta
+
+    def abort(self) -> None:
+        self._writer.close()
+        self._partial.unlink(missing_ok=True)
+
+
+def _events_table(events: Sequence[RecordedEvent]) -> pa.Table:
+    return pa.table(
         {
             "seq": pa.array([e.seq for e in events], pa.int64()),
             "subject": pa.array([e.subject for e in events], pa.string()),
@@ -132,12 +178,26 @@ def write_recording(
             "data": pa.array([e.data for e in events], pa.binary()),
         },
         schema=RECORDING_SCHEMA,
-    ).replace_schema_metadata({f"{_KEY}{k}": str(v) for k, v in asdict(meta).items()})
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.tmp")
-    pq.write_table(table, partial, compression="zstd")
-    os.replace(partial, path)
-    return meta
+    )
+
+
+def write_recording(
+    path: Path,
+    events: Sequence[RecordedEvent],
+    *,
+    stream: str,
+    run: str,
+    since: dt.datetime | None = None,
+    until: dt.datetime | None = None,
+) -> RecordingMeta:
+    """Write ``events`` (stream order) to ``path`` at once (``RecordingWriter`` in one go)."""
+    writer = RecordingWriter(path)
+    try:
+        writer.append(events)
+        return writer.finish(stream=stream, run=run, since=since, until=until)
+    except BaseException:
+        writer.abort()
+        raise
 
 
 def read_recording(path: Path) -> Recording:

@@ -18,7 +18,7 @@ from pydantic_settings import SettingsConfigDict
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from consumers.recording import RecordedEvent, RecordingMeta, write_recording
+from consumers.recording import RecordedEvent, RecordingMeta, RecordingWriter
 from eventlog.reader import read_subject
 from schemas.errors import TurnstreamError
 from schemas.ids import EVENT_SUBJECT_PREFIX
@@ -28,6 +28,8 @@ from turnstream.stack import open_log, require_log_url
 __all__ = ["RecordCommand", "record_run"]
 
 console = Console(stderr=True)
+
+WRITE_BATCH = 4096  # events per Parquet row group write
 
 
 async def record_run(
@@ -41,36 +43,56 @@ async def record_run(
     """Record ``settings.run``'s events to ``output``; the recording's footer."""
     stream = settings.log.names.events
     subject = f"{EVENT_SUBJECT_PREFIX}.{settings.run}.>"
-    events: list[RecordedEvent] = []
-    async with open_log(settings, name="turnstream-record") as event_log:
-        with Progress(
-            TextColumn(f"recording run {settings.run}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            console=console,
-            disable=not progress,
-        ) as bar:
-            task = bar.add_task("events", total=None)
-            async for stored, at, left in read_subject(
-                event_log.js, stream, subject, since=since, until=until
-            ):
-                events.append(
-                    RecordedEvent(stored.seq, stored.subject, at, stored.msg_id, stored.data)
-                )
-                bar.update(task, completed=len(events), total=len(events) + left)
-    if not events:
-        window = "".join(
-            [f" stored from {since.isoformat()}" if since else "",
-             f" stored until {until.isoformat()}" if until else ""]
-        )  # fmt: skip
-        raise TurnstreamError(
-            f"run {settings.run} has no events in {stream}{window}; check --run "
-            f"(and --since/--until) and --log.url"
+    writer = RecordingWriter(output)
+    batch: list[RecordedEvent] = []
+    # The file is written while the stream is read: a batch is compressed in a thread while
+    # the next one arrives (at most one write in flight, so the rows stay in stream order).
+    writing: asyncio.Future[None] | None = None
+    try:
+        async with open_log(settings, name="turnstream-record") as event_log:
+            with Progress(
+                TextColumn(f"recording run {settings.run}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                console=console,
+                disable=not progress,
+            ) as bar:
+                task = bar.add_task("events", total=None)
+                read = 0
+                async for stored, at, left in read_subject(
+                    event_log.js, stream, subject, since=since, until=until
+                ):
+                    batch.append(
+                        RecordedEvent(stored.seq, stored.subject, at, stored.msg_id, stored.data)
+                    )
+                    read += 1
+                    if len(batch) >= WRITE_BATCH or left == 0:
+                        if writing is not None:
+                            await writing
+                        writing = asyncio.ensure_future(asyncio.to_thread(writer.append, batch))
+                        batch = []
+                        bar.update(task, completed=read, total=read + left)
+                if writing is not None:
+                    await writing
+                writer.append(batch)
+        if not writer.count:
+            window = "".join(
+                [f" stored from {since.isoformat()}" if since else "",
+                 f" stored until {until.isoformat()}" if until else ""]
+            )  # fmt: skip
+            raise TurnstreamError(
+                f"run {settings.run} has no events in {stream}{window}; check --run "
+                f"(and --since/--until) and --log.url"
+            )
+        return await asyncio.to_thread(
+            writer.finish, stream=stream, run=settings.run, since=since, until=until
         )
-    return await asyncio.to_thread(
-        write_recording, output, events, stream=stream, run=settings.run, since=since, until=until
-    )
+    except BaseException:
+        if writing is not None and not writing.done():
+            await asyncio.wait([writing])
+        writer.abort()
+        raise
 
 
 class RecordCommand(ServiceSettings):
