@@ -1,8 +1,9 @@
 """``turnstream up``: the whole stack in one process (DESIGN §9).
 
 A nats-server of its own (unless ``--log.url``), the gateway on ``--host``/``--port``, a fold
-worker with its reaper, and a shard writer, until Ctrl-C. ``embedded_stack`` is what ``turnstream
-demo`` runs its agents and trainer against.
+worker with its reaper, and a shard writer, until Ctrl-C. Once all of it runs, ``up`` writes
+``<data_dir>/stack.json`` (``turnstream.stack_file``: URLs, run, pids) and removes it on exit.
+``embedded_stack`` is what ``turnstream demo`` runs its agents and trainer against.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -23,6 +25,12 @@ from eventlog import JetStreamPublisher, free_port
 from turnstream.gateway_service import Gateway, GatewaySettings, build_gateway, http_server
 from turnstream.shard_writer_service import shard_writer
 from turnstream.stack import EventLog, open_log, stop_on_signals
+from turnstream.stack_file import (
+    new_stack_file,
+    remove_stack_file,
+    stack_file_path,
+    write_stack_file,
+)
 from turnstream.worker_service import fold_workers
 
 __all__ = ["Stack", "UpCommand", "UpSettings", "embedded_stack"]
@@ -106,20 +114,60 @@ async def embedded_stack(
 
 
 class UpCommand(UpSettings):
+    __doc__ = UpSettings.__doc__
+
+    # stack.json is written here, not in ``embedded_stack``: it invites other processes
+    # (``train``, ``status``, ``inspect``) to join, and the demo's stack is private to its run.
+
     def cli_cmd(self) -> None:
         asyncio.run(self._run())
 
     async def _run(self) -> None:
         stop = stop_on_signals()
         async with embedded_stack(self, stop=stop) as stack:
-            log.info(
-                "turnstream up: gateway %s (OpenAI API at %s/v1, run %s), log %s, shards %s; "
-                "Ctrl-C stops",
-                stack.url,
-                stack.url,
-                self.run,
-                stack.event_log.url,
-                stack.shard_target,
-            )
-            await stop.wait()
+            written = self._write_stack_file(stack)
+            try:
+                log.info(
+                    "turnstream up: gateway %s (OpenAI API at %s/v1, run %s), log %s, shards "
+                    "%s%s; Ctrl-C stops",
+                    stack.url,
+                    stack.url,
+                    self.run,
+                    stack.event_log.url,
+                    stack.shard_target,
+                    f"; other processes join through {stack_file_path(self.data_dir)}"
+                    if written
+                    else "",
+                )
+                await stop.wait()
+            finally:
+                # First thing on the way out, error or not: nobody should join a stack that is
+                # shutting down. Only our own file: another stack's stays.
+                if written:
+                    remove_stack_file(self.data_dir, os.getpid())
         log.info("stopped: fold %s, shards %s", stack.worker.stats, stack.writer.stats)
+
+    def _write_stack_file(self, stack: Stack) -> bool:
+        """``<data_dir>/stack.json`` for this stack; False when it was not written (another
+        running ``up`` owns the file, or it cannot be written: the stack runs without it)."""
+        path = stack_file_path(self.data_dir)
+        server = stack.event_log.server
+        try:
+            written = write_stack_file(
+                self.data_dir,
+                new_stack_file(
+                    gateway_url=stack.url,
+                    nats_url=stack.event_log.url,
+                    data_dir=self.data_dir,
+                    shards=stack.shard_target,
+                    run=self.run,
+                    model_dir=self.model_dir,
+                    nats_server_pid=server.pid if server is not None else None,
+                ),
+            )
+        except OSError as exc:
+            log.warning("could not write %s (%s); other processes need --log.url", path, exc)
+            return False
+        if not written:
+            log.warning("%s names another turnstream up that is still running; left as it is", path)
+        return written
