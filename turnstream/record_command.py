@@ -24,6 +24,7 @@ from schemas.errors import TurnstreamError
 from schemas.ids import EVENT_SUBJECT_PREFIX
 from turnstream.settings import ServiceSettings
 from turnstream.stack import open_log, require_log_url
+from turnstream.stack_file import join_stack
 
 __all__ = ["RecordCommand", "record_run"]
 
@@ -107,8 +108,9 @@ class RecordCommand(ServiceSettings):
     until: dt.datetime | None = Field(None, description="only events stored at or before this")
 
     def cli_cmd(self) -> None:
-        require_log_url(self, "record")
-        meta = asyncio.run(record_run(self, self.output, since=self.since, until=self.until))
+        settings, _ = join_stack(self)
+        require_log_url(settings, "record")
+        meta = asyncio.run(record_run(settings, self.output, since=self.since, until=self.until))
         console.print(
             f"recorded {meta.count} events of run {meta.run} ({meta.stream} seq "
             f"{meta.first_seq}..{meta.last_seq}) to {self.output}, sha256 {meta.sha256[:16]}…"

@@ -18,8 +18,10 @@ asked otherwise in ``metadata.fold``).
 R2 defaults to a fresh ``<R>-refold-<unix time>``, printed. A run TRAJ already holds
 trajectories of is refused: refolding into it would mix two folds. Sessions not folded are
 listed with why: not closed, their close or an event dead-lettered by the fold, a fold error.
-EVENTS is only read. Without ``--log.url`` the embedded log of ``--data-dir`` is refolded (its
-nats-server started for the refold); a later ``turnstream up`` there writes the shards.
+EVENTS is only read. Without ``--log.url`` the log of the ``turnstream up`` running on
+``--data-dir`` is used (its ``stack.json``); with none running, the embedded log of
+``--data-dir`` is refolded (its nats-server started for the refold), and a later ``turnstream
+up`` there writes the shards.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from schemas.ids import EVENT_SUBJECT_PREFIX, ID_PATTERN, traj_subject
 from schemas.trust import PoisonEvent, VettedSession, check_stored, vet_session
 from turnstream.settings import PublishingSettings
 from turnstream.stack import EventLog, open_log
+from turnstream.stack_file import join_stack
 
 __all__ = ["RefoldCommand", "RefoldReport", "default_into", "refold_run"]
 
@@ -258,9 +261,10 @@ class RefoldCommand(PublishingSettings):
     def cli_cmd(self) -> None:
         into = self.into or default_into(self.run, time.time())
         console.print(f"refolding run {self.run} into run [bold]{into}[/]")
+        settings, _ = join_stack(self)  # a running `up` on --data-dir, unless --log.url
         report = asyncio.run(
             refold_run(
-                self,
+                settings,
                 into=into,
                 per_turn=None if self.mode is None else self.mode == "per_turn",
                 final_reward_scope=self.final_reward_scope,

@@ -30,8 +30,9 @@ did the first time.
 - ``--rate max`` (default) publishes as fast as the log acknowledges; ``original`` reproduces
   the recorded gaps between stored times; a number N publishes N events per second.
 
-Without ``--log.url`` the events go into the embedded log of ``--data-dir`` (its nats-server
-started for the replay), for a later ``turnstream up`` on that directory to fold.
+Without ``--log.url`` the events go into the log of the ``turnstream up`` running on
+``--data-dir`` (its ``stack.json``); with none running, into the embedded log of ``--data-dir``
+(its nats-server started for the replay), for a later ``turnstream up`` there to fold.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ from schemas.errors import SchemaError, TurnstreamError
 from schemas.ids import EVENT_SUBJECT_PREFIX, ID_PATTERN
 from turnstream.settings import PublishingSettings
 from turnstream.stack import open_log
+from turnstream.stack_file import join_stack
 
 __all__ = [
     "ReplayCommand",
@@ -322,8 +324,9 @@ class ReplayCommand(PublishingSettings):
         return rate
 
     def cli_cmd(self) -> None:
+        settings, _ = join_stack(self)  # a running `up` on --data-dir, unless --log.url
         report = asyncio.run(
-            replay_recording(self, self.file, into=self.run or None, rate=self.rate)
+            replay_recording(settings, self.file, into=self.run or None, rate=self.rate)
         )
         skipped = [
             f"{report.already_stored} already stored (skipped)" if report.already_stored else "",
