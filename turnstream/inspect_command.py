@@ -40,6 +40,7 @@ from eventlog.reader import read_session_messages
 from schemas.codec import Codec
 from schemas.errors import TurnstreamError
 from schemas.events import TurnCompleted
+from schemas.ids import ID_PATTERN
 from schemas.trust import VettedSession, vet_session
 from turnstream.inspect_view import (
     SessionView,
@@ -220,6 +221,11 @@ class InspectCommand(ServiceSettings):
     model_config = SettingsConfigDict(cli_prog_name="turnstream inspect")
 
     session: CliPositionalArg[str] = Field(description="the session id")
+    run: str = Field(
+        "default",
+        pattern=f"^{ID_PATTERN}$",
+        description="the session's run; unset: whichever run holds the session",
+    )
     html: Path | None = Field(None, description="write the view as a standalone HTML page here")
     model: Path | None = Field(
         None,

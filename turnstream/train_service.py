@@ -34,6 +34,7 @@ from pydantic_settings import SettingsConfigDict
 from eventlog import JetStreamPublisher
 from eventlog.buckets import Bucket
 from schemas.codec import Codec
+from schemas.ids import ID_PATTERN
 from trainer_sink import (
     Batch,
     BatchError,
@@ -94,6 +95,11 @@ class TrainSettings(PublishingSettings):
 
     model_config = SettingsConfigDict(cli_prog_name="turnstream train")
 
+    run: str = Field(
+        "default",
+        pattern=f"^{ID_PATTERN}$",
+        description="the run whose trajectories it trains on and whose policy it publishes",
+    )
     model: Path | None = Field(
         None,
         description="the model the gateway serves (from_pretrained dir); unset: the one in "
