@@ -119,7 +119,7 @@ COMMANDS: dict[str, tuple[str, Callable[[], type[ServiceSettings]]]] = {
         _lazy("turnstream.export_command", "ExportCommand"),
     ),
     "gateway": (
-        "Run the OpenAI-compatible gateway; every turn is published before it answers.",
+        "Run the OpenAI-compatible gateway; every turn is published to the log before it answers.",
         _lazy("turnstream.gateway_service", "GatewayCommand"),
     ),
     "inspect": (
@@ -141,7 +141,7 @@ COMMANDS: dict[str, tuple[str, Callable[[], type[ServiceSettings]]]] = {
         _lazy("turnstream.replay_command", "ReplayCommand"),
     ),
     "shard-writer": (
-        "Write trajectories (TRAJ) to Parquet shards, each exactly once.",
+        "Write the trajectories of TRAJ to Parquet shards (zstd), each exactly once.",
         _lazy("turnstream.shard_writer_service", "ShardWriterCommand"),
     ),
     "status": (

@@ -99,6 +99,8 @@ async def _report(
 
 
 class WorkerCommand(WorkerSettings):
+    __doc__ = WorkerSettings.__doc__
+
     def cli_cmd(self) -> None:
         require_log_url(self, "worker")
         asyncio.run(self._run())
