@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 from consumers.config import FoldWorkerSettings, ReaperSettings, ShardWriterSettings
-from consumers.errors import ConsumerError, FoldError, MissingTurns
+from consumers.errors import (
+    ConsumerError,
+    ExportError,
+    FoldError,
+    MissingTurns,
+    RecordingDamaged,
+)
 from consumers.fold import FOLD_VERSION, FoldOptions, FoldResult, apply, finish, fold, initial
 from consumers.reaper import Reaper, ReaperStats, SessionActivity
 from consumers.worker import FoldMarker, FoldWorker, WorkerStats
@@ -11,6 +17,7 @@ from consumers.worker import FoldMarker, FoldWorker, WorkerStats
 __all__ = [
     "FOLD_VERSION",
     "ConsumerError",
+    "ExportError",
     "FoldError",
     "FoldMarker",
     "FoldOptions",
@@ -21,6 +28,7 @@ __all__ = [
     "Reaper",
     "ReaperSettings",
     "ReaperStats",
+    "RecordingDamaged",
     "SessionActivity",
     "ShardWriterSettings",
     "WorkerStats",

@@ -4,8 +4,12 @@
     └── ConsumerError                anything the consumers raise on purpose
         └── FoldError                a session's events contradict each other: folding them again
             │                        gives the same error, so dead-letter the session
-            └── MissingTurns         turns 0..n-1 are not all there: they may still be in flight,
-                                     so retry later before dead-lettering
+        │   └── MissingTurns         turns 0..n-1 are not all there: they may still be in flight,
+        │                            so retry later before dead-lettering
+        ├── RecordingDamaged         a recording whose rows do not match its footer (or no
+        │                            recording at all): ``turnstream replay`` refuses it
+        └── ExportError              an export that cannot be done as asked: bad predicate, no
+                                     rows, output in the way
 
 Every message names the run, the session and, where there is one, the turn. (Shard target
 errors are the event-log runtime's: ``eventlog.errors``.)
@@ -17,7 +21,7 @@ from collections.abc import Sequence
 
 from schemas.errors import TurnstreamError
 
-__all__ = ["ConsumerError", "FoldError", "MissingTurns"]
+__all__ = ["ConsumerError", "ExportError", "FoldError", "MissingTurns", "RecordingDamaged"]
 
 
 class ConsumerError(TurnstreamError):
@@ -59,3 +63,11 @@ class MissingTurns(FoldError):
             f"({why}); their events may still be in flight: retry the fold later, and "
             f"dead-letter the session if they never arrive"
         )
+
+
+class RecordingDamaged(ConsumerError):
+    """A recording whose rows do not match its footer (or that is no recording at all)."""
+
+
+class ExportError(ConsumerError):
+    """An export that cannot be done as asked: bad predicate, no rows, output in the way."""

@@ -58,7 +58,7 @@ import msgspec
 import numpy as np
 import pyarrow as pa
 
-from consumers.errors import ConsumerError
+from consumers.errors import ExportError
 from schemas.shards import TRAJECTORY_SCHEMA
 
 __all__ = [
@@ -81,10 +81,6 @@ __all__ = [
 ExportKind = Literal["tokens", "messages"]
 EXPORT_KINDS: tuple[ExportKind, ...] = ("tokens", "messages")
 JSON = dict[str, Any]
-
-
-class ExportError(ConsumerError):
-    """An export that cannot be done as asked: bad predicate, no rows, output in the way."""
 
 
 JSON_TYPE: pa.DataType = pa.json_(pa.string())

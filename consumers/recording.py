@@ -33,7 +33,7 @@ from typing import NamedTuple
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from consumers.errors import ConsumerError
+from consumers.errors import RecordingDamaged
 
 __all__ = [
     "RECORDING_FORMAT",
@@ -59,10 +59,6 @@ RECORDING_SCHEMA = pa.schema(
         pa.field("data", pa.binary(), nullable=False),
     ]
 )
-
-
-class RecordingDamaged(ConsumerError):
-    """A recording whose rows do not match its footer (or that is no recording at all)."""
 
 
 class RecordedEvent(NamedTuple):
