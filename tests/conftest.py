@@ -9,6 +9,7 @@ whose streams were provisioned fresh for that test.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,23 @@ from nats.js import errors as js_errors
 from eventlog import LogSettings, NatsServer, connect, provision
 
 pytest_plugins = ["tests.conftest_model"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _data_dir_outside_the_working_copy(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[None]:
+    """Every command a test runs without ``--data-dir`` writes and reads a temporary directory,
+    never the working copy's ``data/`` (where ``make demo`` leaves its run and an ``up`` of the
+    reader's may be running): ``TURNSTREAM_DATA_DIR``, inherited by the processes tests start."""
+    before = os.environ.get("TURNSTREAM_DATA_DIR")
+    os.environ["TURNSTREAM_DATA_DIR"] = str(tmp_path_factory.mktemp("data-dir"))
+    yield
+    if before is None:
+        os.environ.pop("TURNSTREAM_DATA_DIR", None)
+    else:
+        os.environ["TURNSTREAM_DATA_DIR"] = before
+
 
 # Fast failure detection so fault tests take seconds: ping every 0.5 s, 2 missed -> reconnect.
 FAST_LOG = LogSettings(ping_interval_s=0.5, max_outstanding_pings=2, connect_timeout_s=1.0)

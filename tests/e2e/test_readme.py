@@ -38,8 +38,9 @@ class Scratch:
         self.root = root
         self.ports = {"4222": str(free_port()), "8000": str(free_port())}
         bin_dir = str(Path(sys.executable).parent)
+        inherited = {k: v for k, v in os.environ.items() if k != "TURNSTREAM_DATA_DIR"}
         self.env = {
-            **os.environ,
+            **inherited,  # the README's paths are relative to where it is run: data/ here
             "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
             "TURNSTREAM_LOG__PORT": self.ports["4222"],
             "TURNSTREAM_PORT": self.ports["8000"],
