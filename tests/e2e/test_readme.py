@@ -89,18 +89,22 @@ class Scratch:
                 time.sleep(0.2)
 
     def stop_services(self) -> None:
+        """SIGTERM each (the last started first), then say which did not exit cleanly."""
+        unclean = []
         for command, proc, log_path in reversed(self.services):
-            proc.send_signal(signal.SIGTERM)
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
             try:
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-            assert proc.returncode in (0, -signal.SIGTERM), (
-                f"`{command}` did not stop cleanly ({proc.returncode}):\n"
-                f"{log_path.read_text()[-3000:]}"
-            )
+            if proc.returncode not in (0, -signal.SIGTERM):
+                unclean.append(
+                    f"`{command}` exited {proc.returncode}:\n{log_path.read_text()[-3000:]}"
+                )
         self.services.clear()
+        assert not unclean, "\n".join(unclean)
 
 
 def _answers(url: str) -> bool:
