@@ -66,7 +66,11 @@ class Scratch:
         )  # fmt: skip
 
     def start_services(self, snippet: Snippet) -> None:
+        """Start the block's lines in order, as a reader would in terminals: after the i-th
+        line, wait for the i-th ``ready`` URL (the first line's server must be up before the
+        second line's service reads what it wrote)."""
         self.stop_services()
+        ready = [self.localize(u) for u in snippet.ready_urls]
         for number, command in enumerate(commands(self.localize(snippet.code))):
             log_path = self.root / f"service-{snippet.line}-{number}.log"
             with log_path.open("wb") as log_file:
@@ -75,18 +79,21 @@ class Scratch:
                     stdout=log_file, stderr=subprocess.STDOUT,
                 )  # fmt: skip
             self.services.append((command, proc, log_path))
+            if number < len(ready):
+                self._wait_answers(snippet, ready[number])
+
+    def _wait_answers(self, snippet: Snippet, url: str) -> None:
         deadline = time.monotonic() + 180
-        for url in (self.localize(u) for u in snippet.ready_urls):
-            while not _answers(url):
-                dead = [(c, log) for c, p, log in self.services if p.poll() is not None]
-                if dead:
-                    command, log_path = dead[0]
-                    raise AssertionError(
-                        f"{snippet.where}: `{command}` exited:\n{log_path.read_text()[-3000:]}"
-                    )
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"{snippet.where}: {url} never answered")
-                time.sleep(0.2)
+        while not _answers(url):
+            dead = [(c, log) for c, p, log in self.services if p.poll() is not None]
+            if dead:
+                command, log_path = dead[0]
+                raise AssertionError(
+                    f"{snippet.where}: `{command}` exited:\n{log_path.read_text()[-3000:]}"
+                )
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{snippet.where}: {url} never answered")
+            time.sleep(0.2)
 
     def stop_services(self) -> None:
         """SIGTERM each (the last started first), then say which did not exit cleanly."""

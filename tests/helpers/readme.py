@@ -3,9 +3,10 @@
 Every fenced ``sh`` and ``python`` block is run, in order, in one scratch directory. An HTML
 comment on the line before a fence says how, when plain "run it, exit 0" is not the way::
 
-    <!-- readme-test: services ready=http://127.0.0.1:8000/health -->   each line a long-running
-        process, started after the previous services block's are stopped; the block is done
-        when every ``ready`` URL answers (http: 200 on GET; nats: a TCP connect)
+    <!-- readme-test: services ready=nats://127.0.0.1:4222 ready=http://127.0.0.1:8000/health -->
+        each line a long-running process, started in order after the previous services
+        block's are stopped; the i-th ``ready`` URL must answer (http: 200 on GET; nats: a TCP
+        connect) before the line after the i-th starts
     <!-- readme-test: eventually 60 -->   retried until it exits 0, for up to 60 s (a result
         that appears asynchronously, e.g. a shard committed after its max age)
     <!-- readme-test: skip REASON -->     not run; REASON is required and shown
