@@ -92,6 +92,9 @@ class ReferenceTrainerSettings(BaseModel):
     )
     steps: int = Field(3, ge=1, description="batches to train on, one update each")
     lr: float = Field(1e-4, gt=0, description="Adam learning rate")
+    warmup_steps: int = Field(
+        0, ge=0, description="the learning rate rises linearly to lr over this many steps"
+    )
     clip: float = Field(0.2, gt=0, description="PPO ratio clip epsilon")
     epochs: int = Field(1, ge=1, description="optimizer steps on each batch")
     max_grad_norm: float = Field(1.0, gt=0, description="gradient norm clip")
@@ -313,6 +316,11 @@ class ReferenceTrainer:
 
         first_loss, delta = 0.0, None
         clip_fraction = torch.zeros(())
+        # Adam's first steps move every weight by about lr whatever its gradient: a warm-up
+        # keeps them from wrecking what the initial policy already does well.
+        warmup = min(1.0, (self.steps_done + 1) / s.warmup_steps) if s.warmup_steps else 1.0
+        for group in self.optimizer.param_groups:
+            group["lr"] = s.lr * warmup
         for epoch in range(s.epochs):
             log_probs = response_log_probs(self.model, batch, s.temperature)
             if epoch == 0:

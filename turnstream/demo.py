@@ -1,41 +1,49 @@
-"""``turnstream demo``: the main job on the embedded default, end to end (DESIGN §9).
+"""``turnstream demo``: the main job on the embedded default, end to end, learning (DESIGN §9).
+
+    turnstream demo [--steps 30] [--seed 0] [--run R] [--json] [--data-dir data]
 
 ``turnstream up`` in this process (a nats-server, the gateway on the tiny local model, a fold
-worker, a shard writer), then:
+worker, a shard writer), then the loop the project exists for:
 
-- built-in agents: unmodified ``openai`` SDK clients, each episode a session of a GRPO group
-  (one prompt, ``group_size`` rollouts) with two turns and a tool result between them; the
-  reward is the share of letters in what the model wrote (something the tiny model can learn);
-- the reference GRPO trainer fed live by the trainer sink: each step checks that the log-probs
-  it recomputes agree with what the gateway recorded, updates the policy, writes a checkpoint and
-  publishes PolicyUpdated; the gateway loads it, and later episodes carry the new weight_version.
+- agents (unmodified ``openai`` SDK clients, ``turnstream.demo_agents``) play GRPO groups of
+  episodes through the gateway: two-turn chats, and lookups that make a real tool call;
+- every turn is published to EVENTS before it is answered; closed sessions are folded into
+  trajectories (TRAJ) and written to Parquet shards;
+- the reference GRPO trainer, fed live by the trainer sink from TRAJ, checks that the log-probs
+  it recomputes agree with what the gateway recorded, updates the policy and publishes it
+  through ``ts_policy``; the gateway loads it, and the next batch is sampled from it.
 
-At the end: the trainer's steps, the versions the episodes were served, and the trajectories
-read back from the Parquet shards, the first one shown with the tokens the policy generated.
+The model is the built-in tiny one (2 layers, random weights: untrained), taught beforehand
+only to close a tool call (``turnstream.demo_model``); the task is to write lowercase letters
+(reward: the share of an answer's tokens that are a-z). The mean reward per step rises within
+the default run. At the end: the trainer's steps, a summary of what was made, counted where it
+lives (``turnstream.demo_report``), the reward curve ``<data_dir>/demo-<run>-reward.png``, and
+with ``--json`` the summary as JSON on stdout.
+
+Every demo is a run of its own: without ``--run`` the run is ``demo-<unix time>``; a run that
+already has events, trajectories or a policy in this log is refused.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Literal
 
 import httpx
-import openai
-import pyarrow.compute as pc
-from pydantic import Field
+from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import SettingsConfigDict
 from rich.console import Console
-from rich.table import Table
-from rich.text import Text
-from transformers import AutoTokenizer
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from eventlog import JetStreamPublisher, read_session
+from eventlog import JetStreamPublisher
 from eventlog.buckets import Bucket
-from eventlog.shard_store import open_shards_dataset
-from schemas.events import TrajectoryReady, TurnCompleted
-from schemas.shards import table_to_trajectories
+from eventlog.shard_store import FileShardStore
+from schemas.errors import TurnstreamError
 from trainer_sink import (
     BatchingSettings,
     LiveSource,
@@ -45,206 +53,314 @@ from trainer_sink import (
     StepReport,
     TrainerSink,
 )
+from turnstream.demo_agents import (
+    CHANCE,
+    NO_CALL,
+    TURN_TIMEOUT_S,
+    AgentPlan,
+    Episode,
+    run_agents,
+)
+from turnstream.demo_report import (
+    DemoSummary,
+    count_shards,
+    count_streams,
+    steps_table,
+    summary_table,
+    write_reward_png,
+)
 from turnstream.up import Stack, UpSettings, embedded_stack
 
-__all__ = ["DemoCommand", "DemoSettings", "run_demo"]
+__all__ = ["DemoCommand", "DemoError", "DemoSettings", "run_demo"]
 
-TEMPERATURE = 0.8
-TASKS = ["Name a fruit.", "Describe the sea.", "Spell a word.", "Greet a friend."]
+
+class DemoError(TurnstreamError):
+    """The demo cannot run as asked (a used run) or did not finish (see the message)."""
+
+
+class DemoBatching(BatchingSettings):
+    """The sink's batching as the demo trains: GRPO groups, a few per step."""
+
+    policy: Literal["count", "tokens", "groups"] = Field("groups", description="groups: GRPO")
+    group_size: int = Field(6, ge=2, description="episodes per GRPO group (one prompt)")
+    batch_size: int = Field(4, ge=1, description="groups per trainer step")
 
 
 class DemoSettings(UpSettings):
-    """The main job on the embedded default: agents -> gateway -> log -> trajectories ->
-    shards and a GRPO trainer whose new policies the gateway serves."""
+    """The main job on the embedded default: agents, gateway, log, shards, a GRPO trainer.
+
+    A tiny untrained model learns, live, to write lowercase letters: agents -> gateway -> log ->
+    trajectories -> shards, and a GRPO trainer whose new policies the gateway serves."""
 
     model_config = SettingsConfigDict(cli_prog_name="turnstream demo")
 
     port: int = Field(0, ge=0, le=65535, description="gateway port; 0 picks a free one")
-    steps: int = Field(3, ge=1, le=100, description="trainer steps (one policy version each)")
-    group_size: int = Field(4, ge=2, le=16, description="episodes per GRPO group")
+    steps: int = Field(30, ge=1, le=1000, description="trainer steps (one policy version each)")
+    sink: DemoBatching = DemoBatching()
+    lr: float = Field(2.5e-3, gt=0, description="the trainer's Adam learning rate")
+    warmup_steps: int = Field(
+        10, ge=0, description="steps over which the learning rate rises to --lr"
+    )
+    temperature: float = Field(0.8, gt=0, le=2, description="the agents' sampling temperature")
+    max_tokens: int = Field(16, ge=1, le=256, description="tokens per answer (the reward's unit)")
+    seed: int = Field(0, ge=0, description="sampling seed of every episode (replays the demo)")
+    json_output: bool = Field(
+        False,
+        validation_alias=AliasChoices("json", "json_output"),
+        description="print the summary as JSON on stdout",
+    )
 
+    @model_validator(mode="after")
+    def _grpo_groups(self) -> DemoSettings:
+        if self.sink.policy != "groups":
+            raise ValueError("the demo trains GRPO: --sink.policy must be groups")
+        if self.sink.drop_uniform_groups:
+            # The agents make exactly the groups each step trains on, then wait for its policy.
+            raise ValueError("the demo trains on every group: no --sink.drop-uniform-groups")
+        return self
 
-@dataclass(frozen=True)
-class Episode:
-    group: str
-    session: str
-    reward: float
-
-
-async def episode(http: httpx.AsyncClient, group: str, task: str) -> Episode:
-    """One agent episode through the OpenAI API: ask, get a tool result, answer."""
-    opened = (await http.post("/v1/sessions", json={"group": group})).json()
-    client = openai.AsyncOpenAI(base_url=opened["base_url"], api_key="unused", max_retries=0)
-    messages: list[Any] = [{"role": "user", "content": task}]
-    written = ""
-    for turn in range(2):
-        reply = await client.chat.completions.create(
-            model="tiny", messages=messages, temperature=TEMPERATURE, max_tokens=16
+    def plan(self) -> AgentPlan:
+        return AgentPlan(
+            steps=self.steps,
+            group_size=self.sink.group_size,
+            groups_per_step=self.sink.batch_size,
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            seed=self.seed,
         )
-        content = reply.choices[0].message.content or ""
-        written += content
-        messages.append({"role": "assistant", "content": content})
-        if turn == 0:
-            messages.append({"role": "user", "content": f"(tool) looked up: {task.lower()}"})
-    await client.close()
-    reward = sum(c.isalpha() for c in written) / max(len(written), 1)
-    await http.post(f"/v1/sessions/{opened['session_id']}/close", json={"reward": reward})
-    return Episode(group, opened["session_id"], reward)
 
 
-async def run_agents(
-    http: httpx.AsyncClient, group_size: int, training: asyncio.Task[list[StepReport]]
-) -> list[Episode]:
-    """Complete groups, one after another, until the trainer has done its steps."""
-    episodes: list[Episode] = []
-    number = 0
-    while not training.done():
-        group, task = f"g{number}", TASKS[number % len(TASKS)]
-        episodes += await asyncio.gather(*(episode(http, group, task) for _ in range(group_size)))
-        number += 1
-        if number > 200:
-            raise RuntimeError("the trainer did not finish its steps after 200 groups")
-    return episodes
+def demo_settings(settings: DemoSettings) -> DemoSettings:
+    """The run (``demo-<time>`` unless ``--run``) and shards cut every 2 s (unless set), so
+    that the demo reads back all it made soon after its last step."""
+    update: dict[str, object] = {}
+    if "run" not in settings.model_fields_set:
+        update["run"] = f"demo-{int(time.time())}"
+    if "max_age_s" not in settings.shards.model_fields_set:
+        update["shards"] = settings.shards.model_copy(update={"max_age_s": 2.0})
+    return settings.model_copy(update=update)
 
 
-async def versions_of(stack: Stack, run: str, session: str) -> list[int]:
-    events = await read_session(stack.event_log.js, run, session)
-    return [e.weight_version for e in events if isinstance(e, TurnCompleted)]
+def with_taught_model(settings: DemoSettings, console: Console) -> DemoSettings:
+    """The built-in tiny model taught to close a tool call (``turnstream.demo_model``), unless
+    ``--model`` names a model of its own."""
+    if settings.model is not None:
+        return settings
+    from turnstream.demo_model import teach_tool_call  # torch: import on use
+
+    with console.status("showing the tiny model how a tool call ends (once per data dir)"):
+        model = teach_tool_call(settings.model_dir, temperature=settings.temperature)
+    return settings.model_copy(update={"model": model, "model_name": settings.model_name or "tiny"})
 
 
-def show(sample: TrajectoryReady, tokenizer: Any) -> Text:
-    """The sample's text, generated tokens (loss_mask 1) in green, the rest dimmed."""
-    text = Text()
-    ids, mask = sample.input_ids.tolist(), sample.loss_mask.tolist()
-    start = 0
-    for end in range(1, len(ids) + 1):
-        if end == len(ids) or mask[end] != mask[start]:
-            chunk = tokenizer.decode(ids[start:end], skip_special_tokens=False)
-            text.append(chunk, style="bold green" if mask[start] else "dim")
-            start = end
-    return text
+def intro(settings: DemoSettings, *, taught: bool) -> str:
+    s = settings.sink
+    model = (
+        "a [bold]tiny untrained model[/] (2 layers, 64 wide, random weights: it writes byte "
+        "noise; shown beforehand only how to close a tool call)"
+        if taught
+        else f"the model in {settings.model}"
+    )
+    return (
+        f"[bold]turnstream demo[/], run [bold]{settings.run}[/]: {model} learns by GRPO, live, "
+        f"to [bold]write lowercase letters[/]. Reward: the share of an answer's "
+        f"{settings.max_tokens} tokens that are one letter a-z (by chance about {CHANCE:.2f}); a "
+        f"lookup whose tool call does not parse scores {NO_CALL}. Each of {settings.steps} steps "
+        f"trains on {s.batch_size} groups of {s.group_size} episodes sampled from the policy it "
+        f"published last: two-turn chats, and lookups in which the model calls the "
+        f"dictionary_word tool, gets its result back and answers."
+    )
 
 
-async def run_demo(settings: DemoSettings, console: Console) -> None:
+async def _refuse_used_run(stack: Stack, settings: DemoSettings, kv: Bucket) -> None:
+    run = settings.run
+    streams = await count_streams(stack.event_log.js, settings.log.names, run)
+    shards = [s for s in FileShardStore(stack.shard_target).committed() if s.run == run]
+    policy = await kv.get(run)
+    if streams.sessions or streams.traj_messages or shards or policy is not None:
+        raise DemoError(
+            f"run {run} is already used in this log ({streams.sessions} sessions, "
+            f"{streams.traj_messages} trajectories, {len(shards)} shards under "
+            f"{stack.shard_target}, policy {'published' if policy else 'none'}): a demo is a run "
+            f"of its own; pass another --run, or none for a fresh demo-<time> id"
+        )
+
+
+def _readable(text: str, width: int = 40) -> str:
+    """An answer as one line of text: what is not printable shown as a dot."""
+    return escape("".join(ch if ch.isprintable() else "·" for ch in text)[:width])
+
+
+async def _wait_for_shards(target: str, run: str, rows: int, timeout_s: float = 60.0) -> None:
+    """Until the run's shards hold ``rows`` trajectories (footers only)."""
+    store = FileShardStore(target)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        held = sum(store.read_metadata(s).rows for s in store.committed() if s.run == run)
+        if held >= rows:
+            return
+        if time.monotonic() > deadline:
+            raise DemoError(
+                f"the shard writer wrote {held} of run {run}'s {rows} trajectories to {target} "
+                f"within {timeout_s:.0f} s; see the log above"
+            )
+        await asyncio.sleep(0.1)
+
+
+@dataclass
+class _Training:
+    """What the live training of one demo run produced."""
+
+    reports: list[StepReport]
+    batches: int  # committed by the trainer
+    seconds: float
+    first: list[Episode]  # the first batch's episodes
+    last: list[Episode]  # the last batch's
+    served: int  # the policy version the gateway serves afterwards
+
+
+async def train_live(stack: Stack, settings: DemoSettings, console: Console) -> _Training:
+    """The agents and the reference trainer, fed live by the sink, until ``settings.steps``."""
+    run = settings.run
+    kv = await Bucket.open(stack.event_log.js, settings.log.names.policy_bucket)
+    await _refuse_used_run(stack, settings, kv)
+    trainer = ReferenceTrainer(
+        ReferenceTrainerSettings(
+            model_dir=settings.model_dir,
+            checkpoint_dir=settings.data_dir / "checkpoints" / run,
+            run=run,
+            steps=settings.steps,
+            lr=settings.lr,
+            warmup_steps=settings.warmup_steps,
+            temperature=settings.temperature,
+        )
+    )
+    publisher = await JetStreamPublisher(stack.event_log.nc, settings.publisher).start()
+    source = LiveSource(
+        stack.event_log.js,
+        publisher,
+        LiveSourceSettings(durable=f"trainer-{run}"),
+        stream=settings.log.names.trajectories,
+        run=run,
+        commits_bucket=settings.log.names.commits_bucket,
+    )
+    sink = TrainerSink(source, settings.sink, wait_s=0.2)
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+    )
+    steps = progress.add_task("training", total=settings.steps)
+    first: list[Episode] = []
+    last: list[Episode] = []
+
+    def on_batch(batch: int, episodes: list[Episode]) -> None:
+        first[:] = first or episodes
+        last[:] = episodes
+        reward = sum(e.reward for e in episodes) / len(episodes)
+        progress.update(
+            steps,
+            completed=batch,  # the gateway serves version `batch`: that many steps are done
+            description=f"step {batch + 1}: sampled from version {batch}, mean reward {reward:.3f}",
+        )
+
     started = time.perf_counter()
-    # Every demo is a run of its own: a new trainer starts from the base weights at version 0.
-    # Shards are cut every half second, so the demo can read back what it made.
-    shards = settings.shards.model_copy(update={"max_age_s": 0.5})
-    settings = settings.model_copy(update={"run": f"demo-{int(time.time())}", "shards": shards})
+    try:
+        async with httpx.AsyncClient(base_url=stack.url, timeout=TURN_TIMEOUT_S) as http:
+            training = asyncio.create_task(trainer.run(sink, kv), name="trainer")
+            try:
+                with progress:
+                    await run_agents(http, settings.plan(), training, on_batch)
+                    reports = await training
+                    progress.update(steps, completed=len(reports), description="trained")
+            finally:
+                if not training.done():
+                    training.cancel()
+                    await asyncio.gather(training, return_exceptions=True)
+            seconds = time.perf_counter() - started
+            served = await _served_after(http, reports[-1].version)
+    finally:
+        await sink.close()
+        await publisher.close()
+    return _Training(reports, sink.stats.committed, seconds, first, last, served)
+
+
+async def _served_after(http: httpx.AsyncClient, version: int, timeout_s: float = 30.0) -> int:
+    """The version the gateway serves once it has loaded ``version`` (the trainer's last)."""
+    deadline = time.monotonic() + timeout_s
+    while (served := int((await http.get("/health")).json()["weight_version"])) < version:
+        if time.monotonic() > deadline:
+            raise DemoError(
+                f"the gateway still serves policy version {served} {timeout_s:.0f} s after the "
+                f"trainer published {version}; see the log above"
+            )
+        await asyncio.sleep(0.05)
+    return served
+
+
+async def run_demo(settings: DemoSettings, console: Console) -> DemoSummary:
+    """The demo (see the module docstring); its summary, also printed on ``console``."""
+    started = time.perf_counter()
+    settings = demo_settings(settings)
+    console.print(intro(settings, taught=settings.model is None))
+    settings = with_taught_model(settings, console)
+    run = settings.run
     async with embedded_stack(settings) as stack:
-        console.print(
-            f"[bold]stack up[/]: log {stack.event_log.url}, gateway {stack.url} (tiny model, "
-            f"run {settings.run}), fold worker, shard writer -> {stack.shard_target}"
-        )
-        publisher = await JetStreamPublisher(stack.event_log.nc, settings.publisher).start()
-        source = LiveSource(
-            stack.event_log.js,
-            publisher,
-            LiveSourceSettings(durable=f"trainer-{settings.run}"),
-            stream=settings.log.names.trajectories,
-            run=settings.run,
-            commits_bucket=settings.log.names.commits_bucket,
-        )
-        batching = BatchingSettings(policy="groups", group_size=settings.group_size, batch_size=1)
-        sink = TrainerSink(source, batching, wait_s=0.2)
-        trainer = ReferenceTrainer(
-            ReferenceTrainerSettings(
-                model_dir=settings.model_dir,
-                checkpoint_dir=settings.data_dir / "checkpoints" / settings.run,
-                run=settings.run,
-                steps=settings.steps,
-                lr=1e-3,
-                temperature=TEMPERATURE,
-            )
-        )
-        kv = await Bucket.open(stack.event_log.js, settings.log.names.policy_bucket)
-        try:
-            async with httpx.AsyncClient(base_url=stack.url, timeout=60) as http:
-                training = asyncio.create_task(trainer.run(sink, kv))
-                episodes = await run_agents(http, settings.group_size, training)
-                reports = await training
-                deadline = time.monotonic() + 30
-                while (await http.get("/health")).json()["weight_version"] < settings.steps:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError("the gateway did not load the trainer's last policy")
-                    await asyncio.sleep(0.1)
-                after = await asyncio.gather(
-                    *(episode(http, "after", TASKS[0]) for _ in range(settings.group_size))
-                )
-        finally:
-            await sink.close()
-            await publisher.close()
-        console.print(
-            f"agents: {len(episodes)} episodes in {len(episodes) // settings.group_size} GRPO "
-            f"groups of {settings.group_size}, each turn published and acked before it was "
-            f"answered"
-        )
-        steps = Table(
-            "step",
-            "policy version",
-            "samples",
-            "mean reward",
-            "loss",
-            "max |Δ logprob|",
-            title="reference GRPO trainer, fed live by the sink",
-        )
-        for number, report in enumerate(reports, start=1):
-            delta = "-" if report.logprob_delta is None else f"{report.logprob_delta:.1e}"
-            steps.add_row(
-                str(number),
-                str(report.version),
-                str(report.samples),
-                f"{report.mean_reward:.3f}",
-                f"{report.loss:.4f}",
-                delta,
-            )
-        console.print(steps)
-        served = [await versions_of(stack, settings.run, e.session) for e in after]
-        console.print(
-            f"after training, new episodes are served weight_version "
-            f"{sorted({v for turns in served for v in turns})} (the trainer published "
-            f"{[r.version for r in reports]} through the ts_policy bucket)"
-        )
-        sessions = [e.session for e in [*episodes, *after]]
-        deadline = time.monotonic() + 30
-        while stack.writer.stats.rows_written < len(sessions):
-            if time.monotonic() > deadline:
-                raise RuntimeError("the shard writer did not write every trajectory")
-            await asyncio.sleep(0.1)
-    table = open_shards_dataset(stack.shard_target).to_table(
-        filter=pc.field("session").isin(sessions)
+        trained = await train_live(stack, settings, console)
+        streams = await count_streams(stack.event_log.js, settings.log.names, run)
+        await _wait_for_shards(stack.shard_target, run, streams.traj_messages)
+    shards = await asyncio.to_thread(count_shards, stack.shard_target, run)
+    reports = trained.reports
+    png = settings.data_dir / f"demo-{run}-reward.png"
+    await asyncio.to_thread(
+        write_reward_png,
+        png,
+        [r.mean_reward for r in reports],
+        title=f"turnstream demo, run {run}\na tiny untrained model learns to write lowercase",
+        chance=CHANCE,
     )
-    samples = [t for _, t in table_to_trajectories(table)]
-    rows = Table(
-        "trajectory id",
-        "group",
-        "tokens",
-        "generated",
-        "reward",
-        "weight versions",
-        title=f"run {settings.run}: read back from the Parquet shards ({len(samples)} rows)",
+    summary = DemoSummary(
+        run,
+        streams,
+        shards,
+        trained.batches,
+        reports,
+        wall_s=time.perf_counter() - started,
+        train_s=trained.seconds,
+        png=png,
     )
-    rows.columns[0].no_wrap = True
-    for sample in samples[:8]:
-        rows.add_row(
-            sample.trajectory_id,
-            sample.group,
-            str(len(sample.input_ids)),
-            str(int(sample.loss_mask.sum())),
-            f"{sample.reward:.3f}" if sample.reward is not None else "-",
-            f"{sample.min_weight_version}..{sample.max_weight_version}",
+    console.print(steps_table(reports))
+    console.print(
+        f"after training, new episodes are served weight_version [{trained.served}] (the "
+        f"trainer published {[r.version for r in reports]} through the ts_policy bucket)"
+    )
+    for name, episodes in (("first", trained.first), ("last", trained.last)):
+        best = max(episodes, key=lambda e: e.reward)
+        console.print(
+            f"best answer of the {name} batch ({best.kind}, reward {best.reward:.3f}): "
+            f"[green]{_readable(' | '.join(a.text for a in best.answers))}[/]"
         )
-    console.print(rows)
-    tokenizer = AutoTokenizer.from_pretrained(settings.model_dir)
-    console.print("[bold]first trajectory[/] (green: generated by the policy, loss_mask=1)")
-    console.print(show(samples[0], tokenizer))
-    console.print(f"done in {time.perf_counter() - started:.1f}s")
+    console.print(
+        "what the run made, counted in the EVENTS stream and read back from the Parquet shards:"
+    )
+    console.print(summary_table(summary))
+    console.print(f"reward curve: [bold]{png}[/]")
+    return summary
 
 
 class DemoCommand(DemoSettings):
     __doc__ = DemoSettings.__doc__
 
     def cli_cmd(self) -> None:
-        from rich.console import Console
+        from transformers.utils import logging as transformers_logging
 
-        asyncio.run(run_demo(self, Console(stderr=True)))
+        # The progress bar says what these would say a line each (shards cut, policies
+        # loaded, weights read): the summary counts them.
+        for chatty in ("consumers.shard_writer", "gateway.backends.policy_watch"):
+            logging.getLogger(chatty).setLevel(logging.WARNING)
+        transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # untyped
+        summary = asyncio.run(run_demo(self, Console(stderr=True)))
+        if self.json_output:
+            print(json.dumps(summary.as_json()))

@@ -29,20 +29,6 @@ def turnstream(
     )
 
 
-def test_demo_runs_the_main_job_on_the_embedded_default(tmp_path: Path) -> None:
-    result = turnstream("demo", "--data-dir", str(tmp_path), "--steps", "2")
-
-    assert result.returncode == 0, result.stderr[-4000:]
-    out = result.stderr + result.stdout
-    assert "reference GRPO trainer, fed live by the sink" in out
-    assert "new episodes are served weight_version [2]" in out  # the trainer's last policy
-    assert "the trainer published [1, 2]" in out
-    assert "read back from the Parquet shards" in out
-    assert list(tmp_path.glob("shards/run=demo-*/part-*.parquet"))
-    assert list(tmp_path.glob("checkpoints/demo-*/v2/model.safetensors"))
-    assert "HTTP Request" not in out  # client libraries' per-request lines stay quiet
-
-
 def test_up_serves_agents_and_writes_their_trajectories_to_shards(tmp_path: Path) -> None:
     port = free_port()
     proc = subprocess.Popen(
