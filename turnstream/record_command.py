@@ -16,12 +16,12 @@ from pathlib import Path
 from pydantic import AliasChoices, Field
 from pydantic_settings import SettingsConfigDict
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from consumers.recording import RecordedEvent, RecordingMeta, RecordingWriter
 from eventlog.reader import read_subject
 from schemas.errors import TurnstreamError
 from schemas.ids import EVENT_SUBJECT_PREFIX
+from turnstream.progress import progress_bar
 from turnstream.settings import ServiceSettings
 from turnstream.stack import open_log, require_log_url
 from turnstream.stack_file import join_stack
@@ -51,14 +51,7 @@ async def record_run(
     writing: asyncio.Future[None] | None = None
     try:
         async with open_log(settings, name="turnstream-record") as event_log:
-            with Progress(
-                TextColumn(f"recording run {settings.run}"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TimeElapsedColumn(),
-                console=console,
-                disable=not progress,
-            ) as bar:
+            with progress_bar(f"recording run {settings.run}", console, enabled=progress) as bar:
                 task = bar.add_task("events", total=None)
                 read = 0
                 async for stored, at, left in read_subject(

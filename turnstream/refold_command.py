@@ -36,7 +36,6 @@ import msgspec
 from pydantic import AliasChoices, Field
 from pydantic_settings import SettingsConfigDict
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from consumers import FoldWorkerSettings
@@ -48,6 +47,7 @@ from schemas.errors import SchemaError, TurnstreamError
 from schemas.events import SessionClosed, TrajectoryReady
 from schemas.ids import EVENT_SUBJECT_PREFIX, ID_PATTERN, traj_subject
 from schemas.trust import PoisonEvent, VettedSession, check_stored, vet_session
+from turnstream.progress import progress_bar
 from turnstream.settings import PublishingSettings
 from turnstream.stack import EventLog, open_log
 from turnstream.stack_file import join_stack
@@ -186,14 +186,8 @@ async def refold_run(
             report.skipped[session] = f"no events in run {run}"
         publisher = await JetStreamPublisher(event_log.nc, settings.publisher, codec).start()
         try:
-            with Progress(
-                TextColumn(f"refolding run {run} into run {into}"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TimeElapsedColumn(),
-                console=console,
-                disable=not progress,
-            ) as bar:
+            label = f"refolding run {run} into run {into}"
+            with progress_bar(label, console, enabled=progress) as bar:
                 task = bar.add_task("sessions", total=len(todo))
                 for start in range(0, len(todo), WINDOW):
                     window = todo[start : start + WINDOW]

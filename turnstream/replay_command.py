@@ -50,7 +50,6 @@ import msgspec
 from pydantic import Field, field_validator
 from pydantic_settings import CliPositionalArg, SettingsConfigDict
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from consumers.recording import Recording, read_recording
 from eventlog import JetStreamPublisher
@@ -58,6 +57,7 @@ from eventlog.reader import msg_id_counts
 from schemas.codec import Codec
 from schemas.errors import SchemaError, TurnstreamError
 from schemas.ids import EVENT_SUBJECT_PREFIX, ID_PATTERN
+from turnstream.progress import progress_bar
 from turnstream.settings import PublishingSettings
 from turnstream.stack import open_log
 from turnstream.stack_file import join_stack
@@ -237,14 +237,8 @@ async def replay_recording(
             event_log.nc, settings.publisher, Codec(max_payload=settings.log.max_payload)
         ).start()
         try:
-            with Progress(
-                TextColumn(f"replaying run {plan.source_run} into run {plan.run}"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TimeElapsedColumn(),
-                console=console,
-                disable=not progress,
-            ) as bar:
+            label = f"replaying run {plan.source_run} into run {plan.run}"
+            with progress_bar(label, console, enabled=progress) as bar:
                 task = bar.add_task("events", total=len(todo))
                 await _publish_paced(
                     publisher,
