@@ -55,6 +55,7 @@ from trainer_sink import (
 )
 from turnstream.demo_agents import (
     CHANCE,
+    KEEPALIVE_EXPIRY_S,
     NO_CALL,
     TURN_TIMEOUT_S,
     AgentPlan,
@@ -268,7 +269,11 @@ async def train_live(stack: Stack, settings: DemoSettings, console: Console) -> 
 
     started = time.perf_counter()
     try:
-        async with httpx.AsyncClient(base_url=stack.url, timeout=TURN_TIMEOUT_S) as http:
+        async with httpx.AsyncClient(
+            base_url=stack.url,
+            timeout=TURN_TIMEOUT_S,
+            limits=httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S),
+        ) as http:
             training = asyncio.create_task(trainer.run(sink, kv), name="trainer")
             try:
                 with progress:

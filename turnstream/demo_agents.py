@@ -38,12 +38,14 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import httpx
+import httpx2
 import openai
 
 from schemas.errors import TurnstreamError
 
 __all__ = [
     "CHANCE",
+    "KEEPALIVE_EXPIRY_S",
     "LOOKUP_PROMPTS",
     "NO_CALL",
     "TOOLS",
@@ -80,6 +82,9 @@ LOOKUP_PROMPTS = ("Look up a word and write it.", "Ask the dictionary for a word
 FOLLOW_UP = "Another one."
 NO_CALL = -0.5  # the reward of a lookup whose tool call did not come back (see above)
 TURN_TIMEOUT_S = 120.0  # one turn, queued behind a whole batch on a busy machine included
+# Idle connections are dropped by the client before the server's keep-alive (uvicorn: 5 s)
+# closes them: a request sent on a connection the server is closing dies with a ReadError.
+KEEPALIVE_EXPIRY_S = 1.0
 LOWERCASE = frozenset(string.ascii_lowercase)
 CHANCE = 26 / 320  # the reward of uniform noise over the tiny model's 320 token ids
 
@@ -290,7 +295,9 @@ async def run_agents(
     each batch once its episodes are closed."""
     models = (await http.get("/v1/models")).json()["data"]
     episodes: list[Episode] = []
-    async with openai.DefaultAsyncHttpxClient(timeout=TURN_TIMEOUT_S) as sdk_http:
+    async with openai.DefaultAsyncHttpxClient(
+        timeout=TURN_TIMEOUT_S, limits=httpx2.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S)
+    ) as sdk_http:
         agents = Agents(http, sdk_http, plan, str(models[0]["id"]))
         for batch in range(plan.steps):
             await agents.wait_for_version(batch, training, version_timeout_s)
