@@ -23,6 +23,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Collection
 from typing import Any
 
 import nats.errors
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js import api as js_api
 
@@ -247,13 +248,8 @@ async def read_range(
     except (TimeoutError, nats.errors.Error, OSError) as exc:
         raise EventLogUnavailable(f"reading {where}: {exc}") from exc
     try:
-        while True:
-            try:
-                msg = await sub.next_msg(timeout=timeout_s)
-            except (TimeoutError, nats.errors.TimeoutError):
-                return  # the range ends past the stream's last message
-            except (nats.errors.Error, OSError) as exc:
-                raise EventLogUnavailable(f"reading {where}: {exc}") from exc
+        # None: the range ends past the stream's last message
+        while (msg := await _next_msg(sub, where, timeout_s)) is not None:
             seq = int(msg.metadata.sequence.stream)
             if seq > last:
                 return
@@ -290,13 +286,8 @@ async def read_subject(
     except (TimeoutError, nats.errors.Error, OSError) as exc:
         raise EventLogUnavailable(f"reading {where}: {exc}") from exc
     try:
-        while True:
-            try:
-                msg = await sub.next_msg(timeout=timeout_s)
-            except (TimeoutError, nats.errors.TimeoutError):
-                return  # nothing (more) on the subject
-            except (nats.errors.Error, OSError) as exc:
-                raise EventLogUnavailable(f"reading {where}: {exc}") from exc
+        # None: nothing (more) on the subject
+        while (msg := await _next_msg(sub, where, timeout_s)) is not None:
             meta = msg.metadata
             at = meta.timestamp.timestamp()
             if until is not None and at > until.timestamp():
@@ -310,3 +301,14 @@ async def read_subject(
     finally:
         with contextlib.suppress(nats.errors.Error, OSError):
             await sub.unsubscribe()
+
+
+async def _next_msg(sub: Any, where: str, timeout_s: float) -> Msg | None:
+    """The ordered consumer's next message; None when none comes within ``timeout_s``."""
+    try:
+        msg: Msg = await sub.next_msg(timeout=timeout_s)
+    except (TimeoutError, nats.errors.TimeoutError):
+        return None
+    except (nats.errors.Error, OSError) as exc:
+        raise EventLogUnavailable(f"reading {where}: {exc}") from exc
+    return msg
