@@ -6,6 +6,14 @@ STAMP  := $(VENV)/.installed
 # The oldest tensordict we support (verl pins >=0.8): the assembly tests run against it too.
 TD_OLDEST_VERSION := 0.8.3
 TD_OLDEST := $(VENV)/compat/tensordict-$(TD_OLDEST_VERSION)
+# verl for the integration tests (tests/verl, run in a subprocess with this first on the path),
+# installed without dependencies so that it never touches the venv's torch: verl, the newest
+# tensordict it allows, and the pure-Python packages its trainer and agent-loop modules import.
+VERL_VERSION := 0.9.1
+VERL := $(VENV)/compat/verl-$(VERL_VERSION)
+VERL_PACKAGES := verl==$(VERL_VERSION) tensordict==0.10.0 omegaconf==2.4.0 hydra-core==1.3.8 \
+	antlr4-python3-runtime==4.9.3 codetiming==1.4.0 orjson==3.13.0 torchdata==0.11.0 \
+	peft==0.21.2 cachetools==8.0.2
 
 .PHONY: setup demo test lint typecheck unit bench soak clean
 
@@ -17,6 +25,7 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
 	$(BIN)/python -m pip install --quiet --no-deps --upgrade --target $(TD_OLDEST) 'tensordict==$(TD_OLDEST_VERSION)'
+	$(BIN)/python -m pip install --quiet --no-deps --upgrade --target $(VERL) $(VERL_PACKAGES)
 	@touch $(STAMP)
 
 demo: setup

@@ -218,7 +218,7 @@ async def pipeline_latency(sessions: int, interval_s: float) -> dict[str, Any]:
                     now = time.time()
                     for tid in batch.trajectory_ids:
                         yielded[tid] = now
-                    await batch.commit()
+                    await sink.commit(batch)
                     if len(yielded) >= sessions:
                         return
 

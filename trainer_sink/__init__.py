@@ -1,14 +1,17 @@
 """TensorDict batches for PPO/GRPO from the log or shards (DESIGN §7).
 
+A pipeline of values: ``Source -> Batcher -> assemble -> Batch``, committed through the sink.
+
 - ``sources``: where trajectories come from: the live TRAJ feed (a durable pull consumer),
-  the Parquet shards (``pyarrow.dataset`` with filters), or a replayed TRAJ range.
-- ``batching``: the batching policies (count, token budget, GRPO groups, staleness); pure.
+  the Parquet shards (``pyarrow.dataset`` with filters), or a replayed TRAJ range. Only the
+  source tracks what waits unacknowledged.
+- ``batching``: the batching policies (count, token budget, GRPO groups, staleness) and the
+  group instances (``uid``); pure.
 - ``assembly``: trajectories -> one TensorDict in verl's padded layout or a jagged
-  (``torch.nested``) layout; pure.
-- ``sink``: ``async for batch in TrainerSink(source, ...)`` ... ``await batch.commit()``, and
-  ``SyncSink`` / ``SinkDataset`` for code outside asyncio.
-- ``trainer``: a small reference GRPO/PPO trainer on the tiny model, fed live by the sink; it
-  publishes each new policy (PolicyUpdated) for the gateway to load.
+  (``torch.nested``) layout, every key listed in its docstring; pure.
+- ``sink``: ``async for batch in TrainerSink(source, ...)`` ... ``await sink.commit(batch)``,
+  and ``SyncSink`` / ``SinkDataset`` for code outside asyncio.
+- ``dataproto``: ``to_dataproto(batch)``, verl's ``DataProto`` (verl imported when called).
 - ``ray_actor``: the sink as a Ray actor (``sink_actor``) for Ray-based trainers; Ray is
   imported only there, when an actor is made.
 """
@@ -16,8 +19,17 @@
 from __future__ import annotations
 
 from trainer_sink.assembly import assemble, assemble_jagged, assemble_padded, non_tensor_values
-from trainer_sink.batching import Batcher, BatchingStats, Decision, Dropped, DropReason, Sample
+from trainer_sink.batching import (
+    Batcher,
+    BatchingStats,
+    Decision,
+    Dropped,
+    DropReason,
+    Sample,
+    instance_uid,
+)
 from trainer_sink.config import AssemblySettings, BatchingSettings, LiveSourceSettings
+from trainer_sink.dataproto import to_dataproto
 from trainer_sink.errors import BatchCommitted, BatchError, PolicyError, SinkError
 from trainer_sink.ray_actor import (
     LiveSpec,
@@ -27,7 +39,14 @@ from trainer_sink.ray_actor import (
     SinkSpec,
     sink_actor,
 )
-from trainer_sink.sink import Batch, SinkDataset, SinkStats, SyncBatch, SyncSink, TrainerSink
+from trainer_sink.sink import (
+    AckToken,
+    Batch,
+    SinkDataset,
+    SinkStats,
+    SyncSink,
+    TrainerSink,
+)
 from trainer_sink.sources import (
     LiveSource,
     OfflineSource,
@@ -36,9 +55,9 @@ from trainer_sink.sources import (
     ShardFilter,
     Source,
 )
-from trainer_sink.trainer import ReferenceTrainer, ReferenceTrainerSettings, StepReport
 
 __all__ = [
+    "AckToken",
     "AssemblySettings",
     "Batch",
     "BatchCommitted",
@@ -56,8 +75,6 @@ __all__ = [
     "OfflineSpec",
     "PolicyError",
     "Received",
-    "ReferenceTrainer",
-    "ReferenceTrainerSettings",
     "ReplaySource",
     "Sample",
     "ShardFilter",
@@ -68,13 +85,13 @@ __all__ = [
     "SinkSpec",
     "SinkStats",
     "Source",
-    "StepReport",
-    "SyncBatch",
     "SyncSink",
     "TrainerSink",
     "assemble",
     "assemble_jagged",
     "assemble_padded",
+    "instance_uid",
     "non_tensor_values",
     "sink_actor",
+    "to_dataproto",
 ]

@@ -1,6 +1,7 @@
 """Batch assembly (DESIGN §7): trajectories in, one TensorDict out. Pure: no I/O, no clock.
 
-Keys (B samples; padded: P prompt and R response columns; integer tensors int64)::
+Every key a batch carries is listed here (the sink adds none). B samples; padded: P prompt and
+R response columns; integer tensors int64::
 
     prompts            [B, P]    input_ids[:prompt_len], LEFT-padded with pad_token_id
     responses          [B, R]    input_ids[prompt_len:], RIGHT-padded; tool / user tokens of
@@ -12,9 +13,24 @@ Keys (B samples; padded: P prompt and R response columns; integer tensors int64)
     rollout_log_probs  [B, R]    float32 sampling logprobs of generated tokens, 0 elsewhere
     rm_scores          [B, R]    float32 rewards on response tokens, 0 elsewhere (below)
     truncated          [B]       bool: this sample was cut to the fixed lengths
+    stale              [B]       bool: older than the sink's max_staleness, kept by stale="flag"
     min_weight_version [B]       int64 tensors: the trajectory's oldest / newest weight version
     max_weight_version [B]       of generated tokens (-1: none), before any truncation
-    uid, session, trajectory_id, num_turns   non-tensor, one per sample (uid = the GRPO group)
+
+Non-tensor entries, one value per sample:
+
+    uid                the GRPO group *instance* (``trainer_sink.batching``: two instances of
+                       one group name never share it); verl normalizes advantages per uid
+    group              the bare group name (the session's ``group``, else its id)
+    session, trajectory_id
+    __num_turns__      int: the sample's completion turns (model calls), under verl's key. verl's
+                       own agent loops count messages instead (2 for one user/assistant exchange)
+    multi_modal_inputs an empty dict (``AssemblySettings.multi_modal_inputs``): verl's trainer
+                       reads it for every sample, text-only ones included
+
+``uids`` and ``stale`` come from the batcher; called directly, ``assemble`` takes each sample's
+uid to be ``<run>/<group>`` (one instance per group name and run: right for a set of
+trajectories without repeated prompts) and no sample to be stale.
 
 The jagged layout (``layout="jagged"``) carries the same keys as ``torch.nested`` tensors with
 ``layout=torch.jagged`` and no padding ([B, j]): sample i of ``input_ids`` is its kept prompt
@@ -109,16 +125,24 @@ class _Rewards:
 
 
 def assemble(
-    trajectories: Sequence[TrajectoryReady], settings: AssemblySettings = _DEFAULTS
+    trajectories: Sequence[TrajectoryReady],
+    settings: AssemblySettings = _DEFAULTS,
+    *,
+    uids: Sequence[str] | None = None,
+    stale: Sequence[bool] | None = None,
 ) -> TensorDict:
     """The batch of ``trajectories`` in ``settings.layout``; see the module docstring."""
     if settings.layout == "jagged":
-        return assemble_jagged(trajectories, settings)
-    return assemble_padded(trajectories, settings)
+        return assemble_jagged(trajectories, settings, uids=uids, stale=stale)
+    return assemble_padded(trajectories, settings, uids=uids, stale=stale)
 
 
 def assemble_padded(
-    trajectories: Sequence[TrajectoryReady], settings: AssemblySettings = _DEFAULTS
+    trajectories: Sequence[TrajectoryReady],
+    settings: AssemblySettings = _DEFAULTS,
+    *,
+    uids: Sequence[str] | None = None,
+    stale: Sequence[bool] | None = None,
 ) -> TensorDict:
     """The padded (verl) batch: prompts left-padded, responses right-padded.
 
@@ -164,11 +188,15 @@ def assemble_padded(
         },
         batch_size=[batch_size],
     )
-    return _annotate(batch, trajectories, cut)
+    return _annotate(batch, trajectories, cut, settings, uids, stale)
 
 
 def assemble_jagged(
-    trajectories: Sequence[TrajectoryReady], settings: AssemblySettings = _DEFAULTS
+    trajectories: Sequence[TrajectoryReady],
+    settings: AssemblySettings = _DEFAULTS,
+    *,
+    uids: Sequence[str] | None = None,
+    stale: Sequence[bool] | None = None,
 ) -> TensorDict:
     """The jagged batch: the same keys as torch.nested jagged tensors, no padding.
 
@@ -224,7 +252,7 @@ def assemble_jagged(
         },
         batch_size=[len(trajectories)],
     )
-    return _annotate(batch, trajectories, cut)
+    return _annotate(batch, trajectories, cut, settings, uids, stale)
 
 
 def non_tensor_values(batch: TensorDictBase, key: str) -> list[Any]:
@@ -348,10 +376,21 @@ class _Ragged:
 # -- the rest ---------------------------------------------------------------------------------
 
 
-def _annotate(batch: TensorDict, trajectories: Sequence[TrajectoryReady], cut: _Cut) -> TensorDict:
+def _annotate(
+    batch: TensorDict,
+    trajectories: Sequence[TrajectoryReady],
+    cut: _Cut,
+    settings: AssemblySettings,
+    uids: Sequence[str] | None,
+    stale: Sequence[bool] | None,
+) -> TensorDict:
     """Add the per-sample tensors and the non-tensor entries common to both layouts."""
     count = len(trajectories)
+    for name, given in (("uids", uids), ("stale", stale)):
+        if given is not None and len(given) != count:
+            raise BatchError(f"{len(given)} {name} for {count} trajectories: give one per sample")
     batch["truncated"] = torch.from_numpy(cut.truncated)
+    batch["stale"] = torch.tensor([False] * count if stale is None else list(stale))
     batch["min_weight_version"] = torch.from_numpy(
         np.fromiter((t.min_weight_version for t in trajectories), np.int64, count)
     )
@@ -359,14 +398,18 @@ def _annotate(batch: TensorDict, trajectories: Sequence[TrajectoryReady], cut: _
         np.fromiter((t.max_weight_version for t in trajectories), np.int64, count)
     )
     entries: dict[str, list[Any]] = {
-        "uid": [t.group for t in trajectories],
+        "uid": [f"{t.run}/{t.group}" for t in trajectories] if uids is None else list(uids),
+        "group": [t.group for t in trajectories],
         "session": [t.session for t in trajectories],
         "trajectory_id": [t.trajectory_id for t in trajectories],
-        "num_turns": [t.num_turns for t in trajectories],
+        "__num_turns__": [t.num_turns for t in trajectories],
     }
     for key, values in entries.items():
         # A stack with one NonTensorData per sample: not set_non_tensor (one value for the whole
         # batch), not torch.stack (a single NonTensorData when all values are equal).
         # from_list wraps each value; the values are str / int, never lists it would recurse into.
         batch[key] = NonTensorStack.from_list(values)
+    if settings.multi_modal_inputs:
+        # Dicts, which from_list would turn into TensorDicts: wrapped one by one (2x slower).
+        batch["multi_modal_inputs"] = NonTensorStack(*(NonTensorData({}) for _ in trajectories))
     return batch

@@ -27,6 +27,16 @@ Policies (``BatchingSettings.policy``):
   group whose sessions' rewards are all equal (no GRPO signal; a missing reward counts as 0.0,
   as in ``rm_scores``) is dropped (``uniform_group``), incomplete released groups included.
 
+Group instances (``Sample.uid``, the batch's ``uid``): GRPO normalizes advantages over the samples
+that share a uid, so a uid must name one group *instance*, never two. Group names repeat: two runs
+reuse them (every demo names its groups g0..g3), and one run sends a prompt again in a later
+epoch. A session joins the open instance of its (run, group) key; an instance takes
+``group_size`` sessions, and the next session of the key starts a new one (in every policy: count
+and tokens batches carry the same uids, so GRPO over them still never pools two instances). An
+instance is named after its first member: ``<run>/<group>/<session>.<segment>``. That name is
+deterministic for a given stream order, never shared by two instances in one sink, and, since a
+committed trajectory is never delivered again, not by instances of two sinks in turn (a restart).
+
 Staleness (``max_staleness``): a sample is stale when ``trainer_version - min_weight_version >
 max_staleness``. The *oldest* generated token decides: the policy-gradient ratio is off by
 every update since the earliest token was sampled. A sample with no generated token (no version)
@@ -56,8 +66,8 @@ Two sessions of one group, then a third whose mate never comes:
 >>> batcher.add(sample("a", 1.0), now=0.0).batches
 []
 >>> [batch] = batcher.add(sample("b", 0.0), now=1.0).batches
->>> [s.trajectory.session for s in batch]
-['a', 'b']
+>>> [(s.trajectory.session, s.uid) for s in batch]
+[('a', 'r/g/a.0'), ('b', 'r/g/a.0')]
 >>> batcher.add(sample("a", 1.0), now=2.0).dropped[0].reason
 'duplicate'
 >>> _ = batcher.add(sample("c", 1.0), now=3.0)
@@ -87,10 +97,12 @@ __all__ = [
     "Dropped",
     "Sample",
     "expected_segments",
+    "instance_uid",
 ]
 
 H = TypeVar("H")
 _K = TypeVar("_K")
+_V = TypeVar("_V")
 DropReason = Literal[
     "duplicate", "stale", "over_budget", "incomplete_group", "uniform_group", "late_member"
 ]
@@ -105,6 +117,7 @@ class Sample(Generic[H]):
     trajectory: TrajectoryReady
     handle: H
     stale: bool = False  # set by the batcher: older than max_staleness, kept by stale="flag"
+    uid: str = ""  # set by the batcher on release: the group instance (module docstring)
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +153,7 @@ class BatchingStats:
 class _Group(Generic[H]):
     number: int  # in order of start
     key: _GroupKey
+    uid: str
     started: float
     samples: list[Sample[H]] = field(default_factory=list)  # arrival order
     segments: dict[_SessionKey, int] = field(default_factory=dict)  # expected, per session
@@ -149,6 +163,20 @@ class _Group(Generic[H]):
         return len(self.segments) == size and all(
             len(self.seen[session]) >= expected for session, expected in self.segments.items()
         )
+
+
+def instance_uid(first: TrajectoryReady) -> str:
+    """The uid of the group instance ``first`` starts (module docstring). Injective: runs and
+    sessions are ``[A-Za-z0-9_-]`` ids, so the group name is whatever lies between them."""
+    return f"{first.run}/{first.group}/{first.session}.{first.segment}"
+
+
+@dataclass
+class _Instance:
+    """count / tokens: the open instance of a (run, group) key."""
+
+    uid: str
+    sessions: int = 0
 
 
 def expected_segments(trajectory: TrajectoryReady) -> int:
@@ -178,6 +206,9 @@ class Batcher(Generic[H]):
         self._open: dict[_GroupKey, _Group[H]] = {}  # the group of a key taking new sessions
         self._member_of: dict[_SessionKey, _Group[H]] = {}
         self._left: OrderedDict[_SessionKey, None] = OrderedDict()  # sessions of gone groups
+        # count / tokens: each recent session's instance, and each key's open instance (LRU)
+        self._uid_of: OrderedDict[_SessionKey, str] = OrderedDict()
+        self._instances: OrderedDict[_GroupKey, _Instance] = OrderedDict()
         self._ready: list[_Group[H]] = []
         self._next_group = 0
 
@@ -231,6 +262,20 @@ class Batcher(Generic[H]):
             self._recent.pop(trajectory.trajectory_id, None)
             self._left.pop((trajectory.run, trajectory.session), None)
 
+    def drain(self) -> list[Sample[H]]:
+        """Take out everything held (buffered, in pending or ready groups) and forget it: for a
+        caller closing down, that hands it back to its source."""
+        samples = list(self._buffer)
+        samples += [s for group in self._pending.values() for s in group.samples]
+        samples += [s for group in self._ready for s in group.samples]
+        self._buffer, self._buffer_tokens, self._ready = [], 0, []
+        self._pending.clear()
+        self._open.clear()
+        self._member_of.clear()
+        self._held.clear()
+        self.forget(samples)
+        return samples
+
     # -- count and tokens
 
     def _add_to_buffer(self, sample: Sample[H], out: Decision[H]) -> None:
@@ -239,6 +284,7 @@ class Batcher(Generic[H]):
                 self._drop(sample, "stale", out)
                 return
             sample = replace(sample, stale=True)
+        sample = replace(sample, uid=self._buffer_uid(sample.trajectory))
         if self.settings.policy == "count":
             self._hold(sample)
             if len(self._buffer) >= self.settings.batch_size:
@@ -254,6 +300,22 @@ class Batcher(Generic[H]):
         self._buffer_tokens += length
         if self._buffer_tokens == budget:
             self._release_buffer(out)
+
+    def _buffer_uid(self, trajectory: TrajectoryReady) -> str:
+        """The instance of the sample's session: the key's open one, or a new one when the open
+        one has its ``group_size`` sessions (the same rule as the groups policy)."""
+        session: _SessionKey = (trajectory.run, trajectory.session)
+        uid = self._uid_of.get(session)
+        if uid is None:
+            key: _GroupKey = (trajectory.run, trajectory.group)
+            instance = self._instances.get(key)
+            if instance is None or instance.sessions >= self.settings.group_size:
+                instance = _Instance(instance_uid(trajectory))
+            instance.sessions += 1
+            uid = instance.uid
+            self._remember(self._instances, key, instance)
+        self._remember(self._uid_of, session, uid)
+        return uid
 
     def _hold(self, sample: Sample[H]) -> None:
         self._held.add(sample.trajectory.trajectory_id)
@@ -276,7 +338,8 @@ class Batcher(Generic[H]):
             key: _GroupKey = (trajectory.run, trajectory.group)
             group = self._open.get(key)
             if group is None:
-                group = self._open[key] = _Group(self._next_group, key, started=self._now)
+                group = _Group(self._next_group, key, instance_uid(trajectory), self._now)
+                self._open[key] = group
                 self._pending[group.number] = group
                 self._next_group += 1
             group.segments[session] = 1
@@ -305,7 +368,7 @@ class Batcher(Generic[H]):
             del self._open[group.key]
         for session in group.segments:
             del self._member_of[session]
-            self._remember(self._left, session)
+            self._remember(self._left, session, None)
         reason = self._group_drop_reason(group, complete)
         if reason is not None:
             self.stats.dropped_groups[reason] += 1
@@ -313,7 +376,7 @@ class Batcher(Generic[H]):
                 self._drop(sample, reason, out)
             return
         group.samples = [
-            replace(s, stale=True) if self._is_stale(s.trajectory) else s for s in group.samples
+            replace(s, stale=self._is_stale(s.trajectory), uid=group.uid) for s in group.samples
         ]
         if not complete:
             self.stats.incomplete_groups_released += 1
@@ -365,10 +428,10 @@ class Batcher(Generic[H]):
 
     def _forget_held(self, trajectory_id: str) -> None:
         self._held.discard(trajectory_id)
-        self._remember(self._recent, trajectory_id)
+        self._remember(self._recent, trajectory_id, None)
 
-    def _remember(self, memory: OrderedDict[_K, None], key: _K) -> None:
-        memory[key] = None
+    def _remember(self, memory: OrderedDict[_K, _V], key: _K, value: _V) -> None:
+        memory[key] = value
         memory.move_to_end(key)
         while len(memory) > self.settings.dedup_window:
             memory.popitem(last=False)

@@ -68,6 +68,11 @@ class AssemblySettings(BaseModel):
         description="over a fixed length: cut (prompt from the left, response from the right) "
         "and set truncated=True; false: a BatchError",
     )
+    multi_modal_inputs: bool = Field(
+        True,
+        description="give each sample an empty multi_modal_inputs dict, which verl's trainer "
+        "reads for every sample",
+    )
 
 
 class LiveSourceSettings(BaseModel):

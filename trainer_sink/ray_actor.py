@@ -143,12 +143,15 @@ class SinkActor:
             return token, batch.tensors
 
     async def commit(self, token: str) -> None:
-        """Acknowledge the batch's trajectories: they will not be delivered again."""
-        await self._take(token).commit()
+        """Acknowledge the batch's trajectories: they will not be delivered again. When the log
+        does not confirm (EventLogUnavailable), the token stays held: commit it again."""
+        await (await self._opened()).commit(self._held_batch(token))
+        del self._held[token]
 
     async def release(self, token: str) -> None:
         """Hand the batch back uncommitted: the live source delivers it again at once."""
-        await self._take(token).release()
+        await (await self._opened()).release(self._held_batch(token))
+        del self._held[token]
 
     async def set_trainer_version(self, version: int | None) -> None:
         """The trainer's weight version, from which the staleness bound is measured."""
@@ -184,9 +187,9 @@ class SinkActor:
         except StopAsyncIteration:
             return None
 
-    def _take(self, token: str) -> Batch:
+    def _held_batch(self, token: str) -> Batch:
         try:
-            return self._held.pop(token)
+            return self._held[token]
         except KeyError:
             raise BatchCommitted(
                 f"no batch {token!r} is held by this sink actor: it was already committed or "

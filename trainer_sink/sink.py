@@ -5,7 +5,14 @@
     sink = TrainerSink(LiveSource(js, publisher), BatchingSettings(policy="groups", group_size=8))
     async for batch in sink:
         loss = train_step(batch.tensors)         # a TensorDict with verl's keys
-        await batch.commit()                     # only now are its trajectories acknowledged
+        await sink.commit(batch)                 # only now are its trajectories acknowledged
+
+A pipeline of values: the ``Source`` hands out received trajectories (and alone tracks which
+wait unacknowledged), the pure ``Batcher`` groups them into batches (and names each group
+instance), the pure ``assemble`` turns a batch into its TensorDict (every key: see
+``trainer_sink.assembly``), and a ``Batch`` is that TensorDict plus an ``AckToken``. The trainer
+commits or releases a batch through the sink, which acknowledges or hands back the token's
+items through the source.
 
 A batch not committed (the trainer crashed) is redelivered by the live source after its ack
 wait; the batcher drops repeated trajectory ids. Samples the batcher drops (stale, incomplete or
@@ -16,6 +23,7 @@ uniform groups, over budget, duplicates) are acknowledged at once and counted in
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
 import time
@@ -24,7 +32,6 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import torch
 from tensordict import TensorDict
 from torch.utils.data import IterableDataset
 
@@ -36,7 +43,14 @@ from trainer_sink.config import AssemblySettings, BatchingSettings
 from trainer_sink.errors import BatchCommitted, BatchError
 from trainer_sink.sources import Received, Source
 
-__all__ = ["Batch", "SinkDataset", "SinkStats", "SyncBatch", "SyncSink", "TrainerSink"]
+__all__ = [
+    "AckToken",
+    "Batch",
+    "SinkDataset",
+    "SinkStats",
+    "SyncSink",
+    "TrainerSink",
+]
 
 T = TypeVar("T")
 
@@ -51,44 +65,33 @@ class SinkStats:
     dropped_acked: int = 0  # samples the batcher dropped, acknowledged
 
 
-class Batch:
-    """One batch: ``tensors`` for the trainer, ``commit()`` once the step is done."""
+@dataclass(frozen=True, eq=False)
+class AckToken:
+    """What commits or releases one batch: its samples as the batcher released them (each with
+    the source's handle). ``number`` is unique within its sink."""
 
-    def __init__(self, sink: TrainerSink, samples: list[Sample[Received]], tensors: TensorDict):
-        self._sink = sink
-        self.samples = samples
-        self.tensors = tensors
-        self._done = False
+    number: int
+    samples: tuple[Sample[Received], ...]
+
+
+@dataclass(frozen=True, eq=False)
+class Batch:
+    """One batch: ``tensors`` for the trainer, ``token`` for ``sink.commit`` / ``sink.release``."""
+
+    tensors: TensorDict
+    token: AckToken
+
+    @property
+    def samples(self) -> tuple[Sample[Received], ...]:
+        return self.token.samples
 
     @property
     def trajectories(self) -> list[TrajectoryReady]:
-        return [s.trajectory for s in self.samples]
+        return [s.trajectory for s in self.token.samples]
 
     @property
     def trajectory_ids(self) -> list[str]:
-        return [s.trajectory.trajectory_id for s in self.samples]
-
-    async def commit(self) -> None:
-        """Acknowledge the batch's trajectories: they will not be delivered again. When the log
-        does not confirm (EventLogUnavailable), commit again (acks are idempotent) or release;
-        what stays unconfirmed is delivered again after the ack wait."""
-        self._check_open()
-        await self._sink._commit(self)
-        self._done = True
-
-    async def release(self) -> None:
-        """Give the batch back uncommitted: the live source delivers it again (finite sources
-        do not repeat what they read)."""
-        self._check_open()
-        await self._sink._release(self)
-        self._done = True
-
-    def _check_open(self) -> None:
-        if self._done:
-            raise BatchCommitted(
-                f"batch of {len(self.samples)} trajectories (first {self.trajectory_ids[:1]}) "
-                f"was already committed or released"
-            )
+        return [s.trajectory.trajectory_id for s in self.token.samples]
 
 
 class TrainerSink:
@@ -114,7 +117,8 @@ class TrainerSink:
         self._clock = clock
         self._ready: deque[list[Sample[Received]]] = deque()
         self._exhausted = False
-        self._unacked: set[int] = set()  # TRAJ sequences received, not yet acknowledged
+        self._numbers = itertools.count()
+        self._outstanding: dict[int, AckToken] = {}  # handed out, neither committed nor released
         self._window_warned = False
         _check_flow(self.source, self.batching)
 
@@ -137,15 +141,48 @@ class TrainerSink:
             await self._pull()
         samples = self._ready.popleft()
         try:
-            tensors = assemble([s.trajectory for s in samples], self.assembly)
+            tensors = assemble(
+                [s.trajectory for s in samples],
+                self.assembly,
+                uids=[s.uid for s in samples],
+                stale=[s.stale for s in samples],
+            )
         except BatchError:
             # Settings the samples do not fit (the error says which): hand them back rather
             # than strand them uncommitted; they come again once the settings are fixed.
             await self._hand_back(samples)
             raise
-        tensors["stale"] = torch.tensor([s.stale for s in samples], dtype=torch.bool)
+        token = AckToken(next(self._numbers), tuple(samples))
+        self._outstanding[token.number] = token
         self.stats.batches += 1
-        return Batch(self, samples, tensors)
+        return Batch(tensors, token)
+
+    async def commit(self, batch: Batch) -> None:
+        """Acknowledge the batch's trajectories: they will not be delivered again. When the log
+        does not confirm (EventLogUnavailable), commit again (acks are idempotent) or release;
+        what stays unconfirmed is delivered again after the ack wait."""
+        token = self._outstanding_token(batch)
+        await self.source.ack([s.handle for s in token.samples])
+        del self._outstanding[token.number]
+        self.stats.committed += 1
+
+    async def release(self, batch: Batch) -> None:
+        """Give the batch back uncommitted: the live source delivers it again (finite sources
+        do not repeat what they read)."""
+        token = self._outstanding_token(batch)
+        del self._outstanding[token.number]
+        await self._hand_back(list(token.samples))
+        self.stats.released += 1
+
+    def _outstanding_token(self, batch: Batch) -> AckToken:
+        token = batch.token
+        if self._outstanding.get(token.number) is not token:
+            raise BatchCommitted(
+                f"batch {token.number} of {len(token.samples)} trajectories (first "
+                f"{batch.trajectory_ids[:1]}) was already committed or released, or came from "
+                f"another sink"
+            )
+        return token
 
     async def _pull(self) -> None:
         wait = self._wait_s
@@ -156,31 +193,23 @@ class TrainerSink:
         now = self._clock()
         if items is None:
             self._exhausted = True
-            await self._apply(self.batcher.flush(now), ())
+            await self._apply(self.batcher.flush(now))
             return
         for item in items:
-            # The same TRAJ message delivered again while its first copy waits uncommitted (in
-            # a group, a batch, the trainer's hands): the batcher drops it as a duplicate, and
-            # acking it would acknowledge the original, so it is left alone.
-            again = item.seq is not None and item.seq in self._unacked
-            if item.seq is not None:
-                self._unacked.add(item.seq)
-            await self._apply(
-                self.batcher.add(Sample(item.trajectory, item), now), (item,) if again else ()
-            )
-        await self._apply(self.batcher.tick(now), ())
+            await self._apply(self.batcher.add(Sample(item.trajectory, item), now))
+        await self._apply(self.batcher.tick(now))
         await self._when_window_full(now)
 
     async def _when_window_full(self, now: float) -> None:
         """JetStream delivers nothing more while ``max_ack_pending`` trajectories wait
         uncommitted. Held by the batcher with no batch ready, they would wait forever."""
-        limit = self.source.max_unacked
-        if limit is None or self._ready or len(self._unacked) < limit:
+        limit, unacked = self.source.max_unacked, self.source.unacked
+        if limit is None or self._ready or unacked < limit:
             self._window_warned = False
             return
         if self.batching.policy == "tokens":
             # Under the budget, but no more can come: release what is held as a batch.
-            await self._apply(self.batcher.flush(now), ())
+            await self._apply(self.batcher.flush(now))
             return
         if not self._window_warned and self.batcher.pending:
             self._window_warned = True
@@ -190,52 +219,46 @@ class TrainerSink:
                 "until some are committed. Incomplete groups go by incomplete_groups=%s after "
                 "group_timeout_s=%gs. Raise max_ack_pending to hold every group in flight at "
                 "once (group_size x concurrent groups)",
-                len(self._unacked),
+                unacked,
                 limit,
                 self.batcher.pending,
                 self.batching.incomplete_groups,
                 self.batching.group_timeout_s,
             )
 
-    async def _apply(self, decision: Decision[Received], keep: tuple[Received, ...]) -> None:
+    async def _apply(self, decision: Decision[Received]) -> None:
         self._ready.extend(decision.batches)
-        to_ack = [d.sample.handle for d in decision.dropped if d.sample.handle not in keep]
-        if not to_ack:
+        dropped = [d.sample.handle for d in decision.dropped]
+        if not dropped:
             return
         try:
-            await self._ack(to_ack)
+            await self.source.ack(dropped)
         except EventLogUnavailable as exc:
-            # Dropped either way: unconfirmed, they come again after the ack wait and are
-            # dropped (and acknowledged) again.
-            log.warning("%d dropped trajectories not acknowledged yet: %s", len(to_ack), exc)
-            self._forget_unacked(to_ack)
+            # Dropped either way: handed back, they come again, are recognized as duplicates
+            # (the batcher remembers them) and acknowledged then.
+            log.warning("%d dropped trajectories not acknowledged yet: %s", len(dropped), exc)
+            await self.source.nak(dropped)
             return
-        self.stats.dropped_acked += len(to_ack)
-
-    async def _ack(self, items: list[Received]) -> None:
-        await self.source.ack(items)
-        self._forget_unacked(items)
-
-    def _forget_unacked(self, items: list[Received]) -> None:
-        for item in items:
-            if item.seq is not None:
-                self._unacked.discard(item.seq)
-
-    async def _commit(self, batch: Batch) -> None:
-        await self._ack([s.handle for s in batch.samples])
-        self.stats.committed += 1
-
-    async def _release(self, batch: Batch) -> None:
-        await self._hand_back(batch.samples)
-        self.stats.released += 1
+        self.stats.dropped_acked += len(dropped)
 
     async def _hand_back(self, samples: list[Sample[Received]]) -> None:
         self.batcher.forget(samples)
-        items = [s.handle for s in samples]
-        await self.source.nak(items)
-        self._forget_unacked(items)
+        await self.source.nak([s.handle for s in samples])
 
     async def close(self) -> None:
+        """Hand back everything held (batches not committed, batches not yet taken, samples
+        waiting in the batcher): the live source delivers it again at once rather than after
+        its ack wait. Then close the source."""
+        held = [s for token in self._outstanding.values() for s in token.samples]
+        held += [s for batch in self._ready for s in batch]
+        held += self.batcher.drain()
+        self._outstanding.clear()
+        self._ready.clear()
+        if held:
+            try:
+                await self._hand_back(held)
+            except EventLogUnavailable as exc:
+                log.warning("%d held trajectories not handed back: %s", len(held), exc)
         await self.source.close()
 
 
@@ -264,7 +287,7 @@ class SyncSink:
         with SyncSink(lambda: open_live_sink(url, ...)) as sink:
             for batch in sink:
                 step(batch.tensors)
-                batch.commit()
+                sink.commit(batch)
     """
 
     def __init__(self, make_sink: Callable[[], Awaitable[TrainerSink]]) -> None:
@@ -280,13 +303,20 @@ class SyncSink:
     def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
-    def __iter__(self) -> Iterator[SyncBatch]:
+    def __iter__(self) -> Iterator[Batch]:
         while True:
             try:
-                batch = self.run(self.sink.__anext__())
+                yield self.run(self.sink.__anext__())
             except StopAsyncIteration:
                 return
-            yield SyncBatch(self, batch)
+
+    def commit(self, batch: Batch) -> None:
+        """``TrainerSink.commit``, waited for."""
+        self.run(self.sink.commit(batch))
+
+    def release(self, batch: Batch) -> None:
+        """``TrainerSink.release``, waited for."""
+        self.run(self.sink.release(batch))
 
     def close(self) -> None:
         if self._loop.is_running():
@@ -299,26 +329,6 @@ class SyncSink:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-@dataclass
-class SyncBatch:
-    _owner: SyncSink
-    batch: Batch
-
-    @property
-    def tensors(self) -> TensorDict:
-        return self.batch.tensors
-
-    @property
-    def trajectory_ids(self) -> list[str]:
-        return self.batch.trajectory_ids
-
-    def commit(self) -> None:
-        self._owner.run(self.batch.commit())
-
-    def release(self) -> None:
-        self._owner.run(self.batch.release())
 
 
 class SinkDataset(IterableDataset[TensorDict]):
@@ -343,4 +353,4 @@ class SinkDataset(IterableDataset[TensorDict]):
                 if batch is None:
                     return
                 yield batch.tensors
-                batch.commit()
+                sink.commit(batch)

@@ -1,7 +1,8 @@
 """Where the sink's trajectories come from: the live TRAJ feed, shards, or a TRAJ range.
 
 Every source hands out ``Received`` items; the sink acknowledges them through the source once
-their batch is committed (or once it dropped them):
+their batch is committed (or once it dropped them). The source alone tracks which items wait
+unacknowledged (``unacked``):
 
 - ``LiveSource``: a handler of the one pull loop (``eventlog.loop.PullLoop``) on a durable
   consumer on TRAJ, flow-controlled by ``max_ack_pending`` (JetStream delivers no more than
@@ -9,8 +10,10 @@ their batch is committed (or once it dropped them):
   not committed is redelivered after ``ack_wait_s`` (a trainer crash), and the sink drops
   repeated trajectory ids. Uncommitted items are held, and the loop keeps them alive
   (``in_progress``) while the trainer holds them, so a long step is not taken for a crash. A
-  commit is recorded in the log before it is acknowledged (``eventlog.commits``): nats-server
-  can forget acks it confirmed moments before a crash, and a committed trajectory it redelivers
+  message delivered again while its first copy is still held (a keep-alive that came too late)
+  is not handed out twice: acking the first copy acknowledges it. A commit is recorded in the
+  log before it is acknowledged (``eventlog.commits``): nats-server can forget acks it
+  confirmed moments before a crash, and a committed trajectory it redelivers
   is dropped here, never handed to the trainer again.
 - ``OfflineSource``: the Parquet shards through ``pyarrow.dataset`` with filters (run, reward,
   weight version, time). Finite; nothing to acknowledge.
@@ -79,6 +82,11 @@ class Source(Protocol):
         feed's flow control); None: no such limit."""
         ...
 
+    @property
+    def unacked(self) -> int:
+        """Items handed out and neither acknowledged nor handed back."""
+        ...
+
     async def receive(self, max_items: int, wait_s: float) -> list[Received] | None:
         """Up to ``max_items`` items, waiting at most ``wait_s`` for the first; None at the end."""
         ...
@@ -103,6 +111,7 @@ class LiveStats:
     acked: int = 0
     dead_lettered: int = 0
     already_committed: int = 0  # redelivered after their commit (eventlog.commits): dropped
+    redelivered_held: int = 0  # delivered again while the first copy was held: not handed out
 
 
 class LiveSource:
@@ -127,6 +136,7 @@ class LiveSource:
         self._commits_bucket = commits_bucket
         self._ledger: CommitLedger | None = None
         self._ready: list[Received] = []
+        self._held: set[int] = set()  # TRAJ sequences handed out, not yet acked or handed back
         self._owned: tuple[NATS, JetStreamPublisher] | None = None
         self.stats = LiveStats()
         self.loop = PullLoop(
@@ -149,6 +159,10 @@ class LiveSource:
     @property
     def max_unacked(self) -> int | None:
         return self.settings.max_ack_pending
+
+    @property
+    def unacked(self) -> int:
+        return len(self._held)
 
     def consumer(self) -> PullConsumer:
         s = self.settings
@@ -200,12 +214,16 @@ class LiveSource:
         if delivery.seq in self._ledger:  # committed, but nats-server forgot the ack
             self.stats.already_committed += 1
             return ACK
+        if delivery.seq in self._held:  # the first copy is still held: its ack covers this one
+            self.stats.redelivered_held += 1
+            return HOLD
         try:
             event = self._codec.decode_trajectory(delivery.data, delivery.subject)
         except SchemaError as exc:
             self.stats.dead_lettered += 1
             return Reject(exc.reason, f"{type(exc).__name__}: {exc}")
         self._ready.append(Received(event, delivery.seq, delivery))
+        self._held.add(delivery.seq)
         return HOLD  # until the trainer commits its batch
 
     async def receive(self, max_items: int, wait_s: float) -> list[Received] | None:
@@ -237,17 +255,26 @@ class LiveSource:
             except EventLogUnavailable as exc:
                 # No longer kept alive: what JetStream did not get is delivered again after
                 # ack_wait_s (the sink drops repeated ids); acking again meanwhile is harmless.
-                self.loop.drop(i.handle for i in items[done:] if i.handle is not None)
+                unconfirmed = [i for i in items[done:] if i.handle is not None]
+                self.loop.drop(i.handle for i in unconfirmed if i.handle is not None)
+                self._let_go(unconfirmed)
                 raise EventLogUnavailable(
                     f"ack of {item.trajectory.trajectory_id} (TRAJ seq {item.seq}) and "
                     f"{len(items) - done - 1} after it was not confirmed: {exc.__cause__}; "
                     f"commit again or release the batch; unconfirmed, it is delivered again "
                     f"after ack_wait_s={self.settings.ack_wait_s:g}"
                 ) from exc
+            self._let_go([item])
             self.stats.acked += 1
 
     async def nak(self, items: Sequence[Received]) -> None:
         await self.loop.nak(i.handle for i in items if i.handle is not None)
+        self._let_go(items)
+
+    def _let_go(self, items: Sequence[Received]) -> None:
+        for item in items:
+            if item.seq is not None:
+                self._held.discard(item.seq)
 
     async def close(self) -> None:
         await self.loop.close()
@@ -265,6 +292,7 @@ class _ReadOnly:
     """A finite source that changes nothing it reads: nothing to acknowledge or hand back."""
 
     max_unacked: int | None = None
+    unacked: int = 0
 
     async def ack(self, items: Sequence[Received]) -> None:
         return None

@@ -48,9 +48,6 @@ from trainer_sink import (
     BatchingSettings,
     LiveSource,
     LiveSourceSettings,
-    ReferenceTrainer,
-    ReferenceTrainerSettings,
-    StepReport,
     TrainerSink,
 )
 from turnstream.demo_agents import (
@@ -70,6 +67,7 @@ from turnstream.demo_report import (
     summary_table,
     write_reward_png,
 )
+from turnstream.trainer import ReferenceTrainer, ReferenceTrainerSettings, StepReport
 from turnstream.up import Stack, UpSettings, embedded_stack
 
 __all__ = ["DemoCommand", "DemoError", "DemoSettings", "run_demo"]

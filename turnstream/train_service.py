@@ -23,7 +23,6 @@ it, and refuses a batch sampled at another one.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from pathlib import Path
 from typing import Literal
@@ -36,20 +35,19 @@ from eventlog.buckets import Bucket
 from schemas.codec import Codec
 from schemas.ids import ID_PATTERN
 from trainer_sink import (
-    Batch,
-    BatchError,
     BatchingSettings,
     LiveSource,
     LiveSourceSettings,
-    ReferenceTrainer,
-    ReferenceTrainerSettings,
-    StepReport,
     TrainerSink,
 )
-from trainer_sink.trainer import check_temperature
 from turnstream.settings import PublishingSettings
 from turnstream.stack import EventLog, open_log, require_log_url, stop_on_signals
 from turnstream.stack_file import join_stack
+from turnstream.trainer import (
+    ReferenceTrainer,
+    ReferenceTrainerSettings,
+    StepReport,
+)
 
 __all__ = ["SinkSettings", "TrainCommand", "TrainSettings", "train"]
 
@@ -129,7 +127,7 @@ class TrainSettings(PublishingSettings):
             checkpoint_dir=self.checkpoint_dir or self.data_dir / "checkpoints" / self.run,
             run=self.run,
             algorithm=self.algorithm,
-            steps=max(self.steps, 1),  # unused: train() counts the steps itself
+            steps=self.steps,
             lr=self.lr,
             clip=self.clip,
             epochs=self.epochs,
@@ -138,34 +136,10 @@ class TrainSettings(PublishingSettings):
         )
 
 
-async def _next_batch(sink: TrainerSink, stop: asyncio.Event) -> Batch | None:
-    """The sink's next batch, or None once ``stop`` is set first (or the feed ends)."""
-    pulling = asyncio.ensure_future(anext(sink))
-    stopping = asyncio.ensure_future(stop.wait())
-    try:
-        await asyncio.wait({pulling, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        stopping.cancel()
-    if not pulling.done():
-        # Nothing was handed out: what the sink holds is delivered again after the ack wait.
-        pulling.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await pulling
-        return None
-    try:
-        return pulling.result()
-    except StopAsyncIteration:
-        return None
-
-
 async def train(
     settings: TrainSettings, event_log: EventLog, model_dir: Path, stop: asyncio.Event
 ) -> list[StepReport]:
-    """Train ``settings.run`` from the live feed until ``settings.steps`` (0: until ``stop``).
-
-    ``ReferenceTrainer.run``'s step, driven here so a signal ends the loop between steps: train,
-    publish the policy, then commit the batch (a crash in between trains on it again).
-    """
+    """Train ``settings.run`` from the live feed until ``settings.steps`` (0: until ``stop``)."""
     names = settings.log.names
     publisher = await JetStreamPublisher(event_log.nc, settings.publisher).start()
     source = LiveSource(
@@ -178,51 +152,37 @@ async def train(
         commits_bucket=names.commits_bucket,
     )
     sink = TrainerSink(source, settings.sink.batching(), wait_s=0.5)
-    reports: list[StepReport] = []
     try:
         trainer = await asyncio.to_thread(ReferenceTrainer, settings.trainer_settings(model_dir))
         policy = await Bucket.open(event_log.js, names.policy_bucket)
-        await trainer.resume(policy)
-        sink.trainer_version = trainer.version
         log.info(
             "training run %s from policy version %d (%s, base model %s): waiting for "
             "trajectories on %s",
             settings.run,
-            trainer.version,
+            await trainer.resume(policy),
             settings.algorithm,
             model_dir,
             event_log.url,
         )
-        while not stop.is_set() and (settings.steps == 0 or len(reports) < settings.steps):
-            batch = await _next_batch(sink, stop)
-            if batch is None:
-                break
-            try:
-                check_temperature(batch.trajectories, settings.temperature)
-            except BatchError:
-                await batch.release()  # for a trainer with the right --temperature
-                raise
-            report = await asyncio.to_thread(trainer.train_step, batch.tensors)
-            await trainer.publish(policy, report)
-            sink.trainer_version = trainer.version
-            await batch.commit()
-            reports.append(report)
-            delta = "-" if report.logprob_delta is None else f"{report.logprob_delta:.1e}"
-            log.info(
-                "step %d: policy version %d, %d samples, mean reward %.3f, loss %.4f, "
-                "max |Δ logprob| %s, checkpoint %s",
-                report.step,
-                report.version,
-                report.samples,
-                report.mean_reward,
-                report.loss,
-                delta,
-                report.checkpoint,
-            )
+        return await trainer.run(sink, policy, stop=stop, on_step=_log_step)
     finally:
         await sink.close()
         await publisher.close()
-    return reports
+
+
+def _log_step(report: StepReport) -> None:
+    delta = "-" if report.logprob_delta is None else f"{report.logprob_delta:.1e}"
+    log.info(
+        "step %d: policy version %d, %d samples, mean reward %.3f, loss %.4f, "
+        "max |Δ logprob| %s, checkpoint %s",
+        report.step,
+        report.version,
+        report.samples,
+        report.mean_reward,
+        report.loss,
+        delta,
+        report.checkpoint,
+    )
 
 
 class TrainCommand(TrainSettings):

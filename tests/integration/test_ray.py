@@ -166,7 +166,7 @@ async def test_the_actor_over_the_live_feed_returns_the_plain_sinks_batches_and_
         want = []
         async for batch in plain:
             want.append(batch)
-            await batch.commit()
+            await plain.commit(batch)
             if len(want) == 4:
                 break
 

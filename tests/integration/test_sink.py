@@ -86,7 +86,7 @@ async def take(sink: TrainerSink, n: int, *, commit: bool) -> list[Batch]:
     async for batch in sink:
         batches.append(batch)
         if commit:
-            await batch.commit()
+            await sink.commit(batch)
         if len(batches) == n:
             break
     return batches
@@ -138,9 +138,27 @@ async def test_a_released_batch_is_delivered_again_at_once(log: Log) -> None:
     await fold_into_traj(log, sessions(12))
     async with live_sink(log, BatchingSettings(batch_size=6), ack_wait_s=60.0) as sink:
         [first] = await take(sink, 1, commit=False)
-        await first.release()
+        await sink.release(first)
         again = await take(sink, 2, commit=True)
     assert set(first.trajectory_ids) <= {t for b in again for t in b.trajectory_ids}
+
+
+async def test_closing_the_sink_hands_back_what_it_holds_for_the_next_trainer_at_once(
+    log: Log,
+) -> None:
+    """A trainer that stops (not a crash) leaves nothing waiting out the 10-minute ack wait: its
+    uncommitted batch, and the members of a group still incomplete, come to the next one now."""
+    await fold_into_traj(log, sessions(6))  # g0: four sessions, g1: two (incomplete)
+    batching = BatchingSettings(policy="groups", group_size=4, batch_size=1)
+    async with live_sink(log, batching, ack_wait_s=600.0) as sink:
+        [held] = await take(sink, 1, commit=False)
+        while sink.batcher.pending < 2:  # g1's two members are in the batcher
+            assert await asyncio.wait_for(_next_or_none(sink), timeout=10) is None
+    count = BatchingSettings(policy="count", batch_size=6)
+    async with live_sink(log, count, ack_wait_s=600.0) as sink:
+        [again] = await asyncio.wait_for(take(sink, 1, commit=True), timeout=10)
+    assert set(held.trajectory_ids) < set(again.trajectory_ids)
+    assert len(set(again.trajectory_ids)) == 6
 
 
 async def test_grpo_groups_on_the_live_feed_wait_for_every_member(log: Log) -> None:
@@ -211,7 +229,7 @@ async def test_the_sync_iterator_and_the_dataset_commit_like_the_async_sink(log:
         with SyncSink(make("sync")) as sink:
             for batch in sink:
                 seen += batch.trajectory_ids
-                batch.commit()
+                sink.commit(batch)
                 if len(seen) == 20:
                     break
         return seen
@@ -292,7 +310,7 @@ async def take_all(sink: TrainerSink, n: int) -> list[Batch]:
     batches: list[Batch] = []
     async for batch in sink:
         batches.append(batch)
-        await batch.commit()
+        await sink.commit(batch)
         if sum(len(b.trajectory_ids) for b in batches) >= n:
             break
     return batches
@@ -338,12 +356,12 @@ async def test_a_commit_the_log_did_not_confirm_can_be_made_again(log: Log) -> N
         log.server.pause()  # SIGSTOP: the acks get no answer
         try:
             with pytest.raises(EventLogUnavailable, match="commit again"):
-                await batch.commit()
+                await sink.commit(batch)
         finally:
             log.server.resume()
-        await batch.commit()  # the retry is confirmed
+        await sink.commit(batch)  # the retry is confirmed
         with pytest.raises(BatchCommitted):
-            await batch.commit()
+            await sink.commit(batch)
     info = await log.js.consumer_info("TRAJ", "trainer")
     assert info.num_ack_pending == 0 and info.num_pending == 0
 

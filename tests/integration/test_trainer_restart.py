@@ -19,11 +19,10 @@ from trainer_sink import (
     BatchingSettings,
     OfflineSource,
     PolicyError,
-    ReferenceTrainer,
-    ReferenceTrainerSettings,
     TrainerSink,
 )
 from trainer_sink.assembly import assemble_padded
+from turnstream.trainer import ReferenceTrainer, ReferenceTrainerSettings
 
 pytestmark = pytest.mark.integration
 

@@ -35,7 +35,14 @@ TENSOR_KEYS = (
     "rollout_log_probs",
     "rm_scores",
 )
-NON_TENSOR_KEYS = ("uid", "session", "trajectory_id", "num_turns")
+NON_TENSOR_KEYS = (
+    "uid",
+    "group",
+    "session",
+    "trajectory_id",
+    "__num_turns__",
+    "multi_modal_inputs",
+)
 # torch's jagged tensors refuse slicing / index tensors on the batch dim; tensordict 0.15 routes
 # around it (checked: 0.8.3 to 0.14.0 fail).
 JAGGED_BATCH_SLICING = Version(importlib.metadata.version("tensordict")) >= Version("0.15")
@@ -186,20 +193,25 @@ def test_pad_token_and_fixed_lengths_pad_to_the_limits() -> None:
 def test_non_tensor_entries() -> None:
     batch = assemble(known())
 
-    assert non_tensor_values(batch, "uid") == ["g1", "g1", "g1"]
+    # Called directly, a sample's group instance is its group name within its run.
+    assert non_tensor_values(batch, "uid") == ["run-1/g1"] * 3
+    assert non_tensor_values(batch, "group") == ["g1"] * 3
+    assert non_tensor_values(batch, "multi_modal_inputs") == [{}, {}, {}]
+    assert batch["stale"].tolist() == [False, False, False]
     assert non_tensor_values(batch, "session") == ["multi", "fork", "fork"]
     assert non_tensor_values(batch, "trajectory_id") == [
         "run-1/multi/0",
         "run-1/fork/0",
         "run-1/fork/1",
     ]
-    assert non_tensor_values(batch, "num_turns") == [2, 1, 1]
+    assert non_tensor_values(batch, "__num_turns__") == [2, 1, 1]
     # Indexing keeps one value per sample, equal values included (tensordict 0.8 collapses
     # them into one NonTensorData; the helper undoes it).
     picked = batch[torch.tensor([2, 0])]
-    assert non_tensor_values(picked, "uid") == ["g1", "g1"]
+    assert non_tensor_values(picked, "uid") == ["run-1/g1", "run-1/g1"]
+    assert non_tensor_values(picked, "multi_modal_inputs") == [{}, {}]
     assert non_tensor_values(picked, "trajectory_id") == ["run-1/fork/1", "run-1/multi/0"]
-    assert non_tensor_values(batch[1:], "num_turns") == [1, 1]
+    assert non_tensor_values(batch[1:], "__num_turns__") == [1, 1]
     assert batch[1].get_non_tensor("session") == "fork"
     with pytest.raises(KeyError, match="input_ids"):
         non_tensor_values(batch, "input_ids")
@@ -312,8 +324,8 @@ def test_jagged_batch_of_known_trajectories() -> None:
     ]
     assert rows(batch["rm_scores"]) == [[0.0, 0.5, 0.0, 0.0, 0.0, 0.0, 1.0], [-1.0], [0.0, -1.0]]
     assert batch["truncated"].tolist() == [False, False, False]
-    assert non_tensor_values(batch, "uid") == ["g1", "g1", "g1"]
-    assert non_tensor_values(batch, "num_turns") == [2, 1, 1]
+    assert non_tensor_values(batch, "uid") == ["run-1/g1"] * 3
+    assert non_tensor_values(batch, "__num_turns__") == [2, 1, 1]
     assert batch["min_weight_version"].tolist() == [3, 1, 2]
 
 
@@ -440,5 +452,17 @@ def test_unpadding_gives_back_each_sample(
     for key in NON_TENSOR_KEYS:
         assert non_tensor_values(jagged, key) == non_tensor_values(padded, key)
     assert non_tensor_values(padded, "trajectory_id") == [t.trajectory_id for t in samples]
-    assert non_tensor_values(padded, "uid") == [t.group for t in samples]
+    assert non_tensor_values(padded, "uid") == [f"{t.run}/{t.group}" for t in samples]
     assert torch.equal(jagged["truncated"], padded["truncated"])
+
+
+@pytest.mark.parametrize("layout", ["padded", "jagged"])
+def test_the_batchers_uids_and_stale_flags_and_the_verl_entries(layout: str) -> None:
+    chosen = AssemblySettings(layout=layout)  # type: ignore[arg-type]
+    batch = assemble(known(), chosen, uids=["a", "b", "b"], stale=[True, False, True])
+    assert non_tensor_values(batch, "uid") == ["a", "b", "b"]
+    assert batch["stale"].tolist() == [True, False, True]
+    bare = assemble(known(), chosen.model_copy(update={"multi_modal_inputs": False}))
+    assert "multi_modal_inputs" not in bare.keys()  # noqa: SIM118  # tensordict 0.8: no `in`
+    with pytest.raises(BatchError, match="2 uids for 3 trajectories"):
+        assemble(known(), chosen, uids=["a", "b"])

@@ -110,7 +110,9 @@ def test_count_batches_in_arrival_order(
     end = batcher.flush(now=1.0)
     assert [len(b) for b in decision.batches] == batched
     assert [len(b) for b in end.batches] == flushed
-    assert [s for b in decision.batches + end.batches for s in b] == items
+    assert [s.handle for b in decision.batches + end.batches for s in b] == [
+        s.handle for s in items
+    ]
     assert batcher.pending == 0 and batcher.stats.samples == count
 
 
@@ -143,7 +145,8 @@ def test_token_batches_never_exceed_the_budget(lengths: list[int], budget: int) 
     assert all(0 < total <= budget for total in totals)
     # Nothing lost, nothing reordered: over-budget samples dropped, all others batched in order.
     fits = [n <= budget for n in lengths]
-    assert [s for b in batches for s in b] == [s for s, f in zip(items, fits, strict=True) if f]
+    kept = [s.handle for s, f in zip(items, fits, strict=True) if f]
+    assert [s.handle for b in batches for s in b] == kept
     too_long = [s.trajectory.trajectory_id for s, f in zip(items, fits, strict=True) if not f]
     assert drops(decision) == [(i, "over_budget") for i in too_long]
     # Greedy: a batch was closed only because its successor's first sample did not fit.
@@ -238,6 +241,65 @@ def test_groups_are_keyed_by_run_and_group() -> None:
     batcher = Batcher[str](GROUPS.model_copy(update={"group_size": 2}))
     decision = feed(batcher, [sample("a", run="r1"), sample("b", run="r2"), sample("c", run="r1")])
     assert [sessions(b) for b in decision.batches] == [["a", "c"]]
+
+
+def uids(batch: list[Sample[str]]) -> list[str]:
+    return [s.uid for s in batch]
+
+
+@pytest.mark.parametrize("policy", ["groups", "count", "tokens"])
+def test_each_group_instance_has_its_own_uid_across_runs_and_reused_keys(policy: str) -> None:
+    """Two runs name their groups alike, and one run sends prompt g again (a later epoch): three
+    instances of two sessions each, three uids, in every policy."""
+    settings = GROUPS.model_copy(
+        update={"policy": policy, "group_size": 2, "batch_size": 4, "token_budget": 16}
+    )
+    arrivals = [
+        sample("a", run="r1"),
+        sample("b", run="r2"),
+        sample("c", run="r1"),
+        sample("d", run="r2"),
+        sample("e", run="r1"),  # g again in r1: the first instance of (r1, g) is full
+        sample("f", run="r1"),
+    ]
+
+    def released() -> list[tuple[str, str]]:
+        batcher = Batcher[str](settings)
+        batches = feed(batcher, arrivals).batches + batcher.flush(now=1.0).batches
+        return [(s.trajectory.session, s.uid) for b in batches for s in b]
+
+    assert dict(released()) == {
+        "a": "r1/g/a.0",
+        "c": "r1/g/a.0",
+        "b": "r2/g/b.0",
+        "d": "r2/g/b.0",
+        "e": "r1/g/e.0",
+        "f": "r1/g/e.0",
+    }
+    # Deterministic for a given order: another batcher (a restarted sink) names them alike.
+    assert released() == released()
+
+
+def test_a_sessions_segments_share_its_instance_uid_in_count_batches() -> None:
+    batcher = Batcher[str](BatchingSettings(policy="count", batch_size=3, group_size=2))
+    two = {"segments": 2}
+    decision = feed(
+        batcher,
+        [sample("a", segment=1, metadata=two), sample("b"), sample("a", segment=0, metadata=two)],
+    )
+    [batch] = decision.batches
+    assert uids(batch) == ["r/g/a.1"] * 3
+
+
+def test_after_a_restart_the_remaining_sessions_form_new_instances() -> None:
+    """A sink that committed the first instance of g and restarted sees only the sessions
+    that were not committed: its instances are named after other first members."""
+    settings = GROUPS.model_copy(update={"group_size": 2, "batch_size": 1})
+    first = Batcher[str](settings)
+    [committed] = feed(first, [sample("a"), sample("b")]).batches
+    restarted = Batcher[str](settings)
+    [later] = feed(restarted, [sample("c"), sample("d")]).batches
+    assert set(uids(committed)) == {"r/g/a.0"} and set(uids(later)) == {"r/g/c.0"}
 
 
 @pytest.mark.parametrize(
@@ -449,18 +511,24 @@ def test_every_sample_is_batched_once_or_dropped_and_groups_never_overfill(
     assert sorted(released + kept_out) == sorted(distinct)  # each once: batched or dropped
     assert sum(d.reason == "duplicate" for d in dropped) == len(timeline) - len(distinct)
     assert batcher.pending == 0
-    position: dict[int, int] = {}
+    position: dict[str, int] = {}
     for i, (_, item) in enumerate(timeline):
-        position.setdefault(id(item), i)  # a redelivery is dropped: the first arrival counts
+        # a redelivery is dropped: the first arrival counts
+        position.setdefault(item.trajectory.trajectory_id, i)
+    uids: set[str] = set()
     for batch in batches:
         chunks: dict[str, list[Sample[str]]] = {}
         for s in batch:
-            chunks.setdefault(s.trajectory.group, []).append(s)
+            chunks.setdefault(s.uid, []).append(s)
+        assert not uids & chunks.keys()  # an instance is released once
+        uids |= chunks.keys()
         for chunk in chunks.values():
+            assert len({s.trajectory.group for s in chunk}) == 1
             members = {s.trajectory.session for s in chunk}
             assert len(members) <= 3
             if rule == "drop":
                 assert len(members) == 3
             if uniform:
                 assert len({s.trajectory.reward for s in chunk}) > 1
-            assert [position[id(s)] for s in chunk] == sorted(position[id(s)] for s in chunk)
+            order = [position[s.trajectory.trajectory_id] for s in chunk]
+            assert order == sorted(order)

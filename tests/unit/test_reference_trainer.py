@@ -17,7 +17,7 @@ from schemas.events import TrajectoryReady, TurnCompleted
 from tests.helpers.sessions import append_only, session_events
 from trainer_sink.assembly import assemble_padded
 from trainer_sink.errors import BatchError
-from trainer_sink.trainer import (
+from turnstream.trainer import (
     ReferenceTrainer,
     ReferenceTrainerSettings,
     batch_advantages,

@@ -9,7 +9,7 @@ One step per batch, on a Hugging Face causal LM (the gateway's tiny model in the
     clipped objective, Adam step               rollout_log_probs are the old log-probs
     checkpoint <checkpoint_dir>/v<N>/model.safetensors
     PolicyUpdated {version, checkpoint}        in the ts_policy KV bucket, key = the run
-    sink.trainer_version = N; batch.commit()
+    sink.trainer_version = N; sink.commit(batch)
 
 The gateway follows the run's key in ``ts_policy`` and its ``local`` backend loads each new
 checkpoint, so later turns carry ``weight_version`` N: the trainer and the gateway meet only in
@@ -40,10 +40,11 @@ older. Adam's moments start afresh. A checkpoint directory is a ``from_pretraine
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
@@ -60,7 +61,7 @@ from schemas.events import TrajectoryReady
 from schemas.policy import PolicyUpdate, encode_policy_update, parse_policy_update
 from trainer_sink.assembly import non_tensor_values
 from trainer_sink.errors import BatchError, PolicyError
-from trainer_sink.sink import TrainerSink
+from trainer_sink.sink import Batch, TrainerSink
 
 __all__ = [
     "PolicyStore",
@@ -90,7 +91,9 @@ class ReferenceTrainerSettings(BaseModel):
     algorithm: Literal["grpo", "ppo"] = Field(
         "grpo", description="grpo: advantages per group (uid); ppo: over the batch, no critic"
     )
-    steps: int = Field(3, ge=1, description="batches to train on, one update each")
+    steps: int = Field(
+        3, ge=0, description="batches to train on, one update each; 0: until stopped"
+    )
     lr: float = Field(1e-4, gt=0, description="Adam learning rate")
     warmup_steps: int = Field(
         0, ge=0, description="the learning rate rises linearly to lr over this many steps"
@@ -254,22 +257,39 @@ class ReferenceTrainer:
         model.train(False)
         return model, torch.optim.Adam(model.parameters(), lr=self.settings.lr)
 
-    async def run(self, sink: TrainerSink, policy: PolicyStore) -> list[StepReport]:
-        """Train on ``settings.steps`` batches of ``sink``, publishing each new policy to
-        ``policy`` (the ``ts_policy`` bucket). The sink stays open: the caller owns it."""
+    async def run(
+        self,
+        sink: TrainerSink,
+        policy: PolicyStore,
+        *,
+        stop: asyncio.Event | None = None,
+        on_step: Callable[[StepReport], None] | None = None,
+    ) -> list[StepReport]:
+        """Train on ``settings.steps`` batches of ``sink`` (0: until ``stop`` is set or the feed
+        ends), publishing each new policy to ``policy`` (the ``ts_policy`` bucket), then
+        committing its batch (a crash in between trains on it again). ``stop`` ends the loop
+        between steps; ``on_step`` sees each report. The sink stays open: the caller owns it."""
         await self.resume(policy)
         sink.trainer_version = self.version
         reports: list[StepReport] = []
-        async for batch in sink:
-            check_temperature(batch.trajectories, self.settings.temperature)
+        steps = self.settings.steps
+        while steps == 0 or len(reports) < steps:
+            batch = await _next_batch(sink, stop)
+            if batch is None:
+                break
+            try:
+                check_temperature(batch.trajectories, self.settings.temperature)
+            except BatchError:
+                await sink.release(batch)  # for a trainer with the right temperature
+                raise
             # Torch runs on a worker thread: the loop keeps the sink's batches alive meanwhile.
             report = await asyncio.to_thread(self.train_step, batch.tensors)
             await self.publish(policy, report)
             sink.trainer_version = self.version
-            await batch.commit()
+            await sink.commit(batch)
             reports.append(report)
-            if len(reports) == self.settings.steps:
-                break
+            if on_step is not None:
+                on_step(report)
         return reports
 
     async def resume(self, policy: PolicyStore) -> int:
@@ -365,6 +385,29 @@ class ReferenceTrainer:
                 f"{self.settings.run!r} ({report.checkpoint}) to ts_policy: {exc!r}; the "
                 f"checkpoint is written, put the entry again once the log is back"
             ) from exc
+
+
+async def _next_batch(sink: TrainerSink, stop: asyncio.Event | None) -> Batch | None:
+    """The sink's next batch, or None once ``stop`` is set first (or the feed ends)."""
+    if stop is not None and stop.is_set():
+        return None
+    pulling = asyncio.ensure_future(anext(sink))
+    if stop is not None:
+        stopping = asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait({pulling, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+        if not pulling.done():
+            # Nothing was handed out: what the sink holds is handed back when it closes.
+            pulling.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await pulling
+            return None
+    try:
+        return await pulling
+    except StopAsyncIteration:
+        return None
 
 
 def save_checkpoint(model: PreTrainedModel, checkpoint_dir: Path, version: int) -> Path:
