@@ -39,7 +39,7 @@ typecheck: setup
 	$(BIN)/mypy
 
 test: lint typecheck
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q --durations=25
 
 unit: setup
 	$(BIN)/python -m pytest -q tests/unit

@@ -35,12 +35,14 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 RUN = "demo-e2e"
 STEPS = 12
-GROUP_SIZE = 4
+GROUP_SIZE = 6
 GROUPS_PER_STEP = 4
+# The demo's own learning settings, 12 steps instead of 30. Measured (2026-11-24): the reward of
+# the last 5 steps beat the first 5 by +0.09, +0.12 and +0.14 with seeds 0, 1, 2; a faster
+# setting (groups of 4, lr 3e-3) did not learn with seed 1 once the packages changed.
 SHORT = (
     "--run", RUN, "--steps", str(STEPS), "--sink.group-size", str(GROUP_SIZE),
-    "--sink.batch-size", str(GROUPS_PER_STEP), "--lr", "3e-3", "--warmup-steps", "3",
-    "--seed", "1",
+    "--sink.batch-size", str(GROUPS_PER_STEP), "--seed", "1",
 )  # fmt: skip
 KEYS = {
     "turns", "sessions", "trajectories", "forks", "shards", "batches", "steps",
