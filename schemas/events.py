@@ -197,6 +197,18 @@ class TrajectoryReady(_Event, tag="TrajectoryReady", kw_only=True):
     def max_weight_version(self) -> int:
         return int(self.versions.max()) if len(self.versions) else -1
 
+    @property
+    def expected_segments(self) -> int:
+        """How many trajectories the fold cut this sample's session into, as far as its
+        metadata says: ``segments``, else ``forks + 1`` (a lower bound for per-turn folds)."""
+        segments = self.metadata.get("segments")
+        if isinstance(segments, int) and not isinstance(segments, bool):
+            return max(segments, 1)
+        forks = self.metadata.get("forks")
+        if isinstance(forks, int) and not isinstance(forks, bool):
+            return forks + 1
+        return 1
+
 
 SessionEvent = SessionOpened | TurnCompleted | RewardAssigned | SessionClosed
 Event = SessionOpened | TurnCompleted | RewardAssigned | SessionClosed | TrajectoryReady

@@ -1,13 +1,22 @@
 """PolicyUpdated (DESIGN §3): the trainer's newest policy, one entry per run in ``ts_policy``.
 
 The trainer puts ``{"version": int, "checkpoint": "/abs/path"}`` under the run's key; gateways
-watch that key and load every newer version. Both sides use this one format.
+watch that key and follow every newer version. Both sides use this one format.
+
+``checkpoint`` may be absent (or null): the trainer loaded the weights into its inference
+servers itself (verl syncs its vLLM servers in place), and the entry only says which version
+they now serve. A gateway in front of such servers records that version on every new turn; a
+backend that holds its own weights (``local``) cannot follow such an entry and keeps its own.
 
 >>> raw = encode_policy_update(PolicyUpdate(3, Path("/ckpt/v3")))
 >>> raw
 b'{"version": 3, "checkpoint": "/ckpt/v3"}'
 >>> parse_policy_update(raw)
 PolicyUpdate(version=3, checkpoint=PosixPath('/ckpt/v3'))
+>>> encode_policy_update(PolicyUpdate(4))
+b'{"version": 4}'
+>>> parse_policy_update(b'{"version": 4, "checkpoint": null}')
+PolicyUpdate(version=4, checkpoint=None)
 """
 
 from __future__ import annotations
@@ -22,11 +31,14 @@ __all__ = ["PolicyUpdate", "encode_policy_update", "parse_policy_update"]
 @dataclass(frozen=True)
 class PolicyUpdate:
     version: int
-    checkpoint: Path
+    checkpoint: Path | None = None  # None: the trainer updated its inference servers itself
 
 
 def encode_policy_update(update: PolicyUpdate) -> bytes:
-    return json.dumps({"version": update.version, "checkpoint": str(update.checkpoint)}).encode()
+    doc: dict[str, object] = {"version": update.version}
+    if update.checkpoint is not None:
+        doc["checkpoint"] = str(update.checkpoint)
+    return json.dumps(doc).encode()
 
 
 def parse_policy_update(raw: bytes) -> PolicyUpdate:
@@ -41,6 +53,10 @@ def parse_policy_update(raw: bytes) -> PolicyUpdate:
     # bool is an int in Python; a version of `true` is a trainer bug, not version 1.
     if not isinstance(version, int) or isinstance(version, bool) or version < 0:
         raise ValueError(f'"version" must be a non-negative integer, got {version!r}')
+    if checkpoint is None:
+        return PolicyUpdate(version)
     if not isinstance(checkpoint, str) or not checkpoint:
-        raise ValueError(f'"checkpoint" must be a non-empty path string, got {checkpoint!r}')
+        raise ValueError(
+            f'"checkpoint" must be a non-empty path string, or absent, got {checkpoint!r}'
+        )
     return PolicyUpdate(version, Path(checkpoint))

@@ -96,7 +96,6 @@ __all__ = [
     "DropReason",
     "Dropped",
     "Sample",
-    "expected_segments",
     "instance_uid",
 ]
 
@@ -177,17 +176,6 @@ class _Instance:
 
     uid: str
     sessions: int = 0
-
-
-def expected_segments(trajectory: TrajectoryReady) -> int:
-    """How many trajectories the fold cut this sample's session into, as far as it says."""
-    segments = trajectory.metadata.get("segments")
-    if isinstance(segments, int) and not isinstance(segments, bool):
-        return max(segments, 1)
-    forks = trajectory.metadata.get("forks")
-    if isinstance(forks, int) and not isinstance(forks, bool):
-        return forks + 1
-    return 1
 
 
 class Batcher(Generic[H]):
@@ -349,7 +337,7 @@ class Batcher(Generic[H]):
                 del self._open[key]  # full: the next session of this key starts a new group
         self._held.add(trajectory.trajectory_id)
         group.samples.append(sample)
-        group.segments[session] = max(group.segments[session], expected_segments(trajectory))
+        group.segments[session] = max(group.segments[session], trajectory.expected_segments)
         group.seen[session].add(trajectory.segment)
         if group.complete(self.settings.group_size):
             self._finish_group(group, complete=True, out=out)

@@ -305,6 +305,13 @@ class ReferenceTrainer:
             raise PolicyError(f"run {run!r}'s entry in ts_policy is not a policy: {exc}") from exc
         if published.version <= self.version:
             return self.version
+        if published.checkpoint is None:
+            raise PolicyError(
+                f"run {run!r} is at policy version {published.version}, published without a "
+                f"checkpoint (by a trainer that updates inference servers of its own, e.g. "
+                f"verl): there is nothing this trainer can resume from; start over under a new "
+                f"run (or delete the run's key in ts_policy)"
+            )
         if not (published.checkpoint / "config.json").is_file():
             raise PolicyError(
                 f"run {run!r} is at policy version {published.version}, but its checkpoint "

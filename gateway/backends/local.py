@@ -269,11 +269,23 @@ class LocalBackend:
             cancelled.set()
             self._running.discard(cancelled)
 
-    async def load_weights(self, checkpoint: Path, version: int) -> None:
+    async def load_weights(self, checkpoint: Path | None, version: int) -> None:
         """Make the weights in ``checkpoint`` (see ``read_checkpoint``) the policy of every
         generation that starts from now on, as ``version``. Generations already running finish
         on the weights they started with. Raises BackendError if the checkpoint does not fit
-        the model; the current weights then stay."""
+        the model, or if there is none (the trainer updated inference servers of its own); the
+        current weights then stay."""
+        if checkpoint is None:
+            # Taking the version without the weights would record turns of these weights as
+            # that version's: a trainer checking its log-probs against them would be misled.
+            raise BackendError(
+                f"backend {self._id} got weight_version {version} without a checkpoint: that "
+                f"entry comes from a trainer that updates inference servers of its own (e.g. "
+                f"verl through publish_weight_version), and this local model is not one of "
+                f"them; still serving weight_version {self._policy.version}. Put such a "
+                f"gateway in front of that trainer's servers (--backend vllm or sglang), or "
+                f"publish checkpoints for the local backend to load"
+            )
         async with self._load_lock:
             current = self._policy
             try:

@@ -5,6 +5,10 @@ The trainer puts ``{"version": int, "checkpoint": "/abs/path"}`` under the run's
 newer than the one it serves. Starting the watch delivers the key's current value first, so a
 gateway (re)started mid-run catches up before it serves many turns on stale weights.
 
+An entry without a checkpoint says the trainer updated its inference servers itself (verl syncs
+its vLLM servers in place): ``PolicyVersion`` (remote backends) takes the version; a backend that
+holds its own weights refuses it in ``load_weights``, and keeps serving what it has.
+
 What to do with an entry is decided by the pure ``decide`` below; the loop only fetches and acts.
 """
 
@@ -33,7 +37,10 @@ class PolicyTarget(Protocol):
     @property
     def weight_version(self) -> int: ...
 
-    async def load_weights(self, checkpoint: Path, version: int) -> None: ...
+    async def load_weights(self, checkpoint: Path | None, version: int) -> None:
+        """Serve ``version`` from now on. ``checkpoint`` None: the trainer already put those
+        weights into the inference servers; a target that holds weights of its own raises."""
+        ...
 
 
 Decision = Literal["load", "ignore"]
@@ -50,9 +57,10 @@ async def watch_policy(
 ) -> None:
     """Follow ``run``'s key in the KV bucket ``kv``  until cancelled.
 
-    A value that does not parse or a checkpoint that does not load is logged and skipped; the
-    backend keeps serving the version it has. If the watch itself fails (the broker is
-    unreachable), it is re-established after ``retry_delay_s``.
+    A value that does not parse, a checkpoint that does not load, or an entry without a
+    checkpoint for a backend that holds its own weights is logged and skipped; the backend keeps
+    serving the version it has. If the watch itself fails (the broker is unreachable), it is
+    re-established after ``retry_delay_s``.
     """
     while True:
         try:
@@ -101,26 +109,33 @@ async def _apply(raw: bytes, revision: int, run: str, target: PolicyTarget) -> N
         await target.load_weights(update.checkpoint, update.version)
     except Exception as exc:  # keep serving the weights we have; the next version may load
         logger.error(
-            "backend %s could not load run %r policy version %d from %s: %s",
+            "backend %s could not load run %r policy version %d (%s): %s",
             target.id,
             run,
             update.version,
-            update.checkpoint,
+            _source(update),
             exc,
         )
         return
     logger.info(
-        "backend %s now serves run %r policy version %d from %s",
+        "backend %s now serves run %r policy version %d (%s)",
         target.id,
         run,
         update.version,
-        update.checkpoint,
+        _source(update),
     )
+
+
+def _source(update: PolicyUpdate) -> str:
+    if update.checkpoint is None:
+        return "no checkpoint: the trainer updated the inference servers itself"
+    return f"checkpoint {update.checkpoint}"
 
 
 class PolicyVersion:
     """A PolicyTarget for backends whose weights a trainer updates directly (vLLM, SGLang):
-    the gateway only follows the version, so each turn records the policy that served it."""
+    the gateway only follows the version, so each turn records the policy that served it. The
+    entry's checkpoint, if any, is not this gateway's to load."""
 
     def __init__(self, version: int = 0) -> None:
         self._version = version
@@ -133,5 +148,5 @@ class PolicyVersion:
     def weight_version(self) -> int:
         return self._version
 
-    async def load_weights(self, checkpoint: Path, version: int) -> None:
+    async def load_weights(self, checkpoint: Path | None, version: int) -> None:
         self._version = version

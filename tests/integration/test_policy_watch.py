@@ -51,7 +51,7 @@ class Recording:
     def weight_version(self) -> int:
         return self.backend.weight_version
 
-    async def load_weights(self, checkpoint: Path, version: int) -> None:
+    async def load_weights(self, checkpoint: Path | None, version: int) -> None:
         self.asked.append(version)
         await self.backend.load_weights(checkpoint, version)
 
@@ -140,3 +140,20 @@ async def test_a_deleted_key_leaves_the_policy_alone(
         await put(log, "run-d", 2, tiny_model_dir)
         await eventually(lambda: backend.weight_version == 2, 10, "weight_version 2 loaded")
     assert target.asked == [1, 2]
+
+
+async def test_an_entry_without_a_checkpoint_leaves_the_local_weights_as_they_are(
+    log: Log, backend: LocalBackend, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A trainer that syncs inference servers of its own (verl) publishes versions without a
+    checkpoint: the local backend cannot follow one, says why, and keeps weights and version."""
+    base = await logprobs(backend)
+    async with watching(log, "run-e", backend) as target:
+        kv = await log.js.key_value("ts_policy")
+        await kv.put("run-e", b'{"version": 3}')
+        await eventually(lambda: "without a checkpoint" in caplog.text, 10, "the refusal logged")
+    assert target.asked == [3]
+    assert backend.weight_version == 0
+    assert "still serving weight_version 0" in caplog.text
+    assert "--backend vllm or sglang" in caplog.text
+    assert await logprobs(backend) == pytest.approx(base, abs=1e-6)

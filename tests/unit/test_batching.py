@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from consumers import fold
 from schemas.events import TrajectoryReady
 from tests.helpers.sessions import TurnSpec, session_events
-from trainer_sink.batching import Batcher, Decision, Sample, expected_segments
+from trainer_sink.batching import Batcher, Decision, Sample
 from trainer_sink.config import BatchingSettings
 
 
@@ -222,7 +222,7 @@ def test_a_folded_session_with_a_fork_fills_its_group_only_when_both_segments_ar
     ]
     events = session_events(rewrite, session="forked", group="p", final_reward=1.0)
     first, second = fold(events).trajectories
-    assert expected_segments(first) == expected_segments(second) == 2
+    assert first.expected_segments == second.expected_segments == 2
     batcher = Batcher[str](GROUPS.model_copy(update={"group_size": 2}))
     other = sample("other", run="run-1", group="p", reward=0.0)
     decision = feed(batcher, [Sample(first, "m1"), other])

@@ -7,12 +7,19 @@ from pathlib import Path
 import pytest
 
 from gateway.backends.policy_watch import decide
-from schemas.policy import PolicyUpdate, parse_policy_update
+from schemas.policy import PolicyUpdate, encode_policy_update, parse_policy_update
 
 
 def test_parses_version_and_checkpoint() -> None:
     raw = b'{"version": 3, "checkpoint": "/ckpt/step-300", "extra": "ignored"}'
     assert parse_policy_update(raw) == PolicyUpdate(3, Path("/ckpt/step-300"))
+
+
+@pytest.mark.parametrize("raw", [b'{"version": 3}', b'{"version": 3, "checkpoint": null}'])
+def test_an_entry_may_name_no_checkpoint(raw: bytes) -> None:
+    """The trainer updated its inference servers itself (verl): only the version travels."""
+    assert parse_policy_update(raw) == PolicyUpdate(3, None)
+    assert encode_policy_update(PolicyUpdate(3)) == b'{"version": 3}'
 
 
 @pytest.mark.parametrize(
@@ -25,7 +32,7 @@ def test_parses_version_and_checkpoint() -> None:
         (b'{"version": "3", "checkpoint": "/c"}', '"version"'),
         (b'{"version": true, "checkpoint": "/c"}', '"version"'),
         (b'{"version": -1, "checkpoint": "/c"}', '"version"'),
-        (b'{"version": 3}', '"checkpoint"'),
+        (b'{"version": 3, "checkpoint": 7}', '"checkpoint"'),
         (b'{"version": 3, "checkpoint": ""}', '"checkpoint"'),
     ],
 )
