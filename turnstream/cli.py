@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from pydantic_settings import CliApp, SettingsConfigDict
 from rich.console import Console
 from rich.logging import RichHandler
+from rich.markup import escape
 from rich.table import Table
 
 from eventlog import LogSecurity, ensure_log_security
@@ -97,12 +98,21 @@ class ProvisionCommand(ServiceSettings):
             console.print(_actions_table(event_log.provisioned))
 
 
-def _lazy(module: str, name: str) -> Callable[[], type[ServiceSettings]]:
+def _lazy(module: str, name: str, extra: str | None = None) -> Callable[[], type[ServiceSettings]]:
     """The settings class ``module.name``, imported only when its command runs (torch,
-    transformers, pyarrow and duckdb are slow to import and most commands need none of them)."""
+    transformers, pyarrow and duckdb are slow to import and most commands need none of them).
+    ``extra``: the install extra the command needs; without it, an error says to install it."""
 
     def load() -> type[ServiceSettings]:
-        cls: type[ServiceSettings] = getattr(importlib.import_module(module), name)
+        try:
+            imported = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if extra is None:
+                raise
+            raise TurnstreamError(
+                f"this command needs the {extra!r} extra ({exc}): pip install 'turnstream[{extra}]'"
+            ) from exc
+        cls: type[ServiceSettings] = getattr(imported, name)
         return cls
 
     return load
@@ -112,7 +122,7 @@ def _lazy(module: str, name: str) -> Callable[[], type[ServiceSettings]]:
 COMMANDS: dict[str, tuple[str, Callable[[], type[ServiceSettings]]]] = {
     "demo": (
         "The main job on the embedded default: agents, gateway, log, shards, a GRPO trainer.",
-        _lazy("turnstream.demo", "DemoCommand"),
+        _lazy("turnstream.demo", "DemoCommand", extra="demo"),
     ),
     "export": (
         "Export a run's trajectories from the shards as a dataset (tokens or chat messages).",
@@ -150,7 +160,7 @@ COMMANDS: dict[str, tuple[str, Callable[[], type[ServiceSettings]]]] = {
     ),
     "train": (
         "The reference GRPO trainer as a service: live from TRAJ, publishes its policies.",
-        _lazy("turnstream.train_service", "TrainCommand"),
+        _lazy("turnstream.train_service", "TrainCommand", extra="train"),
     ),
     "up": (
         "Everything in one process: nats-server, gateway, fold worker + reaper, shard writer.",
@@ -200,8 +210,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     name = args.pop(0)
     if name not in COMMANDS:
-        console.print(f"[red]error:[/] unknown command {name!r}\n{_usage()}")
+        console.print(f"[red]error:[/] {escape(f'unknown command {name!r}')}\n{escape(_usage())}")
         return 2
+    # transformers advises at import that without torch "Models won't be available": true and
+    # meant for a gateway in front of vLLM, which needs only the tokenizer.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     logging.basicConfig(
         level=os.environ.get("TURNSTREAM_LOG_LEVEL", "INFO"),
         format="%(message)s",
@@ -214,10 +227,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         CliApp.run(with_toml(COMMANDS[name][1](), _pop_config(args)), cli_args=args)
     except ValidationError as exc:
-        console.print(f"[red]error:[/] invalid settings for `turnstream {name}`:\n{exc}")
+        console.print(f"[red]error:[/] {escape(f'invalid settings for `turnstream {name}`:')}")
+        console.print(str(exc), markup=False)
         return 2
     except (TurnstreamError, FileNotFoundError) as exc:
-        console.print(f"[red]error:[/] {exc}")
+        # Not markup: a message like "pip install 'turnstream[local]'" must print as it is.
+        console.print(f"[red]error:[/] {escape(str(exc))}")
         return 1
     except KeyboardInterrupt:
         return 130

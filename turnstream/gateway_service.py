@@ -15,7 +15,7 @@ import logging
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import uvicorn
 from fastapi import FastAPI
@@ -26,7 +26,6 @@ from transformers import AutoTokenizer, GenerationConfig
 from eventlog import JetStreamPublisher, Outbox, read_session
 from gateway.app import create_app
 from gateway.backends.base import Backend
-from gateway.backends.local import LocalBackend
 from gateway.backends.policy_watch import PolicyTarget, PolicyVersion, watch_policy
 from gateway.guard import BodyLimits
 from gateway.metrics import GatewayMetrics
@@ -37,6 +36,9 @@ from gateway.tools import get_parser
 from schemas.errors import TurnstreamError
 from turnstream.settings import PublishingSettings
 from turnstream.stack import EventLog, open_log, stop_on_signals
+
+if TYPE_CHECKING:
+    from gateway.backends.local import LocalBackend
 
 __all__ = ["GatewayCommand", "GatewaySettings", "build_gateway", "http_server", "serve_until"]
 
@@ -91,9 +93,17 @@ class GatewaySettings(PublishingSettings):
 
     @property
     def model_dir(self) -> Path:
-        from gateway.model import ensure_tiny_model
-
-        return self.model or ensure_tiny_model(self.data_dir / "models")
+        if self.model is not None:
+            return self.model
+        try:
+            from gateway.model import ensure_tiny_model
+        except ImportError as exc:
+            raise TurnstreamError(
+                f"no --model given, and the built-in tiny model needs torch to be made ({exc}): "
+                f"pass --model DIR (the served model's tokenizer and chat template), or pip "
+                f"install 'turnstream[local]'"
+            ) from exc
+        return ensure_tiny_model(self.data_dir / "models")
 
 
 @dataclass
@@ -105,11 +115,24 @@ class Gateway:
     backend: Backend
 
 
+def local_backend_class() -> type[LocalBackend]:
+    """The built-in local backend, or a TurnstreamError naming the extra it needs (torch is not
+    in the base install: a gateway in front of vLLM never loads it)."""
+    try:
+        from gateway.backends.local import LocalBackend
+    except ImportError as exc:
+        raise TurnstreamError(
+            f"the local backend needs torch ({exc}): pip install 'turnstream[local]', or "
+            f"serve a remote model with --backend vllm / sglang"
+        ) from exc
+    return LocalBackend
+
+
 def _backend(settings: GatewaySettings, model_dir: Path, name: str) -> Backend:
     if settings.backend == "local":
         import torch
 
-        backend = LocalBackend.load(model_dir, max_concurrency=settings.max_concurrency)
+        backend = local_backend_class().load(model_dir, max_concurrency=settings.max_concurrency)
         threads = settings.torch_threads
         if threads is None and backend.num_parameters < 100_000_000:
             threads = 1
@@ -164,7 +187,7 @@ async def build_gateway(settings: GatewaySettings, event_log: EventLog) -> Async
     kv = await event_log.js.key_value(settings.log.names.policy_bucket)
     # The local backend loads each new checkpoint itself; remote ones are updated by the
     # trainer, and the gateway only follows the version to record it on every turn.
-    policy: PolicyTarget = backend if isinstance(backend, LocalBackend) else PolicyVersion()
+    policy: PolicyTarget = backend if isinstance(backend, PolicyTarget) else PolicyVersion()
     watcher = asyncio.create_task(watch_policy(kv, settings.run, policy), name="policy-watch")
     recover = functools.partial(read_session, event_log.js, stream=settings.log.names.events)
     engine = TurnEngine(
@@ -256,6 +279,8 @@ class GatewayCommand(GatewaySettings):
     __doc__ = GatewaySettings.__doc__
 
     def cli_cmd(self) -> None:
+        if self.backend == "local":
+            local_backend_class()  # before connecting to anything: a missing extra says so
         asyncio.run(self._serve())
 
     async def _serve(self) -> None:

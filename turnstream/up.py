@@ -22,7 +22,13 @@ from pydantic_settings import SettingsConfigDict
 from consumers import FoldWorker, FoldWorkerSettings, Reaper, ReaperSettings, ShardWriterSettings
 from consumers.shard_writer import ShardWriter
 from eventlog import JetStreamPublisher, free_port
-from turnstream.gateway_service import Gateway, GatewaySettings, build_gateway, http_server
+from turnstream.gateway_service import (
+    Gateway,
+    GatewaySettings,
+    build_gateway,
+    http_server,
+    local_backend_class,
+)
 from turnstream.shard_writer_service import shard_writer
 from turnstream.stack import EventLog, open_log, stop_on_signals
 from turnstream.stack_file import (
@@ -120,6 +126,8 @@ class UpCommand(UpSettings):
     # (``train``, ``status``, ``inspect``) to join, and the demo's stack is private to its run.
 
     def cli_cmd(self) -> None:
+        if self.backend == "local":
+            local_backend_class()  # before starting anything: a missing extra says so
         asyncio.run(self._run())
 
     async def _run(self) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Literal, Protocol, runtime_checkable
 
 from nats.js.kv import KeyValue
 
@@ -28,8 +28,10 @@ __all__ = ["PolicyTarget", "decide", "watch_policy"]
 logger = logging.getLogger(__name__)
 
 
+@runtime_checkable
 class PolicyTarget(Protocol):
-    """What a backend must offer to follow the trainer's policy."""
+    """What a backend must offer to follow the trainer's policy (one that holds its own weights,
+    ``local``; a remote backend does not, and the gateway follows the version for it)."""
 
     @property
     def id(self) -> str: ...

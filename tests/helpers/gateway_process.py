@@ -4,25 +4,31 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
 
 from eventlog import free_port
+from tests.helpers.services import LAUNCHER
 
 
 class GatewayProcess:
-    def __init__(self, nats_url: str, model_dir: Path, data_dir: Path, *extra: str) -> None:
+    def __init__(
+        self,
+        nats_url: str,
+        model_dir: Path,
+        data_dir: Path,
+        *extra: str,
+        launcher: Sequence[str] = LAUNCHER,
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = data_dir / "gateway.log"
         data_dir.mkdir(parents=True, exist_ok=True)
         args = [
-            sys.executable,
-            "-m",
-            "turnstream.cli",
+            *launcher,
             "gateway",
             "--port",
             str(self.port),

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from eventlog.shard_store import open_shards_dataset
@@ -24,17 +25,24 @@ WORKER_FLAGS = (
     "1",
 )
 WRITER_FLAGS = ("--shards.max-age-s", "0.5", "--shards.ack-wait-s", "3")
+# How a command is started: this interpreter's turnstream (another install: its bin/turnstream).
+LAUNCHER = (sys.executable, "-m", "turnstream.cli")
 
 
 class Service:
     """One turnstream command in its own process; ``kill()`` is SIGKILL, ``stop()`` SIGTERM."""
 
-    def __init__(self, command: str, nats_url: str, data_dir: Path, *extra: str) -> None:
+    def __init__(
+        self,
+        command: str,
+        nats_url: str,
+        data_dir: Path,
+        *extra: str,
+        launcher: Sequence[str] = LAUNCHER,
+    ) -> None:
         self.command = command
         self.args = [
-            sys.executable,
-            "-m",
-            "turnstream.cli",
+            *launcher,
             command,
             "--log.url",
             nats_url,
