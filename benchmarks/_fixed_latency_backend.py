@@ -15,7 +15,8 @@ tokens after a fixed delay::
     data: {"id": ..., "choices": [], "usage": {"prompt_tokens": P, "completion_tokens": N, ...}}
     data: [DONE]
 
-plus ``GET /health`` and ``GET /stats`` (connections accepted, completions served: a client that
+plus ``GET /health``, ``GET /v1/models`` (the model and its ``max_model_len``, as vLLM lists
+them) and ``GET /stats`` (connections accepted, completions served: a client that
 opens a new connection per request shows up as connections ~ completions).
 
 Timing: the response headers go out at once (as a streaming server sends them); the first event
@@ -55,6 +56,7 @@ class BackendConfig:
     itl_s: float = 0.0
     tokens_per_event: int = 1
     model: str = "fixed-latency"
+    max_model_len: int = 4096
 
 
 @dataclass
@@ -208,6 +210,10 @@ class HTTPConnection(asyncio.Protocol):
             self._respond(200, {"status": "ok"}, close=close)
         elif path == "/stats":
             self._respond(200, vars(self.stats), close=close)
+        elif path == "/v1/models":
+            card = {"id": self.config.model, "object": "model", "owned_by": "vllm"}
+            card["max_model_len"] = self.config.max_model_len
+            self._respond(200, {"object": "list", "data": [card]}, close=close)
         elif path == "/v1/completions":
             if method != "POST":
                 self._respond(405, {"error": "POST only"}, close=close)
@@ -316,6 +322,7 @@ def main() -> None:
     parser.add_argument("--itl-ms", type=float, default=0.0, help="delay between events")
     parser.add_argument("--tokens-per-event", type=int, default=1)
     parser.add_argument("--model", default="fixed-latency")
+    parser.add_argument("--max-model-len", type=int, default=4096, help="in /v1/models")
     args = parser.parse_args()
     if args.tokens:
         tokens = tuple(int(t) for t in args.tokens.split(","))
@@ -331,6 +338,7 @@ def main() -> None:
         itl_s=args.itl_ms / 1000,
         tokens_per_event=max(1, args.tokens_per_event),
         model=args.model,
+        max_model_len=args.max_model_len,
     )
     started = time.perf_counter()
     try:

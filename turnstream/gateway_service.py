@@ -61,7 +61,11 @@ class GatewaySettings(PublishingSettings):
         description="local HF model dir (tokenizer + chat template; weights for local); "
         "unset: the built-in tiny model, created on first use",
     )
-    model_name: str | None = Field(None, description="model name reported to clients")
+    model_name: str | None = Field(
+        None,
+        description="model name reported to clients (and sent to vllm/sglang); unset: the one "
+        "the backend's /v1/models lists, else the model dir's name",
+    )
     tool_parser: str = Field("hermes", description="tool-call format the model writes")
     api_keys: list[str] = Field(
         default_factory=list,
@@ -89,7 +93,33 @@ class GatewaySettings(PublishingSettings):
         "under 100M parameters (thread hand-offs cost more than they save), else torch's default",
     )
     max_inflight_per_replica: int = Field(32, ge=1, description="remote: requests per replica")
-    max_context: int | None = Field(None, description="remote: context length of the model")
+    max_context: int | None = Field(
+        None, description="remote: context length of the model; unset: its max_model_len"
+    )
+    backend_wait_s: float = Field(
+        120.0, ge=0, description="remote: how long to wait for the backend's /v1/models at start"
+    )
+
+    async def served(self) -> GatewaySettings:
+        """These settings with ``model_name`` and ``max_context`` asked of a remote backend
+        when unset (``gateway.backends.served_model``)."""
+        if self.backend == "local" or (self.model_name and self.max_context):
+            return self
+        if not self.backend_urls:
+            raise TurnstreamError(f"--backend {self.backend} needs --backend-urls URL [URL ...]")
+        from gateway.backends.served_model import served_model
+
+        model = await served_model(self.backend_urls, wait_s=self.backend_wait_s)
+        max_context = self.max_context or model.max_context
+        if max_context is None:
+            raise TurnstreamError(
+                f"the backend at {self.backend_urls[0]} does not say its context length "
+                f"(max_model_len): pass --max-context"
+            )
+        log.info("backend serves %r, context %d tokens", model.name, max_context)
+        return self.model_copy(
+            update={"model_name": self.model_name or model.name, "max_context": max_context}
+        )
 
     @property
     def model_dir(self) -> Path:
@@ -141,7 +171,7 @@ def _backend(settings: GatewaySettings, model_dir: Path, name: str) -> Backend:
         return backend
     if not settings.backend_urls:
         raise TurnstreamError(f"--backend {settings.backend} needs --backend-urls URL [URL ...]")
-    if settings.max_context is None:
+    if settings.max_context is None:  # settings.served() fills it in
         raise TurnstreamError(f"--backend {settings.backend} needs --max-context (the model's)")
     from gateway.backends.router import ReplicaRouter
 
@@ -166,6 +196,7 @@ def _backend(settings: GatewaySettings, model_dir: Path, name: str) -> Backend:
 @contextlib.asynccontextmanager
 async def build_gateway(settings: GatewaySettings, event_log: EventLog) -> AsyncIterator[Gateway]:
     """The gateway app on ``event_log``; publisher, backend and policy watch live as long as it."""
+    settings = await settings.served()
     model_dir = settings.model_dir
     # The built-in tiny model is served as "tiny"; a model directory under its own name.
     name = settings.model_name or (model_dir.name if settings.model is not None else "tiny")

@@ -123,7 +123,8 @@ async def test_the_base_install_serves_folds_and_writes_shards_from_a_remote_bac
         url,
         tiny_model_dir,
         tmp_path / "gateway",
-        *("--backend", "vllm", "--backend-urls", standin, "--max-context", "4096"),
+        # No --max-context: the gateway reads max_model_len from the backend's /v1/models.
+        *("--backend", "vllm", "--backend-urls", standin),
         launcher=launcher,
     )
     services = [
