@@ -1,4 +1,4 @@
-"""A fixed-latency stand-in for vLLM's OpenAI-compatible server (benchmarks only, not product).
+"""A fixed-latency stand-in for vLLM's OpenAI-compatible server (benchmarks and tests only).
 
 It speaks the subset of ``POST /v1/completions`` that ``gateway.backends.vllm.VLLMBackend`` uses
 (token-id ``prompt``, ``stream: true``, ``return_token_ids``, ``return_tokens_as_token_ids``,

@@ -98,6 +98,10 @@ class ProvisionCommand(ServiceSettings):
             console.print(_actions_table(event_log.provisioned))
 
 
+# The packages only an extra installs (pyproject.toml), by the import name.
+EXTRA_PACKAGES = frozenset({"torch", "tensordict", "safetensors", "openai", "matplotlib", "ray"})
+
+
 def _lazy(module: str, name: str, extra: str | None = None) -> Callable[[], type[ServiceSettings]]:
     """The settings class ``module.name``, imported only when its command runs (torch,
     transformers, pyarrow and duckdb are slow to import and most commands need none of them).
@@ -107,8 +111,8 @@ def _lazy(module: str, name: str, extra: str | None = None) -> Callable[[], type
         try:
             imported = importlib.import_module(module)
         except ModuleNotFoundError as exc:
-            if extra is None:
-                raise
+            if extra is None or (exc.name or "").split(".")[0] not in EXTRA_PACKAGES:
+                raise  # not a missing extra: a bug, shown as one
             raise TurnstreamError(
                 f"this command needs the {extra!r} extra ({exc}): pip install 'turnstream[{extra}]'"
             ) from exc
