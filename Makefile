@@ -15,7 +15,7 @@ VERL_PACKAGES := verl==$(VERL_VERSION) tensordict==0.10.0 omegaconf==2.4.0 hydra
 	antlr4-python3-runtime==4.9.3 codetiming==1.4.0 orjson==3.13.0 torchdata==0.11.0 \
 	peft==0.21.2 cachetools==8.0.2
 
-.PHONY: setup demo test lint typecheck unit bench soak clean
+.PHONY: setup demo test test-deploy lint typecheck unit bench soak clean
 
 setup: $(STAMP)
 
@@ -40,6 +40,13 @@ typecheck: setup
 
 test: lint typecheck
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q --durations=25
+
+# The deployment as users run it (docs: README, Deploying): docker compose under a real Docker
+# engine (installed and started if none answers), a 3-node NATS cluster, a real vLLM (CPU). What it
+# installs and builds is cached in $TURNSTREAM_DEPLOY_CACHE (~/.cache/turnstream/deploy) and reused
+# by the next run on this machine.
+test-deploy: setup
+	PATH="$(CURDIR)/$(BIN):$$PATH" TURNSTREAM_TEST_DEPLOY=1 $(BIN)/python -m pytest -q --durations=25 tests/deploy
 
 unit: setup
 	$(BIN)/python -m pytest -q tests/unit
