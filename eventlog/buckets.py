@@ -32,14 +32,15 @@ class Entry:
 class Bucket:
     """One KV bucket: every method raises EventLogUnavailable when the log does not answer."""
 
-    def __init__(self, kv: KeyValue, name: str) -> None:
+    def __init__(self, js: JetStreamContext, kv: KeyValue, name: str) -> None:
+        self._js = js
         self._kv = kv
         self.name = name
 
     @classmethod
     async def open(cls, js: JetStreamContext, name: str) -> Bucket:
         try:
-            return cls(await js.key_value(name), name)
+            return cls(js, await js.key_value(name), name)
         except _UNAVAILABLE as exc:
             raise EventLogUnavailable(
                 f"cannot open bucket {name}: {exc}; is the log provisioned?"
@@ -90,20 +91,41 @@ class Bucket:
         return True
 
     async def entries(self, keys: str = ">", timeout_s: float = 5.0) -> list[Entry]:
-        """Every live entry whose key matches ``keys`` (NATS wildcards; a snapshot read with a
-        watcher)."""
-        found: list[Entry] = []
+        """Every live entry whose key matches ``keys`` (NATS wildcards), as of the call.
+
+        A watcher delivers the snapshot, but nats-py decides "nothing to deliver" from consumer
+        info, which races with the deliveries themselves: seen right after a nats-server
+        restart, the watcher ended before its first entry and a sink's commit records read back
+        empty (the sink then handed committed trajectories out again). So the keys the bucket
+        holds are listed first (stream info, one request), and a key the watcher did not deliver
+        is read on its own."""
         try:
-            watcher = await self._kv.watch(keys, ignore_deletes=True)
-            try:
-                while True:
-                    entry = await watcher.updates(timeout=timeout_s)  # type: ignore[no-untyped-call]
-                    if entry is None:
-                        break
-                    if entry.value and entry.revision is not None:
-                        found.append(Entry(entry.key, entry.value, entry.revision))
-            finally:
-                await watcher.stop()  # type: ignore[no-untyped-call]
+            held = await self._keys(keys)
+            found = await self._watch(keys, timeout_s)
         except _UNAVAILABLE as exc:
             raise EventLogUnavailable(f"reading bucket {self.name}: {exc}") from exc
+        for key in sorted(held - {entry.key for entry in found}):
+            entry = await self.get(key)  # None: deleted, or expired since the listing
+            if entry is not None:
+                found.append(entry)
         return found
+
+    async def _keys(self, keys: str) -> set[str]:
+        """The keys matching ``keys`` that the bucket's stream holds a message for (deleted ones
+        included: their delete marker is a message)."""
+        prefix = f"$KV.{self.name}."
+        info = await self._js.stream_info(f"KV_{self.name}", subjects_filter=prefix + keys)
+        return {subject[len(prefix) :] for subject in info.state.subjects or {}}
+
+    async def _watch(self, keys: str, timeout_s: float) -> list[Entry]:
+        found: list[Entry] = []
+        watcher = await self._kv.watch(keys, ignore_deletes=True)
+        try:
+            while True:
+                entry = await watcher.updates(timeout=timeout_s)  # type: ignore[no-untyped-call]
+                if entry is None:
+                    return found
+                if entry.value and entry.revision is not None:
+                    found.append(Entry(entry.key, entry.value, entry.revision))
+        finally:
+            await watcher.stop()  # type: ignore[no-untyped-call]

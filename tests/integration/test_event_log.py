@@ -14,6 +14,7 @@ import pytest
 from nats.js import api as js_api
 
 from eventlog import JetStreamPublisher, LogSettings, Outbox, PublisherSettings, provision
+from eventlog.buckets import Bucket, Entry
 from schemas import (
     EventLogUnavailable,
     PayloadTooLarge,
@@ -277,3 +278,24 @@ async def test_a_full_outbox_refuses_with_a_clear_error(log: Log, tmp_path: Path
 async def test_provision_helper_settings_are_the_fixture_settings(log: Log) -> None:
     # Guards the fixture itself: tests above rely on fast ping settings.
     assert log.settings.ping_interval_s < LogSettings().ping_interval_s
+
+
+class _WatcherEndsEarly(Bucket):
+    """Test double for a race in nats-py's KV watcher (its "nothing to deliver" comes from
+    consumer info, racing the deliveries): seen right after a nats-server restart, the snapshot
+    ended before its first entry. The bucket and server stay real."""
+
+    async def _watch(self, keys: str, timeout_s: float) -> list[Entry]:
+        return []
+
+
+async def test_a_bucket_snapshot_has_every_key_even_when_the_watcher_ends_early(log: Log) -> None:
+    kv = await Bucket.open(log.js, log.settings.names.commits_bucket)
+    for n in range(5):
+        await kv.put(f"trainer.{n}", b"%d" % n)
+    await kv.put("other.0", b"x")
+    assert await kv.delete("trainer.4", (await kv.get("trainer.4") or Entry("", b"", 0)).revision)
+    expected = {f"trainer.{n}": b"%d" % n for n in range(4)}
+    for bucket in (kv, _WatcherEndsEarly(log.js, kv._kv, kv.name)):
+        got = await bucket.entries("trainer.>")
+        assert {e.key: e.value for e in got} == expected
