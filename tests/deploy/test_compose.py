@@ -1,0 +1,215 @@
+"""``infra/docker-compose.yml`` as users run it, under a real Docker engine with local images.
+
+NATS, the gateway (built-in local backend, the tiny model bind-mounted), two fold workers and
+the shard writer come up through docker-compose. The engine here has no bridge network, so the
+test runs the shipped file's host-networking variant: the same file with every service on the
+host's network and no published ports (docker-compose 1.29 refuses both at once, and an
+override file cannot remove a list), every other line as shipped. Agents drive sessions through
+the gateway container with the ``openai`` SDK; a worker and the shard writer are
+``docker kill``-ed mid-run and started again; every closed session must land in the shards (a
+host directory) exactly once, with its reward.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from eventlog import free_port
+from tests.deploy.engine import REPO, DeployError, Images, docker_env, run
+from tests.helpers.services import shard_table_rows
+from tests.helpers.waiting import wait_for
+
+# Building the images on a fresh machine takes minutes; the test itself about one.
+pytestmark = pytest.mark.timeout(2400)
+
+COMPOSE_FILE = REPO / "infra" / "docker-compose.yml"
+IMAGE_UID = 10001  # infra/Dockerfile's user: it writes the shards
+RUN = "compose"
+
+
+def host_network_variant(shipped: Path, out: Path) -> Path:
+    """``shipped`` with every service on the host's network (and so no ``ports:``)."""
+    spec = yaml.safe_load(shipped.read_text())
+    for service in spec["services"].values():
+        service.pop("ports", None)
+        service["network_mode"] = "host"
+    out.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return out
+
+
+@dataclass
+class Compose:
+    """docker-compose on one project (its own containers and volumes) with a fixed environment."""
+
+    project: str
+    file: Path
+    env: dict[str, str]
+
+    def __call__(self, *args: str, timeout: float = 600) -> str:
+        # --project-directory: relative paths (./nats/...) resolve as in the shipped file.
+        command = ["docker-compose", "-p", self.project, "-f", str(self.file)]
+        command += ["--project-directory", str(COMPOSE_FILE.parent), *args]
+        return run(command, timeout=timeout, env=self.env)
+
+    def logs(self) -> str:
+        try:
+            return self("logs", "--no-color", "--tail", "40", timeout=60)[-12000:]
+        except DeployError as exc:
+            return str(exc)
+
+
+@dataclass
+class Stack:
+    compose: Compose
+    gateway_url: str
+    shards: Path
+
+
+@pytest.fixture
+def stack(images: Images, world_readable_model: Path, tmp_path: Path) -> Iterator[Stack]:
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    os.chown(shards, IMAGE_UID, IMAGE_UID)
+    nats_port, gateway_port = free_port(), free_port()
+    env = {
+        **docker_env(),
+        # Creating a container copies its whole image under vfs: minutes for 4 at once.
+        "COMPOSE_HTTP_TIMEOUT": "900",
+        "TURNSTREAM_IMAGE": images.turnstream,
+        "NATS_IMAGE": images.nats,
+        "NATS_PORT": str(nats_port),
+        "NATS_HTTP_PORT": str(free_port()),
+        "TURNSTREAM_PORT": str(gateway_port),
+        "TURNSTREAM_LOG__URL": f"nats://127.0.0.1:{nats_port}",
+        "TURNSTREAM_RUN": RUN,
+        "TURNSTREAM_MODEL_DIR": str(world_readable_model),
+        "TURNSTREAM_MODEL": "/models",
+        "TURNSTREAM_MODEL_NAME": "tiny",
+        "TURNSTREAM_SHARDS_DIR": str(shards),
+        # Seconds, not the production minutes: redeliveries after a kill, shard rotation.
+        "TURNSTREAM_FOLD__ACK_WAIT_S": "3",
+        "TURNSTREAM_SHARDS__ACK_WAIT_S": "3",
+        "TURNSTREAM_SHARDS__MAX_AGE_S": "0.5",
+    }
+    compose_file = host_network_variant(COMPOSE_FILE, tmp_path / "docker-compose.yml")
+    compose = Compose(f"turnstream-deploy-{os.getpid()}", compose_file, env)
+    try:
+        started = time.monotonic()
+        try:
+            compose("up", "-d")
+        except DeployError as exc:
+            pytest.fail(f"docker-compose up failed: {exc}\n{compose.logs()}", pytrace=False)
+        url = f"http://127.0.0.1:{gateway_port}"
+        _wait_gateway(url, compose)
+        print(f"compose stack healthy in {time.monotonic() - started:.0f}s")
+        yield Stack(compose, url, shards)
+    finally:
+        _down(compose)
+
+
+def _down(compose: Compose) -> None:
+    """``down -v``; a second try when the engine is slow to let go of a volume."""
+    for attempt in (1, 2):
+        try:
+            compose("down", "-v", "--remove-orphans", "--timeout", "10")
+            return
+        except DeployError:
+            if attempt == 2:
+                raise
+            time.sleep(5)
+
+
+def _wait_gateway(url: str, compose: Compose, within: float = 180) -> None:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    pytest.fail(f"the gateway container is not healthy in {within:.0f}s:\n{compose.logs()}")
+
+
+class Agent:
+    """One session through the gateway: the openai SDK on the session's base URL."""
+
+    def __init__(self, gateway_url: str, index: int) -> None:
+        self.gateway_url = gateway_url
+        opened = httpx.post(
+            f"{gateway_url}/v1/sessions", json={"metadata": {"agent": index}}, timeout=30
+        )
+        opened.raise_for_status()
+        self.session = str(opened.json()["session_id"])
+        self.client = openai.OpenAI(
+            base_url=opened.json()["base_url"], api_key="unused", max_retries=0, timeout=60
+        )
+        self.messages: list[dict[str, Any]] = [{"role": "user", "content": f"task {index}"}]
+        self.reward = index / 10
+
+    def turn(self) -> None:
+        reply = self.client.chat.completions.create(
+            model="tiny", messages=self.messages, max_tokens=8, temperature=0
+        )
+        self.messages += [
+            {"role": "assistant", "content": reply.choices[0].message.content or ""},
+            {"role": "user", "content": "go on"},
+        ]
+
+    def close(self) -> None:
+        closed = httpx.post(
+            f"{self.gateway_url}/v1/sessions/{self.session}/close",
+            json={"reward": self.reward},
+            timeout=30,
+        )
+        assert closed.status_code == 200, closed.text
+
+
+def test_compose_stack_survives_killed_worker_and_shard_writer(stack: Stack) -> None:
+    agents = [Agent(stack.gateway_url, i) for i in range(6)]
+    for agent in agents:
+        agent.turn()
+
+    stack.compose("kill", "-s", "SIGKILL", "worker-1", "shard-writer")  # docker kill
+    for agent in agents[:3]:  # closed while a worker and the writer are down
+        agent.turn()
+        agent.close()
+    stack.compose("start", "worker-1", "shard-writer")
+    for agent in agents[3:]:
+        agent.turn()
+        agent.turn()
+        agent.close()
+
+    want = {agent.session: agent.reward for agent in agents}
+
+    def all_in_shards() -> bool:
+        return {str(r["session"]) for r in shard_table_rows(stack.shards)} >= set(want)
+
+    try:
+        wait_for(all_in_shards, 120, "every closed session in the shards")
+        time.sleep(2.0)  # anything written twice would show up by now
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{stack.compose.logs()}") from None
+    rows = shard_table_rows(stack.shards)
+    per_session = Counter(str(r["session"]) for r in rows)
+    assert [s for s, n in per_session.items() if n != 1] == [], f"not once: {per_session}"
+    assert set(per_session) == set(want)
+    assert {str(r["session"]): r["reward"] for r in rows} == pytest.approx(want)
+    assert {r["run"] for r in rows} == {RUN}
+    turns = {str(r["session"]): r["num_turns"] for r in rows}
+    assert turns == {a.session: 2 if i < 3 else 3 for i, a in enumerate(agents)}
+    running = stack.compose("ps", "--services", "--filter", "status=running").split()
+    assert sorted(running) == sorted(["nats", "gateway", "worker-1", "worker-2", "shard-writer"]), (
+        stack.compose.logs()
+    )
