@@ -45,6 +45,7 @@ SOCKET = "unix:///run/turnstream-docker.sock"
 APT_PACKAGES = ("docker.io", "docker-compose", "debootstrap")
 SUITE = "bookworm"
 BASE_PACKAGES = ("python3", "python3-venv", "ca-certificates", "wget")
+BASE_RECIPE = 2  # a change to how the rootfs is made: 2, its "/" 0755 (was mkdtemp's 0700)
 EXTRAS = "local,train"
 PACKAGES = ("schemas", "eventlog", "gateway", "consumers", "trainer_sink", "turnstream")
 DOCKERD_FLAGS = (
@@ -223,7 +224,7 @@ def debian_mirror() -> str:
 
 def ensure_base_image() -> str:
     """Debian bookworm minbase with python3 (3.11), venv, CA certificates and wget."""
-    key = _digest([SUITE, *BASE_PACKAGES])
+    key = _digest([SUITE, *BASE_PACKAGES, f"recipe {BASE_RECIPE}"])
     tag = f"turnstream-base:{SUITE}-{key}"
     with cache_lock("base"):
         if image_exists(tag):
@@ -253,6 +254,9 @@ def _debootstrap(tarball: Path) -> None:
             ],
             timeout=1800,
         )
+        # mkdtemp made it 0700, and tar records that for the image's "/": a non-root user could
+        # then reach nothing (`exec /bin/sh: permission denied` in the first RUN as uid 10001).
+        os.chmod(rootfs, 0o755)
         for cached in ("var/cache/apt/archives", "var/lib/apt/lists"):
             for entry in (Path(rootfs) / cached).glob("*"):
                 if entry.is_file():
