@@ -95,16 +95,16 @@ class Bucket:
 
         A watcher delivers the snapshot, but nats-py decides "nothing to deliver" from consumer
         info, which races with the deliveries themselves: seen right after a nats-server
-        restart, the watcher ended before its first entry and a sink's commit records read back
-        empty (the sink then handed committed trajectories out again). So the keys the bucket
+        restart, a snapshot ended early and a sink's commit records read back without the latest
+        one (the sink then handed committed trajectories out again). So the keys the bucket
         holds are listed first (stream info, one request), and a key the watcher did not deliver
-        is read on its own."""
+        (neither as an entry nor as a deletion) is read on its own: none, unless it raced."""
         try:
             held = await self._keys(keys)
-            found = await self._watch(keys, timeout_s)
+            found, seen = await self._watch(keys, timeout_s)
         except _UNAVAILABLE as exc:
             raise EventLogUnavailable(f"reading bucket {self.name}: {exc}") from exc
-        for key in sorted(held - {entry.key for entry in found}):
+        for key in sorted(held - seen):
             entry = await self.get(key)  # None: deleted, or expired since the listing
             if entry is not None:
                 found.append(entry)
@@ -117,15 +117,19 @@ class Bucket:
         info = await self._js.stream_info(f"KV_{self.name}", subjects_filter=prefix + keys)
         return {subject[len(prefix) :] for subject in info.state.subjects or {}}
 
-    async def _watch(self, keys: str, timeout_s: float) -> list[Entry]:
+    async def _watch(self, keys: str, timeout_s: float) -> tuple[list[Entry], set[str]]:
+        """The live entries, and every key delivered (deleted ones included: their markers are
+        what the listing counts too)."""
         found: list[Entry] = []
-        watcher = await self._kv.watch(keys, ignore_deletes=True)
+        seen: set[str] = set()
+        watcher = await self._kv.watch(keys)
         try:
             while True:
                 entry = await watcher.updates(timeout=timeout_s)  # type: ignore[no-untyped-call]
                 if entry is None:
-                    return found
-                if entry.value and entry.revision is not None:
+                    return found, seen
+                seen.add(entry.key)
+                if entry.operation is None and entry.value and entry.revision is not None:
                     found.append(Entry(entry.key, entry.value, entry.revision))
         finally:
             await watcher.stop()  # type: ignore[no-untyped-call]
