@@ -131,15 +131,17 @@ def _down(compose: Compose) -> None:
 
 
 def _wait_gateway(url: str, compose: Compose, within: float = 180) -> None:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    pytest.fail(f"the gateway container is not healthy in {within:.0f}s:\n{compose.logs()}")
+    try:
+        wait_for(lambda: _answers(f"{url}/health"), within, f"the gateway container at {url}")
+    except AssertionError as exc:
+        pytest.fail(f"{exc}; not healthy:\n{compose.logs()}")
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 class Agent:
