@@ -9,6 +9,7 @@ body model, and nothing else (FastAPI's own 422 is never sent: validation errors
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -24,6 +25,7 @@ from gateway.errors import (
     InvalidRequest,
     MethodNotAllowed,
     RouteNotFound,
+    anthropic_error_body,
     error_body,
     error_spec,
 )
@@ -31,13 +33,21 @@ from gateway.guard import BodyLimits, GuardedRoute, RequestGuard, parse_api_keys
 from gateway.metrics import GatewayMetrics
 from gateway.routers import openai_routes, session_routes
 from gateway.routers.common import errors
-from gateway.serving import ChatServing, CompletionServing, SessionService, TurnEngine
+from gateway.serving import (
+    ChatServing,
+    CompletionServing,
+    SessionService,
+    TurnEngine,
+    TurnServing,
+)
 from schemas.errors import TurnstreamError
 
 __all__ = ["Health", "create_app"]
 
 log = logging.getLogger(__name__)
 JSON = dict[str, Any]
+# The Anthropic Messages routes answer errors in Anthropic's body, the others in OpenAI's.
+_ANTHROPIC_ROUTE = re.compile(r"/v1/messages(/count_tokens)?$")
 
 
 class Health(BaseModel):
@@ -63,20 +73,22 @@ def create_app(
     app.router.route_class = GuardedRoute
     metrics: GatewayMetrics = engine.metrics
 
-    def error_response(exc: BaseException) -> JSONResponse:
+    def error_response(exc: BaseException, path: str) -> JSONResponse:
         spec = error_spec(exc)
         metrics.errors.labels(str(spec.status)).inc()
         if spec.status >= 500:
             log.error("%s: %s", type(exc).__name__, exc, exc_info=spec.status == 500)
+        if _ANTHROPIC_ROUTE.search(path):
+            return JSONResponse(anthropic_error_body(exc), status_code=spec.status)
         return JSONResponse({"error": error_body(exc)}, status_code=spec.status)
 
     @app.exception_handler(TurnstreamError)
     async def _turnstream_error(request: Request, exc: TurnstreamError) -> JSONResponse:
-        return error_response(exc)
+        return error_response(exc, request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(validation_problem(exc))
+        return error_response(validation_problem(exc), request.url.path)
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException) -> JSONResponse:
@@ -89,11 +101,11 @@ def create_app(
             problem = MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}")
         else:
             problem = InvalidRequest(str(exc.detail))
-        return error_response(problem)
+        return error_response(problem, request.url.path)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        return error_response(exc)
+        return error_response(exc, request.url.path)
 
     open_paths = frozenset({"/health"} if metrics_auth else {"/health", "/metrics"})
     app.add_middleware(
@@ -106,9 +118,15 @@ def create_app(
     )
 
     # Starlette matches routes in order: turns first, then the session API, then service routes.
-    chat, completions = ChatServing(engine, sessions.store), CompletionServing(engine)
+    turns = TurnServing(engine, sessions.store)
+    chat, completions = ChatServing(turns), CompletionServing(engine)
     openai_routes(app.router, sessions, chat, completions, default_run)
     session_routes(app.router, sessions, default_run)
+
+    @app.api_route("/", methods=["GET", "HEAD"], response_model=None, include_in_schema=False)
+    async def root() -> JSONResponse:
+        # Claude Code probes its base URL with HEAD / at start-up.
+        return JSONResponse({"service": "turnstream gateway", "docs": "/docs"})
 
     @app.get("/health", response_model=None, responses={200: {"model": Health}, **errors(503)})
     async def health_check() -> JSONResponse:

@@ -1,4 +1,11 @@
-"""The conversation as the gateway compares it across turns (PURE).
+"""The canonical conversation every API surface translates into, and how the gateway compares
+it across turns (PURE).
+
+A ``TurnRequest`` is a turn as the turn core sees it, whichever API carried it (Chat
+Completions, Anthropic Messages, OpenAI Responses): OpenAI-chat-shaped messages with text content
+(``role``, ``content``, ``tool_calls``, ``tool_call_id``, ``name``), function tools
+(``{"type": "function", "function": {...}}``), tool choice and sampling. Rendering,
+continuation, generation and the ``TurnCompleted`` event never know the API.
 
 Clients re-serialize their history on every request (arguments as a JSON string or an object,
 ``content`` None or "", fields the model never saw); continuation compares what matters to the
@@ -12,11 +19,57 @@ rendered prompt, not the bytes a client sent.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["arguments_object", "message_key"]
+__all__ = ["TurnRequest", "arguments_object", "message_key", "same_messages"]
 
 JSON = dict[str, Any]
+ToolChoice = str | JSON | None  # "auto" | "none" | "required" | {"type": "function", ...}
+
+
+@dataclass(frozen=True)
+class TurnRequest:
+    """One turn as any API asks for it (the canonical form the turn core takes)."""
+
+    api: str  # "chat.completions" | "messages" | "responses"
+    messages: list[JSON]
+    tools: list[JSON] | None = None  # function tools only: what the model is offered
+    tool_choice: ToolChoice = None
+    parallel_tool_calls: bool = True  # False: at most one tool call per reply
+    max_tokens: int | None = None  # a cap, as asked
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: Sequence[str] = ()
+    logprobs: bool = False
+    top_logprobs: int = 0
+    # The API's own parameters worth keeping with the turn (thinking, metadata, reasoning,
+    # tools not offered to the model, ...): recorded in TurnCompleted.request.
+    extras: JSON = field(default_factory=dict)
+
+    @property
+    def record(self) -> JSON:
+        """What the event records of how the turn was asked for (None and defaults left out).
+
+        Two requests with the same conversation, tools and record are the same request: the
+        second is a resend (a client retry) and gets the recorded answer."""
+        asked: JSON = {
+            "api": self.api,
+            "tool_choice": self.tool_choice,
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "seed": self.seed,
+            "stop": list(self.stop) or None,
+            "top_logprobs": self.top_logprobs or None,
+        }
+        record = {k: v for k, v in asked.items() if v is not None}
+        record["parallel_tool_calls"] = self.parallel_tool_calls
+        if self.logprobs:
+            record["logprobs"] = True
+        return {**record, **self.extras}
 
 
 def arguments_object(arguments: object) -> object:
@@ -27,6 +80,13 @@ def arguments_object(arguments: object) -> object:
         except json.JSONDecodeError:
             return arguments
     return arguments
+
+
+def same_messages(a: Sequence[JSON], b: Sequence[JSON]) -> bool:
+    """Whether two conversations are the same to the prompt (``message_key`` by message)."""
+    return len(a) == len(b) and all(
+        message_key(x) == message_key(y) for x, y in zip(a, b, strict=True)
+    )
 
 
 def message_key(message: JSON) -> tuple[object, ...]:

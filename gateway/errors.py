@@ -18,7 +18,9 @@
     └── (schemas) EventLogUnavailable / OutboxFull -> 503: the turn could not be made durable
 
 Every error reaches the client as ``{"error": {"message", "type", "param", "code"}}`` with the
-status from ``ERROR_TABLE``; nothing else decides a status code.
+status from ``ERROR_TABLE``; nothing else decides a status code. The Anthropic Messages routes
+answer the same errors, same status, in Anthropic's body (``anthropic_error_body``):
+``{"type": "error", "error": {"type", "message"}}``.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ __all__ = [
     "SessionExists",
     "SessionNotFound",
     "Unauthorized",
+    "anthropic_error_body",
     "error_body",
     "error_spec",
 ]
@@ -164,3 +167,24 @@ def error_body(exc: BaseException) -> dict[str, object]:
         "param": getattr(exc, "param", None),
         "code": spec.code,
     }
+
+
+# Anthropic's error types by status (its API documents these; 409 and 405 have none of their own).
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    502: "api_error",
+    503: "overloaded_error",
+}
+
+
+def anthropic_error_body(exc: BaseException) -> dict[str, object]:
+    """The Anthropic error body for ``exc`` (the status is ``error_spec(exc).status``)."""
+    status = error_spec(exc).status
+    kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": error_body(exc)["message"]}}

@@ -135,7 +135,7 @@ class RequestGuard:
         keys: Mapping[str, frozenset[str] | None],
         open_paths: frozenset[str],
         limits: BodyLimits,
-        reject: Callable[[BaseException], JSONResponse],
+        reject: Callable[[BaseException, str], JSONResponse],
         metrics: GatewayMetrics,
     ) -> None:
         self.app = app
@@ -156,17 +156,20 @@ class RequestGuard:
             if scope["method"] in ("POST", "PUT", "PATCH"):
                 receive = await self._read_body(scope, receive)
         except (Unauthorized, InvalidRequest, RequestTooLarge, RequestTimeout) as problem:
-            await self.reject(problem)(scope, receive, send)
+            await self.reject(problem, scope["path"])(scope, receive, send)
             return
         await self.app(scope, receive, send)
         route = getattr(scope.get("route"), "path", "unmatched")
         self.metrics.request_latency.labels(route).observe(time.perf_counter() - started)
 
     def _runs_of_key(self, scope: Scope) -> frozenset[str] | None:
+        # Bearer (OpenAI clients) or x-api-key (Anthropic clients: Claude Code, the SDK).
         header = _header(scope, b"authorization")
-        key = header[7:] if header.startswith("Bearer ") else None
-        if key is None or key not in self.keys:
-            raise Unauthorized("missing or invalid API key (Authorization: Bearer ...)")
+        key = header[7:] if header.startswith("Bearer ") else _header(scope, b"x-api-key")
+        if not key or key not in self.keys:
+            raise Unauthorized(
+                "missing or invalid API key (Authorization: Bearer KEY, or x-api-key: KEY)"
+            )
         return self.keys[key]
 
     async def _read_body(self, scope: Scope, receive: Receive) -> Receive:

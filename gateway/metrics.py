@@ -46,7 +46,13 @@ class GatewayMetrics:
         )
         self.turns = Counter(
             "turnstream_gateway_turns",
-            "turns completed and published",
+            "turns completed and published, by the API that carried them",
+            ["kind"],
+            registry=self.registry,
+        )
+        self.resent = Counter(
+            "turnstream_gateway_resent_requests",
+            "requests equal to the session's last turn's, answered with the recorded turn",
             ["kind"],
             registry=self.registry,
         )

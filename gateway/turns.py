@@ -37,11 +37,11 @@ from typing import Any
 
 import numpy as np
 
-from gateway.conversation import message_key
+from gateway.conversation import message_key, same_messages
 from schemas.delta import encode_delta
 from schemas.events import SessionClosed, SessionEvent, SessionOpened, TurnCompleted
 
-__all__ = ["SessionState", "TurnDraft", "apply", "fold", "turn_event"]
+__all__ = ["SessionState", "TurnDraft", "apply", "fold", "resent_turn", "turn_event"]
 
 JSON = dict[str, Any]
 _NO_IDS = np.empty(0, dtype=np.int32)
@@ -63,6 +63,7 @@ class SessionState:
     tools: list[JSON] | None = None
     closed: bool = False
     status: str = "open"
+    last_turn: TurnCompleted | None = None  # the event of the turn applied last
 
     @property
     def last_completion_ids(self) -> list[int]:
@@ -101,6 +102,7 @@ class TurnDraft:
     backend: str = ""
     timings: dict[str, float] = field(default_factory=dict)
     created_at: float = 0.0
+    request: JSON = field(default_factory=dict)  # TurnRequest.record
 
 
 def turn_event(state: SessionState, draft: TurnDraft) -> TurnCompleted:
@@ -130,6 +132,7 @@ def turn_event(state: SessionState, draft: TurnDraft) -> TurnCompleted:
         template_hash=draft.template_hash,
         backend=draft.backend,
         timings=draft.timings,
+        request=draft.request,
         usage={
             "prompt_tokens": len(draft.prompt_ids),
             "completion_tokens": len(draft.completion_ids),
@@ -186,7 +189,27 @@ def _apply_turn(state: SessionState, event: TurnCompleted) -> SessionState:
         tools,
         state.closed,
         state.status,
+        event,
     )
+
+
+def resent_turn(
+    state: SessionState, messages: Sequence[JSON], tools: list[JSON] | None, record: JSON
+) -> TurnCompleted | None:
+    """The session's last turn if a request for ``messages``/``tools``/``record`` is that turn's
+    request again (a client's retry: after a 5xx, a cut stream, a lost reply), else None.
+
+    Clients resend the same request when they did not get (all of) the answer; answering it
+    with the recorded turn keeps one model call one turn. Only the last turn qualifies: a
+    request equal to an earlier one is a new turn that forks the conversation."""
+    last = state.last_turn
+    if last is None or not last.request or last.request != record:
+        return None
+    if (tools or None) != state.tools:
+        return None
+    if not same_messages(messages, state.conversation[:-1]):
+        return None
+    return last
 
 
 def fold(events: Iterable[SessionEvent]) -> SessionState | None:

@@ -99,6 +99,10 @@ class TurnCompleted(_Event, tag="TurnCompleted", kw_only=True):
     backend: str = ""
     timings: dict[str, float] = msgspec.field(default_factory=dict)
     usage: dict[str, int] = msgspec.field(default_factory=dict)
+    # How the turn was asked for: the API that carried it ("chat.completions", "messages",
+    # "responses", "completions") and its parameters as the client set them (see
+    # gateway.conversation.TurnRequest.record); {} in events older than the field.
+    request: JSON = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         super().__post_init__()

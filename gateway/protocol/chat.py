@@ -263,15 +263,7 @@ class ChatCompletionRequest(OpenAIRequest):
 
     @model_validator(mode="after")
     def _consistent(self) -> ChatCompletionRequest:
-        names = [t.function.name for t in self.tools or []]
-        if isinstance(self.tool_choice, NamedToolChoice):
-            if self.tool_choice.function.name not in names:
-                raise ValueError(
-                    f"tool_choice names function {self.tool_choice.function.name!r}, "
-                    f"not among tools {names}"
-                )
-        elif self.tool_choice == "required" and not names:
-            raise ValueError("tool_choice 'required' needs tools")
+        # tool_choice against tools is the turn core's check (the same for every API).
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
         return self

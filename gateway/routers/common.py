@@ -12,7 +12,15 @@ from gateway.guard import allowed_runs
 from gateway.protocol.common import ErrorResponse, Wire
 from schemas.ids import ID_PATTERN
 
-__all__ = ["ID", "RunHeader", "checked_run", "errors", "header_session", "json_response"]
+__all__ = [
+    "ID",
+    "SESSION_HEADERS",
+    "RunHeader",
+    "checked_run",
+    "errors",
+    "header_session",
+    "json_response",
+]
 
 ID = f"^{ID_PATTERN}$"
 _ID = re.compile(ID)
@@ -65,20 +73,32 @@ def checked_run(request: Request, run: str | None, default_run: str) -> str:
     return run
 
 
-def header_session(request: Request, default_run: str) -> tuple[str, str]:
-    """The run and session of a /v1 turn route, from X-Run-Id and X-Session-Id."""
+# Where a /v1 turn route finds its session: ours, then the session headers of the clients that
+# send their own (Claude Code, Codex CLI); the first present wins. Same rules for all.
+SESSION_HEADERS = ("X-Session-Id", "X-Claude-Code-Session-Id", "session-id")
+
+
+def header_session(
+    request: Request, default_run: str, fallback: str | None = None
+) -> tuple[str, str]:
+    """The run and session of a /v1 turn route, from X-Run-Id and a session header (or
+    ``fallback``: a session the request names otherwise, as a previous response's id)."""
     headers = request.headers
-    session = headers.get("x-session-id")
+    name, session = next(
+        ((h, headers[h]) for h in SESSION_HEADERS if headers.get(h)), ("", fallback)
+    )
     if not session:
         raise InvalidRequest(
-            "an X-Session-Id header is required on /v1/...; or create a session with "
+            "a session header is required on /v1/... (X-Session-Id, or a client's own: "
+            "X-Claude-Code-Session-Id, session-id); or create a session with "
             "POST /v1/sessions and use its base_url",
             param="X-Session-Id",
         )
     run = headers.get("x-run-id")
-    for name, value in (("X-Session-Id", session), ("X-Run-Id", run)):
+    for header, value in ((name or "session", session), ("X-Run-Id", run)):
         if value is not None and not _ID.match(value):
             raise InvalidRequest(
-                f"{name} {value[:80]!r} must match {ID} (letters, digits, _ and -)", param=name
+                f"{header} {value[:80]!r} must match {ID} (letters, digits, _ and -)",
+                param=header,
             )
     return checked_run(request, run, default_run), session

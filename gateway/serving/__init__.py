@@ -1,18 +1,22 @@
-"""The logic behind the routes (vLLM's ``serving_*`` modules): one turn core (``engine``) and
-one module per API surface, plus the session API."""
+"""The logic behind the routes (vLLM's ``serving_*`` modules): one turn core (``engine`` makes
+a turn, ``turns`` serves it whole or streamed) and one module per API surface, plus the session
+API."""
 
-from gateway.serving.chat import ChatServing, ChatStream
+from gateway.serving.chat import ChatServing
 from gateway.serving.completion import CompletionServing
 from gateway.serving.engine import Turn, TurnEngine, TurnResult
 from gateway.serving.sessions import SessionService, session_info
+from gateway.serving.turns import StreamEncoder, TurnServing, TurnStream
 
 __all__ = [
     "ChatServing",
-    "ChatStream",
     "CompletionServing",
     "SessionService",
+    "StreamEncoder",
     "Turn",
     "TurnEngine",
     "TurnResult",
+    "TurnServing",
+    "TurnStream",
     "session_info",
 ]

@@ -1,16 +1,12 @@
-"""Chat Completions: a turn from a chat request, answered whole or streamed.
-
-A streamed turn sends tokens as they are generated; its final chunks (finish_reason, usage) and
-``[DONE]`` follow JetStream's ack of the turn, and a failed publish ends the stream with an
-error event instead.
-"""
+"""Chat Completions over the turn core: the request as a ``TurnRequest``, the result as a
+``chat.completion`` or as ``chat.completion.chunk`` events ending in ``[DONE]``."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from gateway.conversation import TurnRequest
 from gateway.decoding import Detokenizer
 from gateway.protocol.chat import (
     AssistantMessage,
@@ -30,11 +26,12 @@ from gateway.protocol.chat import (
     message_text,
 )
 from gateway.protocol.common import Usage
-from gateway.serving.engine import Turn, TurnEngine, TurnResult, sampling_record
-from gateway.sessions import Session, SessionStore
+from gateway.serving.engine import TurnEngine, TurnResult
+from gateway.serving.turns import TurnServing, TurnStream
+from gateway.sessions import Session
 from gateway.sse import DONE, sse, sse_error
 
-__all__ = ["ChatServing", "ChatStream", "usage"]
+__all__ = ["ChatServing", "chat_turn_request", "usage"]
 
 JSON = dict[str, Any]
 
@@ -46,98 +43,47 @@ def usage(result: TurnResult) -> Usage:
     )
 
 
-class ChatStream:
-    """The SSE chunks of one streamed turn, owning the session's lock and a hold on it.
-
-    The generator gives both back when it ends; ``release_if_unstarted`` (run by the response
-    once it is done) gives them back when the client left before the first chunk was pulled,
-    where the generator's ``finally`` never runs and the session would stay locked."""
-
-    def __init__(
-        self,
-        chunks: Callable[[Callable[[], None], Callable[[], None]], AsyncIterator[bytes]],
-        session: Session,
-        release_hold: Callable[[], None],
-    ) -> None:
-        self._started = False
-        self._session = session
-        self._release_hold = release_hold
-        self._chunks = chunks(self._mark_started, self._release)
-
-    def _mark_started(self) -> None:
-        self._started = True
-
-    def _release(self) -> None:
-        if self._session.lock.locked():
-            self._session.lock.release()
-        self._release_hold()
-
-    def __aiter__(self) -> AsyncIterator[bytes]:
-        return self._chunks
-
-    async def release_if_unstarted(self) -> None:
-        if not self._started:
-            self._release()
+def chat_turn_request(req: ChatCompletionRequest) -> TurnRequest:
+    """A chat request as the canonical turn request."""
+    choice = req.tool_choice
+    return TurnRequest(
+        api="chat.completions",
+        messages=[
+            {**m.model_dump(exclude_none=True), "content": message_text(m.content)}
+            for m in req.messages
+        ],
+        tools=req.raw_tools,
+        tool_choice=choice.model_dump() if isinstance(choice, NamedToolChoice) else choice,
+        parallel_tool_calls=req.parallel_tool_calls,
+        max_tokens=req.token_budget,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        seed=req.seed,
+        stop=req.stop_strings,
+        logprobs=req.logprobs,
+        top_logprobs=req.top_logprobs or 0,
+    )
 
 
 class ChatServing:
-    def __init__(self, engine: TurnEngine, store: SessionStore) -> None:
-        self.engine = engine
-        self.store = store
+    """Chat Completions over the turn core."""
 
-    async def prepare(self, session: Session, req: ChatCompletionRequest) -> Turn:
-        engine = self.engine
-        messages = [
-            {**m.model_dump(exclude_none=True), "content": message_text(m.content)}
-            for m in req.messages
-        ]
-        use_tools = bool(req.tools) and req.tool_choice != "none"
-        tools = req.raw_tools if use_tools else None
-        prompt_ids = await engine.chat_prompt(session.state, messages, tools)
-        # "required" / a named function: open the call in the prompt, so the model cannot
-        # decline it; these tokens are the gateway's: prompt tokens, not the policy's actions.
-        forced = ""
-        named = req.tool_choice if isinstance(req.tool_choice, NamedToolChoice) else None
-        if use_tools and req.tool_choice == "required":
-            forced = engine.parser.forced_prefix(None)
-        elif use_tools and named is not None:
-            forced = engine.parser.forced_prefix(named.function.name)
-        if forced:
-            prompt_ids += engine.template.encode(forced)
-        top = req.top_logprobs or 0
-        params = engine.params(
-            session, len(prompt_ids), req.token_budget, req.temperature, req.top_p, req.seed, top
-        )
-        tool_choice = named.model_dump() if named is not None else req.tool_choice
-        return Turn(
-            session,
-            "chat",
-            prompt_ids,
-            messages,
-            tools,
-            params,
-            req.stop_strings,
-            use_tools,
-            req.logprobs,
-            top,
-            sampling_record(params, req.stop_strings, tool_choice, req.token_budget),
-            forced,
-        )
+    def __init__(self, turns: TurnServing) -> None:
+        self.turns = turns
+        self.engine = turns.engine
 
     async def complete(self, session: Session, req: ChatCompletionRequest) -> ChatCompletion:
-        async with session.lock:
-            session.ensure_open()
-            turn = await self.prepare(session, req)
-            result = await self.engine.run(turn)
+        request = chat_turn_request(req)
+        result = await self.turns.complete(session, request)
         message = AssistantMessage.build(
             content=result.content, tool_calls=_tool_calls(result) or None
         )
+        logprobs = None
+        if request.logprobs:
+            tokens = range(len(result.completion_ids))
+            logprobs = _logprobs(self.engine, result.detok, tokens, request)
         choice = Choice.build(
-            message=message,
-            finish_reason=result.finish_reason,
-            logprobs=self._logprobs(result.detok, 0, len(result.completion_ids), turn)
-            if turn.logprobs
-            else None,
+            message=message, finish_reason=result.finish_reason, logprobs=logprobs
         )
         return ChatCompletion.build(
             id=result.completion_id,
@@ -147,127 +93,104 @@ class ChatServing:
             usage=usage(result),
         )
 
-    async def stream(self, session: Session, req: ChatCompletionRequest) -> ChatStream:
-        """Validate and prepare the turn now (errors get their status code), then return the
-        SSE stream, which holds the session (lock and hold) until it ends."""
-        release_hold = self.store.hold(session)
-        await session.lock.acquire()
-        try:
-            session.ensure_open()
-            turn = await self.prepare(session, req)
-        except BaseException:
-            session.lock.release()
-            release_hold()
-            raise
-        return ChatStream(
-            lambda started, release: self._chunks(turn, req, started, release),
+    async def stream(self, session: Session, req: ChatCompletionRequest) -> TurnStream:
+        request = chat_turn_request(req)
+        return await self.turns.stream(
             session,
-            release_hold,
+            request,
+            lambda index: _ChatEncoder(
+                self.engine, f"chatcmpl-{session.state.id}-{index}", request, req.include_usage
+            ),
         )
 
-    async def _chunks(
-        self,
-        turn: Turn,
-        req: ChatCompletionRequest,
-        started: Callable[[], None],
-        release: Callable[[], None],
-    ) -> AsyncIterator[bytes]:
-        engine = self.engine
-        started()
-        try:
-            detok = Detokenizer(engine.template.decode, turn.stop_strings)
-            created = int(time.time())
-            cid = f"chatcmpl-{turn.session.state.id}-{turn.index}"
 
-            def chunk(
-                delta: Delta, finish: str | None = None, logprobs: ChoiceLogprobs | None = None
-            ) -> bytes:
-                choice = ChunkChoice.build(delta=delta, finish_reason=finish, logprobs=logprobs)
-                return sse(
-                    ChatCompletionChunk.build(
-                        id=cid, created=created, model=engine.model_name, choices=[choice]
-                    )
-                )
+class _ChatEncoder:
+    """chat.completion.chunk events, then ``[DONE]``."""
 
-            yield chunk(Delta.build(role="assistant", content=""))
-            sent, sent_tokens, ttft = 0, 0, None
-            try:
-                async for _ in engine.tokens(turn, detok):
-                    ttft = ttft or time.perf_counter()
-                    limit = None
-                    if turn.parse_tools:  # hold back what may still turn out to be a tool call
-                        forced = turn.forced_text
-                        safe = engine.parser.content_safe_prefix_len(forced + detok.text)
-                        limit = max(safe - len(forced), 0)
-                    text = detok.streamable(limit)
-                    if len(text) > sent:
-                        lp = (
-                            self._logprobs(detok, sent_tokens, len(detok.ids), turn)
-                            if turn.logprobs
-                            else None
-                        )
-                        yield chunk(Delta.build(content=text[sent:]), logprobs=lp)
-                        sent, sent_tokens = len(text), len(detok.ids)
-            except Exception as exc:
-                # The status line is gone: the backend's failure ends the stream as an error
-                # event, and the turn, which the client never got whole, is not recorded.
-                yield sse_error(exc)
-                return
-            try:
-                result = await engine.finish(turn, detok, ttft)
-            except Exception as exc:
-                yield sse_error(exc)
-                return
-            content = result.content or ""
-            rest = content[sent:] if content.startswith(detok.text[:sent]) else ""
-            if rest or (turn.logprobs and sent_tokens < len(detok.ids)):
-                lp = (
-                    self._logprobs(detok, sent_tokens, len(detok.ids), turn)
-                    if turn.logprobs
-                    else None
-                )
-                yield chunk(Delta.build(content=rest), logprobs=lp)
-            if result.tool_calls:
-                calls = [
-                    DeltaToolCall.build(index=i, id=c.id, function=c.function)
-                    for i, c in enumerate(_tool_calls(result))
-                ]
-                yield chunk(Delta.build(tool_calls=calls))
-            yield chunk(Delta.build(), result.finish_reason)
-            if req.include_usage:
-                yield sse(
+    def __init__(
+        self, engine: TurnEngine, cid: str, request: TurnRequest, include_usage: bool
+    ) -> None:
+        self.engine = engine
+        self.cid = cid
+        self.request = request
+        self.include_usage = include_usage
+        self.created = int(time.time())
+
+    def _chunk(
+        self, delta: Delta, finish: str | None = None, logprobs: ChoiceLogprobs | None = None
+    ) -> bytes:
+        choice = ChunkChoice.build(delta=delta, finish_reason=finish, logprobs=logprobs)
+        return sse(
+            ChatCompletionChunk.build(
+                id=self.cid, created=self.created, model=self.engine.model_name, choices=[choice]
+            )
+        )
+
+    def _logprobs(self, detok: Detokenizer, tokens: range) -> ChoiceLogprobs | None:
+        if not self.request.logprobs:
+            return None
+        return _logprobs(self.engine, detok, tokens, self.request)
+
+    def opening(self) -> bytes:
+        return self._chunk(Delta.build(role="assistant", content=""))
+
+    def text(self, delta: str, detok: Detokenizer, tokens: range) -> bytes:
+        return self._chunk(Delta.build(content=delta), logprobs=self._logprobs(detok, tokens))
+
+    def closing(self, result: TurnResult, rest: str, detok: Detokenizer, tokens: range) -> bytes:
+        out = []
+        if rest or (self.request.logprobs and len(tokens)):
+            out.append(
+                self._chunk(Delta.build(content=rest), logprobs=self._logprobs(detok, tokens))
+            )
+        if result.tool_calls:
+            calls = [
+                DeltaToolCall.build(index=i, id=c.id, function=c.function)
+                for i, c in enumerate(_tool_calls(result))
+            ]
+            out.append(self._chunk(Delta.build(tool_calls=calls)))
+        out.append(self._chunk(Delta.build(), result.finish_reason))
+        if self.include_usage:
+            out.append(
+                sse(
                     ChatCompletionChunk.build(
-                        id=cid,
-                        created=created,
-                        model=engine.model_name,
+                        id=self.cid,
+                        created=self.created,
+                        model=self.engine.model_name,
                         choices=[],
                         usage=usage(result),
                     )
                 )
-            yield DONE
-        finally:
-            release()
-
-    def _logprobs(self, detok: Detokenizer, start: int, end: int, turn: Turn) -> ChoiceLogprobs:
-        decode = self.engine.template.decode
-        entries = []
-        for i in range(start, end):
-            token = decode([detok.ids[i]], skip_special_tokens=False)
-            tops = []
-            for alt in detok.top_logprobs[i][: turn.top_logprobs]:
-                text = decode([alt.token_id], skip_special_tokens=False)
-                tops.append(
-                    TopLogprobOut.build(token=text, logprob=alt.logprob, bytes=list(text.encode()))
-                )
-            entries.append(
-                TokenLogprob.build(
-                    token=token,
-                    logprob=detok.logprobs[i],
-                    bytes=list(token.encode()),
-                    top_logprobs=tops,
-                )
             )
-        return ChoiceLogprobs.build(content=entries)
+        out.append(DONE)
+        return b"".join(out)
+
+    def failure(self, exc: BaseException) -> bytes:
+        return sse_error(exc)
+
+
+def _logprobs(
+    engine: TurnEngine, detok: Detokenizer, tokens: range, request: TurnRequest
+) -> ChoiceLogprobs:
+    decode = engine.template.decode
+    entries = []
+    for i in tokens:
+        token = decode([detok.ids[i]], skip_special_tokens=False)
+        tops = []
+        for alt in detok.top_logprobs[i][: request.top_logprobs]:
+            text = decode([alt.token_id], skip_special_tokens=False)
+            tops.append(
+                TopLogprobOut.build(token=text, logprob=alt.logprob, bytes=list(text.encode()))
+            )
+        entries.append(
+            TokenLogprob.build(
+                token=token,
+                logprob=detok.logprobs[i],
+                bytes=list(token.encode()),
+                top_logprobs=tops,
+            )
+        )
+    return ChoiceLogprobs.build(content=entries)
 
 
 def _tool_calls(result: TurnResult) -> list[ToolCallOut]:

@@ -42,7 +42,7 @@ class CompletionServing:
         )
         return Turn(
             session,
-            "completion",
+            "completions",
             prompt_ids,
             [],
             None,
@@ -52,6 +52,7 @@ class CompletionServing:
             req.logprobs is not None,
             top,
             sampling_record(params, req.stop_strings, None, req.max_tokens),
+            request={"api": "completions"},
         )
 
     async def complete(self, session: Session, req: CompletionRequest) -> Completion:

@@ -34,7 +34,8 @@ __all__ = ["Turn", "TurnEngine", "TurnResult", "sampling_record"]
 
 log = logging.getLogger(__name__)
 JSON = dict[str, Any]
-Kind = Literal["chat", "completion"]
+# The API that carried a turn (TurnRequest.api); also the label of the turns metric.
+Kind = Literal["chat.completions", "completions", "messages", "responses"]
 Recover = Callable[[str, str], Awaitable[Sequence[SessionEvent]]]
 # Prompts with more text or messages than this are rendered and tokenized on a worker thread,
 # so that the event loop (and /health) stays responsive while a huge prompt is built or refused.
@@ -58,6 +59,8 @@ class Turn:
     top_logprobs: int
     sampling: JSON
     forced_text: str = ""  # tool-call opening appended to the prompt to enforce tool_choice
+    request: JSON = field(default_factory=dict)  # TurnRequest.record
+    parallel_tool_calls: bool = True  # False: the reply keeps its first tool call only
     started: float = field(default_factory=time.perf_counter)
     backend_id: str = ""  # the replica that served the turn
     finish: str = "length"  # set from the backend's last chunk
@@ -70,6 +73,7 @@ class Turn:
 
 @dataclass
 class TurnResult:
+    index: int  # the turn's index in its session
     completion_id: str
     text: str
     content: str | None
@@ -233,6 +237,8 @@ class TurnEngine:
                 }
                 for c in parsed.tool_calls
             ]
+            if not turn.parallel_tool_calls:
+                tool_calls = tool_calls[:1]
             if tool_calls:
                 finish = "tool_calls"
         version = turn.sampled_version
@@ -257,6 +263,7 @@ class TurnEngine:
                 "generate_ms": round(1000 * (generated - turn.started), 3),
             },
             created_at=time.time(),
+            request=turn.request,
         )
         event = turn_event(session.state, draft)
         with self.metrics.publish_latency.time():
@@ -272,8 +279,9 @@ class TurnEngine:
         self.metrics.tokens_in.inc(len(turn.prompt_ids))
         self.metrics.tokens_out.inc(len(detok.ids))
         self.metrics.turns.labels(turn.kind).inc()
-        prefix = "chatcmpl" if turn.kind == "chat" else "cmpl"
+        prefix = "cmpl" if turn.kind == "completions" else "chatcmpl"
         return TurnResult(
+            event.turn,
             f"{prefix}-{session.state.id}-{event.turn}",
             text,
             content,
@@ -283,6 +291,25 @@ class TurnEngine:
             detok,
             len(turn.prompt_ids),
             version,
+        )
+
+    def recorded(self, session: Session, event: TurnCompleted) -> TurnResult:
+        """The result of a turn already in the log (a resent request gets it again)."""
+        detok = Detokenizer(self.template.decode)
+        detok.add(event.completion_ids.tolist(), event.logprobs.tolist())
+        detok.finish()
+        prefix = "cmpl" if event.request.get("api") == "completions" else "chatcmpl"
+        return TurnResult(
+            event.turn,
+            f"{prefix}-{session.state.id}-{event.turn}",
+            detok.text,
+            event.text or None,
+            list(event.tool_calls),
+            event.finish_reason,
+            list(detok.ids),
+            detok,
+            int(event.usage.get("prompt_tokens", 0)),
+            event.weight_version,
         )
 
     async def _taken_by_earlier_attempt(self, session: Session, event: TurnCompleted) -> bool:

@@ -297,6 +297,10 @@ def test_bearer_keys_guard_the_api(
             wrong.models.list()
         right = openai.OpenAI(base_url=f"{process.url}/v1", api_key="k1", max_retries=0)
         assert right.models.list().data
+        # Anthropic clients send their key as x-api-key
+        assert httpx.get(f"{process.url}/v1/models", headers={"x-api-key": "k1"}).is_success
+        refused = httpx.get(f"{process.url}/v1/models", headers={"x-api-key": "nope"})
+        assert refused.status_code == 401 and "x-api-key" in refused.json()["error"]["message"]
     finally:
         process.stop()
 
@@ -465,3 +469,104 @@ def test_max_tokens_is_a_cap_lowered_to_the_room_left(
     room = 4096 - (turn.prefix_len + len(turn.prompt_ids))
     assert turn.sampling["max_tokens"] == room
     assert turn.sampling["max_tokens_requested"] == 1_000_000
+
+
+# -- the turn core's rules on Chat Completions (issue 17) -------------------------------------
+
+
+def test_a_resent_request_gets_the_recorded_turn_and_adds_none(
+    gateway: GatewayProcess, nats_server: NatsServer
+) -> None:
+    """A client's retry (after a 5xx, a cut stream, a lost reply) is the same request again:
+    it is answered with the turn the log holds, streamed or not, and is not a turn of its own."""
+    session = gateway.session()
+    client = client_for(session)
+    ask: dict[str, Any] = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": 12,
+        "temperature": 1.0,
+        "logprobs": True,
+    }
+    first = client.chat.completions.create(**ask)
+    again = client.chat.completions.create(**ask)
+    assert again.id == first.id
+    assert again.choices[0].message.content == first.choices[0].message.content
+    assert again.usage == first.usage
+    assert [t.logprob for t in again.choices[0].logprobs.content] == pytest.approx(  # type: ignore[union-attr]
+        [t.logprob for t in first.choices[0].logprobs.content]  # type: ignore[union-attr]
+    )
+    streamed = "".join(
+        chunk.choices[0].delta.content or ""
+        for chunk in client.chat.completions.create(**ask, stream=True)
+        if chunk.choices
+    )
+    assert streamed == first.choices[0].message.content
+    # Another temperature is another request: a new turn (which re-renders: a fork).
+    other = client.chat.completions.create(**{**ask, "temperature": 0.5})
+    assert other.id != first.id
+    turns = turns_of(events_of(nats_server, str(session["session_id"])))
+    assert [t.turn for t in turns] == [0, 1]
+    assert turns[0].request["api"] == "chat.completions"
+    assert turns[0].request["temperature"] == 1.0 and turns[1].request["temperature"] == 0.5
+    metrics = httpx.get(f"{gateway.url}/metrics").text
+    assert 'turnstream_gateway_resent_requests_total{kind="chat.completions"}' in metrics
+
+
+def test_parallel_tool_calls_false_keeps_one_call_and_is_recorded(
+    gateway: GatewayProcess, nats_server: NatsServer
+) -> None:
+    session = gateway.session()
+    reply = client_for(session).chat.completions.create(
+        model="tiny",
+        messages=WEATHER_QUESTION,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_tokens=96,
+    )
+    assert len(reply.choices[0].message.tool_calls or []) == 1
+    [turn] = turns_of(events_of(nats_server, str(session["session_id"])))
+    assert turn.request["parallel_tool_calls"] is False
+    assert len(turn.tool_calls) == 1
+
+
+def test_tool_choice_required_without_tools_is_a_400(gateway: GatewayProcess) -> None:
+    session = gateway.session()
+    for body in (
+        {"tool_choice": "required"},
+        {"tool_choice": "required", "tools": []},
+        {"tool_choice": {"type": "function", "function": {"name": "f"}}, "tools": []},
+    ):
+        response = httpx.post(
+            f"{session['base_url']}/chat/completions",
+            json={"messages": [{"role": "user", "content": "hi"}], **body},
+        )
+        assert response.status_code == 400, body
+        assert response.json()["error"]["param"] == "tool_choice", response.json()
+
+
+@pytest.mark.parametrize("header", ["X-Claude-Code-Session-Id", "session-id"])
+def test_a_clients_own_session_header_names_the_session(
+    gateway: GatewayProcess, nats_server: NatsServer, header: str
+) -> None:
+    sid = f"own-header-{header.lower()}"
+    client = openai.OpenAI(
+        base_url=f"{gateway.url}/v1", api_key="x", max_retries=0, default_headers={header: sid}
+    )
+    client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=4
+    )
+    assert [type(e) for e in events_of(nats_server, sid)] == [SessionOpened, TurnCompleted]
+    bad = httpx.post(
+        f"{gateway.url}/v1/chat/completions",
+        headers={header: "no spaces allowed"},
+        json={"messages": [{"role": "user", "content": "hi"}]},
+    )
+    assert bad.status_code == 400 and header in bad.json()["error"]["message"]
+
+
+def test_the_root_answers_a_probe(gateway: GatewayProcess) -> None:
+    assert httpx.head(f"{gateway.url}/").status_code == 200
+    assert httpx.get(f"{gateway.url}/").json()["service"] == "turnstream gateway"

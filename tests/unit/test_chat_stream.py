@@ -14,7 +14,7 @@ from gateway.backends.base import GenerationChunk
 from gateway.errors import BackendError
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import ChatCompletionRequest
-from gateway.serving import ChatServing, ChatStream, TurnEngine
+from gateway.serving import ChatServing, TurnEngine, TurnServing, TurnStream
 from gateway.sessions import Session, SessionStore
 from gateway.templates import ChatTemplate
 from gateway.tools import get_parser
@@ -34,13 +34,13 @@ def chunks(started: Callable[[], None], release: Callable[[], None]) -> AsyncIte
     return generate()
 
 
-async def streamed_session() -> tuple[ChatStream, Session]:
+async def streamed_session() -> tuple[TurnStream, Session]:
     store = SessionStore()
     session = await store.load(("run", "s"), _create)
     assert session is not None
     release_hold = store.hold(session)
     await session.lock.acquire()  # as ChatServing.stream does before returning the stream
-    return ChatStream(chunks, session, release_hold), session
+    return TurnStream(chunks, session, release_hold), session
 
 
 async def _create() -> SessionState:
@@ -120,7 +120,7 @@ async def test_a_backend_failure_mid_stream_ends_it_with_an_error_event(
     request = ChatCompletionRequest.model_validate(
         {"messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 8}
     )
-    stream = await ChatServing(engine, store).stream(session, request)
+    stream = await ChatServing(TurnServing(engine, store)).stream(session, request)
     events = [chunk async for chunk in stream]
     assert events[0].startswith(b"data: {")
     error = json.loads(events[-1].removeprefix(b"data: "))["error"]
