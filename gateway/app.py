@@ -26,20 +26,24 @@ from gateway.errors import (
     MethodNotAllowed,
     RouteNotFound,
     anthropic_error_body,
+    anthropic_status,
     error_body,
     error_spec,
 )
 from gateway.guard import BodyLimits, GuardedRoute, RequestGuard, parse_api_keys
 from gateway.metrics import GatewayMetrics
-from gateway.routers import openai_routes, session_routes
+from gateway.routers import openai_routes, responses_routes, session_routes
+from gateway.routers.anthropic import anthropic_routes
 from gateway.routers.common import errors
 from gateway.serving import (
     ChatServing,
     CompletionServing,
+    ResponsesServing,
     SessionService,
     TurnEngine,
     TurnServing,
 )
+from gateway.serving.anthropic import AnthropicServing
 from schemas.errors import TurnstreamError
 
 __all__ = ["Health", "create_app"]
@@ -79,7 +83,7 @@ def create_app(
         if spec.status >= 500:
             log.error("%s: %s", type(exc).__name__, exc, exc_info=spec.status == 500)
         if _ANTHROPIC_ROUTE.search(path):
-            return JSONResponse(anthropic_error_body(exc), status_code=spec.status)
+            return JSONResponse(anthropic_error_body(exc), status_code=anthropic_status(exc))
         return JSONResponse({"error": error_body(exc)}, status_code=spec.status)
 
     @app.exception_handler(TurnstreamError)
@@ -121,6 +125,8 @@ def create_app(
     turns = TurnServing(engine, sessions.store)
     chat, completions = ChatServing(turns), CompletionServing(engine)
     openai_routes(app.router, sessions, chat, completions, default_run)
+    responses_routes(app.router, sessions, ResponsesServing(turns), default_run)
+    anthropic_routes(app.router, sessions, AnthropicServing(turns), default_run)
     session_routes(app.router, sessions, default_run)
 
     @app.api_route("/", methods=["GET", "HEAD"], response_model=None, include_in_schema=False)

@@ -19,8 +19,9 @@
 
 Every error reaches the client as ``{"error": {"message", "type", "param", "code"}}`` with the
 status from ``ERROR_TABLE``; nothing else decides a status code. The Anthropic Messages routes
-answer the same errors, same status, in Anthropic's body (``anthropic_error_body``):
-``{"type": "error", "error": {"type", "message"}}``.
+answer the same errors in Anthropic's body (``anthropic_error_body``): ``{"type": "error",
+"error": {"type", "message"}}``, with the same status except a prompt over the context: 400
+"prompt is too long", as Anthropic's API answers it.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ __all__ = [
     "SessionNotFound",
     "Unauthorized",
     "anthropic_error_body",
+    "anthropic_status",
     "error_body",
     "error_spec",
 ]
@@ -184,7 +186,19 @@ _ANTHROPIC_TYPES = {
 
 
 def anthropic_error_body(exc: BaseException) -> dict[str, object]:
-    """The Anthropic error body for ``exc`` (the status is ``error_spec(exc).status``)."""
-    status = error_spec(exc).status
+    """The Anthropic error body for ``exc`` (its status: ``anthropic_status(exc)``)."""
+    status = anthropic_status(exc)
     kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
-    return {"type": "error", "error": {"type": kind, "message": error_body(exc)["message"]}}
+    message = str(error_body(exc)["message"])
+    if isinstance(exc, ContextLengthExceeded):
+        # Anthropic's words for it: Claude Code compacts its history when it reads them.
+        message = f"prompt is too long: {message}"
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def anthropic_status(exc: BaseException) -> int:
+    """The status of ``exc`` on the Anthropic routes: ``ERROR_TABLE``'s, except a prompt over
+    the context, which Anthropic answers 400 (not 413: that is its body-size error)."""
+    if isinstance(exc, ContextLengthExceeded):
+        return 400
+    return error_spec(exc).status

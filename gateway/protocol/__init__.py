@@ -1,5 +1,6 @@
 """Request and response models of every route, and the error body (the OpenAPI contract)."""
 
+from gateway.protocol.anthropic import Message, MessagesRequest
 from gateway.protocol.chat import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -10,6 +11,7 @@ from gateway.protocol.chat import (
 )
 from gateway.protocol.common import ErrorBody, ErrorResponse, ModelCard, ModelList, Usage
 from gateway.protocol.completions import Completion, CompletionRequest
+from gateway.protocol.responses import ResponseObject, ResponsesRequest
 from gateway.protocol.sessions import (
     CloseSessionRequest,
     CreateSessionRequest,
@@ -31,8 +33,12 @@ __all__ = [
     "CreateSessionRequest",
     "ErrorBody",
     "ErrorResponse",
+    "Message",
+    "MessagesRequest",
     "ModelCard",
     "ModelList",
+    "ResponseObject",
+    "ResponsesRequest",
     "RewardReceipt",
     "RewardRequest",
     "SessionCreated",

@@ -8,12 +8,8 @@ renders and what the log records.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Annotated, Any, Literal
 
-import msgspec
-from jsonschema import exceptions as jsonschema_errors
-from jsonschema import validators
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -33,6 +29,7 @@ from gateway.protocol.common import (
     Usage,
     Wire,
     free_form_extras,
+    schema_problem,
 )
 
 __all__ = [
@@ -198,7 +195,7 @@ class FunctionDefinition(BaseModel):
     @classmethod
     def _json_schema(cls, parameters: dict[str, Any] | None) -> dict[str, Any] | None:
         if parameters is not None:
-            problem = _schema_problem(parameters)
+            problem = schema_problem(parameters)
             if problem is not None:
                 raise ValueError(f"parameters is not a valid JSON schema: {problem}")
         return parameters
@@ -279,28 +276,6 @@ class ChatCompletionRequest(OpenAIRequest):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
-
-
-# Agents send the same tool schemas every turn: each distinct schema is checked once.
-_SCHEMA_VERDICTS: OrderedDict[bytes, str | None] = OrderedDict()
-_SCHEMA_CACHE_SIZE = 1024
-
-
-def _schema_problem(schema: dict[str, Any]) -> str | None:
-    key = msgspec.json.encode(schema)
-    if key in _SCHEMA_VERDICTS:
-        _SCHEMA_VERDICTS.move_to_end(key)
-        return _SCHEMA_VERDICTS[key]
-    try:
-        validators.validator_for(schema).check_schema(schema)
-        problem = None
-    except jsonschema_errors.SchemaError as exc:
-        where = "/".join(str(p) for p in exc.absolute_path) or "(top level)"
-        problem = f"{exc.message} at {where}"
-    _SCHEMA_VERDICTS[key] = problem
-    if len(_SCHEMA_VERDICTS) > _SCHEMA_CACHE_SIZE:
-        _SCHEMA_VERDICTS.popitem(last=False)
-    return problem
 
 
 # -- responses ----------------------------------------------------------------------------

@@ -7,8 +7,12 @@ finite numbers, integers within int64, bounded nesting); these types bound each 
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Annotated, Any, Literal, Self
 
+import msgspec
+from jsonschema import exceptions as jsonschema_errors
+from jsonschema import validators
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 
 __all__ = [
@@ -28,6 +32,7 @@ __all__ = [
     "Usage",
     "Wire",
     "free_form_extras",
+    "schema_problem",
 ]
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -151,3 +156,26 @@ class ModelCard(Wire):
 class ModelList(Wire):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# Agents send the same tool schemas every turn: each distinct schema is checked once.
+_SCHEMA_VERDICTS: OrderedDict[bytes, str | None] = OrderedDict()
+_SCHEMA_CACHE_SIZE = 1024
+
+
+def schema_problem(schema: dict[str, Any]) -> str | None:
+    """What makes ``schema`` an invalid JSON schema (None: it is valid)."""
+    key = msgspec.json.encode(schema)
+    if key in _SCHEMA_VERDICTS:
+        _SCHEMA_VERDICTS.move_to_end(key)
+        return _SCHEMA_VERDICTS[key]
+    try:
+        validators.validator_for(schema).check_schema(schema)
+        problem = None
+    except jsonschema_errors.SchemaError as exc:
+        where = "/".join(str(p) for p in exc.absolute_path) or "(top level)"
+        problem = f"{exc.message} at {where}"
+    _SCHEMA_VERDICTS[key] = problem
+    if len(_SCHEMA_VERDICTS) > _SCHEMA_CACHE_SIZE:
+        _SCHEMA_VERDICTS.popitem(last=False)
+    return problem

@@ -3,42 +3,26 @@ and with the session in a header (``/v1`` + ``X-Session-Id``, opened on first us
 
 from __future__ import annotations
 
-from typing import Annotated
-
-from fastapi import APIRouter, Path, Request, Response
-from fastapi.responses import StreamingResponse
-from starlette.background import BackgroundTask
+from fastapi import APIRouter, Request, Response
 
 from gateway.protocol.chat import ChatCompletion, ChatCompletionRequest
 from gateway.protocol.common import ModelCard, ModelList
 from gateway.protocol.completions import Completion, CompletionRequest
-from gateway.routers.common import ID, checked_run, errors, header_session, json_response
+from gateway.routers.common import (
+    RunId,
+    SessionId,
+    checked_run,
+    errors,
+    header_parameters,
+    header_session,
+    json_response,
+    serve_turn,
+)
 from gateway.serving import ChatServing, CompletionServing, SessionService
 
 __all__ = ["openai_routes"]
 
-SessionId = Annotated[str, Path(pattern=ID, description="the session id")]
-RunId = Annotated[str, Path(pattern=ID, description="the run id")]
-# The /v1 turn routes read their two headers themselves (FastAPI's header parameters cost
-# ~10% of the routing per request); the schema documents them all the same.
-_HEADERS = {
-    "parameters": [
-        {
-            "name": "X-Session-Id",
-            "in": "header",
-            "required": True,
-            "schema": {"type": "string", "pattern": ID},
-            "description": "the session (in the request's run); opened on its first request",
-        },
-        {
-            "name": "X-Run-Id",
-            "in": "header",
-            "required": False,
-            "schema": {"type": "string", "pattern": ID},
-            "description": "the run (default: the key's only run, else the gateway's)",
-        },
-    ]
-}
+_HEADERS = header_parameters()
 _CHAT = {
     200: {
         "content": {"text/event-stream": {}},
@@ -64,16 +48,7 @@ def openai_routes(
     models = ModelList.build(data=[ModelCard.build(id=chat.engine.model_name)])
 
     async def chat_turn(run: str, sid: str, body: ChatCompletionRequest, header: bool) -> Response:
-        chat.engine.check_model(body.model)  # before a session is opened for it
-        async with sessions.use(run, sid, open_missing=header) as session:
-            if body.stream:
-                stream = await chat.stream(session, body)
-                return StreamingResponse(
-                    stream,
-                    media_type="text/event-stream",
-                    background=BackgroundTask(stream.release_if_unstarted),
-                )
-            return json_response(await chat.complete(session, body))
+        return await serve_turn(sessions, chat, run, sid, body, open_missing=header)
 
     async def completion_turn(
         run: str, sid: str, body: CompletionRequest, header: bool

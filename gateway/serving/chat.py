@@ -31,7 +31,7 @@ from gateway.serving.turns import TurnServing, TurnStream
 from gateway.sessions import Session
 from gateway.sse import DONE, sse, sse_error
 
-__all__ = ["ChatServing", "chat_turn_request", "usage"]
+__all__ = ["ChatServing", "chat_turn_request", "token_logprobs", "usage"]
 
 JSON = dict[str, Any]
 
@@ -98,7 +98,7 @@ class ChatServing:
         return await self.turns.stream(
             session,
             request,
-            lambda index: _ChatEncoder(
+            lambda index, _prompt_tokens: _ChatEncoder(
                 self.engine, f"chatcmpl-{session.state.id}-{index}", request, req.include_usage
             ),
         )
@@ -169,15 +169,16 @@ class _ChatEncoder:
         return sse_error(exc)
 
 
-def _logprobs(
-    engine: TurnEngine, detok: Detokenizer, tokens: range, request: TurnRequest
-) -> ChoiceLogprobs:
+def token_logprobs(
+    engine: TurnEngine, detok: Detokenizer, tokens: range, top: int
+) -> list[TokenLogprob]:
+    """The logprobs of completion ``tokens`` as OpenAI writes them (Chat and Responses)."""
     decode = engine.template.decode
     entries = []
     for i in tokens:
         token = decode([detok.ids[i]], skip_special_tokens=False)
         tops = []
-        for alt in detok.top_logprobs[i][: request.top_logprobs]:
+        for alt in detok.top_logprobs[i][:top]:
             text = decode([alt.token_id], skip_special_tokens=False)
             tops.append(
                 TopLogprobOut.build(token=text, logprob=alt.logprob, bytes=list(text.encode()))
@@ -190,7 +191,13 @@ def _logprobs(
                 top_logprobs=tops,
             )
         )
-    return ChoiceLogprobs.build(content=entries)
+    return entries
+
+
+def _logprobs(
+    engine: TurnEngine, detok: Detokenizer, tokens: range, request: TurnRequest
+) -> ChoiceLogprobs:
+    return ChoiceLogprobs.build(content=token_logprobs(engine, detok, tokens, request.top_logprobs))
 
 
 def _tool_calls(result: TurnResult) -> list[ToolCallOut]:

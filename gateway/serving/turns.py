@@ -47,7 +47,7 @@ class StreamEncoder(Protocol):
         ...
 
 
-MakeEncoder = Callable[[int], StreamEncoder]  # the turn's index -> its encoder
+MakeEncoder = Callable[[int, int], StreamEncoder]  # (turn index, prompt tokens) -> encoder
 
 
 class TurnStream:
@@ -184,7 +184,7 @@ class TurnServing:
     ) -> AsyncIterator[bytes]:
         started()
         try:
-            encoder = make_encoder(result.index)
+            encoder = make_encoder(result.index, result.prompt_tokens)
             yield encoder.opening()
             content, detok = result.content or "", result.detok
             end = len(detok.ids)
@@ -206,7 +206,7 @@ class TurnServing:
         engine = self.engine
         started()
         try:
-            encoder = make_encoder(turn.index)
+            encoder = make_encoder(turn.index, len(turn.prompt_ids))
             detok = Detokenizer(engine.template.decode, turn.stop_strings)
             yield encoder.opening()
             sent, sent_tokens, ttft = 0, 0, None

@@ -100,8 +100,8 @@ def test_every_operation_keeps_the_contract(
 def cap_generation(case: Any) -> None:
     """Keep generated turns short, and make generated chat bodies follow the rules between
     fields that a JSON schema cannot state (each documented on its field and tested in
-    tests/unit/test_protocol.py): a named tool_choice names one of the tools, "required"
-    needs tools, top_logprobs needs logprobs."""
+    tests/unit/test_protocol.py and the Anthropic and Responses protocol tests): a named
+    tool_choice names one of the tools, "required" needs tools, top_logprobs needs logprobs."""
     if not isinstance(case.body, dict):
         return
     body = case.body
@@ -122,7 +122,37 @@ def cap_generation(case: Any) -> None:
             body.pop("tool_choice")
         if body.get("top_logprobs"):
             body["logprobs"] = True
-    for cap in ("max_tokens", "max_completion_tokens"):
+    elif case.path.endswith("/messages"):  # Anthropic: tool_choice {"type": "tool", "name"}
+        names = [t.get("name") for t in body.get("tools") or [] if isinstance(t, dict)]
+        choice = body.get("tool_choice")
+        if isinstance(choice, dict) and choice.get("type") in ("tool", "any"):
+            if names and isinstance(names[0], str):
+                choice["name"] = names[0]
+            else:
+                body.pop("tool_choice")
+    elif case.path.endswith("/responses"):
+        # The Responses API's rules between fields (tests/unit/test_responses_protocol.py):
+        # a named tool_choice names a function tool, "required" needs one, the input holds
+        # a message, previous_response_id names a response of the session (tested in
+        # tests/e2e/test_responses_api.py).
+        names = [
+            t.get("name")
+            for t in body.get("tools") or []
+            if isinstance(t, dict) and t.get("type") == "function"
+        ]
+        choice = body.get("tool_choice")
+        if isinstance(choice, dict):
+            if names:
+                choice["name"] = names[0]
+            else:
+                body.pop("tool_choice")
+        elif choice == "required" and not names:
+            body.pop("tool_choice")
+        body.pop("previous_response_id", None)
+        if isinstance(body.get("input"), list):
+            body["input"].append({"role": "user", "content": "hi"})
+        body.setdefault("max_output_tokens", MAX_TOKENS)
+    for cap in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         if isinstance(body.get(cap), int) and body[cap] > MAX_TOKENS:
             body[cap] = MAX_TOKENS
     if case.path.endswith("completions"):

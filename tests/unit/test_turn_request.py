@@ -10,12 +10,14 @@ import pytest
 from gateway.conversation import TurnRequest, same_messages
 from gateway.errors import (
     BackendUnavailable,
+    ContextLengthExceeded,
     InvalidRequest,
     ModelNotFound,
     RequestTooLarge,
     SessionClosed,
     Unauthorized,
     anthropic_error_body,
+    anthropic_status,
 )
 from gateway.serving.turns import named_tool_choice
 from gateway.turns import SessionState, TurnDraft, apply, resent_turn, turn_event
@@ -140,6 +142,7 @@ def test_same_messages_compares_what_the_prompt_shows() -> None:
         (ModelNotFound("m"), "not_found_error"),
         (SessionClosed("closed"), "invalid_request_error"),
         (RequestTooLarge("big"), "request_too_large"),
+        (ContextLengthExceeded("over"), "invalid_request_error"),
         (BackendUnavailable("busy"), "overloaded_error"),
         (RuntimeError("secret detail"), "api_error"),
     ],
@@ -151,6 +154,9 @@ def test_anthropic_routes_answer_anthropic_error_bodies(
     assert body["type"] == "error"
     assert body["error"] == {"type": status_type, "message": body["error"]["message"]}  # type: ignore[index]
     assert "secret detail" not in str(body)
+    if isinstance(error, ContextLengthExceeded):  # Claude Code compacts on these words
+        assert anthropic_status(error) == 400
+        assert body["error"]["message"].startswith("prompt is too long: ")  # type: ignore[index]
 
 
 @pytest.mark.parametrize(
