@@ -15,7 +15,7 @@ VERL_PACKAGES := verl==$(VERL_VERSION) tensordict==0.10.0 omegaconf==2.4.0 hydra
 	antlr4-python3-runtime==4.9.3 codetiming==1.4.0 orjson==3.13.0 torchdata==0.11.0 \
 	peft==0.21.2 cachetools==8.0.2
 
-.PHONY: setup demo test test-deploy lint typecheck unit bench soak clean
+.PHONY: setup demo test test-deploy test-agents lint typecheck unit bench soak clean
 
 setup: $(STAMP)
 
@@ -47,6 +47,10 @@ test: lint typecheck
 # by the next run on this machine.
 test-deploy: setup
 	PATH="$(CURDIR)/$(BIN):$$PATH" TURNSTREAM_TEST_DEPLOY=1 $(BIN)/python -m pytest -q --durations=25 tests/deploy
+
+# Claude Code and Codex CLI (npm, pinned, cached in ~/.cache/turnstream/agents) through the gateway.
+test-agents: setup
+	PATH="$(CURDIR)/$(BIN):$$PATH" TURNSTREAM_TEST_AGENTS=1 $(BIN)/python -m pytest -q --durations=25 tests/agents
 
 unit: setup
 	$(BIN)/python -m pytest -q tests/unit
