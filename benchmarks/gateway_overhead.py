@@ -135,6 +135,62 @@ The LAST line is then one JSON object with ``cpu_per_request_ratio_after_over_be
 ``before_rev``, ``before_commit``, ``after_tree`` and ``after_state`` (its commit, and how many
 files differ from it), ``rounds``, ``concurrency``, the figures and lists above, settings,
 machine info and date.
+
+Per-API CPU: ``--api-surfaces [APIS]``
+--------------------------------------
+Issue 17: the gateway's CPU per request for one Claude-Code-shaped session sent on each API
+surface (``benchmarks/_api_surfaces.py``)::
+
+    .venv/bin/python benchmarks/gateway_overhead.py --api-surfaces           # ~6.5 min
+    .venv/bin/python benchmarks/gateway_overhead.py --api-surfaces --quick   # ~70 s
+    .venv/bin/python benchmarks/gateway_overhead.py --api-surfaces messages  # one API alone
+
+* The session, the same canonical conversation on every API, from Claude Code's first captured
+  request (``tests/fixtures/agents/claude_code/request_1.json``): its system blocks and its
+  environment message as one system text of 17,000 characters (5 blocks), its 12 tools and the
+  same again renamed ``mcp__mirror__<name>`` (24 tools, ~63 KB of JSON), its first user message
+  (2 text blocks). Every reply is a tool call: the backend answers ``<tool_call>{"name":
+  "Bash", "arguments": {"command": "ls"}}</tool_call><|im_end|>`` (53 tokens of the tiny
+  model's tokenizer), and the next request appends the reply as the gateway returned it and a
+  ~300-character tool result; 20 requests per session, ~82k prompt tokens at the first and
+  ~90k at the last (the byte-level tokenizer makes a token per byte: the gateway's
+  ``--max-context`` and the backend's ``max_model_len`` are 262144). Chat Completions: system
+  and user messages of text parts, function tools, ``max_tokens`` 64000; the reply echoed as an
+  assistant message with its ``tool_calls``, the result as a ``tool`` message. Messages:
+  ``system`` text blocks, tools ``{name, description, input_schema}``, ``max_tokens`` 64000
+  (as Claude Code sends); the reply's content blocks echoed (``tool_use``), the result as a
+  user ``tool_result`` block. Responses: ``input`` items (a system message first), flat
+  function tools, ``max_output_tokens`` 64000; the output items echoed (``function_call``),
+  the result as a ``function_call_output``. All on the global routes, with ``X-Session-Id``.
+* Phases: per round and variant (concurrency, streamed?), one phase per API, the order
+  reversed every other round; in a phase each of ``c`` closed-loop workers runs one whole
+  session, so that every API gets the same mix of turns (later turns carry more history).
+  Full: 6 rounds, concurrency 1 and 4 (``--concurrency``) not streamed, 1 streamed;
+  ``--quick``: 2 rounds, concurrency 1 not streamed and streamed. Before them, 3 turns per API
+  and mode warm up. ``--rounds``, ``--ttft-ms``, ``--gateway-log-level`` and
+  ``--profile-gateway`` apply (the profile covers every phase of the odd rounds, all APIs
+  together: name one API to profile it alone, e.g. ``--api-surfaces messages --quick
+  --profile-gateway FILE``); ``--measure-s`` and ``--turns-per-session`` do not, and
+  ``--compare-with`` and ``--backend-kind vllm-cpu`` are refused.
+* Per API and variant: the gateway's CPU (user + system, from /proc) over its phases divided
+  by the requests answered; ``ratio_vs_chat``: the median over rounds of this API's phase /
+  Chat's phase of the same round (target: <= 1.2), and ``pooled_ratio_vs_chat``; p50 and p90
+  latency. A single round's
+  ratio moves by 10-20% on a busy 2-core machine: compare the medians within one run.
+* Checked: every answer is the Bash tool call, read from the JSON or from the API's SSE events
+  (Chat: the chunks' deltas; Messages: the events accumulated as the ``anthropic`` SDK does;
+  Responses: ``response.completed``); after each phase EVENTS grew by one TurnCompleted per
+  answer and one SessionOpened per session; at the end, every session's events
+  (``eventlog.read_session``): turns 0..n-1 for n requests answered, each recorded with its API
+  and a tool call, each extending the previous turn's tokens and messages whole (no fork); and
+  one whole session per API has the same canonical messages (tool-call ids aside), tools and
+  prompt token counts per turn as Chat's (a difference is printed as a WARNING and reported in
+  ``checks``). Any failed request or check aborts the run.
+
+The LAST line is then one JSON object with ``cpu_ms_per_request_<api>_c<c>[_stream]``,
+``ratio_vs_chat_<api>_c<c>[_stream]``, ``targets`` (the worst ratio, 1.2, met), ``rows`` (per
+API and variant: the figures above, per-round lists, the other processes' CPU), ``checks``,
+settings, machine info and date.
 """
 
 from __future__ import annotations
@@ -1479,7 +1535,21 @@ async def main() -> None:
         default=REPO,
         help="with --compare-with: the checkout the 'after' gateway runs (default: this one)",
     )
+    parser.add_argument(
+        "--api-surfaces",
+        nargs="?",
+        const="chat,messages,responses",
+        default=None,
+        metavar="APIS",
+        help="per-API CPU mode (issue 17): Claude-Code-shaped sessions on each API surface "
+        "(default: chat,messages,responses)",
+    )
     args = parser.parse_args()
+    if args.api_surfaces is not None:
+        from _api_surfaces import api_surfaces_main
+
+        await api_surfaces_main(parser, args)
+        return
     compare_mode = args.compare_with is not None
     if args.profile_gateway and (args.rounds or 2) < 2:
         parser.error("--profile-gateway profiles odd rounds and needs at least 2")
