@@ -1,6 +1,11 @@
 """Request and response models of every route, and the error body (the OpenAPI contract)."""
 
-from gateway.protocol.anthropic import Message, MessagesRequest
+from gateway.protocol.anthropic import (
+    MessagesRequest,
+)
+from gateway.protocol.anthropic_reply import (
+    Message,
+)
 from gateway.protocol.chat import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -11,7 +16,12 @@ from gateway.protocol.chat import (
 )
 from gateway.protocol.common import ErrorBody, ErrorResponse, ModelCard, ModelList, Usage
 from gateway.protocol.completions import Completion, CompletionRequest
-from gateway.protocol.responses import ResponseObject, ResponsesRequest
+from gateway.protocol.responses import (
+    ResponsesRequest,
+)
+from gateway.protocol.responses_reply import (
+    ResponseObject,
+)
 from gateway.protocol.sessions import (
     CloseSessionRequest,
     CreateSessionRequest,

@@ -14,10 +14,12 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 
 from gateway.protocol.anthropic import (
-    AnthropicErrorResponse,
     CountTokensRequest,
-    Message,
     MessagesRequest,
+)
+from gateway.protocol.anthropic_reply import (
+    AnthropicErrorResponse,
+    Message,
     TokenCountResult,
 )
 from gateway.routers.common import (

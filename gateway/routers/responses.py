@@ -8,7 +8,12 @@ from __future__ import annotations
 from fastapi import APIRouter, Request, Response
 
 from gateway.errors import InvalidRequest, SessionNotFound
-from gateway.protocol.responses import ResponseObject, ResponsesRequest
+from gateway.protocol.responses import (
+    ResponsesRequest,
+)
+from gateway.protocol.responses_reply import (
+    ResponseObject,
+)
 from gateway.routers.common import (
     SESSION_HEADERS,
     RunId,

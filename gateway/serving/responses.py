@@ -30,17 +30,21 @@ from gateway.errors import InvalidRequest, error_body
 from gateway.protocol.chat import TokenLogprob
 from gateway.protocol.responses import (
     RESPONSE_ID,
-    ArgumentsDeltaEvent,
-    ArgumentsDoneEvent,
-    ContentPartEvent,
     FunctionCallItem,
     FunctionCallOutputItem,
     FunctionChoice,
     HostedTool,
+    MessageItem,
+    ResponsesRequest,
+    item_text,
+)
+from gateway.protocol.responses_reply import (
+    ArgumentsDeltaEvent,
+    ArgumentsDoneEvent,
+    ContentPartEvent,
     IncompleteDetails,
     InputTokensDetails,
     LifecycleEvent,
-    MessageItem,
     OutputFunctionCall,
     OutputItemEvent,
     OutputMessage,
@@ -48,11 +52,9 @@ from gateway.protocol.responses import (
     OutputTokensDetails,
     ResponseErrorEvent,
     ResponseObject,
-    ResponsesRequest,
     ResponseUsage,
     TextDeltaEvent,
     TextDoneEvent,
-    item_text,
 )
 from gateway.serving.chat import token_logprobs
 from gateway.serving.engine import TurnEngine, TurnResult

@@ -17,7 +17,10 @@ from pydantic import TypeAdapter, ValidationError
 from gateway.conversation import message_key
 from gateway.decoding import Detokenizer
 from gateway.errors import BackendError
-from gateway.protocol.anthropic import CountTokensRequest, MessagesRequest
+from gateway.protocol.anthropic import (
+    CountTokensRequest,
+    MessagesRequest,
+)
 from gateway.serving.anthropic import (
     AnthropicServing,
     _MessagesEncoder,

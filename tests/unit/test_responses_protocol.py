@@ -26,7 +26,9 @@ from gateway.backends.base import GenerationChunk
 from gateway.conversation import TurnRequest, message_key
 from gateway.errors import BackendError, InvalidRequest
 from gateway.metrics import GatewayMetrics
-from gateway.protocol.responses import ResponsesRequest
+from gateway.protocol.responses import (
+    ResponsesRequest,
+)
 from gateway.serving import TurnEngine, TurnServing
 from gateway.serving.responses import (
     ResponsesServing,
