@@ -74,15 +74,20 @@ class SessionOpened(_Event, tag="SessionOpened", kw_only=True):
 
 
 class TurnCompleted(_Event, tag="TurnCompleted", kw_only=True):
-    """One completion turn, with its prompt delta-encoded against the previous turn.
+    """One completion turn, with its prompt delta-encoded against its parent turn.
 
-    Full prompt of turn t = full_context(t-1)[:prefix_len] + prompt_ids, where
-    full_context(t-1) = full prompt of turn t-1 + its completion_ids. Turn 0 has prefix_len 0.
-    Messages follow the same rule: the conversation of turn t is
-    messages(t-1) + [assistant reply of t-1] truncated to message_prefix_len, + new_messages.
+    A session is a tree (DESIGN §5): turn t's parent p (``parent``) is the turn it continues, or
+    shares the longest prefix with, as the gateway chose it. Full prompt of turn t =
+    full_context(p)[:prefix_len] + prompt_ids, where full_context(p) = full prompt of turn p +
+    its completion_ids; a turn with no parent (p = -1) has prefix_len 0. Messages follow the same
+    rule: the conversation of turn t is messages(p) + [assistant reply of p] truncated to
+    message_prefix_len, + new_messages; ``tools`` None means "as turn p's".
     """
 
     turn: int
+    # The turn this one's delta is taken against (and continues when its prompt starts with that
+    # turn's whole context). None in events older than the field: the previous turn. -1: none.
+    parent_turn: int | None = None
     prefix_len: int = 0
     prompt_ids: np.ndarray  # int32: the prompt tokens after the shared prefix
     completion_ids: np.ndarray  # int32: exactly the tokens the model sampled
@@ -111,11 +116,21 @@ class TurnCompleted(_Event, tag="TurnCompleted", kw_only=True):
         self.logprobs = as_array(self.logprobs, "<f4", "logprobs")
         if self.turn < 0 or self.prefix_len < 0 or self.message_prefix_len < 0:
             raise ValueError("turn, prefix_len and message_prefix_len must be >= 0")
+        if self.parent_turn is not None and not -1 <= self.parent_turn < self.turn:
+            raise ValueError(
+                f"parent_turn={self.parent_turn} of turn {self.turn}: a turn's parent is an "
+                "earlier turn of its session, or -1 for none"
+            )
         if len(self.logprobs) != len(self.completion_ids):
             raise ValueError(
                 f"logprobs has {len(self.logprobs)} entries for "
                 f"{len(self.completion_ids)} completion_ids: they must be equal"
             )
+
+    @property
+    def parent(self) -> int:
+        """The parent turn's index; -1 for none (turn 0, or a turn that shares nothing)."""
+        return self.turn - 1 if self.parent_turn is None else self.parent_turn
 
     @property
     def assistant_message(self) -> JSON:
