@@ -1,12 +1,14 @@
-"""Rebuilding a session's prompts from their deltas, and the token arrays of one sample.
+"""Rebuilding a session's prompts from their deltas, its chains, and the token arrays of a sample.
 
 Private to the fold: ``consumers.fold`` decides which turns are folded and what the samples are
 worth; this module does the token arithmetic, with numpy and no per-token Python loop.
 
-A turn's full context (its full prompt + its completion) is kept as a tuple of array chunks, not
-one array: in an append-only session every prompt is "all of the previous context + new tokens",
-so chaining chunks rebuilds n turns in O(total tokens) instead of O(n * context length). The
-chunks are only joined where a delta cuts into the previous context, and once per sample.
+A session is a tree (DESIGN §5): each turn's delta is taken against its parent turn
+(``TurnCompleted.parent``; -1: none, an empty context). A turn's full context (its full prompt +
+its completion) is kept as a tuple of array chunks, not one array: in an append-only chain every
+prompt is "all of the parent's context + new tokens", so chaining chunks rebuilds n turns in
+O(total tokens) instead of O(n * context length). The chunks are only joined where a delta cuts
+into its parent's context, and once per sample.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from consumers.errors import FoldError
+from schemas.delta import common_prefix_len
 from schemas.events import JSON, Float32Array, Int8Array, Int32Array, TurnCompleted
 
 _NO_TOKENS: Int32Array = np.empty(0, dtype=np.int32)
@@ -25,14 +28,31 @@ _INT32_MIN, _INT32_MAX = int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).max
 
 @dataclass(frozen=True, slots=True)
 class RebuiltTurn:
-    """One turn with its delta decoded."""
+    """One turn with its delta decoded against its parent."""
 
     event: TurnCompleted
     context: tuple[Int32Array, ...]  # chunks of full prompt + completion
     prompt_len: int  # tokens in the full prompt
-    appended: int  # prompt tokens after the previous turn's full context (when ``extends``)
-    extends: bool  # the full prompt starts with the previous turn's whole full context
+    appended: int  # prompt tokens after the parent's full context (when ``extends``)
+    extends: bool  # the full prompt starts with the parent's whole full context
+    shared: int  # leading tokens of the full prompt equal to the parent's full context
+    first_generated: int | None  # where the first token any turn generated lies in ``context``
     conversation: list[JSON]  # the messages the model answered, before its own reply
+
+    @property
+    def inside_generated(self) -> bool:
+        """The prefix shared with the parent holds a generated token (an edit, a retry)."""
+        return self.first_generated is not None and self.first_generated < self.shared
+
+
+@dataclass(frozen=True, slots=True)
+class Chains:
+    """How the turns were cut into samples, and where the session's tree branches."""
+
+    samples: list[list[RebuiltTurn]]
+    turn_samples: tuple[int, ...]  # the sample of each turn, indexed by turn
+    chain_starts: frozenset[int]  # the turns that start a chain
+    fork_turns: tuple[int, ...]  # chain starts that diverge inside generated history
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,48 +68,58 @@ def _join(chunks: Sequence[Int32Array]) -> Int32Array:
     return np.concatenate(chunks) if chunks else _NO_TOKENS
 
 
+def _check(run: str, session: str, event: TurnCompleted, context_len: int, messages: int) -> None:
+    where = f"run={run} session={session} turn {event.turn}"
+    parent = event.parent
+    if event.prefix_len > context_len:
+        raise FoldError(
+            f"{where}: prefix_len={event.prefix_len} but "
+            + (
+                "it has no parent turn (parent -1), so no context to share (it must be 0)"
+                if parent < 0
+                else f"its parent turn {parent}'s full context has only {context_len} tokens"
+            )
+            + "; the delta encoding is inconsistent, dead-letter the session"
+        )
+    if event.message_prefix_len > messages:
+        raise FoldError(
+            f"{where}: message_prefix_len={event.message_prefix_len} but the conversation of "
+            f"its parent turn {parent} (with its reply) has only {messages} messages; the delta "
+            f"encoding is inconsistent, dead-letter the session"
+        )
+    if not _INT32_MIN <= event.weight_version <= _INT32_MAX:
+        raise FoldError(
+            f"{where}: weight_version={event.weight_version} does not fit the int32 "
+            f"versions column; dead-letter the session"
+        )
+
+
 def rebuild(run: str, session: str, turns: Sequence[TurnCompleted]) -> list[RebuiltTurn]:
-    """Decode the deltas of turns 0..n-1 (in that order); FoldError names a turn that lies."""
+    """Decode the deltas of turns 0..n-1 (in that order), each against its parent's context;
+    FoldError names a turn whose delta does not fit its parent."""
     rebuilt: list[RebuiltTurn] = []
-    context: tuple[Int32Array, ...] = ()
-    context_len = 0
-    history: list[JSON] = []  # conversation of the previous turn + its assistant reply
     for event in turns:
-        where = f"run={run} session={session} turn {event.turn}"
-        if event.prefix_len > context_len:
-            raise FoldError(
-                f"{where}: prefix_len={event.prefix_len} but "
-                + (
-                    "turn 0 has no previous context (it must be 0)"
-                    if event.turn == 0
-                    else f"turn {event.turn - 1}'s full context has only {context_len} tokens"
-                )
-                + "; the delta encoding is inconsistent, dead-letter the session"
-            )
-        if event.message_prefix_len > len(history):
-            raise FoldError(
-                f"{where}: message_prefix_len={event.message_prefix_len} but the previous "
-                f"conversation has only {len(history)} messages; the delta encoding is "
-                f"inconsistent, dead-letter the session"
-            )
-        if not _INT32_MIN <= event.weight_version <= _INT32_MAX:
-            raise FoldError(
-                f"{where}: weight_version={event.weight_version} does not fit the int32 "
-                f"versions column; dead-letter the session"
-            )
+        parent = rebuilt[event.parent] if event.parent >= 0 else None
+        context = parent.context if parent is not None else ()
+        context_len = parent.prompt_len + len(parent.event.completion_ids) if parent else 0
+        history = [*parent.conversation, parent.event.assistant_message] if parent else []
+        _check(run, session, event, context_len, len(history))
         if event.prefix_len == context_len:
-            extends = True
+            extends, shared = True, context_len
             prompt = (*context, event.prompt_ids)
         else:
             whole = _join(context)
             dropped = whole[event.prefix_len :]
             # A client that resends history with a shorter prefix_len (no delta encoding) still
-            # extends the context: decide on the tokens, not on prefix_len alone.
-            resent = event.prompt_ids[: len(dropped)]
-            extends = len(resent) == len(dropped) and bool(np.array_equal(resent, dropped))
+            # shares it, and extends the context when it resends all of it: decide on the
+            # tokens, not on prefix_len alone.
+            shared = event.prefix_len + common_prefix_len(dropped, event.prompt_ids)
+            extends = shared == context_len
             prompt = (whole[: event.prefix_len], event.prompt_ids)
         prompt_len = event.prefix_len + len(event.prompt_ids)
-        conversation = [*history[: event.message_prefix_len], *event.new_messages]
+        inherited = parent.first_generated if parent is not None else None
+        if inherited is None or inherited >= shared:
+            inherited = prompt_len if len(event.completion_ids) else None
         rebuilt.append(
             RebuiltTurn(
                 event=event,
@@ -97,30 +127,52 @@ def rebuild(run: str, session: str, turns: Sequence[TurnCompleted]) -> list[Rebu
                 prompt_len=prompt_len,
                 appended=prompt_len - context_len,
                 extends=extends,
-                conversation=conversation,
+                shared=shared,
+                first_generated=inherited,
+                conversation=[*history[: event.message_prefix_len], *event.new_messages],
             )
         )
-        context = (*prompt, event.completion_ids)
-        context_len = prompt_len + len(event.completion_ids)
-        history = [*conversation, event.assistant_message]
     return rebuilt
 
 
-def split(turns: Sequence[RebuiltTurn], per_turn: bool) -> list[list[RebuiltTurn]]:
-    """Cut the turns into samples: one per turn, or one per run of context-extending turns."""
-    if per_turn:
-        return [[turn] for turn in turns]
-    samples: list[list[RebuiltTurn]] = []
+def split(turns: Sequence[RebuiltTurn], per_turn: bool) -> Chains:
+    """Cut the turns into chains: a turn joins its parent's chain when it extends the parent
+    and the parent is still that chain's last turn (the first continuing child carries the
+    chain on); any other turn starts a chain. The samples are the chains, numbered by their
+    first turn, or (``per_turn``) one per turn; forks are counted on the chains either way."""
+    chain_of: list[int] = []
+    last_of: list[int] = []  # the last turn of each chain so far
+    starts: list[int] = []
     for turn in turns:
-        if samples and turn.extends:
-            samples[-1].append(turn)
+        parent = turn.event.parent
+        if parent >= 0 and turn.extends and last_of[chain_of[parent]] == parent:
+            chain = chain_of[parent]
+            last_of[chain] = turn.event.turn
         else:
-            samples.append([turn])
-    return samples
+            chain = len(last_of)
+            last_of.append(turn.event.turn)
+            starts.append(turn.event.turn)
+        chain_of.append(chain)
+    # A fork is a true divergence: a chain start that does not extend its parent but shares
+    # generated tokens with it (an edited or truncated history). A chain start that extends its
+    # parent (a retry of that turn, a second sub-agent started from one context) is a branch:
+    # nothing was rewritten. Chain 0 starts at turn 0, whose parent is -1.
+    forks = tuple(
+        t
+        for t in starts
+        if turns[t].event.parent >= 0 and not turns[t].extends and turns[t].inside_generated
+    )
+    if per_turn:
+        samples = [[turn] for turn in turns]
+        return Chains(samples, tuple(range(len(turns))), frozenset(starts), forks)
+    chains: list[list[RebuiltTurn]] = [[] for _ in last_of]
+    for turn, chain in zip(turns, chain_of, strict=True):
+        chains[chain].append(turn)
+    return Chains(chains, tuple(chain_of), frozenset(starts), forks)
 
 
 def sample_arrays(sample: Sequence[RebuiltTurn]) -> SampleArrays:
-    """The token arrays of one sample whose turns each extend the previous one's context.
+    """The token arrays of one sample whose turns each extend the one before (their parent).
 
     The sample's tokens are then exactly the last turn's full context, read as alternating runs:
     prompt tokens the model read (mask 0, logprob 0, version -1), then the completion it

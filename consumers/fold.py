@@ -12,6 +12,12 @@ reward (key, turn), the close), so neither the order of the events nor their dup
 the result. Everything that needs the whole session (which events are late, rebuilding the
 delta-encoded prompts, cutting segments, rewards) happens in ``finish``.
 
+A session is a tree (DESIGN §5): each turn's delta is taken against its parent turn
+(``TurnCompleted.parent``). Turns are cut into chains, one trajectory each: a turn joins its
+parent's chain when its prompt starts with the parent's whole context and the parent has no
+continuing child yet; any other turn starts a chain. Interleaved sub-agents thus become one
+trajectory per conversation, and a linear session one trajectory, as before.
+
 A two-turn session, delivered out of order and with turn 1 twice; turn 1 extends turn 0's
 context ``[1, 2] + [3]`` by the tool result ``[4]``:
 
@@ -28,6 +34,17 @@ context ``[1, 2] + [3]`` by the tool result ``[4]``:
 ([-1, -1, 0, -1, 7, 7], [0.0, 0.0, -0.5, 0.0, -0.25, -1.0], [3, 6])
 >>> sample.prompt_len, sample.reward, result.forks, result.duplicates
 (2, 1.0, 0, 1)
+
+A retry of turn 1: turn 2 continues turn 0 too. Turn 1 already carries turn 0's chain on, so
+turn 2 starts a second one, a branch; it extends turn 0 (nothing was rewritten), so it is no fork:
+
+>>> t2 = TurnCompleted(run="r", session="s", turn=2, parent_turn=0, prefix_len=3,
+...                    prompt_ids=[4], completion_ids=[8], logprobs=[-0.5])
+>>> tree = fold([t0, t1, t2])
+>>> [t.input_ids.tolist() for t in tree.trajectories], tree.turn_segments, tree.fork_turns
+([[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 8]], (0, 0, 1), ())
+>>> tree.trajectories[1].metadata["branch_of"]
+{'turn': 0, 'segment': 0, 'shared_tokens': 3}
 """
 
 from __future__ import annotations
@@ -40,7 +57,7 @@ from functools import reduce
 from itertools import islice
 from typing import Literal, TypeVar
 
-from consumers._segments import RebuiltTurn, rebuild, sample_arrays, split
+from consumers._segments import Chains, RebuiltTurn, rebuild, sample_arrays, split
 from consumers.errors import FoldError, MissingTurns
 from schemas.codec import Codec
 from schemas.events import (
@@ -64,8 +81,10 @@ __all__ = [
     "initial",
 ]
 
-FOLD_VERSION = 3
-"""Stored in every TrajectoryReady: bump it whenever the same events would fold differently."""
+FOLD_VERSION = 4
+"""Stored in every TrajectoryReady: bump it whenever the same events would fold differently.
+4: a turn's delta and chain follow its ``parent_turn`` (a session is a tree); a fork is a chain
+that begins inside generated history."""
 
 RewardKey = tuple[str, int | None]  # (key, turn); turn None is the episode reward
 
@@ -98,13 +117,22 @@ class FoldOptions:
 class FoldResult:
     trajectories: list[TrajectoryReady]
     forks: int
-    """Turns after turn 0 whose full prompt does not start with the previous turn's full
-    context (history rewritten, truncated, summarized); counted the same in per_turn mode."""
+    """Chains whose first turn diverges inside generated history: it does not extend its
+    parent, and the prefix it shares with the parent's context holds a token some turn
+    generated (an edited or truncated history, a rewrite that keeps part of a reply). A chain
+    whose first turn extends its parent (a retry of a turn, a second sub-agent started from one
+    context) is a branch, not a fork; one that shares only prompt tokens (a sub-agent under its
+    caller's system prompt) or nothing is a new conversation. Counted on the chains in
+    per_turn mode too."""
     late_events: int
     """Distinct events not folded: turns at or after the close's num_turns, rewards created
     after the close, and per-turn rewards naming a turn that was not folded."""
     duplicates: int
     """Events dropped because another with the same identity was kept."""
+    turn_segments: tuple[int, ...] = ()
+    """The index (segment) of the trajectory each folded turn went into, indexed by turn."""
+    fork_turns: tuple[int, ...] = ()
+    """The turns that begin a fork (``forks`` of them), in order."""
 
 
 @dataclass(frozen=True)
@@ -238,14 +266,31 @@ def _temperatures(sample: list[RebuiltTurn]) -> JSON:
 
 def _tools_by_turn(turns: list[TurnCompleted]) -> dict[int, list[JSON]]:
     """The tool schemas each turn's model was given: a turn records them only when they changed
-    (None: as the turn before)."""
-    given: list[JSON] = []
+    (None: as its parent turn's; none for a turn without a parent)."""
     by_turn: dict[int, list[JSON]] = {}
     for turn in turns:
-        if turn.tools is not None:
-            given = turn.tools
-        by_turn[turn.turn] = given
+        inherited = by_turn[turn.parent] if turn.parent >= 0 else []
+        by_turn[turn.turn] = turn.tools if turn.tools is not None else inherited
     return by_turn
+
+
+def _tree_metadata(chains: Chains, sample: list[RebuiltTurn]) -> JSON:
+    """Where a sample sits in the session's tree, said only where it is not a plain line:
+    ``branch_of`` when its first turn starts a chain off a parent turn, ``turns`` when its turns
+    are not consecutive (interleaved sub-agents)."""
+    metadata: JSON = {}
+    first = sample[0]
+    parent = first.event.parent
+    if parent >= 0 and first.event.turn in chains.chain_starts:
+        metadata["branch_of"] = {
+            "turn": parent,
+            "segment": chains.turn_samples[parent],
+            "shared_tokens": first.shared,
+        }
+    indices = [turn.event.turn for turn in sample]
+    if indices != list(range(indices[0], indices[0] + len(indices))):
+        metadata["turns"] = indices
+    return metadata
 
 
 def _created_at(
@@ -264,7 +309,7 @@ def finish(state: SessionState, options: FoldOptions = FoldOptions()) -> FoldRes
     """Fold the accumulated events into trajectories.
 
     Raises MissingTurns when turns 0..n-1 are not all present (n: the close's num_turns, else
-    one past the highest turn seen), FoldError when a turn's delta does not fit the turn before.
+    one past the highest turn seen), FoldError when a turn's delta does not fit its parent turn.
     A session with no close folds as status "open", with no final reward and nothing late.
     """
     if state.run is None or state.session is None:
@@ -275,8 +320,9 @@ def finish(state: SessionState, options: FoldOptions = FoldOptions()) -> FoldRes
     late_rewards = len(state.rewards) - len(rewards)
 
     rebuilt = rebuild(run, session, turns)
-    samples = split(rebuilt, options.per_turn)
-    forks = sum(1 for turn in rebuilt[1:] if not turn.extends)
+    chains = split(rebuilt, options.per_turn)
+    samples = chains.samples
+    forks = len(chains.fork_turns)
     final_reward = _final_reward(closed, [r for r in rewards if r.turn is None])
     turn_rewards = _turn_rewards([r for r in rewards if r.turn is not None])
     opened = state.opened
@@ -313,7 +359,12 @@ def finish(state: SessionState, options: FoldOptions = FoldOptions()) -> FoldRes
             finish_reason=last.event.finish_reason,
             messages=[*last.conversation, last.event.assistant_message],
             tools=tools[last.event.turn],
-            metadata={**base_metadata, "first_turn": sample[0].event.turn, **_temperatures(sample)},
+            metadata={
+                **base_metadata,
+                "first_turn": sample[0].event.turn,
+                **_tree_metadata(chains, sample),
+                **_temperatures(sample),
+            },
             fold_version=FOLD_VERSION,
         )
 
@@ -322,6 +373,8 @@ def finish(state: SessionState, options: FoldOptions = FoldOptions()) -> FoldRes
         forks=forks,
         late_events=late_turns + late_rewards,
         duplicates=state.duplicates,
+        turn_segments=chains.turn_samples,
+        fork_turns=chains.fork_turns,
     )
 
 

@@ -1,4 +1,4 @@
-"""Delta encoding of a turn's prompt against the previous turn's full context (DESIGN §3).
+"""Delta encoding of a turn's prompt against its parent turn's full context (DESIGN §3).
 
 A multi-turn session's prompt usually repeats everything before it; storing only the length of
 the shared prefix and the new tokens makes the log grow with a session's unique tokens, not with
@@ -56,7 +56,7 @@ def encode_delta(
     messages: Sequence[Any],
     message_key: Callable[[Any], object] | None = None,
 ) -> PromptDelta:
-    """Delta-encode ``prompt``/``messages`` against the previous turn's full ``context`` (its
+    """Delta-encode ``prompt``/``messages`` against the parent turn's full ``context`` (its
     prompt + completion) and ``conversation`` (its messages + its assistant reply). Messages
     equal under ``message_key`` count as shared (a client re-serializes its history)."""
     prefix_len = common_prefix_len(context, prompt)
@@ -71,11 +71,19 @@ def encode_delta(
 
 def replay_context(turns: Sequence[Any]) -> tuple[np.ndarray, list[Any]]:
     """The full context (prompt + completion ids) and the conversation (messages + reply)
-    after the last of ``turns`` (TurnCompleted events of turns 0..n-1, in order): what the
-    next turn's prompt extends. The fold does the same with validation and per-token arrays."""
+    after the last of ``turns`` (TurnCompleted events of turns 0..n-1, in order): what a turn
+    whose parent is that last turn extends. Each turn's delta is taken against its parent's
+    (``TurnCompleted.parent``), so only the last turn's line of ancestors is replayed; the
+    context of turn p is ``replay_context(turns[: p + 1])``, and -1 (no parent) is empty. The
+    fold does the same with validation and per-token arrays."""
+    line: list[Any] = []
+    index = len(turns) - 1
+    while index >= 0:  # parents are earlier turns (TurnCompleted checks it): this ends
+        line.append(turns[index])
+        index = turns[index].parent
     context = np.empty(0, dtype=np.int32)
     conversation: list[Any] = []
-    for turn in turns:
+    for turn in reversed(line):
         prompt = np.concatenate([context[: turn.prefix_len], turn.prompt_ids])
         context = np.concatenate([prompt, turn.completion_ids]).astype(np.int32)
         conversation = [*conversation[: turn.message_prefix_len], *turn.new_messages]

@@ -60,6 +60,9 @@ ALL_OPTIONS = st.builds(
 )
 
 
+APPEND_5_IDS = [1, 2, 3, 1, 2, 101, 11, 12, 102, 21, 22, 103, 31, 32, 104, 41, 42]
+
+
 def encoded(result: FoldResult) -> list[bytes]:
     return [CODEC.encode(trajectory) for trajectory in result.trajectories]
 
@@ -68,10 +71,12 @@ def plain(value: object) -> object:
     return value.tolist() if isinstance(value, np.ndarray) else value
 
 
-def rewritten_at_3() -> list[TurnSpec]:
-    """Turns 0-2 append-only; turn 3 replaces the history by a summary; turn 4 extends turn 3."""
+def rewritten_at_3(kept: int = 5) -> list[TurnSpec]:
+    """Turns 0-2 append-only; turn 3 keeps the first ``kept`` tokens of the history and replaces
+    the rest by a summary; turn 4 extends turn 3. Turn 0's prompt is 3 tokens, so keeping 5
+    keeps its reply (a fork) and keeping 0 starts a new conversation."""
     t3 = TurnSpec(
-        prompt=[7, 8, 9],
+        prompt=[*APPEND_5_IDS[:kept], 7, 8, 9],
         completion=[31, 32],
         messages=[{"role": "user", "content": "summary"}],
         text="reply 3",
@@ -87,9 +92,8 @@ def rewritten_at_3() -> list[TurnSpec]:
     return [*append_only(3), t3, t4]
 
 
-APPEND_5_IDS = [1, 2, 3, 1, 2, 101, 11, 12, 102, 21, 22, 103, 31, 32, 104, 41, 42]
 SEGMENT_0_IDS = APPEND_5_IDS[:11]
-SEGMENT_1_IDS = [7, 8, 9, 31, 32, 104, 41, 42]
+SEGMENT_1_IDS = [1, 2, 3, 1, 2, 7, 8, 9, 31, 32, 104, 41, 42]
 
 
 @dataclass(frozen=True)
@@ -194,15 +198,40 @@ CASES = [
                 "trajectory_id": f"{RUN}/{SESSION}/1",
                 "segment": 1,
                 "input_ids": SEGMENT_1_IDS,
-                "loss_mask": [0, 0, 0, 1, 1, 0, 1, 1],
-                "versions": [-1, -1, -1, 3, 3, -1, 4, 4],
-                "prompt_len": 3,
-                "turn_ends": [5, 8],
+                "loss_mask": [0] * 8 + [1, 1, 0, 1, 1],
+                "versions": [-1] * 8 + [3, 3, -1, 4, 4],
+                "prompt_len": 8,
+                "turn_ends": [10, 13],
                 "num_turns": 2,
-                "metadata": {"model": "tiny", "forks": 1, "segments": 2, "first_turn": 3},
+                "metadata": {
+                    "model": "tiny",
+                    "forks": 1,
+                    "segments": 2,
+                    "first_turn": 3,
+                    "branch_of": {"turn": 2, "segment": 0, "shared_tokens": 5},
+                },
             },
         ],
         forks=1,
+    ),
+    Case(
+        "history replaced by a summary that keeps no reply: a new conversation, not a fork",
+        session_events(rewritten_at_3(kept=3)),
+        [
+            {"segment": 0, "input_ids": SEGMENT_0_IDS, "num_turns": 3},
+            {
+                "segment": 1,
+                "input_ids": [1, 2, 3, 7, 8, 9, 31, 32, 104, 41, 42],
+                "prompt_len": 6,
+                "metadata": {
+                    "model": "tiny",
+                    "forks": 0,
+                    "segments": 2,
+                    "first_turn": 3,
+                    "branch_of": {"turn": 2, "segment": 0, "shared_tokens": 3},
+                },
+            },
+        ],
     ),
     Case(
         "per_turn: one sample per turn",
@@ -560,11 +589,26 @@ def reference_samples(specs: Sequence[TurnSpec], per_turn: bool) -> list[dict[st
 
 
 def reference_forks(specs: Sequence[TurnSpec]) -> int:
-    return sum(
-        1
-        for before, spec in itertools.pairwise(specs)
-        if list(spec.prompt[: len(before.context)]) != before.context
-    )
+    """Turns that start a new segment while keeping a token some earlier turn generated: each
+    context position is marked generated or not, and a prompt keeps the marks of the positions
+    it shares with the previous context."""
+    forks = 0
+    generated: list[bool] = []  # per position of the previous turn's full context
+    for before, spec in itertools.pairwise(specs):
+        generated = generated or [False] * len(before.prompt) + [True] * len(before.completion)
+        prompt = list(spec.prompt)
+        shared = 0
+        while shared < min(len(prompt), len(before.context)) and (
+            prompt[shared] == before.context[shared]
+        ):
+            shared += 1
+        forks += prompt[: len(before.context)] != before.context and any(generated[:shared])
+        generated = [
+            *generated[:shared],
+            *[False] * (len(prompt) - shared),
+            *[True] * len(spec.completion),
+        ]
+    return forks
 
 
 @st.composite

@@ -25,10 +25,11 @@ def trajectories(
 
 
 def forked(session: str) -> list[TrajectoryReady]:
-    """Two turns; the second's prompt drops the first exchange: two segments."""
+    """Two turns; the second's prompt rewrites the first reply after its first token (a
+    fork: it keeps a generated token): two segments."""
     specs = [
         TurnSpec(prompt=[1, 2, 3], completion=[4, 5], weight_version=2),
-        TurnSpec(prompt=[1, 9], completion=[7, 8, 6], weight_version=3),
+        TurnSpec(prompt=[1, 2, 3, 4, 9], completion=[7, 8, 6], weight_version=3),
     ]
     return trajectories(session, specs)
 

@@ -94,7 +94,8 @@ async def two_turns(task: AgentTask) -> float:
 
 
 async def forgetful(task: AgentTask) -> float:
-    """The second turn drops the first exchange (a summarizing agent): a fork."""
+    """The second turn drops the first exchange and starts over: a second segment. It shares
+    no token the model generated with the first turn, so it is a new conversation, not a fork."""
     seed = int(task.extra_info["seed"])
     await chat(task, list(task.messages), seed)
     await chat(task, [{"role": "user", "content": "Start over: say hi."}], seed + 1)
@@ -423,7 +424,7 @@ async def test_samples_are_the_logged_trajectories_and_train_with_verls_grpo(
         assert advantages[members, 0].sum().item() == pytest.approx(0.0, abs=1e-4)
 
 
-async def test_a_forked_session_gives_verl_its_final_segment(
+async def test_a_session_of_two_segments_gives_verl_its_final_segment(
     stack: Stack, tokenizer: Any, tmp_path: Path
 ) -> None:
     samples = verl_samples(["Tell me a story."], n=1, seed=7)
@@ -433,7 +434,7 @@ async def test_a_forked_session_gives_verl_its_final_segment(
     final, first = f"{RUN}/{session}/1", f"{RUN}/{session}/0"
     rows = await shard_rows(stack, {first, final})
     assert output.extra_fields["turnstream_trajectory_id"] == final
-    assert output.extra_fields["turnstream_forks"] == 1
+    assert output.extra_fields["turnstream_forks"] == 0  # started over: no generated token kept
     assert output.extra_fields["turnstream_dropped_segments"] == [first]
     assert_is_the_shard_row(output, rows[final])
     assert output.reward_score == rows[final]["reward"] == 0.5
