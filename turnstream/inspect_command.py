@@ -7,8 +7,12 @@ The session's events are read back from EVENTS (``--log.url``, or the ``stack.js
 (``consumers.worker.fold_session``), so what is shown is what the shards and the trainer get:
 
 - a header: run, session, group, status, final reward, turns, weight versions, forks, rewards;
-- per trajectory (segment): where a fork starts a new one, marked, with the tokens it shares
-  with the previous context collapsed;
+- the turn tree (``turnstream.inspect_tree``): every turn under its parent, with its segment,
+  whether it continues its parent, forks from it or starts a new conversation, the tokens it
+  shares and adds, weight_version, finish reason, reward and the first words of its newest
+  message; a chain of only children is drawn at one level, so a linear session is one path;
+- per trajectory (segment): its turns, and what starts it (a fork, a new conversation) marked,
+  with the tokens its first turn shares with its parent's context collapsed;
 - per turn: its boundary (index, weight_version, finish reason, per-turn reward), the messages
   it added, prompt tokens dimmed (loss_mask 0), generated tokens (loss_mask 1) coloured by their
   sampling probability (red: unlikely, green: likely), its tool calls.
@@ -35,6 +39,7 @@ from rich.rule import Rule
 from rich.style import Style
 from rich.table import Table
 from rich.text import Text
+from rich.tree import Tree
 
 from eventlog.reader import read_session_messages
 from schemas.codec import Codec
@@ -42,25 +47,32 @@ from schemas.errors import TurnstreamError
 from schemas.events import TurnCompleted
 from schemas.ids import ID_PATTERN
 from schemas.trust import VettedSession, vet_session
+from turnstream.inspect_text import message_text, printable, tool_call_text
+from turnstream.inspect_tree import FORK, ROOT, TreeNode, TreePath, node_text
 from turnstream.inspect_view import (
     SessionView,
     Token,
-    fork_text,
     heat,
-    message_text,
-    printable,
     segment_title,
     session_view,
     shared_text,
+    start_text,
     token_title,
-    tool_call_text,
     turn_title,
 )
 from turnstream.settings import ServiceSettings
 from turnstream.stack import open_log
 from turnstream.stack_file import join_stack, stack_file_path
 
-__all__ = ["InspectCommand", "SessionNotFound", "render_html", "render_terminal", "token_texts"]
+__all__ = [
+    "InspectCommand",
+    "SessionNotFound",
+    "html_tree",
+    "render_html",
+    "render_terminal",
+    "terminal_tree",
+    "token_texts",
+]
 
 
 class SessionNotFound(TurnstreamError):
@@ -83,10 +95,13 @@ def render_terminal(view: SessionView) -> list[RenderableType]:
         legend.append(f" p≈{p} ", style=_token_style(math.log(p)))
         legend.append(" ")
     parts: list[RenderableType] = [header, legend]
+    if view.tree:
+        parts.append(Rule(Text("turn tree", style="bold"), align="left"))
+        parts.append(terminal_tree(view))
     for segment in view.segments:
         parts.append(Rule(Text(segment_title(segment), style="bold"), align="left"))
-        if segment.fork:
-            parts.append(Text(fork_text(segment), style="bold magenta"))
+        if (start := start_text(segment)) is not None:
+            parts.append(Text(start, style="bold magenta" if segment.fork else "bold blue"))
         for index, turn in enumerate(segment.turns):
             parts.append(Text(f"── {turn_title(turn)} ──", style="bold cyan"))
             for message in turn.event.new_messages:
@@ -101,6 +116,26 @@ def render_terminal(view: SessionView) -> list[RenderableType]:
             for call in turn.event.tool_calls:
                 parts.append(Text(f"  ⚙ {tool_call_text(call)}", style="yellow"))
     return parts
+
+
+def terminal_tree(view: SessionView) -> Tree:
+    """The turn tree: each path (a chain of only children) one node of the rich tree, its turns
+    one line each; a turn with several children opens one branch per child below its path."""
+    root = Tree(Text(f"session {view.run}/{view.session}", style="bold"), guide_style="dim")
+    # Iterative: a deep tree (a retry of every turn) must not exhaust Python's recursion.
+    pending: list[tuple[Tree, TreePath]] = [(root, path) for path in reversed(view.tree)]
+    while pending:
+        under, path = pending.pop()
+        lines = Text("\n").join(
+            Text(node_text(node), style=_NODE_STYLES.get(node.relation, "")) for node in path.nodes
+        )
+        lines.no_wrap, lines.overflow = True, "ellipsis"  # one line per turn, whatever the width
+        branch = under.add(lines)
+        pending.extend((branch, child) for child in reversed(path.branches))
+    return root
+
+
+_NODE_STYLES = {FORK: "magenta", ROOT: "bold"}
 
 
 def _token_style(logprob: float) -> Style:
@@ -122,6 +157,12 @@ table.header th { text-align: left; padding-right: 1.5em; }
 .tok.prompt { color: #999; }
 .tok.gen { color: #000; }
 .shared { color: #999; font-style: italic; }
+.start { color: #36c; font-weight: bold; }
+ul.tree, ul.branches { list-style: none; padding-left: 1.2em; border-left: 1px dotted #aaa; }
+ol.path { list-style: none; padding-left: 0; margin: 0.3em 0; }
+li.node { font-family: ui-monospace, monospace; font-size: 0.9em; white-space: pre-wrap; }
+li.node.fork { color: #a0a; }
+li.node.root { font-weight: bold; }
 .tool-call { color: #850; font-family: ui-monospace, monospace; }
 """
 
@@ -142,11 +183,15 @@ def render_html(view: SessionView) -> str:
         "coloured by probability, red (unlikely) to green (likely); hover a token for its id, "
         "logprob and weight_version.</p>",
     ]
+    if view.tree:
+        out.append('<section class="turn-tree"><h2>turn tree</h2>')
+        out.extend(html_tree(view.tree))
+        out.append("</section>")
     for segment in view.segments:
         out.append(f'<section class="segment" id="segment-{segment.segment}">')
         out.append(f"<h2>{e(segment_title(segment))}</h2>")
-        if segment.fork:
-            out.append(f'<p class="fork">{e(fork_text(segment))}</p>')
+        if (start := start_text(segment)) is not None:
+            out.append(f'<p class="{"fork" if segment.fork else "start"}">{e(start)}</p>')
         for index, turn in enumerate(segment.turns):
             out.append(f'<div class="turn" id="turn-{turn.event.turn}">')
             out.append(f'<div class="turn-head">{e(turn_title(turn))}</div>')
@@ -167,6 +212,39 @@ def render_html(view: SessionView) -> str:
         out.append("</section>")
     out.append("</body></html>")
     return "\n".join(out) + "\n"
+
+
+def html_tree(tree: list[TreePath]) -> list[str]:
+    """The turn tree as nested lists: ``ul.tree`` of paths, each path an ``ol.path`` of its
+    turns (``li.node``, data-turn and data-parent), then a ``ul.branches`` when it branches."""
+    out = ['<ul class="tree">']
+    # An explicit stack of what is left to write: a path, or the tags that close one.
+    pending: list[TreePath | str] = [*reversed(tree)]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            out.append(item)
+            continue
+        out.append('<li class="branch"><ol class="path">')
+        out.extend(_node_item(node) for node in item.nodes)
+        out.append("</ol>")
+        if item.branches:
+            out.append('<ul class="branches">')
+            pending.append("</ul></li>")
+            pending.extend(reversed(item.branches))
+        else:
+            out.append("</li>")
+    out.append("</ul>")
+    return out
+
+
+def _node_item(node: TreeNode) -> str:
+    classes = " ".join(["node", *(("fork",) if node.relation == FORK else ()),
+                        *(("root",) if node.relation == ROOT else ())])  # fmt: skip
+    return (
+        f'<li class="{classes}" id="node-{node.turn}" data-turn="{node.turn}" '
+        f'data-parent="{node.parent}">{html.escape(node_text(node))}</li>'
+    )
 
 
 def _token_span(token: Token) -> str:

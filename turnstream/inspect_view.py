@@ -1,10 +1,14 @@
 """What ``turnstream inspect`` shows of one session, before any rendering. Pure: no I/O.
 
 ``session_view`` folds the session's vetted events exactly as the fold worker does
-(``consumers.worker.fold_session``) and lays the trajectories out per segment and turn: the
-prompt tokens each turn added, its completion, the tokens a segment shares with the previous
-context (collapsed), and whether it starts with a fork. The ``*_text`` helpers are the words
-both renderers (terminal, HTML) use, so the two views say the same.
+(``consumers.worker.fold_session``) and lays them out twice: as the session's turn tree
+(``turnstream.inspect_tree``: every turn under its parent, continuing it, forking from it or
+starting a new conversation) and per segment (sample) and turn: the prompt tokens each turn
+added, its completion, the tokens a segment's first turn shares with its parent's context
+(collapsed), and what starts the segment. A segment's turns are the ones the fold put in it
+(``FoldResult.turn_segments``), not an index range: in a tree, conversations interleave. The
+``*_text`` helpers here and in ``turnstream.inspect_text`` are the words both renderers
+(terminal, HTML) use, so the two views say the same.
 """
 
 from __future__ import annotations
@@ -12,35 +16,39 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import Any
-
-import numpy as np
 
 from consumers.config import FoldWorkerSettings
 from consumers.errors import FoldError
 from consumers.fold import FoldResult
-from consumers.worker import fold_session
-from schemas.events import JSON, RewardAssigned, SessionClosed, SessionOpened, TurnCompleted
+from consumers.worker import fold_options, fold_session
+from schemas.events import RewardAssigned, SessionClosed, SessionOpened, TurnCompleted
 from schemas.trust import VettedSession
+from turnstream.inspect_text import number, printable
+from turnstream.inspect_tree import (
+    BRANCH,
+    FORK,
+    NEW_FROM,
+    ROOT,
+    TreeNode,
+    TreePath,
+    tree_nodes,
+    tree_paths,
+)
 
 __all__ = [
     "SegmentView",
     "SessionView",
     "Token",
     "TurnView",
-    "fork_text",
     "heat",
-    "message_text",
-    "printable",
     "segment_title",
     "session_view",
     "shared_text",
+    "start_text",
     "token_title",
-    "tool_call_text",
     "turn_title",
 ]
 
-_SHOWN_CHARS = 300  # of each message's content
 _UNFOLDED = "not folded: each turn's prompt delta and completion as stored"
 
 
@@ -68,11 +76,17 @@ class SegmentView:
     tokens: int
     generated: int
     reward: float | None
-    shared: int  # leading prompt tokens shared with the previous segment's context (collapsed)
-    fork: bool  # the first turn's prompt does not extend the previous turn's context
-    previous_context: int  # tokens in the previous turn's context (0 for segment 0)
     turns: list[TurnView]
+    start: TreeNode | None = None  # the first turn's node: what it is to its parent
+    shared: int = 0  # leading prompt tokens shared with the parent's context (collapsed)
+    parent_context: int = 0  # tokens in the parent turn's context (0: no parent)
+    parent_segment: int | None = None  # the segment that holds the parent turn
     folded: bool = True  # False: the turns as stored, of a session the fold refused
+
+    @property
+    def fork(self) -> bool:
+        """The segment begins inside generated history (an edited history, a retry)."""
+        return self.start is not None and self.start.relation == FORK
 
 
 @dataclass(frozen=True)
@@ -87,6 +101,7 @@ class SessionView:
     fold_error: str | None
     untrusted: int  # events the vetting left out (schemas.trust)
     segments: list[SegmentView]
+    tree: list[TreePath]  # the turn tree, one path per conversation root
 
     @property
     def status(self) -> str:
@@ -111,7 +126,7 @@ class SessionView:
             ("group", group),
             ("model", self.opened.model if self.opened else "?"),
             ("status", self.status),
-            ("reward", _number(self.final_reward)),
+            ("reward", number(self.final_reward)),
             ("turns", str(len(self.turns))),
             ("weight versions", ", ".join(map(str, self.weight_versions)) or "-"),
             ("forks", forks),
@@ -137,26 +152,43 @@ def session_view(
     run: str, session: str, vetted: VettedSession, decode: dict[int, str], *, per_turn: bool
 ) -> SessionView:
     """The view of one session's vetted events; ``decode`` maps every token id to its text."""
-    turns: dict[int, TurnCompleted] = {}
+    by_index: dict[int, TurnCompleted] = {}
     for event in vetted.events:
         if isinstance(event, TurnCompleted):
-            turns.setdefault(event.turn, event)
-    result: FoldResult | None = None
-    error: str | None = None
+            by_index.setdefault(event.turn, event)
+    turns = [by_index[t] for t in sorted(by_index)]
+    opened = next((e for e in vetted.events if isinstance(e, SessionOpened)), None)
     try:
-        result = fold_session(vetted, FoldWorkerSettings(), per_turn=per_turn or None)
+        result, chains = _fold(vetted, opened, per_turn)
     except FoldError as exc:
-        error = str(exc)
-    if result is None:
-        return _view(run, session, vetted, turns, None, error, [_unfolded(turns, decode)])
+        nodes = tree_nodes(turns, chains=None, samples=None)
+        segment = _unfolded(turns, decode)
+        return _view(run, session, vetted, turns, None, str(exc), [segment], nodes)
+    members = _sample_turns(result)
+    rewards = {
+        turn: value
+        for sample, indices in zip(result.trajectories, members, strict=True)
+        for turn, value in zip(indices, sample.turn_rewards, strict=True)
+    }
+    nodes = tree_nodes(
+        turns,
+        chains=chains.turn_segments,
+        samples=result.turn_segments,
+        fork_turns=result.fork_turns,
+        rewards=rewards,
+    )
+    by_turn = {node.turn: node for node in nodes}
+    # Where each folded turn's context ends, and in which sample: a branch's parent context.
+    ends = {
+        turn: (s, end)
+        for s, (sample, indices) in enumerate(zip(result.trajectories, members, strict=True))
+        for turn, end in zip(indices, sample.turn_ends.tolist(), strict=True)
+    }
     segments: list[SegmentView] = []
-    previous: np.ndarray | None = None
-    for sample in result.trajectories:
+    for sample, indices in zip(result.trajectories, members, strict=True):
         ids, mask = sample.input_ids, sample.loss_mask
-        first_turn = int(sample.metadata.get("first_turn", 0))
-        prompt = ids[: sample.prompt_len]
-        shared = _common_prefix(prompt, previous) if previous is not None else 0
-        extends = previous is not None and shared == len(previous)
+        start = by_turn[indices[0]]
+        shared = start.shared if start.parent in ends else 0
         tokens = [
             Token(int(i), decode.get(int(i), "�"), bool(m), float(lp), int(v))
             for i, m, lp, v in zip(
@@ -165,18 +197,21 @@ def session_view(
             )
         ]  # fmt: skip
         views: list[TurnView] = []
-        start = shared
-        for j, end in enumerate(sample.turn_ends.tolist()):
-            generated = int(mask[start:end].sum())  # the completion closes the turn's span
+        begin = shared
+        for turn, end, reward in zip(
+            indices, sample.turn_ends.tolist(), sample.turn_rewards, strict=True
+        ):
+            generated = int(mask[begin:end].sum())  # the completion closes the turn's span
             views.append(
                 TurnView(
-                    event=turns[first_turn + j],
-                    prompt=tokens[start : end - generated],
+                    event=by_index[turn],
+                    prompt=tokens[begin : end - generated],
                     completion=tokens[end - generated : end],
-                    reward=sample.turn_rewards[j],
+                    reward=reward,
                 )
             )
-            start = end
+            begin = end
+        parent_segment, parent_context = ends.get(start.parent, (None, 0))
         segments.append(
             SegmentView(
                 trajectory_id=sample.trajectory_id,
@@ -184,24 +219,45 @@ def session_view(
                 tokens=len(ids),
                 generated=int(mask.sum()),
                 reward=sample.reward,
-                shared=shared,
-                fork=previous is not None and not extends,
-                previous_context=len(previous) if previous is not None else 0,
                 turns=views,
+                start=start,
+                shared=shared,
+                parent_context=parent_context,
+                parent_segment=parent_segment,
             )
         )
-        previous = ids
-    return _view(run, session, vetted, turns, result, None, segments)
+    return _view(run, session, vetted, turns, result, None, segments, nodes)
+
+
+def _fold(
+    vetted: VettedSession, opened: SessionOpened | None, per_turn: bool
+) -> tuple[FoldResult, FoldResult]:
+    """The fold as the worker does it (``per_turn`` forced on, if given), and the fold into
+    chains, which the tree's relations come from: the same fold unless it is per turn."""
+    defaults = FoldWorkerSettings()
+    result = fold_session(vetted, defaults, per_turn=per_turn or None)
+    if per_turn or fold_options(defaults, opened).per_turn:
+        return result, fold_session(vetted, defaults, per_turn=False)
+    return result, result
+
+
+def _sample_turns(result: FoldResult) -> list[list[int]]:
+    """The turn indices of each sample, in order."""
+    members: list[list[int]] = [[] for _ in result.trajectories]
+    for turn, sample in enumerate(result.turn_segments):
+        members[sample].append(turn)
+    return members
 
 
 def _view(
     run: str,
     session: str,
     vetted: VettedSession,
-    turns: dict[int, TurnCompleted],
+    turns: list[TurnCompleted],
     result: FoldResult | None,
     error: str | None,
     segments: list[SegmentView],
+    nodes: list[TreeNode],
 ) -> SessionView:
     events = vetted.events
     return SessionView(
@@ -209,16 +265,17 @@ def _view(
         session=session,
         opened=next((e for e in events if isinstance(e, SessionOpened)), None),
         closed=next((e for e in events if isinstance(e, SessionClosed)), None),
-        turns=[turns[t] for t in sorted(turns)],
+        turns=turns,
         rewards=[e for e in events if isinstance(e, RewardAssigned)],
         result=result,
         fold_error=error,
         untrusted=len(vetted.rejected),
         segments=segments,
+        tree=tree_paths(nodes),
     )
 
 
-def _unfolded(turns: dict[int, TurnCompleted], decode: dict[int, str]) -> SegmentView:
+def _unfolded(turns: list[TurnCompleted], decode: dict[int, str]) -> SegmentView:
     """The turns of a session the fold refused, as stored: each prompt is its delta."""
     views = [
         TurnView(
@@ -230,7 +287,7 @@ def _unfolded(turns: dict[int, TurnCompleted], decode: dict[int, str]) -> Segmen
             ],
             reward=None,
         )
-        for _, turn in sorted(turns.items())
+        for turn in turns
     ]
     generated = sum(len(view.completion) for view in views)
     return SegmentView(
@@ -239,29 +296,9 @@ def _unfolded(turns: dict[int, TurnCompleted], decode: dict[int, str]) -> Segmen
         tokens=generated + sum(len(view.prompt) for view in views),
         generated=generated,
         reward=None,
-        shared=0,
-        fork=False,
-        previous_context=0,
         turns=views,
         folded=False,
     )
-
-
-def printable(text: str) -> str:
-    """``text`` with control characters (a terminal escape in model output) made visible."""
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in text)
-
-
-def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(len(a), len(b))
-    differ = np.flatnonzero(a[:n] != b[:n])
-    return int(differ[0]) if len(differ) else n
-
-
-def _number(value: float | None) -> str:
-    return "-" if value is None else f"{value:g}"
 
 
 def _reward_text(reward: RewardAssigned) -> str:
@@ -297,40 +334,41 @@ def segment_title(segment: SegmentView) -> str:
     what = f"trajectory {segment.trajectory_id}" if segment.folded else _UNFOLDED
     return (
         f"{what} · {span} · {segment.tokens} tokens, {segment.generated} generated · "
-        f"reward {_number(segment.reward)}"
+        f"reward {number(segment.reward)}"
     )
 
 
-def fork_text(segment: SegmentView) -> str:
-    turn = segment.turns[0].event.turn
-    return (
-        f"⑂ fork at turn {turn}: its prompt keeps {segment.shared} of turn {turn - 1}'s "
-        f"{segment.previous_context} context tokens and rewrites the rest: segment "
-        f"{segment.segment} starts here"
-    )
+def start_text(segment: SegmentView) -> str | None:
+    """What starts the segment, when it is not the session's first nor a turn continuing the
+    sample before it (per-turn samples): a fork, or a new conversation."""
+    node = segment.start
+    if node is None or segment.segment == 0:
+        return None
+    here = f"segment {segment.segment} starts here"
+    if node.relation == FORK:
+        return (
+            f"⑂ fork at turn {node.turn}: its prompt keeps {segment.shared} of turn "
+            f"{node.parent}'s {segment.parent_context} context tokens and rewrites the rest: "
+            f"{here}"
+        )
+    if node.relation == BRANCH:
+        return (
+            f"⑃ branch at turn {node.turn}: it continues turn {node.parent}'s whole context "
+            f"({segment.parent_context} tokens), which segment {segment.parent_segment} carries "
+            f"on too (a retry, another sub-agent from that context): {here}"
+        )
+    if node.relation == NEW_FROM:
+        return (
+            f"↳ new conversation at turn {node.turn}: its prompt shares {segment.shared} "
+            f"prompt tokens of turn {node.parent}'s context, none it generated: {here}"
+        )
+    if node.relation == ROOT:
+        return f"↳ new conversation at turn {node.turn}, with no parent: {here}"
+    return None
 
 
 def shared_text(segment: SegmentView) -> str:
-    return f"[{segment.shared} tokens shared with segment {segment.segment - 1}]"
-
-
-def message_text(message: JSON) -> str:
-    content: Any = message.get("content")
-    if isinstance(content, list):  # OpenAI content parts
-        content = " ".join(
-            str(part.get("text", part)) if isinstance(part, dict) else str(part) for part in content
-        )
-    text = content if isinstance(content, str) else json.dumps(content)
-    if message.get("tool_call_id"):
-        text = f"[{message['tool_call_id']}] {text}"
-    if len(text) > _SHOWN_CHARS:
-        text = text[:_SHOWN_CHARS] + f"… ({len(text)} chars)"
-    return printable(f"{message.get('role', '?')}: {text}")
-
-
-def tool_call_text(call: JSON) -> str:
-    function = call.get("function") or {}
-    return printable(f"tool call {function.get('name', '?')}({function.get('arguments', '')})")
+    return f"[{segment.shared} tokens shared with segment {segment.parent_segment}]"
 
 
 def token_title(token: Token) -> str:
