@@ -9,6 +9,8 @@ A pipeline of values: ``Source -> Batcher -> assemble -> Batch``, committed thro
   group instances (``uid``); pure.
 - ``assembly``: trajectories -> one TensorDict in verl's padded layout or a jagged
   (``torch.nested``) layout, every key listed in its docstring; pure.
+- ``sessions``: which rows of a batch are one session (``session_uid``): one row per session
+  for GRPO's baseline, per-session values broadcast to the rows; pure.
 - ``sink``: ``async for batch in TrainerSink(source, ...)`` ... ``await sink.commit(batch)``,
   and ``SyncSink`` / ``SinkDataset`` for code outside asyncio.
 - ``dataproto``: ``to_dataproto(batch)``, verl's ``DataProto`` (verl imported when called).
@@ -39,6 +41,7 @@ from trainer_sink.ray_actor import (
     SinkSpec,
     sink_actor,
 )
+from trainer_sink.sessions import SessionRows, segment_of
 from trainer_sink.sink import (
     AckToken,
     Batch,
@@ -77,6 +80,7 @@ __all__ = [
     "Received",
     "ReplaySource",
     "Sample",
+    "SessionRows",
     "ShardFilter",
     "SinkActor",
     "SinkActorStats",
@@ -92,6 +96,7 @@ __all__ = [
     "assemble_padded",
     "instance_uid",
     "non_tensor_values",
+    "segment_of",
     "sink_actor",
     "to_dataproto",
 ]

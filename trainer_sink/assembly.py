@@ -22,6 +22,10 @@ Non-tensor entries, one value per sample:
     uid                the GRPO group *instance* (``trainer_sink.batching``: two instances of
                        one group name never share it); verl normalizes advantages per uid
     group              the bare group name (the session's ``group``, else its id)
+    session_uid        the session *instance*, ``<run>/<session>``: every row (segment) of one
+                       session shares it, two sessions never do. GRPO's unit is the session:
+                       ``trainer_sink.sessions`` gives one row per session and broadcasts
+                       per-session values back to the rows (docs/verl.md)
     session, trajectory_id
     __num_turns__      int: the sample's completion turns (model calls), under verl's key. verl's
                        own agent loops count messages instead (2 for one user/assistant exchange)
@@ -400,6 +404,7 @@ def _annotate(
     entries: dict[str, list[Any]] = {
         "uid": [f"{t.run}/{t.group}" for t in trajectories] if uids is None else list(uids),
         "group": [t.group for t in trajectories],
+        "session_uid": [f"{t.run}/{t.session}" for t in trajectories],
         "session": [t.session for t in trajectories],
         "trajectory_id": [t.trajectory_id for t in trajectories],
         "__num_turns__": [t.num_turns for t in trajectories],

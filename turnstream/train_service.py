@@ -110,6 +110,11 @@ class TrainSettings(PublishingSettings):
     lr: float = Field(1e-4, gt=0, description="Adam learning rate")
     clip: float = Field(0.2, gt=0, description="PPO ratio clip epsilon")
     epochs: int = Field(1, ge=1, description="optimizer steps on each batch")
+    session_balanced: bool = Field(
+        False,
+        description="weigh each row's loss by 1 / (rows of its session): a session folded into "
+        "many segments (sub-agents, forks) weighs as much as a session of one",
+    )
     temperature: float = Field(
         1.0, ge=0, description="the agents' sampling temperature (0, greedy, counts as 1)"
     )
@@ -131,6 +136,7 @@ class TrainSettings(PublishingSettings):
             lr=self.lr,
             clip=self.clip,
             epochs=self.epochs,
+            session_balanced=self.session_balanced,
             temperature=self.temperature,
             device=self.device,
         )

@@ -199,6 +199,8 @@ def test_non_tensor_entries() -> None:
     assert non_tensor_values(batch, "multi_modal_inputs") == [{}, {}, {}]
     assert batch["stale"].tolist() == [False, False, False]
     assert non_tensor_values(batch, "session") == ["multi", "fork", "fork"]
+    # One session instance per session, shared by its segments (GRPO's unit, issue 18).
+    assert non_tensor_values(batch, "session_uid") == ["run-1/multi", "run-1/fork", "run-1/fork"]
     assert non_tensor_values(batch, "trajectory_id") == [
         "run-1/multi/0",
         "run-1/fork/0",
@@ -462,6 +464,7 @@ def test_the_batchers_uids_and_stale_flags_and_the_verl_entries(layout: str) -> 
     batch = assemble(known(), chosen, uids=["a", "b", "b"], stale=[True, False, True])
     assert non_tensor_values(batch, "uid") == ["a", "b", "b"]
     assert batch["stale"].tolist() == [True, False, True]
+    assert non_tensor_values(batch, "session_uid") == ["run-1/multi", "run-1/fork", "run-1/fork"]
     bare = assemble(known(), chosen.model_copy(update={"multi_modal_inputs": False}))
     assert "multi_modal_inputs" not in bare.keys()  # noqa: SIM118  # tensordict 0.8: no `in`
     with pytest.raises(BatchError, match="2 uids for 3 trajectories"):

@@ -4,19 +4,23 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Literal
 
 import msgspec
 import numpy as np
 import pytest
 import torch
+from tensordict import TensorDict
 
 from consumers import fold
 from gateway.backends.base import SamplingParams
 from gateway.backends.local import LocalBackend
 from schemas.events import TrajectoryReady, TurnCompleted
+from tests.helpers.grpo_sessions import SESSION_ADVANTAGE, WON_SEGMENTS, segmented_group
 from tests.helpers.sessions import append_only, session_events
-from trainer_sink.assembly import assemble_padded
+from trainer_sink.assembly import assemble_padded, non_tensor_values
 from trainer_sink.errors import BatchError
+from trainer_sink.sessions import SessionRows
 from turnstream.trainer import (
     ReferenceTrainer,
     ReferenceTrainerSettings,
@@ -39,6 +43,81 @@ def test_group_advantages_compare_samples_within_their_group_only() -> None:
     assert batch_advantages(torch.tensor([1.0, 0.0])).tolist() == pytest.approx(
         [0.7071, -0.7071], 1e-3
     )
+
+
+def rows_of(batch: TensorDict) -> SessionRows:
+    return SessionRows.of(
+        non_tensor_values(batch, "session_uid"), non_tensor_values(batch, "trajectory_id")
+    )
+
+
+@pytest.mark.parametrize("scope", ["all", "last"])
+@pytest.mark.parametrize("order", ["folded", "reversed"])
+def test_grpo_compares_sessions_one_reward_each_and_gives_every_row_its_sessions_advantage(
+    scope: Literal["all", "last"], order: str
+) -> None:
+    """A 6-segment session with reward 1 and three 1-segment sessions with 0 (issue 18): the
+    sessions [1, 0, 0, 0] have baseline 0.25 and std 0.5, so 1.5 on each of the six rows and
+    -0.5 on the others, whichever segment carries the reward and whatever the rows' order."""
+    trajectories = segmented_group(scope)
+    if order == "reversed":  # the session's last segment is no longer its last row
+        trajectories = trajectories[::-1]
+    batch = assemble_padded(trajectories)
+    rewards = batch["rm_scores"].sum(-1)
+    advantages = group_advantages(rewards, non_tensor_values(batch, "uid"), rows_of(batch))
+    expected = [SESSION_ADVANTAGE[t.session] for t in trajectories]
+    assert advantages.tolist() == pytest.approx(expected, abs=1e-5)
+    assert sum(a == pytest.approx(1.5, abs=1e-5) for a in advantages.tolist()) == WON_SEGMENTS
+    if scope == "all":  # counted by rows: [1]*6 + [0]*3, baseline 2/3, std 0.5
+        by_rows = group_advantages(rewards, non_tensor_values(batch, "uid"))
+        assert max(by_rows.tolist()) == pytest.approx(2 / 3, abs=1e-5)
+
+
+def test_a_session_alone_in_its_group_and_a_session_split_over_two_groups() -> None:
+    batch = assemble_padded(segmented_group())
+    rows = rows_of(batch)
+    rewards = batch["rm_scores"].sum(-1)
+    # Every session in a group of its own: nothing to compare with.
+    alone = group_advantages(rewards, non_tensor_values(batch, "session_uid"), rows)
+    assert alone.tolist() == [0.0] * len(rewards)
+    split = ["g"] * len(rewards)
+    split[2] = "h"  # a segment of session "won" in another group
+    with pytest.raises(BatchError, match="session grpo/won has rows in two groups"):
+        group_advantages(rewards, split, rows)
+
+
+def test_session_balanced_weights_each_row_by_one_over_its_sessions_rows(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The first epoch's loss is the clipped objective on advantages times 1 / (rows of the
+    session): 1/6 on the six rows of "won", 1 elsewhere."""
+    batch = assemble_padded(segmented_group())
+    weights = rows_of(batch).balanced_weights()
+    assert weights.tolist() == pytest.approx([1 / WON_SEGMENTS] * WON_SEGMENTS + [1.0] * 3)
+    for balanced in (False, True):
+        settings = ReferenceTrainerSettings(
+            model_dir=tiny_model_dir,
+            checkpoint_dir=tmp_path / str(balanced),
+            run="grpo",
+            session_balanced=balanced,
+        )
+        trainer = ReferenceTrainer(settings)
+        advantages = torch.tensor(
+            [SESSION_ADVANTAGE[s] for s in non_tensor_values(batch, "session")]
+        )
+        if balanced:
+            advantages = advantages * torch.from_numpy(weights)
+        with torch.no_grad():
+            log_probs = response_log_probs(trainer.model, batch)
+            expected, _ = clipped_objective(
+                log_probs,
+                batch["rollout_log_probs"],
+                advantages,
+                batch["response_mask"].float(),
+                settings.clip,
+            )
+        report = trainer.train_step(batch)
+        assert report.loss == pytest.approx(float(expected), rel=1e-4, abs=1e-6)
 
 
 @pytest.mark.parametrize(
