@@ -50,9 +50,17 @@ class GatewayMetrics:
             ["kind"],
             registry=self.registry,
         )
+        self.attached = Counter(
+            "turnstream_gateway_turn_attachments",
+            "turns by how they joined their session's tree: continued (a conversation's tip, "
+            "token for token), branched (off a kept turn: a retry, an edited history), new",
+            ["how"],
+            registry=self.registry,
+        )
         self.resent = Counter(
             "turnstream_gateway_resent_requests",
-            "requests equal to the session's last turn's, answered with the recorded turn",
+            "requests equal to a kept turn's (a conversation's tip), answered with the recorded "
+            "turn",
             ["kind"],
             registry=self.registry,
         )

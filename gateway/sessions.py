@@ -8,7 +8,8 @@ t's reply) and the number of requests using it. The store:
   one load (from the log, or a creation), so they all share one handle and one lock;
 - evicts closed sessions after a grace period, and open ones least-recently-used beyond
   ``max_sessions``; a session in use is never evicted (two handles would mean two locks). An
-  evicted session is recovered from the log on its next request, by the same fold.
+  evicted session is recovered from the log on its next request, by the same fold (keeping the
+  same ``turns_kept`` turns of it continuable as the live session kept).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from gateway.errors import SessionClosed
-from gateway.turns import SessionState, fold
+from gateway.turns import TURNS_KEPT, SessionState, fold
 from schemas.events import SessionEvent
 
 __all__ = ["Session", "SessionKey", "SessionStore"]
@@ -62,9 +63,13 @@ class SessionStore:
         max_sessions: int = 10_000,
         closed_grace_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
+        turns_kept: int = TURNS_KEPT,
     ) -> None:
         if max_sessions < 1:
             raise ValueError(f"max_sessions must be >= 1: {max_sessions}")
+        if turns_kept < 1:
+            raise ValueError(f"turns_kept must be >= 1: {turns_kept}")
+        self.turns_kept = turns_kept  # continuable turns per session (SessionState.turns_kept)
         self._recover = recover  # reads one session's events from the log
         self._max = max_sessions
         self._grace_s = closed_grace_s
@@ -120,7 +125,9 @@ class SessionStore:
             del self._loading[key]
 
     async def _load(self, key: SessionKey, create: Create | None) -> Session | None:
-        state = fold(await self._recover(*key)) if self._recover is not None else None
+        state = None
+        if self._recover is not None:
+            state = fold(await self._recover(*key), turns_kept=self.turns_kept)
         if state is None and create is not None:
             state = await create()
         if state is None:

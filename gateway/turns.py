@@ -4,24 +4,41 @@ The live path builds a ``TurnCompleted`` with ``turn_event``, publishes it and a
 recovering a session from the log is the same ``apply`` folded over its stored events, so both
 paths agree by construction::
 
-    state = fold(events)                    # recovery: reduce(apply, events)
-    event = turn_event(state, prompt, ...)  # the next turn, delta-encoded against ``state``
+    state = fold(events, turns_kept=K)     # recovery: reduce(apply, events)
+    event = turn_event(state, draft)        # the next turn, delta-encoded against its parent
     state = apply(state, event)             # after JetStream acknowledged ``event``
+
+A session is a tree (DESIGN §5): a main agent and its sub-agents take turns on one session, each
+continuing its own conversation. The state keeps up to ``turns_kept`` turns (``TurnNode``: the
+full context ids, the conversation, the tools); a request continues, token for token, the kept
+turn whose conversation it extends furthest (``continued_turn``), and a request that extends
+none is delta-encoded against the turn sharing the longest token prefix (``prefix_parent``).
+Applying turn t touches t and its parent; beyond ``turns_kept`` the least recently touched
+turn is forgotten (still counted, no longer continuable), the same way live and in recovery.
 
 A worked example (token ids only; one message per turn):
 
 >>> opened = SessionOpened(run="r", session="s", group="g")
 >>> state = apply(None, opened)
->>> first = turn_event(state, TurnDraft(prompt_ids=[1, 2], messages=[{"role": "user",
-...     "content": "hi"}], tools=None, completion_ids=[3], logprobs=[-0.5], text="yo"))
+>>> hi = {"role": "user", "content": "hi"}
+>>> first = turn_event(state, TurnDraft(prompt_ids=[1, 2], messages=[hi], tools=None,
+...     completion_ids=[3], logprobs=[-0.5], text="yo"))
 >>> state = apply(state, first)
->>> state.turns, state.context_ids.tolist()
-(1, [1, 2, 3])
->>> second = turn_event(state, TurnDraft(prompt_ids=[1, 2, 3, 4], messages=[*state.conversation,
-...     {"role": "user", "content": "again"}], tools=None, completion_ids=[5], logprobs=[-0.1]))
->>> second.prefix_len, second.prompt_ids.tolist(), len(second.new_messages)
-(3, [4], 1)
->>> apply(apply(state, second), first).turns  # a redelivered turn is a no-op
+>>> first.parent_turn, state.turns, state.nodes[0].context_ids.tolist()
+(-1, 1, [1, 2, 3])
+>>> again = [*state.nodes[0].conversation, {"role": "user", "content": "again"}]
+>>> continued_turn(state, again, None).turn  # the kept turn this conversation extends
+0
+>>> second = turn_event(state, TurnDraft(prompt_ids=[1, 2, 3, 4], messages=again, tools=None,
+...     completion_ids=[5], logprobs=[-0.1], parent_turn=0))
+>>> second.parent_turn, second.prefix_len, second.prompt_ids.tolist(), len(second.new_messages)
+(0, 3, [4], 1)
+>>> state = apply(state, second)
+>>> bool(np.shares_memory(state.nodes[0].context_ids, state.nodes[1].context_ids))  # one array
+True
+>>> prefix_parent(state, [1, 2, 9])  # a prompt that continues no turn: the longest shared prefix
+1
+>>> apply(state, first).turns  # a redelivered turn is a no-op
 2
 
 Turns apply in index order: a turn whose index is not the session's next one (a duplicate, or
@@ -31,25 +48,68 @@ one past a gap) changes nothing. Events of another session are a programming err
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
-from gateway.conversation import message_key, same_messages
-from schemas.delta import encode_delta
+from gateway.conversation import message_key
+from schemas.delta import common_prefix_len
 from schemas.events import SessionClosed, SessionEvent, SessionOpened, TurnCompleted
 
-__all__ = ["SessionState", "TurnDraft", "apply", "fold", "resent_turn", "turn_event"]
+__all__ = [
+    "TURNS_KEPT",
+    "SessionState",
+    "TurnDraft",
+    "TurnNode",
+    "apply",
+    "attachment",
+    "continued_turn",
+    "fold",
+    "message_keys",
+    "prefix_parent",
+    "resent_turn",
+    "turn_event",
+]
 
 JSON = dict[str, Any]
+MessageKey = tuple[object, ...]
+Attachment = Literal["continued", "branched", "new"]
+TURNS_KEPT = 64  # turns a session keeps continuable by default (GatewaySettings.session_turns_kept)
 _NO_IDS = np.empty(0, dtype=np.int32)
+
+
+def message_keys(messages: Sequence[JSON]) -> tuple[MessageKey, ...]:
+    """``message_key`` of each message: computed once per request, compared with every turn."""
+    return tuple(message_key(m) for m in messages)
+
+
+@dataclass(frozen=True)
+class TurnNode:
+    """A kept turn: what a later turn needs to continue it token for token."""
+
+    event: TurnCompleted
+    # Its full prompt + completion (int32). Where a later turn extends it, a view into that turn's
+    # array: a chain of turns holds one array, its tip's, not one copy per turn.
+    context_ids: np.ndarray
+    conversation: tuple[JSON, ...]  # the turn's messages + the reply the client received
+    keys: tuple[MessageKey, ...]  # message_key of each message of ``conversation``
+    tools: list[JSON] | None
+    continued: bool = False  # a later turn extends it: no longer the tip of a conversation
+
+    @property
+    def turn(self) -> int:
+        return self.event.turn
+
+    @property
+    def completion_ids(self) -> np.ndarray:
+        return self.context_ids[len(self.context_ids) - len(self.event.completion_ids) :]
 
 
 @dataclass(frozen=True)
 class SessionState:
-    """What the log says about one session: enough to continue it token for token."""
+    """What the log says about one session: enough to continue any kept turn token for token."""
 
     run: str
     id: str
@@ -57,19 +117,40 @@ class SessionState:
     metadata: JSON = field(default_factory=dict)
     created_at: float = 0.0
     turns: int = 0  # turns applied so far: the next turn's index
-    context_ids: np.ndarray = field(default_factory=lambda: _NO_IDS)  # last prompt + completion
-    completion_len: int = 0  # the last turn's sampled tokens are context_ids[-completion_len:]
-    conversation: tuple[JSON, ...] = ()  # last turn's messages + the reply the client received
-    tools: list[JSON] | None = None
     closed: bool = False
     status: str = "open"
     last_turn: TurnCompleted | None = None  # the event of the turn applied last
+    turns_kept: int = TURNS_KEPT  # at most this many nodes
+    # The kept turns by index, least recently touched first (the eviction order).
+    nodes: Mapping[int, TurnNode] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.turns_kept < 1:
+            raise ValueError(
+                f"session {self.run}/{self.id}: turns_kept must be >= 1, not {self.turns_kept}"
+            )
+
+    @property
+    def last(self) -> TurnNode | None:
+        """The node of the turn applied last (None before the first turn)."""
+        return None if self.last_turn is None else self.nodes.get(self.last_turn.turn)
+
+    @property
+    def context_ids(self) -> np.ndarray:
+        """The last turn's full context (a linear session's whole token history)."""
+        last = self.last
+        return _NO_IDS if last is None else last.context_ids
+
+    @property
+    def conversation(self) -> tuple[JSON, ...]:
+        """The last turn's messages + its reply."""
+        last = self.last
+        return () if last is None else last.conversation
 
     @property
     def last_completion_ids(self) -> list[int]:
-        if not self.completion_len:
-            return []
-        return self.context_ids[-self.completion_len :].tolist()  # type: ignore[no-any-return]
+        last = self.last
+        return [] if last is None else last.completion_ids.tolist()
 
     def describe(self) -> JSON:
         return {
@@ -103,27 +184,114 @@ class TurnDraft:
     timings: dict[str, float] = field(default_factory=dict)
     created_at: float = 0.0
     request: JSON = field(default_factory=dict)  # TurnRequest.record
+    # The turn it continues or shares the most with (-1: none); None, or a turn no longer
+    # kept: the kept turn sharing the longest token prefix with prompt_ids.
+    parent_turn: int | None = None
+
+
+# -- matching a request against the kept turns ------------------------------------------------
+
+
+def continued_turn(
+    state: SessionState,
+    messages: Sequence[JSON],
+    tools: list[JSON] | None,
+    keys: Sequence[MessageKey] | None = None,
+) -> TurnNode | None:
+    """The kept turn whose conversation ``messages`` extends furthest (a strict prefix under
+    ``message_key``, with the same tools); ties go to the most recent. ``keys``: the messages'
+    keys, when the caller has them."""
+    keys = message_keys(messages) if keys is None else tuple(keys)
+    n = len(keys)
+    best: TurnNode | None = None
+    for node in state.nodes.values():
+        m = len(node.keys)
+        if not 0 < m < n or node.event.request.get("api") == "completions":
+            continue
+        if best is not None and (m, node.turn) < (len(best.keys), best.turn):
+            continue
+        # Cheap tests first: the reply (the conversation's last message) is what differs most.
+        if node.keys[-1] != keys[m - 1] or node.tools != tools or keys[:m] != node.keys:
+            continue
+        best = node
+    return best
+
+
+def prefix_parent(state: SessionState, prompt_ids: Sequence[int] | np.ndarray) -> int:
+    """The kept turn whose context shares the longest token prefix with ``prompt_ids`` (the
+    delta base of a turn that continues none); ties go to the most recent; -1: none shares a
+    token."""
+    prompt = np.asarray(prompt_ids, dtype=np.int32)
+    shared_with: dict[int, int] = {}  # id(array owner) -> shared tokens
+    best, best_shared = -1, 0
+    for node in state.nodes.values():
+        ids = node.context_ids
+        # Views are prefixes of their owner (see _apply_turn): one comparison per owned array.
+        owner = ids if ids.base is None else ids.base
+        if id(owner) not in shared_with:
+            shared_with[id(owner)] = common_prefix_len(owner, prompt)
+        shared = min(len(ids), shared_with[id(owner)])
+        if shared > best_shared or (shared and shared == best_shared and node.turn > best):
+            best, best_shared = node.turn, shared
+    return best
+
+
+def resent_turn(
+    state: SessionState, messages: Sequence[JSON], tools: list[JSON] | None, record: JSON
+) -> TurnCompleted | None:
+    """The kept turn whose request ``messages``/``tools``/``record`` is again (a client's
+    retry: after a 5xx, a cut stream, a lost reply), else None.
+
+    Clients resend the same request when they did not get (all of) the answer; answering it
+    with the recorded turn keeps one model call one turn. Only a conversation's tip qualifies
+    (a turn no later turn continued: e.g. the main agent's last turn after a sub-agent took
+    one); the request of a turn that was continued is a new turn, a retry that branches."""
+    if not record:
+        return None  # events older than TurnCompleted.request: never a resend
+    tools = tools or None
+    keys: tuple[MessageKey, ...] | None = None
+    for node in sorted(state.nodes.values(), key=lambda n: n.turn, reverse=True):
+        if node.continued or len(node.keys) != len(messages) + 1:
+            continue
+        if node.event.request != record or node.tools != tools:
+            continue
+        keys = message_keys(messages) if keys is None else keys
+        if node.keys[:-1] == keys:
+            return node.event
+    return None
+
+
+# -- the events ---------------------------------------------------------------------------------
 
 
 def turn_event(state: SessionState, draft: TurnDraft) -> TurnCompleted:
-    """``draft`` as the session's next turn, delta-encoded against ``state``."""
-    delta = encode_delta(
-        state.context_ids, state.conversation, draft.prompt_ids, draft.messages, message_key
-    )
-    first = state.turns == 0
+    """``draft`` as the session's next turn, delta-encoded against its parent turn."""
+    parent = draft.parent_turn
+    if parent is None or (parent >= 0 and parent not in state.nodes):
+        parent = prefix_parent(state, draft.prompt_ids)  # none chosen, or no longer kept
+    node = state.nodes.get(parent)
+    context = _NO_IDS if node is None else node.context_ids
+    prompt = np.asarray(draft.prompt_ids, dtype=np.int32)  # once: a long prompt is a long list
+    prefix_len = common_prefix_len(context, prompt)
+    message_prefix_len = 0
+    for key, message in zip(node.keys if node else (), draft.messages, strict=False):
+        if key != message_key(message):
+            break
+        message_prefix_len += 1
     return TurnCompleted(
         run=state.run,
         session=state.id,
         turn=state.turns,
+        parent_turn=-1 if node is None else parent,
         created_at=draft.created_at,
-        prefix_len=delta.prefix_len,
-        prompt_ids=delta.prompt_ids,
+        prefix_len=prefix_len,
+        prompt_ids=prompt[prefix_len:].copy(),  # not a view: kept turns keep their events
         completion_ids=np.asarray(draft.completion_ids, dtype=np.int32),
         logprobs=np.asarray(draft.logprobs, dtype=np.float32),
-        message_prefix_len=delta.message_prefix_len,
-        new_messages=delta.new_messages,
-        # None: the same tools as the previous turn; []: tools removed.
-        tools=(draft.tools or []) if first or draft.tools != state.tools else None,
+        message_prefix_len=message_prefix_len,
+        new_messages=list(draft.messages[message_prefix_len:]),
+        # None: the same tools as the parent turn; []: none.
+        tools=(draft.tools or []) if node is None or draft.tools != node.tools else None,
         sampling=draft.sampling,
         finish_reason=draft.finish_reason,
         text=draft.text,
@@ -140,10 +308,26 @@ def turn_event(state: SessionState, draft: TurnDraft) -> TurnCompleted:
     )
 
 
-def apply(state: SessionState | None, event: SessionEvent) -> SessionState | None:
-    """The session after ``event``; ``None`` stands for a session with no events yet."""
+def attachment(state: SessionState, event: TurnCompleted) -> Attachment:
+    """How ``event`` (not yet applied) joins the tree: it continues a conversation's tip, it
+    branches off a kept turn (a second continuation, an edited history), or it is new."""
+    if event.parent < 0:
+        return "new"
+    node = state.nodes.get(event.parent)
+    if node is not None and not node.continued and event.prefix_len == len(node.context_ids):
+        return "continued"
+    return "branched"
+
+
+def apply(
+    state: SessionState | None, event: SessionEvent, *, turns_kept: int = TURNS_KEPT
+) -> SessionState | None:
+    """The session after ``event``; ``None`` stands for a session with no events yet (then
+    ``turns_kept`` is the new state's bound)."""
     if state is None:
-        state = SessionState(run=event.run, id=event.session, created_at=event.created_at)
+        state = SessionState(
+            run=event.run, id=event.session, created_at=event.created_at, turns_kept=turns_kept
+        )
     elif (event.run, event.session) != (state.run, state.id):
         raise ValueError(
             f"event of session {event.run}/{event.session} applied to {state.run}/{state.id}"
@@ -167,12 +351,15 @@ def apply(state: SessionState | None, event: SessionEvent) -> SessionState | Non
 def _apply_turn(state: SessionState, event: TurnCompleted) -> SessionState:
     if event.turn != state.turns:
         return state
-    conversation = (
-        *state.conversation[: event.message_prefix_len],
-        *event.new_messages,
-        event.assistant_message,
-    )
-    tools = state.tools if event.tools is None else (event.tools or None)
+    nodes = dict(state.nodes)
+    parent = nodes.pop(event.parent, None)  # re-inserted below: applying a turn touches it
+    node, parent = _node(event, parent, nodes)
+    if parent is not None:
+        nodes[parent.turn] = parent
+    if node is not None:
+        nodes[node.turn] = node
+    while len(nodes) > state.turns_kept:
+        del nodes[next(iter(nodes))]  # the least recently touched
     # Built directly, not with dataclasses.replace: this runs once per turn on the hot path.
     return SessionState(
         state.run,
@@ -181,40 +368,56 @@ def _apply_turn(state: SessionState, event: TurnCompleted) -> SessionState:
         state.metadata,
         state.created_at,
         state.turns + 1,
-        np.concatenate(
-            [state.context_ids[: event.prefix_len], event.prompt_ids, event.completion_ids]
-        ).astype(np.int32, copy=False),
-        len(event.completion_ids),
-        conversation,
-        tools,
         state.closed,
         state.status,
         event,
+        state.turns_kept,
+        nodes,
     )
 
 
-def resent_turn(
-    state: SessionState, messages: Sequence[JSON], tools: list[JSON] | None, record: JSON
-) -> TurnCompleted | None:
-    """The session's last turn if a request for ``messages``/``tools``/``record`` is that turn's
-    request again (a client's retry: after a 5xx, a cut stream, a lost reply), else None.
+def _node(
+    event: TurnCompleted, parent: TurnNode | None, nodes: dict[int, TurnNode]
+) -> tuple[TurnNode | None, TurnNode | None]:
+    """The node of ``event`` built on its ``parent``'s (None where the parent is no longer kept:
+    the turn is counted but cannot be continued), and the parent as it is after it."""
+    context = _NO_IDS if parent is None else parent.context_ids
+    conversation = () if parent is None else parent.conversation
+    if (
+        (parent is None and event.parent >= 0)
+        or event.prefix_len > len(context)
+        or event.message_prefix_len > len(conversation)
+    ):
+        return None, parent
+    ids = np.concatenate(
+        [context[: event.prefix_len], event.prompt_ids, event.completion_ids]
+    ).astype(np.int32, copy=False)
+    reply = event.assistant_message
+    keys = () if parent is None else parent.keys[: event.message_prefix_len]
+    inherited = None if parent is None else parent.tools
+    node = TurnNode(
+        event,
+        ids,
+        (*conversation[: event.message_prefix_len], *event.new_messages, reply),
+        (*keys, *message_keys(event.new_messages), message_key(reply)),
+        inherited if event.tools is None else (event.tools or None),
+    )
+    if parent is not None and event.prefix_len == len(context):
+        shared = context
+        if context.base is None:  # the parent's array is its own: it and its viewers view ids
+            shared = ids[: len(context)]
+            for turn, other in nodes.items():
+                if other.context_ids.base is context:
+                    nodes[turn] = dataclasses.replace(
+                        other, context_ids=ids[: len(other.context_ids)]
+                    )
+        parent = dataclasses.replace(parent, context_ids=shared, continued=True)
+    return node, parent
 
-    Clients resend the same request when they did not get (all of) the answer; answering it
-    with the recorded turn keeps one model call one turn. Only the last turn qualifies: a
-    request equal to an earlier one is a new turn that forks the conversation."""
-    last = state.last_turn
-    if last is None or not last.request or last.request != record:
-        return None
-    if (tools or None) != state.tools:
-        return None
-    if not same_messages(messages, state.conversation[:-1]):
-        return None
-    return last
 
-
-def fold(events: Iterable[SessionEvent]) -> SessionState | None:
+def fold(events: Iterable[SessionEvent], *, turns_kept: int = TURNS_KEPT) -> SessionState | None:
     """The state after ``events`` (one session's, in stream order); None if there are none."""
     state: SessionState | None = None
     for event in events:
-        state = apply(state, event)
+        state = apply(state, event, turns_kept=turns_kept)
     return state

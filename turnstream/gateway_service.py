@@ -82,6 +82,12 @@ class GatewaySettings(PublishingSettings):
         description="sessions held in memory; the least recently used beyond it are evicted "
         "(and recovered from the log on their next request)",
     )
+    session_turns_kept: int = Field(
+        64,
+        ge=1,
+        description="turns of a session kept continuable token for token (its conversations' "
+        "tips and their history); the least recently used beyond it are forgotten",
+    )
     closed_session_grace_s: float = Field(
         60.0, ge=0, description="how long a closed session stays in memory"
     )
@@ -235,6 +241,7 @@ async def build_gateway(settings: GatewaySettings, event_log: EventLog) -> Async
         recover=recover,
         max_sessions=settings.max_open_sessions,
         closed_grace_s=settings.closed_session_grace_s,
+        turns_kept=settings.session_turns_kept,
     )
     sessions = SessionService(store=store, publisher=publisher, model_name=name, recover=recover)
 

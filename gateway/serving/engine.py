@@ -1,9 +1,11 @@
 """One turn, from a validated request to a durable event (the core every endpoint shares).
 
-For a turn of a session: build the prompt ids (extending the previous turn's tokens when the
-conversation extends it), generate on the backend, parse tool calls, publish ``TurnCompleted``
-and wait for JetStream's ack, and only then apply the event to the session. The caller holds
-the session's lock from ``prepare`` to ``finish``.
+For a turn of a session: build the prompt ids (extending, token for token, the kept turn whose
+conversation the request extends furthest: a session is a tree of conversations, e.g. a main
+agent's and its sub-agents'), generate on the backend, parse tool calls, publish
+``TurnCompleted`` (delta-encoded against that parent turn) and wait for JetStream's ack, and
+only then apply the event to the session. The caller holds the session's lock from ``prepare``
+to ``finish``.
 """
 
 from __future__ import annotations
@@ -20,14 +22,22 @@ import numpy as np
 
 from eventlog import Publisher
 from gateway.backends.base import Backend, GenerationChunk, SamplingParams
-from gateway.conversation import message_key
 from gateway.decoding import Detokenizer
 from gateway.errors import ContextLengthExceeded, ModelNotFound
 from gateway.metrics import GatewayMetrics
 from gateway.sessions import Session
 from gateway.templates import ChatTemplate
 from gateway.tools import ToolCallParser
-from gateway.turns import SessionState, TurnDraft, apply, fold, turn_event
+from gateway.turns import (
+    SessionState,
+    TurnDraft,
+    apply,
+    attachment,
+    continued_turn,
+    fold,
+    prefix_parent,
+    turn_event,
+)
 from schemas.events import SessionEvent, TurnCompleted
 
 __all__ = ["Turn", "TurnEngine", "TurnResult", "sampling_record"]
@@ -65,6 +75,9 @@ class Turn:
     backend_id: str = ""  # the replica that served the turn
     finish: str = "length"  # set from the backend's last chunk
     sampled_version: int | None = None  # weight_version the backend reported
+    # The turn it continues or shares the most with (-1: none); None: the kept turn sharing
+    # the longest token prefix with prompt_ids, found when the event is built (completions).
+    parent: int | None = None
 
     @property
     def index(self) -> int:
@@ -123,8 +136,10 @@ class TurnEngine:
 
     async def chat_prompt(
         self, state: SessionState, messages: list[JSON], tools: list[JSON] | None
-    ) -> list[int]:
-        """Extend the previous turn's tokens when the conversation extends it, else render."""
+    ) -> tuple[list[int], int]:
+        """The prompt ids and the parent turn: the kept turn the conversation extends furthest,
+        continued token for token, else the rendered conversation and the kept turn sharing
+        the longest token prefix with it (-1: none)."""
         chars = sum(len(m.get("content") or "") for m in messages)
         least = self.template.min_tokens(chars)
         if least > self.backend.max_context:
@@ -139,21 +154,17 @@ class TurnEngine:
 
     def _chat_prompt(
         self, state: SessionState, messages: list[JSON], tools: list[JSON] | None
-    ) -> list[int]:
-        previous = state.conversation
-        if (
-            previous
-            and tools == state.tools
-            and len(messages) > len(previous)
-            and [message_key(m) for m in messages[: len(previous)]]
-            == [message_key(m) for m in previous]
-        ):
+    ) -> tuple[list[int], int]:
+        node = continued_turn(state, messages, tools)
+        if node is not None:
+            done = len(node.conversation)
             suffix = self.template.continuation_ids(
-                previous, state.last_completion_ids, messages[len(previous) :], tools
+                node.conversation, node.completion_ids.tolist(), messages[done:], tools
             )
             if suffix is not None:
-                return [*state.context_ids.tolist(), *suffix]
-        return self.template.prompt_ids(messages, tools)
+                return [*node.context_ids.tolist(), *suffix], node.turn
+        prompt = self.template.prompt_ids(messages, tools)
+        return prompt, prefix_parent(state, prompt)
 
     def params(
         self,
@@ -264,6 +275,7 @@ class TurnEngine:
             },
             created_at=time.time(),
             request=turn.request,
+            parent_turn=turn.parent,
         )
         event = turn_event(session.state, draft)
         with self.metrics.publish_latency.time():
@@ -275,6 +287,7 @@ class TurnEngine:
             # the client gets.
             event = turn_event(session.state, draft)
             receipt = await self.publisher.publish(event)
+        self.metrics.attached.labels(attachment(session.state, event)).inc()
         session.state = apply(session.state, event)  # type: ignore[assignment]
         self.metrics.tokens_in.inc(len(turn.prompt_ids))
         self.metrics.tokens_out.inc(len(detok.ids))
@@ -326,7 +339,7 @@ class TurnEngine:
             and np.array_equal(stored.completion_ids, event.completion_ids)
         ):
             return False  # ours: a retry of this very publish
-        logged = fold(events)
+        logged = fold(events, turns_kept=session.state.turns_kept)
         if logged is None or logged.turns <= event.turn:
             return False
         log.warning(

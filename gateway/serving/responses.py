@@ -11,10 +11,11 @@ Response ids name the session and the turn (``resp_<session>_<turn>``), and so d
 a resent request gets its turn again under the same ids.
 
 ``previous_response_id`` continues that response's conversation (its messages, its reply, then
-the new input). It is served from the session's state, which holds the last turn's
-conversation: the id must name the session's last response. (Or the one before, when the last
-turn is this very request already: a client's retry.) An earlier response is refused with a
-400; the log holds it, but the turn core offers no read of a session's events to the adapters.
+the new input), token for token. It is served from the session's state, which keeps the session's
+most recently used turns (``--session-turns-kept``): any kept response can be continued, the
+latest or an earlier one (a branch). A response no longer kept is refused with a 400 naming
+it: the log holds it, but the turn core offers no read of a session's events to the adapters,
+so the client resends the full conversation as input.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from gateway.conversation import TurnRequest, message_key
+from gateway.conversation import TurnRequest
 from gateway.decoding import Detokenizer
 from gateway.errors import InvalidRequest, error_body
 from gateway.protocol.chat import TokenLogprob
@@ -223,8 +224,9 @@ def responses_turn_request(req: ResponsesRequest, previous: Sequence[JSON] = ())
 def previous_conversation(state: SessionState, req: ResponsesRequest) -> list[JSON]:
     """The conversation ``req.previous_response_id`` continues, from the session's state.
 
-    Read without the session's lock: a turn taken meanwhile makes this request a fork from
-    the response it named, which is what it asked for."""
+    Read without the session's lock: a turn taken meanwhile makes this request a branch from
+    the response it named, which is what it asked for. A resent request rebuilds the same
+    conversation, so it is answered with its recorded turn (``gateway.turns.resent_turn``)."""
     previous = req.previous_response_id
     if previous is None:
         return []
@@ -241,32 +243,20 @@ def previous_conversation(state: SessionState, req: ResponsesRequest) -> list[JS
             f"(it has {state.turns})",
             param="previous_response_id",
         )
-    if not state.conversation:
+    node = state.nodes.get(turn)
+    if node is None:
+        raise InvalidRequest(
+            f"previous_response_id {previous!r}: turn {turn} of session {state.id!r} is no "
+            f"longer held by the gateway (it keeps a session's {state.turns_kept} most recently "
+            "used turns); resend the full conversation as input, without previous_response_id",
+            param="previous_response_id",
+        )
+    if node.event.request.get("api") == "completions":
         raise InvalidRequest(
             f"previous_response_id {previous!r} names a text completion, not a response",
             param="previous_response_id",
         )
-    if turn == state.turns - 1:
-        return list(state.conversation)
-    last = state.last_turn
-    if turn == state.turns - 2 and last is not None:
-        # The last turn may be this very request, sent again (a retry): it continued the
-        # named response with the same input, so the last turn's messages end with it.
-        asked = input_messages(req.input)
-        messages = state.conversation[:-1]
-        base = messages[: len(messages) - len(asked)]
-        if (
-            last.request.get("previous_response_id") == previous
-            and len(messages) >= len(asked)
-            and [message_key(m) for m in messages[len(base) :]] == [message_key(m) for m in asked]
-        ):
-            return list(base)
-    raise InvalidRequest(
-        f"previous_response_id {previous!r}: only the session's last response "
-        f"({response_id(state.id, state.turns - 1)}) can be continued by id; to continue an "
-        "earlier one, send its conversation as input",
-        param="previous_response_id",
-    )
+    return list(node.conversation)
 
 
 def _item_id(call_id: str) -> str:

@@ -6,8 +6,9 @@ same token loop with the adapter's ``StreamEncoder`` writing the events. A strea
 text as it is generated; its closing events (tool calls, finish reason, usage) follow JetStream's
 ack of the turn, and a failed publish ends the stream with the API's error event instead.
 
-A request equal to the session's last turn's request (``gateway.turns.resent_turn``) is a
-client's retry: it gets the recorded turn again, whole or streamed, and adds no turn.
+A request equal to the request of a kept turn that no later turn continued (a conversation's
+tip: ``gateway.turns.resent_turn``) is a client's retry: it gets the recorded turn again, whole
+or streamed, and adds no turn.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ class TurnServing:
         use_tools = bool(req.tools) and req.tool_choice != "none"
         tools = req.tools if use_tools else None
         named = named_tool_choice(req)
-        prompt_ids = await engine.chat_prompt(session.state, req.messages, tools)
+        prompt_ids, parent = await engine.chat_prompt(session.state, req.messages, tools)
         # "required" / a named function: open the call in the prompt, so the model cannot
         # decline it; these tokens are the gateway's: prompt tokens, not the policy's actions.
         forced = ""
@@ -128,6 +129,7 @@ class TurnServing:
             forced,
             request=req.record,
             parallel_tool_calls=req.parallel_tool_calls,
+            parent=parent,
         )
 
     def _resent(self, session: Session, req: TurnRequest) -> TurnResult | None:

@@ -173,8 +173,11 @@ def test_previous_response_id_continues_its_turn_and_a_resend_adds_none(
     assert_extends(turns, ["tool"])
     assert turns[1].request["previous_response_id"] == first.id
 
+    # An earlier response, other input: a branch off it (the session is a tree).
+    branch = client.responses.create(**{**follow, "input": "And tomorrow?"})
+    assert branch.id == f"resp_{sid}_2"
+    assert turns_of(nats_server, sid)[2].parent_turn == 0
     for bad, why in (
-        (first.id, "only the session's last response"),  # an earlier turn, new input
         (f"resp_{sid}_9", "has no turn 9"),
         ("resp_other_0", "of session 'other'"),
         ("nope", "previous_response_id"),

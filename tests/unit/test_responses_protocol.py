@@ -442,8 +442,8 @@ def take_turn(state: SessionState, messages: list[dict[str, Any]], request: Turn
     return apply(state, turn_event(state, draft))
 
 
-def session_with_two_turns() -> tuple[SessionState, dict[str, Any]]:
-    state = apply(None, SessionOpened(run="r", session="s", group=None))
+def session_with_two_turns(turns_kept: int = 64) -> tuple[SessionState, dict[str, Any]]:
+    state = apply(None, SessionOpened(run="r", session="s", group=None), turns_kept=turns_kept)
     assert state is not None
     first = canonical({"input": "hi"})
     state = take_turn(state, first.messages, first)
@@ -469,10 +469,26 @@ def test_a_resent_previous_response_request_rebuilds_the_same_conversation() -> 
     assert again.record == state.last_turn.request  # type: ignore[union-attr]
 
 
+def test_previous_response_id_may_name_an_earlier_kept_response() -> None:
+    """Another input after an earlier response: a branch of the session's tree."""
+    state, _ = session_with_two_turns()
+    req = ResponsesRequest(input="something else", previous_response_id="resp_s_0")
+    assert [m["content"] for m in previous_conversation(state, req)] == ["hi", "reply 0"]
+
+
+def test_a_response_no_longer_kept_is_a_400_asking_for_the_full_input() -> None:
+    state, _ = session_with_two_turns(turns_kept=1)
+    req = ResponsesRequest(input="something else", previous_response_id="resp_s_0")
+    with pytest.raises(InvalidRequest, match=r"no longer held.*resend the full conversation"):
+        previous_conversation(state, req)
+    assert previous_conversation(
+        state, ResponsesRequest(input="x", previous_response_id="resp_s_1")
+    )
+
+
 @pytest.mark.parametrize(
     ("previous", "words"),
     [
-        ("resp_s_0", "only the session's last response"),  # not a retry: other input
         ("resp_s_2", "has no turn 2"),
         ("resp_other_1", "of session 'other'"),
     ],

@@ -99,7 +99,7 @@ def test_another_request_is_a_new_turn(change: dict[str, Any]) -> None:
     assert resent_turn(state, other.messages, other.tools, other.record) is None
 
 
-def test_only_the_last_turn_is_resent_and_old_events_never_are() -> None:
+def test_a_continued_turn_is_not_resent_and_old_events_never_are() -> None:
     first = TurnRequest(api="chat.completions", messages=USER)
     state = _state_after_one_turn(first, [])
     assert state.last_turn is not None
