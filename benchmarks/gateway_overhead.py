@@ -191,6 +191,31 @@ The LAST line is then one JSON object with ``cpu_ms_per_request_<api>_c<c>[_stre
 ``ratio_vs_chat_<api>_c<c>[_stream]``, ``targets`` (the worst ratio, 1.2, met), ``rows`` (per
 API and variant: the figures above, per-round lists, the other processes' CPU), ``checks``,
 settings, machine info and date.
+
+Interleaved conversations: ``--interleaved``
+--------------------------------------------
+Issue 18: sub-agents share their caller's session and take turns with it, so the gateway matches
+each request against every turn the session keeps (``benchmarks/_interleaved.py``)::
+
+    .venv/bin/python benchmarks/gateway_overhead.py --interleaved           # ~2 min
+    .venv/bin/python benchmarks/gateway_overhead.py --interleaved --quick   # 2 rounds
+
+* Sessions of N = 1, 4 and 16 conversations on the Chat API (``X-Session-Id``). The
+  conversations share a 19,000-character system text (Claude Code's, repeated) and Claude Code's
+  first four tools, and differ from their first user message on (``[task c]`` + Claude Code's
+  first user message): ~32k prompt tokens at their first turn (byte-level tokenizer). Every reply
+  is the Bash tool call of ``--api-surfaces``; the next request of that conversation appends it
+  and a ~300-character tool result.
+* A phase runs 16 conversations whatever N (16 sessions of 1, 4 of 4, one of 16): each takes 2
+  unmeasured turns, then 4 measured ones, the conversations of a session taking turns
+  (round-robin), one request at a time. Per round one phase per N, the order reversed every other
+  round; 6 rounds (``--quick``: 2; ``--rounds``). The fixed-latency backend (``--ttft-ms``).
+* Per N: the gateway's CPU (user + system, /proc) over the measured turns, divided by them;
+  ``ratio_vs_one``: the median over rounds of the phase's figure over N = 1's in the same round
+  (target: <= 1.2); the mean prompt tokens of the measured turns.
+* Checked at the end, from EVENTS: every turn after a conversation's first has its
+  conversation's previous turn as ``parent_turn`` and a ``prefix_len`` of that turn's whole
+  context: continued token-exact, no fork. A failed request or check aborts the run.
 """
 
 from __future__ import annotations
@@ -1544,7 +1569,18 @@ async def main() -> None:
         help="per-API CPU mode (issue 17): Claude-Code-shaped sessions on each API surface "
         "(default: chat,messages,responses)",
     )
+    parser.add_argument(
+        "--interleaved",
+        action="store_true",
+        help="issue 18: CPU per turn with 1, 4 and 16 interleaved ~32k-token conversations per "
+        "session",
+    )
     args = parser.parse_args()
+    if args.interleaved:
+        from _interleaved import interleaved_main
+
+        await interleaved_main(parser, args)
+        return
     if args.api_surfaces is not None:
         from _api_surfaces import api_surfaces_main
 

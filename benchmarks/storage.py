@@ -513,7 +513,18 @@ async def main() -> int:
         seed="seed of the synthetic sessions",
         store_dir=True,
     )
+    parser.add_argument(
+        "--subagents",
+        action="store_true",
+        help="a main agent and 4 interleaved sub-agents sharing its 32k-token system prompt and "
+        "history: log bytes with deltas against each turn's parent vs the previous turn",
+    )
     args = parser.parse_args()
+    if args.subagents:
+        from _subagents import subagents_main
+
+        await subagents_main(parser, args)
+        return 0
     plan = QUICK if args.quick else FULL
     started = time.perf_counter()
     info = machine_info("nats-py", "msgspec", "numpy")
