@@ -9,7 +9,7 @@ t's reply) and the number of requests using it. The store:
 - evicts closed sessions after a grace period, and open ones least-recently-used beyond
   ``max_sessions``; a session in use is never evicted (two handles would mean two locks). An
   evicted session is recovered from the log on its next request, by the same fold (keeping the
-  same ``turns_kept`` turns of it continuable as the live session kept).
+  same ``kept`` turns of it continuable as the live session kept).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from gateway.errors import SessionClosed
-from gateway.turns import TURNS_KEPT, SessionState, fold
+from gateway.turns import Kept, SessionState, fold
 from schemas.events import SessionEvent
 
 __all__ = ["Session", "SessionKey", "SessionStore"]
@@ -63,13 +63,11 @@ class SessionStore:
         max_sessions: int = 10_000,
         closed_grace_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
-        turns_kept: int = TURNS_KEPT,
+        kept: Kept | None = None,
     ) -> None:
         if max_sessions < 1:
             raise ValueError(f"max_sessions must be >= 1: {max_sessions}")
-        if turns_kept < 1:
-            raise ValueError(f"turns_kept must be >= 1: {turns_kept}")
-        self.turns_kept = turns_kept  # continuable turns per session (SessionState.turns_kept)
+        self.kept = kept or Kept()  # what each session keeps continuable (SessionState.kept)
         self._recover = recover  # reads one session's events from the log
         self._max = max_sessions
         self._grace_s = closed_grace_s
@@ -127,7 +125,7 @@ class SessionStore:
     async def _load(self, key: SessionKey, create: Create | None) -> Session | None:
         state = None
         if self._recover is not None:
-            state = fold(await self._recover(*key), turns_kept=self.turns_kept)
+            state = fold(await self._recover(*key), kept=self.kept)
         if state is None and create is not None:
             state = await create()
         if state is None:

@@ -4,17 +4,19 @@ The live path builds a ``TurnCompleted`` with ``turn_event``, publishes it and a
 recovering a session from the log is the same ``apply`` folded over its stored events, so both
 paths agree by construction::
 
-    state = fold(events, turns_kept=K)     # recovery: reduce(apply, events)
+    state = fold(events, kept=Kept())      # recovery: reduce(apply, events)
     event = turn_event(state, draft)        # the next turn, delta-encoded against its parent
     state = apply(state, event)             # after JetStream acknowledged ``event``
 
 A session is a tree (DESIGN §5): a main agent and its sub-agents take turns on one session, each
-continuing its own conversation. The state keeps up to ``turns_kept`` turns (``TurnNode``: the
+continuing its own conversation. The state keeps up to ``Kept.turns`` turns (``TurnNode``: the
 full context ids, the conversation, the tools); a request continues, token for token, the kept
-turn whose conversation it extends furthest (``continued_turn``), and a request that extends
-none is delta-encoded against the turn sharing the longest token prefix (``prefix_parent``).
-Applying turn t touches t and its parent; beyond ``turns_kept`` the least recently touched
-turn is forgotten (still counted, no longer continuable), the same way live and in recovery.
+turn whose conversation it extends furthest (``gateway.branches.continued_turn``), and a
+request that extends none is delta-encoded against the turn sharing the longest token prefix
+(``prefix_parent``).
+Applying turn t touches t and its parent; beyond ``Kept.turns`` turns, or ``Kept.tokens`` tokens
+in the arrays they hold, the least recently touched turn is forgotten (still counted, no longer
+continuable), the same way live and in recovery.
 
 A worked example (token ids only; one message per turn):
 
@@ -27,6 +29,7 @@ A worked example (token ids only; one message per turn):
 >>> first.parent_turn, state.turns, state.nodes[0].context_ids.tolist()
 (-1, 1, [1, 2, 3])
 >>> again = [*state.nodes[0].conversation, {"role": "user", "content": "again"}]
+>>> from gateway.branches import continued_turn
 >>> continued_turn(state, again, None).turn  # the kept turn this conversation extends
 0
 >>> second = turn_event(state, TurnDraft(prompt_ids=[1, 2, 3, 4], messages=again, tools=None,
@@ -50,7 +53,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
@@ -59,30 +62,40 @@ from schemas.delta import common_prefix_len
 from schemas.events import SessionClosed, SessionEvent, SessionOpened, TurnCompleted
 
 __all__ = [
-    "TURNS_KEPT",
+    "Kept",
     "SessionState",
     "TurnDraft",
     "TurnNode",
     "apply",
-    "attachment",
-    "continued_turn",
     "fold",
     "message_keys",
     "prefix_parent",
-    "resent_turn",
     "turn_event",
 ]
 
 JSON = dict[str, Any]
 MessageKey = tuple[object, ...]
-Attachment = Literal["continued", "branched", "new"]
-TURNS_KEPT = 64  # turns a session keeps continuable by default (GatewaySettings.session_turns_kept)
 _NO_IDS = np.empty(0, dtype=np.int32)
 
 
 def message_keys(messages: Sequence[JSON]) -> tuple[MessageKey, ...]:
     """``message_key`` of each message: computed once per request, compared with every turn."""
     return tuple(message_key(m) for m in messages)
+
+
+@dataclass(frozen=True)
+class Kept:
+    """How much of a session stays continuable token for token (GatewaySettings
+    ``session_turns_kept``, ``session_tokens_kept``). Turns beyond either bound, least recently
+    touched first, are forgotten: still counted, no longer continuable. The token bound keeps a
+    client that branches a session many times at full context from holding as many contexts."""
+
+    turns: int = 64
+    tokens: int = 1 << 20  # 4 MiB of int32 ids per session
+
+    def __post_init__(self) -> None:
+        if self.turns < 1 or self.tokens < 1:
+            raise ValueError(f"a session keeps >= 1 turn and >= 1 token, not {self}")
 
 
 @dataclass(frozen=True)
@@ -120,15 +133,9 @@ class SessionState:
     closed: bool = False
     status: str = "open"
     last_turn: TurnCompleted | None = None  # the event of the turn applied last
-    turns_kept: int = TURNS_KEPT  # at most this many nodes
+    kept: Kept = field(default_factory=Kept)  # how many nodes, how many tokens
     # The kept turns by index, least recently touched first (the eviction order).
     nodes: Mapping[int, TurnNode] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.turns_kept < 1:
-            raise ValueError(
-                f"session {self.run}/{self.id}: turns_kept must be >= 1, not {self.turns_kept}"
-            )
 
     @property
     def last(self) -> TurnNode | None:
@@ -189,32 +196,7 @@ class TurnDraft:
     parent_turn: int | None = None
 
 
-# -- matching a request against the kept turns ------------------------------------------------
-
-
-def continued_turn(
-    state: SessionState,
-    messages: Sequence[JSON],
-    tools: list[JSON] | None,
-    keys: Sequence[MessageKey] | None = None,
-) -> TurnNode | None:
-    """The kept turn whose conversation ``messages`` extends furthest (a strict prefix under
-    ``message_key``, with the same tools); ties go to the most recent. ``keys``: the messages'
-    keys, when the caller has them."""
-    keys = message_keys(messages) if keys is None else tuple(keys)
-    n = len(keys)
-    best: TurnNode | None = None
-    for node in state.nodes.values():
-        m = len(node.keys)
-        if not 0 < m < n or node.event.request.get("api") == "completions":
-            continue
-        if best is not None and (m, node.turn) < (len(best.keys), best.turn):
-            continue
-        # Cheap tests first: the reply (the conversation's last message) is what differs most.
-        if node.keys[-1] != keys[m - 1] or node.tools != tools or keys[:m] != node.keys:
-            continue
-        best = node
-    return best
+# -- the delta base of a turn that continues none ------------------------------------------
 
 
 def prefix_parent(state: SessionState, prompt_ids: Sequence[int] | np.ndarray) -> int:
@@ -234,31 +216,6 @@ def prefix_parent(state: SessionState, prompt_ids: Sequence[int] | np.ndarray) -
         if shared > best_shared or (shared and shared == best_shared and node.turn > best):
             best, best_shared = node.turn, shared
     return best
-
-
-def resent_turn(
-    state: SessionState, messages: Sequence[JSON], tools: list[JSON] | None, record: JSON
-) -> TurnCompleted | None:
-    """The kept turn whose request ``messages``/``tools``/``record`` is again (a client's
-    retry: after a 5xx, a cut stream, a lost reply), else None.
-
-    Clients resend the same request when they did not get (all of) the answer; answering it
-    with the recorded turn keeps one model call one turn. Only a conversation's tip qualifies
-    (a turn no later turn continued: e.g. the main agent's last turn after a sub-agent took
-    one); the request of a turn that was continued is a new turn, a retry that branches."""
-    if not record:
-        return None  # events older than TurnCompleted.request: never a resend
-    tools = tools or None
-    keys: tuple[MessageKey, ...] | None = None
-    for node in sorted(state.nodes.values(), key=lambda n: n.turn, reverse=True):
-        if node.continued or len(node.keys) != len(messages) + 1:
-            continue
-        if node.event.request != record or node.tools != tools:
-            continue
-        keys = message_keys(messages) if keys is None else keys
-        if node.keys[:-1] == keys:
-            return node.event
-    return None
 
 
 # -- the events ---------------------------------------------------------------------------------
@@ -308,25 +265,14 @@ def turn_event(state: SessionState, draft: TurnDraft) -> TurnCompleted:
     )
 
 
-def attachment(state: SessionState, event: TurnCompleted) -> Attachment:
-    """How ``event`` (not yet applied) joins the tree: it continues a conversation's tip, it
-    branches off a kept turn (a second continuation, an edited history), or it is new."""
-    if event.parent < 0:
-        return "new"
-    node = state.nodes.get(event.parent)
-    if node is not None and not node.continued and event.prefix_len == len(node.context_ids):
-        return "continued"
-    return "branched"
-
-
 def apply(
-    state: SessionState | None, event: SessionEvent, *, turns_kept: int = TURNS_KEPT
+    state: SessionState | None, event: SessionEvent, *, kept: Kept | None = None
 ) -> SessionState | None:
     """The session after ``event``; ``None`` stands for a session with no events yet (then
-    ``turns_kept`` is the new state's bound)."""
+    ``kept`` bounds the new state: default ``Kept()``)."""
     if state is None:
         state = SessionState(
-            run=event.run, id=event.session, created_at=event.created_at, turns_kept=turns_kept
+            run=event.run, id=event.session, created_at=event.created_at, kept=kept or Kept()
         )
     elif (event.run, event.session) != (state.run, state.id):
         raise ValueError(
@@ -358,7 +304,8 @@ def _apply_turn(state: SessionState, event: TurnCompleted) -> SessionState:
         nodes[parent.turn] = parent
     if node is not None:
         nodes[node.turn] = node
-    while len(nodes) > state.turns_kept:
+    kept = state.kept
+    while len(nodes) > kept.turns or (len(nodes) > 1 and _held_tokens(nodes) > kept.tokens):
         del nodes[next(iter(nodes))]  # the least recently touched
     # Built directly, not with dataclasses.replace: this runs once per turn on the hot path.
     return SessionState(
@@ -371,9 +318,19 @@ def _apply_turn(state: SessionState, event: TurnCompleted) -> SessionState:
         state.closed,
         state.status,
         event,
-        state.turns_kept,
+        kept,
         nodes,
     )
+
+
+def _held_tokens(nodes: Mapping[int, TurnNode]) -> int:
+    """Tokens in the arrays the nodes hold: a chain's nodes view one array, counted once."""
+    owners: dict[int, int] = {}
+    for node in nodes.values():
+        ids = node.context_ids
+        owner = ids if ids.base is None else ids.base
+        owners[id(owner)] = len(owner)
+    return sum(owners.values())
 
 
 def _node(
@@ -415,9 +372,9 @@ def _node(
     return node, parent
 
 
-def fold(events: Iterable[SessionEvent], *, turns_kept: int = TURNS_KEPT) -> SessionState | None:
+def fold(events: Iterable[SessionEvent], *, kept: Kept | None = None) -> SessionState | None:
     """The state after ``events`` (one session's, in stream order); None if there are none."""
     state: SessionState | None = None
     for event in events:
-        state = apply(state, event, turns_kept=turns_kept)
+        state = apply(state, event, kept=kept)
     return state

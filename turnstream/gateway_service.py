@@ -33,6 +33,7 @@ from gateway.serving import SessionService, TurnEngine
 from gateway.sessions import SessionStore
 from gateway.templates import ChatTemplate
 from gateway.tools import get_parser
+from gateway.turns import Kept
 from schemas.errors import TurnstreamError
 from turnstream.settings import PublishingSettings
 from turnstream.stack import EventLog, open_log, stop_on_signals
@@ -87,6 +88,12 @@ class GatewaySettings(PublishingSettings):
         ge=1,
         description="turns of a session kept continuable token for token (its conversations' "
         "tips and their history); the least recently used beyond it are forgotten",
+    )
+    session_tokens_kept: int = Field(
+        1 << 20,
+        ge=1,
+        description="tokens a session's kept turns may hold together (a chain of turns holds "
+        "one array: its tip's); the least recently used turns beyond it are forgotten",
     )
     closed_session_grace_s: float = Field(
         60.0, ge=0, description="how long a closed session stays in memory"
@@ -241,7 +248,7 @@ async def build_gateway(settings: GatewaySettings, event_log: EventLog) -> Async
         recover=recover,
         max_sessions=settings.max_open_sessions,
         closed_grace_s=settings.closed_session_grace_s,
-        turns_kept=settings.session_turns_kept,
+        kept=Kept(settings.session_turns_kept, settings.session_tokens_kept),
     )
     sessions = SessionService(store=store, publisher=publisher, model_name=name, recover=recover)
 

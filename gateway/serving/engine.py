@@ -22,22 +22,14 @@ import numpy as np
 
 from eventlog import Publisher
 from gateway.backends.base import Backend, GenerationChunk, SamplingParams
+from gateway.branches import attachment, continued_turn
 from gateway.decoding import Detokenizer
 from gateway.errors import ContextLengthExceeded, ModelNotFound
 from gateway.metrics import GatewayMetrics
 from gateway.sessions import Session
 from gateway.templates import ChatTemplate
 from gateway.tools import ToolCallParser
-from gateway.turns import (
-    SessionState,
-    TurnDraft,
-    apply,
-    attachment,
-    continued_turn,
-    fold,
-    prefix_parent,
-    turn_event,
-)
+from gateway.turns import SessionState, TurnDraft, apply, fold, prefix_parent, turn_event
 from schemas.events import SessionEvent, TurnCompleted
 
 __all__ = ["Turn", "TurnEngine", "TurnResult", "sampling_record"]
@@ -339,7 +331,7 @@ class TurnEngine:
             and np.array_equal(stored.completion_ids, event.completion_ids)
         ):
             return False  # ours: a retry of this very publish
-        logged = fold(events, turns_kept=session.state.turns_kept)
+        logged = fold(events, kept=session.state.kept)
         if logged is None or logged.turns <= event.turn:
             return False
         log.warning(

@@ -226,7 +226,7 @@ def previous_conversation(state: SessionState, req: ResponsesRequest) -> list[JS
 
     Read without the session's lock: a turn taken meanwhile makes this request a branch from
     the response it named, which is what it asked for. A resent request rebuilds the same
-    conversation, so it is answered with its recorded turn (``gateway.turns.resent_turn``)."""
+    conversation, so it is answered with its recorded turn (``gateway.branches.resent_turn``)."""
     previous = req.previous_response_id
     if previous is None:
         return []
@@ -247,8 +247,9 @@ def previous_conversation(state: SessionState, req: ResponsesRequest) -> list[JS
     if node is None:
         raise InvalidRequest(
             f"previous_response_id {previous!r}: turn {turn} of session {state.id!r} is no "
-            f"longer held by the gateway (it keeps a session's {state.turns_kept} most recently "
-            "used turns); resend the full conversation as input, without previous_response_id",
+            f"longer held by the gateway (it keeps a session's {state.kept.turns} most recently "
+            f"used turns, {state.kept.tokens} tokens at most); resend the full conversation as "
+            "input, without previous_response_id",
             param="previous_response_id",
         )
     if node.event.request.get("api") == "completions":

@@ -105,10 +105,10 @@ class SessionService:
         receipt = await self.publisher.publish(event)
         if receipt.duplicate and self._recover is not None:
             # Another gateway opened it first (same Msg-Id): the log's session is the session.
-            logged = fold(await self._recover(run, sid), turns_kept=self.store.turns_kept)
+            logged = fold(await self._recover(run, sid), kept=self.store.kept)
             if logged is not None:
                 return logged
-        state = apply(None, event, turns_kept=self.store.turns_kept)
+        state = apply(None, event, kept=self.store.kept)
         assert state is not None
         return state
 
@@ -171,7 +171,7 @@ class SessionService:
         if self._recover is None:
             return
         try:
-            logged = fold(await self._recover(*session.key), turns_kept=session.state.turns_kept)
+            logged = fold(await self._recover(*session.key), kept=session.state.kept)
         except EventLogUnavailable as exc:
             # The outbox may hold what the log does not yet: our state is the better one.
             log.warning("closing %s without reading the log back: %s", session.name, exc)

@@ -40,7 +40,7 @@ from gateway.serving.responses import (
 from gateway.sessions import Session, SessionStore
 from gateway.templates import ChatTemplate
 from gateway.tools import get_parser
-from gateway.turns import SessionState, TurnDraft, apply, turn_event
+from gateway.turns import Kept, SessionState, TurnDraft, apply, turn_event
 from schemas.events import SessionOpened
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "agents" / "codex"
@@ -443,7 +443,9 @@ def take_turn(state: SessionState, messages: list[dict[str, Any]], request: Turn
 
 
 def session_with_two_turns(turns_kept: int = 64) -> tuple[SessionState, dict[str, Any]]:
-    state = apply(None, SessionOpened(run="r", session="s", group=None), turns_kept=turns_kept)
+    state = apply(
+        None, SessionOpened(run="r", session="s", group=None), kept=Kept(turns=turns_kept)
+    )
     assert state is not None
     first = canonical({"input": "hi"})
     state = take_turn(state, first.messages, first)

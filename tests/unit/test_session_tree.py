@@ -17,17 +17,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.turns import (
-    SessionState,
-    TurnDraft,
-    apply,
-    attachment,
-    continued_turn,
-    fold,
-    prefix_parent,
-    resent_turn,
-    turn_event,
-)
+from gateway.branches import attachment, continued_turn, resent_turn
+from gateway.turns import Kept, SessionState, TurnDraft, apply, fold, prefix_parent, turn_event
 from schemas.codec import Codec
 from schemas.delta import common_prefix_len
 from schemas.events import SessionEvent, SessionOpened, TurnCompleted
@@ -54,14 +45,14 @@ def user(text: str) -> JSON:
 
 @dataclass
 class ToyGateway:
-    turns_kept: int = 64
+    kept: Kept = field(default_factory=Kept)
     state: SessionState = field(init=False)
     events: list[SessionEvent] = field(default_factory=list)
     attached: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         opened = SessionOpened(run="r", session="s")
-        self.state = apply(None, opened, turns_kept=self.turns_kept)  # type: ignore[assignment]
+        self.state = apply(None, opened, kept=self.kept)  # type: ignore[assignment]
         self.events.append(opened)
 
     def prompt(self, messages: Sequence[JSON], tools: list[JSON] | None) -> tuple[list[int], int]:
@@ -275,7 +266,7 @@ def test_a_chain_holds_one_array_and_a_branch_its_own() -> None:
 
 
 def test_the_least_recently_touched_turn_is_forgotten_and_can_no_longer_be_continued() -> None:
-    gateway = ToyGateway(turns_kept=2)
+    gateway = ToyGateway(kept=Kept(turns=2))
     a, b = Agent(gateway, "main"), Agent(gateway, "sub")
     a.step("a0")  # kept: [a0]
     b.step("b0")  # its parent a0 touched: [a0, b0]
@@ -285,7 +276,30 @@ def test_the_least_recently_touched_turn_is_forgotten_and_can_no_longer_be_conti
     assert continued_turn(gateway.state, a.messages, None) is not None
     assert a1.parent == 2 and a1.prefix_len == len(rendered(SYSTEM)) + 1  # and the user role
     assert gateway.state.turns == 4 and gateway.state.describe()["turns"] == 4
-    recovered = fold(gateway.events, turns_kept=2)
+    recovered = fold(gateway.events, kept=Kept(turns=2))
+    assert recovered is not None and same_nodes(recovered, gateway.state)
+
+
+def test_branch_tips_beyond_the_token_budget_are_forgotten() -> None:
+    """Each retry of turn 0's question is a branch holding an array of its own; the arrays the
+    kept turns hold stay within Kept.tokens (the newest turn is always kept)."""
+    a = Agent(ToyGateway(), "main")
+    a.step("a0")
+    a.step("a1")
+    size = len(a.gateway.state.nodes[1].context_ids)
+    gateway = ToyGateway(kept=Kept(tokens=3 * size))
+    a = Agent(gateway, "main")
+    a.step("a0")
+    asked = list(a.messages)
+    a.step("a1")
+    for retry in range(6):  # each a new child of turn 0 (another temperature: not a resend),
+        gateway.turn(asked, f"retry {retry}", temperature=retry / 10)  # a tip owning ~size tokens
+    held = {id(n.context_ids.base if n.context_ids.base is not None else n.context_ids):
+            len(n.context_ids.base if n.context_ids.base is not None else n.context_ids)
+            for n in gateway.state.nodes.values()}  # fmt: skip
+    assert sum(held.values()) <= 3 * size and gateway.state.turns == 8
+    assert 7 in gateway.state.nodes and len(gateway.state.nodes) < 8
+    recovered = fold(gateway.events, kept=Kept(tokens=3 * size))
     assert recovered is not None and same_nodes(recovered, gateway.state)
 
 
@@ -309,7 +323,7 @@ def test_recovery_keeps_the_same_turns_as_the_live_session(
     turns_kept: int, moves: list[tuple[int, int]]
 ) -> None:
     """Random trees: conversations started, continued, branched off an earlier point."""
-    gateway = ToyGateway(turns_kept=turns_kept)
+    gateway = ToyGateway(kept=Kept(turns=turns_kept))
     agents: list[Agent] = []
     for n, (which, back) in enumerate(moves):
         if which >= len(agents):
@@ -321,7 +335,7 @@ def test_recovery_keeps_the_same_turns_as_the_live_session(
         agent.step(f"reply {n}")
     live = gateway.state
     assert len(live.nodes) <= turns_kept and live.turns == len(moves)
-    recovered = fold(gateway.events, turns_kept=turns_kept)
+    recovered = fold(gateway.events, kept=Kept(turns=turns_kept))
     assert recovered is not None and same_nodes(recovered, live)
     contexts = full_contexts(gateway.events)
     for turn, node in live.nodes.items():

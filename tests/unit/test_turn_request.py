@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from gateway.branches import resent_turn
 from gateway.conversation import TurnRequest, same_messages
 from gateway.errors import (
     BackendUnavailable,
@@ -20,7 +21,7 @@ from gateway.errors import (
     anthropic_status,
 )
 from gateway.serving.turns import named_tool_choice
-from gateway.turns import SessionState, TurnDraft, apply, resent_turn, turn_event
+from gateway.turns import SessionState, TurnDraft, apply, turn_event
 
 USER = [{"role": "user", "content": "hi"}]
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
