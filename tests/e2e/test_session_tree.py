@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -223,3 +224,54 @@ def test_a_resent_tip_a_retry_and_edited_histories(
     assert folded.fork_turns == ((6,) if reaches else ())
     metrics = httpx.get(f"{gateway.url}/metrics").text
     assert 'turnstream_gateway_turn_attachments_total{how="branched"}' in metrics
+
+
+@pytest.fixture(scope="module")
+def small_gateway(
+    nats_server: NatsServer, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[GatewayProcess]:
+    """A gateway that keeps 3 turns of a session continuable: conversations get forgotten."""
+    data = tmp_path_factory.mktemp("small-gateway")
+    process = GatewayProcess(nats_server.url, model_dir, data, "--session-turns-kept", "3")
+    yield process
+    process.stop()
+
+
+def test_more_conversations_than_kept_turns_concurrent_and_hostile(
+    small_gateway: GatewayProcess, nats_server: NatsServer
+) -> None:
+    """Six conversations sent concurrently on one session whose gateway keeps 3 turns, unicode
+    in every message, retries of a continued turn, and previous_response_id naming a forgotten
+    turn and one that never was: every answer a 200 or a 4xx naming the problem, every turn in
+    the log, and the session still folds (forgotten conversations are rendered again)."""
+    client, sid = session_client(small_gateway)
+    agents = [Agent(client, f"Sub-agent {i}: 🦜 «résumé» \u202e {i}") for i in range(6)]
+
+    def run(agent: Agent) -> None:
+        for _ in range(3):
+            agent.step("Weiter, bitte 🙂")
+
+    with ThreadPoolExecutor(6) as pool:
+        list(pool.map(run, agents))
+    asked = agents[0].messages[:4]  # turn 1 of agent 0, continued since: each ask a branch
+    for temperature in (0.5, 0.7, 0.9):
+        client.chat.completions.create(messages=asked, **{**ASK, "temperature": temperature})
+    responses = openai.OpenAI(base_url=f"{small_gateway.url}/v1", api_key="x", max_retries=0)
+    headers = {"X-Session-Id": sid}
+    for turn, why in ((0, "no longer held"), (10_000, "has no turn")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            responses.responses.create(
+                model="tiny",
+                input="and then?",
+                previous_response_id=f"resp_{sid}_{turn}",
+                max_output_tokens=8,
+                extra_headers=headers,
+            )
+        assert why in str(refused.value) and refused.value.status_code == 400
+
+    turns = turns_of(events_of(nats_server, sid))
+    assert [t.turn for t in turns] == list(range(6 * 3 + 3))
+    contexts_of(turns)  # every delta fits its parent
+    folded = fold(events_of(nats_server, sid))
+    generated = sum(int(t.loss_mask.sum()) for t in folded.trajectories)
+    assert generated == sum(len(t.completion_ids) for t in turns)  # each sampled token once
