@@ -194,6 +194,7 @@ class TurnDraft:
     # The turn it continues or shares the most with (-1: none); None, or a turn no longer
     # kept: the kept turn sharing the longest token prefix with prompt_ids.
     parent_turn: int | None = None
+    logprobs_kind: str = "sampled"  # TurnCompleted.logprobs_kind
 
 
 # -- the delta base of a turn that continues none ------------------------------------------
@@ -258,6 +259,7 @@ def turn_event(state: SessionState, draft: TurnDraft) -> TurnCompleted:
         backend=draft.backend,
         timings=draft.timings,
         request=draft.request,
+        logprobs_kind=draft.logprobs_kind,
         usage={
             "prompt_tokens": len(draft.prompt_ids),
             "completion_tokens": len(draft.completion_ids),

@@ -98,6 +98,13 @@ class GatewaySettings(PublishingSettings):
     closed_session_grace_s: float = Field(
         60.0, ge=0, description="how long a closed session stays in memory"
     )
+    allow_raw_logprobs: bool = Field(
+        False,
+        description="serve a sampling other than temperature 1 / top_p 1 on a vLLM replica in its "
+        "default (raw) --logprobs-mode, recording its turns as logprobs_kind 'raw' (the trainer "
+        "refuses them for importance ratios); off: such a turn is a 400 naming "
+        "--logprobs-mode processed_logprobs",
+    )
     max_concurrency: int = Field(4, ge=1, description="local backend: concurrent generations")
     torch_threads: int | None = Field(
         None,
@@ -243,6 +250,7 @@ async def build_gateway(settings: GatewaySettings, event_log: EventLog) -> Async
         metrics=metrics,
         weight_version=lambda: policy.weight_version,
         recover=recover,
+        allow_raw_logprobs=settings.allow_raw_logprobs,
     )
     store = SessionStore(
         recover=recover,

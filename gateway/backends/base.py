@@ -11,7 +11,13 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
-__all__ = ["Backend", "GenerationChunk", "SamplingParams", "TopLogprob"]
+__all__ = [
+    "Backend",
+    "GenerationChunk",
+    "SamplingParams",
+    "TopLogprob",
+    "needs_processed_logprobs",
+]
 
 FinishReason = Literal["stop", "length"]
 
@@ -32,6 +38,22 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: Sequence[int] = ()  # generation ends after emitting one of these
     top_logprobs: int = 0
+    # A backend that can only return the model's raw log-probs (vLLM's default logprobs mode)
+    # refuses a sampling whose distribution differs from them, unless this is set (the
+    # gateway's --allow-raw-logprobs): then it generates and marks its chunks "raw".
+    allow_raw_logprobs: bool = False
+
+
+def needs_processed_logprobs(params: SamplingParams) -> bool:
+    """Whether the distribution sampled from differs from the model's raw one: a temperature
+    other than 1 (greedy's log-probs are the raw ones by definition) or a top-p below 1.
+
+    >>> needs_processed_logprobs(SamplingParams(max_tokens=1, temperature=0.5))
+    True
+    >>> needs_processed_logprobs(SamplingParams(max_tokens=1, temperature=0.0))
+    False
+    """
+    return params.temperature not in (0.0, 1.0) or params.top_p < 1.0
 
 
 @dataclass(frozen=True)
@@ -52,6 +74,9 @@ class GenerationChunk:
     weight_version: int | None = None  # policy version that sampled these tokens, if known
     extra: dict[str, float] = field(default_factory=dict)  # backend timings etc.
     replica: str | None = None  # the replica that generated them, when a router chose one
+    # Set (on every chunk) by a backend whose log-probs are not those of the distribution sampled
+    # from: "raw" (the model's untempered distribution). None: the sampled one's, as promised.
+    logprobs_kind: str | None = None
 
 
 @runtime_checkable

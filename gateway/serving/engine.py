@@ -70,6 +70,7 @@ class Turn:
     # The turn it continues or shares the most with (-1: none); None: the kept turn sharing
     # the longest token prefix with prompt_ids, found when the event is built (completions).
     parent: int | None = None
+    logprobs_kind: str = "sampled"  # "raw" when the backend said so (TurnCompleted.logprobs_kind)
 
     @property
     def index(self) -> int:
@@ -106,6 +107,7 @@ class TurnEngine:
         metrics: GatewayMetrics,
         weight_version: Callable[[], int] = lambda: 0,
         recover: Recover | None = None,
+        allow_raw_logprobs: bool = False,
     ) -> None:
         self.template = template
         self.backend = backend
@@ -115,6 +117,8 @@ class TurnEngine:
         self.metrics = metrics
         self.weight_version = weight_version
         self._recover = recover
+        # --allow-raw-logprobs: a raw-mode replica serves any sampling, its turns marked "raw".
+        self.allow_raw_logprobs = allow_raw_logprobs
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -184,6 +188,7 @@ class TurnEngine:
             seed=seed,
             stop_token_ids=self.template.stop_token_ids,
             top_logprobs=top_logprobs,
+            allow_raw_logprobs=self.allow_raw_logprobs,
         )
 
     # -- running ----------------------------------------------------------------------------
@@ -202,6 +207,8 @@ class TurnEngine:
                 detok.add(chunk.token_ids, chunk.logprobs, chunk.top_logprobs)
                 if chunk.weight_version is not None:
                     turn.sampled_version = chunk.weight_version
+                if chunk.logprobs_kind is not None:
+                    turn.logprobs_kind = chunk.logprobs_kind
                 if chunk.finish_reason is not None:
                     turn.finish = chunk.finish_reason
                 yield detok
@@ -267,6 +274,7 @@ class TurnEngine:
             },
             created_at=time.time(),
             request=turn.request,
+            logprobs_kind=turn.logprobs_kind,
             parent_turn=turn.parent,
         )
         event = turn_event(session.state, draft)
