@@ -32,8 +32,15 @@ def validate_id(value: object, field: str = "id") -> str:
 
 
 def new_session_id() -> str:
-    """A gateway-made session id: 128 random bits; base64url is already [A-Za-z0-9_-]."""
-    return secrets.token_urlsafe(16)
+    """A gateway-made session id: 128 random bits; base64url is already [A-Za-z0-9_-]. Never
+    starts with ``-``, which a command line would read as an option (``turnstream inspect ID``).
+
+    >>> all(not new_session_id().startswith("-") for _ in range(1000))
+    True
+    """
+    while (session := secrets.token_urlsafe(16)).startswith("-"):
+        pass  # 1 in 64 draws: draw again (127.9 bits of randomness left)
+    return session
 
 
 def event_subject(run: str, session: str, kind: EventKind) -> str:
