@@ -84,7 +84,8 @@ __all__ = [
 FOLD_VERSION = 4
 """Stored in every TrajectoryReady: bump it whenever the same events would fold differently.
 4: a turn's delta and chain follow its ``parent_turn`` (a session is a tree); a fork is a chain
-that begins inside generated history."""
+that begins inside generated history. (Issue 19's ``logprobs_kind: "raw"`` in metadata needed no
+bump: it came with the events that carry it, and every other sample folds as before.)"""
 
 RewardKey = tuple[str, int | None]  # (key, turn); turn None is the episode reward
 
@@ -264,6 +265,15 @@ def _temperatures(sample: list[RebuiltTurn]) -> JSON:
     return {"temperatures": sorted(recorded)} if recorded else {}
 
 
+def _raw_logprobs(sample: list[RebuiltTurn]) -> JSON:
+    """``logprobs_kind: "raw"`` when a turn of the sample recorded the model's raw log-probs
+    instead of the sampled distribution's (a vLLM replica in its default --logprobs-mode, let
+    through by the gateway's --allow-raw-logprobs): a trainer must not take importance ratios
+    against them. Said only then, so every other sample folds to the same bytes as before."""
+    raw = any(turn.event.logprobs_kind == "raw" for turn in sample)
+    return {"logprobs_kind": "raw"} if raw else {}
+
+
 def _tools_by_turn(turns: list[TurnCompleted]) -> dict[int, list[JSON]]:
     """The tool schemas each turn's model was given: a turn records them only when they changed
     (None: as its parent turn's; none for a turn without a parent)."""
@@ -364,6 +374,7 @@ def finish(state: SessionState, options: FoldOptions = FoldOptions()) -> FoldRes
                 "first_turn": sample[0].event.turn,
                 **_tree_metadata(chains, sample),
                 **_temperatures(sample),
+                **_raw_logprobs(sample),
             },
             fold_version=FOLD_VERSION,
         )

@@ -14,6 +14,10 @@ R response columns; integer tensors int64::
     rm_scores          [B, R]    float32 rewards on response tokens, 0 elsewhere (below)
     truncated          [B]       bool: this sample was cut to the fixed lengths
     stale              [B]       bool: older than the sink's max_staleness, kept by stale="flag"
+    raw_logprobs       [B]       bool: rollout_log_probs hold a turn's RAW log-probs, not those
+                                 of the distribution it was sampled from (metadata
+                                 logprobs_kind "raw": vLLM's default --logprobs-mode let through
+                                 by the gateway's --allow-raw-logprobs); no importance ratios
     min_weight_version [B]       int64 tensors: the trajectory's oldest / newest weight version
     max_weight_version [B]       of generated tokens (-1: none), before any truncation
 
@@ -395,6 +399,9 @@ def _annotate(
             raise BatchError(f"{len(given)} {name} for {count} trajectories: give one per sample")
     batch["truncated"] = torch.from_numpy(cut.truncated)
     batch["stale"] = torch.tensor([False] * count if stale is None else list(stale))
+    batch["raw_logprobs"] = torch.tensor(
+        [t.metadata.get("logprobs_kind") == "raw" for t in trajectories], dtype=torch.bool
+    )
     batch["min_weight_version"] = torch.from_numpy(
         np.fromiter((t.min_weight_version for t in trajectories), np.int64, count)
     )

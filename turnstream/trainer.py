@@ -20,10 +20,14 @@ the log, neither imports the other.
 **Log-prob agreement.** Before its update, each step recomputes the log-probs of the samples
 whose every generated token came from the weights the trainer holds (all of them at step 1) and
 reports the largest |Δ| against ``rollout_log_probs``. It is the proof that the tokens, positions
-and log-probs the gateway recorded are exactly what the trainer trains on. The local backend
-records ``log_softmax(logits / temperature)`` of the sampling distribution (raw logits when
-greedy), so ``temperature`` here must be the agents' sampling temperature (0 counts as 1).
-Its KV-cached decode and this padded full forward agree to ~1e-6 in fp32 on CPU.
+and log-probs the gateway recorded are exactly what the trainer trains on. Backends record the
+log-probs of the distribution each token was drawn from, ``log_softmax(logits / temperature)``
+(raw logits when greedy) renormalized over the top-p nucleus, so ``temperature`` here must be the
+agents' sampling temperature (0 counts as 1). This trainer knows no top-p: samples drawn with
+top_p < 1 disagree by the log of the nucleus' mass. The local backend's KV-cached decode and this
+padded full forward agree to ~1e-6 in fp32 on CPU. A batch holding samples flagged
+``raw_logprobs`` (the model's raw log-probs, recorded under the gateway's --allow-raw-logprobs)
+is refused: ratios against them would be wrong.
 
 **GRPO over sessions.** A session may be several rows (segments: sub-agents, forks), all with
 one ``session_uid``. The group's baseline is taken over its *sessions*, one reward each (its last
@@ -82,6 +86,7 @@ __all__ = [
     "ReferenceTrainerSettings",
     "StepReport",
     "batch_advantages",
+    "check_sampled_logprobs",
     "check_temperature",
     "clipped_objective",
     "group_advantages",
@@ -273,6 +278,28 @@ def check_temperature(trajectories: Sequence[TrajectoryReady], temperature: floa
                 )
 
 
+def check_sampled_logprobs(batch: TensorDict) -> None:
+    """Refuse a batch holding samples flagged ``raw_logprobs``: their ``rollout_log_probs``
+    are the model's raw distribution's, not the one the tokens were drawn from, and every
+    importance ratio against them would be off by the temperature and top-p nobody sees."""
+    if "raw_logprobs" not in batch.keys():  # noqa: SIM118  # older tensordict: no `in`
+        return
+    flagged = batch["raw_logprobs"].nonzero().flatten().tolist()
+    if not flagged:
+        return
+    ids = non_tensor_values(batch, "trajectory_id")
+    named = ", ".join(ids[i] for i in flagged[:5])
+    more = f" and {len(flagged) - 5} more" if len(flagged) > 5 else ""
+    which = f"trajectory {named}" if len(flagged) == 1 else f"trajectories {named}{more}"
+    raise BatchError(
+        f"{which}: recorded with raw log-probs (logprobs_kind 'raw': a vLLM replica in its "
+        f"default --logprobs-mode, let through by the gateway's --allow-raw-logprobs), "
+        f"not those of the distribution the tokens were sampled from: importance ratios against "
+        f"them would be wrong. Serve vLLM with --logprobs-mode processed_logprobs and drop "
+        f"--allow-raw-logprobs, or leave these samples out of the trainer's batches"
+    )
+
+
 def max_logprob_delta(
     log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor
 ) -> float | None:
@@ -327,8 +354,9 @@ class ReferenceTrainer:
                 break
             try:
                 check_temperature(batch.trajectories, self.settings.temperature)
+                check_sampled_logprobs(batch.tensors)
             except BatchError:
-                await sink.release(batch)  # for a trainer with the right temperature
+                await sink.release(batch)  # for a trainer that can take it
                 raise
             # Torch runs on a worker thread: the loop keeps the sink's batches alive meanwhile.
             report = await asyncio.to_thread(self.train_step, batch.tensors)
@@ -374,6 +402,7 @@ class ReferenceTrainer:
     def train_step(self, batch: TensorDict) -> StepReport:
         """One update on ``batch`` and the checkpoint of its result (blocking)."""
         s = self.settings
+        check_sampled_logprobs(batch)  # also for a batch that did not come through run()
         batch = batch.to(s.device)
         old_log_probs = batch["rollout_log_probs"]
         mask = batch["response_mask"].bool()

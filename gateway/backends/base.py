@@ -27,9 +27,11 @@ class SamplingParams:
     """What the gateway asks of one generation.
 
     ``logprobs`` are always returned for every sampled token: they are the log-probabilities
-    under the distribution the token was sampled from (logits / temperature; the raw logits when
-    temperature is 0, i.e. greedy). ``top_logprobs`` > 0 also returns that many alternatives per
-    position, from the same distribution.
+    under the distribution the token was sampled from, ``log_softmax(logits / temperature)``
+    restricted to the top-p nucleus and renormalized over it (the raw ``log_softmax(logits)``
+    when temperature is 0, i.e. greedy). ``top_logprobs`` > 0 also returns up to that many
+    alternatives per position, from the same distribution: tokens outside the nucleus have
+    probability 0 and may be left out.
     """
 
     max_tokens: int
@@ -99,6 +101,14 @@ class Backend(Protocol):
         """Stream the completion of ``prompt_ids``. Raises BackendError (gateway.errors) when
         the backend fails; cancelling the iteration stops the generation. ``session`` is a
         routing hint (replicas keep a session's prefix cached); a single backend ignores it."""
+        ...
+
+    async def admit(self, params: SamplingParams) -> str | None:
+        """Check, before a turn starts streaming, that this backend can record ``params``'
+        sampling as promised: raises InvalidRequest (a 400) when its log-probs would not be
+        those of the distribution sampled from (a vLLM replica in its default raw mode asked
+        for temperature 0.5) and ``params.allow_raw_logprobs`` is off. Returns the log-prob kind
+        its chunks will carry ("raw"), or None for the sampled distribution's."""
         ...
 
     async def close(self) -> None: ...

@@ -469,3 +469,19 @@ def test_the_batchers_uids_and_stale_flags_and_the_verl_entries(layout: str) -> 
     assert "multi_modal_inputs" not in bare.keys()  # noqa: SIM118  # tensordict 0.8: no `in`
     with pytest.raises(BatchError, match="2 uids for 3 trajectories"):
         assemble(known(), chosen, uids=["a", "b"])
+
+
+@pytest.mark.parametrize("layout", ["padded", "jagged"])
+def test_samples_with_raw_log_probs_are_flagged(layout: str) -> None:
+    """Issue 19: a sample holding a turn recorded with the model's raw log-probs (the fold's
+    metadata ``logprobs_kind: "raw"``) is flagged, so a trainer can refuse its ratios."""
+    chosen = AssemblySettings(layout=layout)  # type: ignore[arg-type]
+    samples = known()
+    assert assemble(samples, chosen)["raw_logprobs"].tolist() == [False, False, False]
+    raw = _trajectories(
+        [TurnSpec(prompt=[1, 2], completion=[3], extra={"logprobs_kind": "raw"})], "raw"
+    )
+    batch = assemble([samples[0], *raw, samples[1]], chosen)
+    assert batch["raw_logprobs"].dtype == torch.bool
+    assert batch["raw_logprobs"].tolist() == [False, True, False]
+    assert non_tensor_values(batch, "trajectory_id")[1] == "run-1/raw/0"

@@ -776,3 +776,24 @@ def test_each_sample_carries_the_tool_schemas_its_last_turn_was_given() -> None:
     assert whole.tools == [search]
     per_turn = fold([t2, t1, t0, close], FoldOptions(per_turn=True)).trajectories
     assert [t.tools for t in per_turn] == [[search], [search], []]
+
+
+def test_a_sample_holding_a_raw_turn_says_so_and_no_other_does() -> None:
+    """Issue 19: a turn recorded with the model's raw log-probs (``logprobs_kind: "raw"``, the
+    gateway's --allow-raw-logprobs) marks every sample it is part of; samples without one carry
+    no new key, so they fold to the bytes they always did."""
+    specs = append_only(3)
+    raw_middle = [
+        dataclasses.replace(spec, extra={"logprobs_kind": "raw"}) if i == 1 else spec
+        for i, spec in enumerate(specs)
+    ]
+    [whole] = fold(session_events(raw_middle)).trajectories
+    assert whole.metadata["logprobs_kind"] == "raw"
+    per_turn = fold(session_events(raw_middle), FoldOptions(per_turn=True)).trajectories
+    assert [t.metadata.get("logprobs_kind") for t in per_turn] == [None, "raw", None]
+
+    explicit = [dataclasses.replace(s, extra={"logprobs_kind": "sampled"}) for s in specs]
+    [plain] = fold(session_events(specs)).trajectories
+    [sampled] = fold(session_events(explicit)).trajectories
+    assert "logprobs_kind" not in plain.metadata
+    assert CODEC.encode(sampled) == CODEC.encode(plain)

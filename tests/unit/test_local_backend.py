@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
@@ -17,7 +18,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from gateway.backends.base import Backend, GenerationChunk, SamplingParams
-from gateway.backends.local import LocalBackend, sample_token
+from gateway.backends.local import LocalBackend, processed_log_probs, sample_token
 from gateway.errors import (
     BackendError,
     BackendUnavailable,
@@ -92,12 +93,33 @@ async def test_same_seed_same_sample(backend: LocalBackend) -> None:
     assert tokens(a) != tokens(c)  # near-uniform over 320 ids: 40 equal draws cannot happen
 
 
-@pytest.mark.parametrize(("temperature", "top_p"), [(0.0, 1.0), (1.0, 1.0), (0.7, 1.0), (1.3, 0.9)])
+def nucleus_reference(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """The sampled distribution's log-probs written plainly, in float64 and independently of
+    ``processed_log_probs``: tempered softmax; with top_p < 1 the smallest head of the
+    descending order whose mass reaches top_p (a token stays while the mass above it is below
+    top_p), renormalized; -inf outside."""
+    scores = logits.double() / (temperature or 1.0)
+    log_p = torch.log_softmax(scores, -1)
+    if temperature == 0 or top_p >= 1:
+        return log_p
+    probs, order = torch.sort(log_p.exp(), dim=-1, descending=True)
+    keep = torch.cumsum(probs, -1) - probs < top_p
+    keep[..., 0] = True
+    inside = torch.zeros_like(keep).scatter(-1, order, keep)
+    kept_mass = (log_p.exp() * inside).sum(-1, keepdim=True)
+    return torch.where(inside, log_p - kept_mass.log(), -torch.inf)
+
+
+SAMPLINGS = [(0.0, 1.0), (1.0, 1.0), (0.7, 1.0), (0.5, 1.0), (1.0, 0.9), (0.5, 0.9), (1.3, 0.9)]
+
+
+@pytest.mark.parametrize(("temperature", "top_p"), SAMPLINGS)
 async def test_logprobs_equal_a_full_forward_recomputation(
     backend: LocalBackend, tiny_model_dir: Path, temperature: float, top_p: float
 ) -> None:
-    """What RL needs: a trainer scoring prompt + completion in one pass gets the logprobs the
-    backend reported, under the distribution it sampled from (logits / temperature)."""
+    """What RL needs (issue 19): a trainer scoring prompt + completion in one fp32 pass gets the
+    logprobs the backend recorded, under the distribution it sampled from: tempered, and
+    renormalized over the top-p nucleus. Every sampled token lies inside that nucleus."""
     params = SamplingParams(max_tokens=64, temperature=temperature, top_p=top_p, seed=3)
     chunks = await run(backend, PROMPT, params)
     completion = tokens(chunks)
@@ -105,11 +127,39 @@ async def test_logprobs_equal_a_full_forward_recomputation(
     with torch.inference_mode():
         logits = model(torch.tensor([PROMPT + completion])).logits[0].float()
     scores = logits[len(PROMPT) - 1 : -1]
-    if temperature > 0:
-        scores = scores / temperature
-    expected = torch.log_softmax(scores, -1).gather(-1, torch.tensor(completion)[:, None])
-    got = torch.tensor(logprobs(chunks))
-    assert (got - expected.squeeze(-1)).abs().max().item() <= 1e-4
+    chosen = torch.tensor(completion)[:, None]
+    reference = nucleus_reference(scores, temperature, top_p)
+    expected = reference.gather(-1, chosen).squeeze(-1)
+    got = torch.tensor(logprobs(chunks), dtype=torch.float64)
+    assert torch.isfinite(expected).all()  # every sampled token is inside the nucleus
+    assert (got - expected).abs().max().item() <= 1e-4
+    # The shared helper (tests, deploy checks) gives the backend's numbers from the logits.
+    helper = processed_log_probs(scores, temperature, top_p).gather(-1, chosen).squeeze(-1)
+    assert (helper.double() - got).abs().max().item() <= 1e-5
+    if (temperature, top_p) not in ((0.0, 1.0), (1.0, 1.0)):
+        # The check can tell: the raw log-probs are not the sampled distribution's.
+        raw = torch.log_softmax(scores.double(), -1).gather(-1, chosen).squeeze(-1)
+        assert (raw - got).abs().max().item() > 1e-2
+    if top_p < 1:
+        # ... nor are the tempered, untruncated ones: the nucleus really cut the tail.
+        untruncated = nucleus_reference(scores, temperature, 1.0).gather(-1, chosen).squeeze(-1)
+        assert (untruncated - got).abs().min().item() > 1e-3
+
+
+async def test_top_logprobs_leave_out_what_the_nucleus_cuts(backend: LocalBackend) -> None:
+    # The random tiny model is near-uniform: at 0.2 and 0.3 its nucleus is a few tokens.
+    params = SamplingParams(max_tokens=20, temperature=0.2, top_p=0.3, top_logprobs=20, seed=1)
+    chunks = await run(backend, PROMPT, params)
+    for chunk in chunks:
+        assert chunk.top_logprobs is not None
+        (top,) = chunk.top_logprobs
+        values = [t.logprob for t in top]
+        assert 1 <= len(top) <= 20 and all(math.isfinite(v) for v in values)
+        assert values == sorted(values, reverse=True)
+        if len(top) < 20:  # the whole nucleus, renormalized: the sampled token is in it
+            assert sum(math.exp(v) for v in values) == pytest.approx(1.0, abs=1e-5)
+            assert chunk.token_ids[0] in {t.token_id for t in top}
+    assert any(len(c.top_logprobs[0]) < 20 for c in chunks if c.top_logprobs)
 
 
 async def test_top_logprobs_are_sorted_and_hold_the_greedy_token(backend: LocalBackend) -> None:
@@ -349,13 +399,59 @@ async def test_errors_in_the_worker_surface_as_backend_error(tiny_model_dir: Pat
 
 def test_sample_token_nucleus_keeps_only_the_head() -> None:
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
-    params = SamplingParams(max_tokens=1, temperature=1.0, top_p=0.7)
+    params = SamplingParams(max_tokens=1, temperature=1.0, top_p=0.7, top_logprobs=4)
     generator = torch.Generator().manual_seed(0)
     drawn = {sample_token(logits, params, generator).token_id for _ in range(300)}
-    assert drawn == {0, 1}
+    assert drawn == {0, 1}  # the token crossing 0.7 stays (vLLM's rule), the tail goes
     sampled = sample_token(logits, params, generator)
-    # Reported logprobs are of the full tempered distribution, not the truncated one.
-    assert sampled.logprob == pytest.approx(float(torch.log_softmax(logits, -1)[sampled.token_id]))
+    # Reported logprobs are the truncated distribution's, renormalized over the nucleus.
+    assert sampled.logprob == pytest.approx(math.log([0.5, 0.3][sampled.token_id] / 0.8))
+    assert sampled.top_logprobs is not None
+    assert [t.token_id for t in sampled.top_logprobs] == [0, 1]
+    assert [t.logprob for t in sampled.top_logprobs] == pytest.approx(
+        [math.log(0.625), math.log(0.375)]
+    )
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    seed=st.integers(0, 2**31),
+    scale=st.floats(0.1, 20),
+    temperature=st.floats(0.05, 2),
+    top_p=st.floats(0, 1, exclude_min=True),
+)
+def test_processed_log_probs_are_the_nucleus_renormalized(
+    seed: int, scale: float, temperature: float, top_p: float
+) -> None:
+    logits = torch.randn(2, 320, generator=torch.Generator().manual_seed(seed)) * scale
+    got = processed_log_probs(logits, temperature, top_p)
+    tempered = torch.softmax(logits.double() / temperature, -1)
+    for row, probs in zip(got, tempered, strict=True):
+        inside = torch.isfinite(row)
+        assert inside[int(torch.argmax(probs))]  # the most likely token always stays
+        assert row[inside].double().exp().sum().item() == pytest.approx(1.0, abs=1e-5)
+        # a head of the descending order: no token left out is likelier than one kept
+        if not inside.all():
+            assert probs[~inside].max() <= probs[inside].min() + 1e-12
+        # the smallest such head reaching top_p: without its least likely token it falls short
+        kept = probs[inside].sum().item()
+        assert kept >= top_p - 1e-5 or inside.all()
+        assert kept - probs[inside].min().item() < top_p + 1e-5
+        # renormalized, not reshaped: kept tokens keep their tempered ratios
+        ratio = row[inside].double() - probs[inside].log()
+        assert (ratio - ratio[0]).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9, 0.2])
+def test_processed_log_probs_greedy_and_full_nucleus(top_p: float) -> None:
+    logits = torch.randn(3, 320, generator=torch.Generator().manual_seed(2)) * 5
+    # greedy's log-probs are the raw ones whatever top_p (vLLM sets top_p 1 for greedy)
+    assert torch.equal(processed_log_probs(logits, 0.0, top_p), torch.log_softmax(logits, -1))
+    tempered = torch.log_softmax(logits / 0.7, -1)
+    if top_p == 1.0:
+        assert torch.equal(processed_log_probs(logits, 0.7, top_p), tempered)
+    rows = [processed_log_probs(row, 0.7, top_p) for row in logits]
+    assert torch.equal(processed_log_probs(logits, 0.7, top_p), torch.stack(rows))
 
 
 async def test_fitted_model_generates_a_tool_call_then_an_answer(tool_model_dir: Path) -> None:

@@ -25,6 +25,7 @@ from turnstream.trainer import (
     ReferenceTrainer,
     ReferenceTrainerSettings,
     batch_advantages,
+    check_sampled_logprobs,
     check_temperature,
     clipped_objective,
     group_advantages,
@@ -221,3 +222,28 @@ def test_samples_drawn_at_another_temperature_are_refused() -> None:
         check_temperature([sample], 0.8)
     [unknown] = fold(events).trajectories  # no temperature recorded: nothing to check
     check_temperature([unknown], 0.8)
+
+
+def test_a_batch_holding_raw_log_probs_is_refused(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Issue 19: turns recorded with the model's raw log-probs (the gateway's
+    --allow-raw-logprobs against a vLLM in its default mode) are flagged by the sink; the
+    trainer takes no importance ratio against them and says what to change."""
+    events = session_events(append_only(2), session="raw")
+    raw = [
+        msgspec.structs.replace(e, logprobs_kind="raw") if isinstance(e, TurnCompleted) else e
+        for e in events
+    ]
+    [flagged] = fold(raw).trajectories
+    [clean] = fold(session_events(append_only(2), session="clean")).trajectories
+    check_sampled_logprobs(assemble_padded([clean]))
+    batch = assemble_padded([clean, flagged])
+    refusal = r"trajectory run-1/raw/0: .*raw.*--logprobs-mode processed_logprobs"
+    with pytest.raises(BatchError, match=refusal):
+        check_sampled_logprobs(batch)
+    settings = ReferenceTrainerSettings(model_dir=tiny_model_dir, checkpoint_dir=tmp_path, run="r")
+    with pytest.raises(BatchError, match=refusal):
+        ReferenceTrainer(settings).train_step(batch)
+    assert not (tmp_path / "v1").exists()  # nothing trained, nothing published
+    # A batch made before the flag existed has nothing to refuse.
+    del batch["raw_logprobs"]
+    check_sampled_logprobs(batch)
