@@ -109,8 +109,9 @@ class TurnCompleted(_Event, tag="TurnCompleted", kw_only=True):
     # gateway.conversation.TurnRequest.record); {} in events older than the field.
     request: JSON = msgspec.field(default_factory=dict)
     # Whose distribution ``logprobs`` are: "sampled", the one each token was drawn from (after
-    # temperature and top-p); "raw", the model's untempered one, which a vLLM server in its
-    # default --logprobs-mode returns (recorded only under the gateway's --allow-raw-logprobs).
+    # temperature and top-p); "raw", not that one: the model's untempered distribution (a vLLM
+    # server in its default --logprobs-mode) or a tempered but untruncated one (SGLang under
+    # top_p < 1). Recorded only under the gateway's --allow-raw-logprobs.
     logprobs_kind: str = "sampled"
 
     def __post_init__(self) -> None:

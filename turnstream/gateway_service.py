@@ -213,6 +213,16 @@ def _backend(settings: GatewaySettings, model_dir: Path, name: str) -> Backend:
     return ReplicaRouter(replicas, max_inflight_per_replica=settings.max_inflight_per_replica)
 
 
+async def _probe_logprobs(backend: Backend) -> None:
+    """Ask every vLLM/SGLang replica what its log-probs are before serving (issue 19: a turn
+    they would record wrongly is refused); each replica's kind and probe time are logged."""
+    from gateway.backends.probe import probe_replicas
+    from gateway.backends.router import ReplicaRouter
+
+    replicas = backend.backends if isinstance(backend, ReplicaRouter) else (backend,)
+    await probe_replicas(replicas)
+
+
 @contextlib.asynccontextmanager
 async def build_gateway(settings: GatewaySettings, event_log: EventLog) -> AsyncIterator[Gateway]:
     """The gateway app on ``event_log``; publisher, backend and policy watch live as long as it."""
@@ -228,6 +238,7 @@ async def build_gateway(settings: GatewaySettings, event_log: EventLog) -> Async
         eos = None
     stop_ids = [eos] if isinstance(eos, int) else list(eos or [])
     backend = _backend(settings, model_dir, name)
+    await _probe_logprobs(backend)
     outbox = (
         Outbox(settings.publisher.outbox_path, settings.publisher.outbox_max_bytes)
         if settings.publisher.outbox_path is not None

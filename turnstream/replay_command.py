@@ -33,6 +33,14 @@ did the first time.
 Without ``--log.url`` the events go into the log of the ``turnstream up`` running on
 ``--data-dir`` (its ``stack.json``); with none running, into the embedded log of ``--data-dir``
 (its nats-server started for the replay), for a later ``turnstream up`` there to fold.
+
+**``--regenerate``** publishes nothing: every recorded turn is sent again, with its recorded
+sampling (its seed included), to a backend set up as ``turnstream gateway``'s (``--backend``,
+``--backend-urls``, ``--model``; unset: the built-in tiny model on ``--data-dir``), and its
+tokens compared with the recorded ones (``turnstream.regenerate``). Exit code 1 when a turn
+differs or fails, or when no turn could be sent again (all recorded without a seed)::
+
+    turnstream replay r1.parquet --regenerate --backend vllm --backend-urls http://gpu1:8000
 """
 
 from __future__ import annotations
@@ -44,7 +52,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import msgspec
 from pydantic import Field, field_validator
@@ -58,6 +66,7 @@ from schemas.codec import Codec
 from schemas.errors import SchemaError, TurnstreamError
 from schemas.ids import EVENT_SUBJECT_PREFIX, ID_PATTERN
 from turnstream.progress import progress_bar
+from turnstream.regenerate import LOGPROB_TOLERANCE, regenerate_recording
 from turnstream.settings import PublishingSettings
 from turnstream.stack import open_log
 from turnstream.stack_file import join_stack
@@ -304,6 +313,36 @@ class ReplayCommand(PublishingSettings):
         "between events), or N events per second",
     )
 
+    regenerate: bool = Field(
+        False,
+        description="publish nothing: send every recorded turn again to a backend (--backend, "
+        "--backend-urls, --model) with its recorded sampling and seed, and compare its tokens; "
+        "exit code 1 when any differs",
+    )
+    backend: Literal["local", "vllm", "sglang"] = Field(
+        "local", description="--regenerate: the inference backend, as `turnstream gateway`'s"
+    )
+    backend_urls: list[str] = Field(
+        default_factory=list, description="--regenerate: vllm/sglang replica URLs"
+    )
+    model: Path | None = Field(
+        None,
+        description="--regenerate: the model dir (tokenizer; weights for local); unset: the "
+        "built-in tiny model",
+    )
+    model_name: str | None = Field(
+        None, description="--regenerate: model name sent to vllm/sglang; unset: the served one"
+    )
+    max_context: int | None = Field(
+        None, description="--regenerate, remote: the model's context length; unset: asked"
+    )
+    logprob_tolerance: float = Field(
+        LOGPROB_TOLERANCE,
+        ge=0,
+        description="--regenerate: the largest |Δ log-prob| of a regenerated token that is "
+        "still the same",
+    )
+
     @field_validator("rate")
     @classmethod
     def _rate_known(cls, rate: str) -> str:
@@ -318,6 +357,31 @@ class ReplayCommand(PublishingSettings):
         return rate
 
     def cli_cmd(self) -> None:
+        if self.regenerate:
+            if self.run:
+                raise TurnstreamError("--regenerate publishes nothing: --run does not apply")
+            from turnstream.gateway_service import GatewaySettings
+
+            backend = GatewaySettings(
+                data_dir=self.data_dir,
+                backend=self.backend,
+                backend_urls=self.backend_urls,
+                model=self.model,
+                model_name=self.model_name,
+                max_context=self.max_context,
+            )
+            checked = asyncio.run(
+                regenerate_recording(
+                    self.file, backend, self.log.max_payload, self.logprob_tolerance, console
+                )
+            )
+            console.print(f"regenerated {self.file}: {checked.summary()}")
+            if not checked.ok:
+                raise TurnstreamError(
+                    f"{self.file}: not every turn regenerated its recorded tokens "
+                    f"({checked.summary()})"
+                )
+            return
         settings, _ = join_stack(self)  # a running `up` on --data-dir, unless --log.url
         report = asyncio.run(
             replay_recording(settings, self.file, into=self.run or None, rate=self.rate)

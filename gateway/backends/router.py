@@ -15,6 +15,9 @@ A replica that raises ``BackendUnavailable`` (connection refused, 503) is marked
 ``cooldown_s`` and the request moves on to the next replica, provided nothing was streamed yet;
 after the cool-down, live traffic tries it again. With no replica up, ``BackendUnavailable``.
 A failure after the first chunk is raised to the caller: those tokens already reached the agent.
+Any other error before the first chunk (a ``BackendError``, or the ``InvalidRequest`` of a
+replica refusing a sampling it would record wrongly: ``gateway.backends.probe``) is raised as it
+is: no other replica is tried and none is marked down.
 """
 
 from __future__ import annotations
@@ -28,7 +31,12 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.backends.base import Backend, GenerationChunk, SamplingParams
+from gateway.backends.base import (
+    Backend,
+    GenerationChunk,
+    SamplingParams,
+    needs_processed_logprobs,
+)
 from gateway.errors import BackendError, BackendUnavailable
 
 __all__ = ["ReplicaRouter", "ReplicaStatus", "RoutedStream"]
@@ -86,6 +94,28 @@ class ReplicaRouter:
     @property
     def max_context(self) -> int:
         return min(replica.backend.max_context for replica in self._replicas)
+
+    @property
+    def backends(self) -> tuple[Backend, ...]:
+        return tuple(replica.backend for replica in self._replicas)
+
+    async def admit(self, params: SamplingParams) -> str | None:
+        """Refuse a sampling that a replica up would record wrongly (``InvalidRequest``), before
+        a turn starts streaming: the route is chosen later, so every replica up must serve it (a
+        fleet mixing log-prob modes is refused, naming a replica to restart). A replica that
+        cannot be reached is marked down, as a generation would."""
+        if not needs_processed_logprobs(params):
+            return None
+        now = self._clock()
+        for replica in self._replicas:
+            backend = replica.backend
+            if replica.down_until > now:
+                continue
+            try:
+                await backend.admit(params)
+            except BackendUnavailable as exc:
+                self._mark_down(replica, exc)
+        return None  # each replica marks its own chunks
 
     def status(self) -> list[ReplicaStatus]:
         now = self._clock()

@@ -18,10 +18,30 @@ By default SGLang streams *cumulative* ``output_ids`` and logprob lists (everyth
 so far in every event); with the server flag ``--incremental-streaming-output`` it streams only
 the new ones: pass ``incremental_streaming=True`` to match. Either way each GenerationChunk holds
 only the new tokens. ``logprob_start_len: -1`` asks for logprobs of the output only, not of
-the prompt. ``sampling_seed`` is omitted when no seed is given. SGLang reports the logprobs of
-the temperature-scaled distribution it sampled from (unless started with
-SGLANG_RETURN_ORIGINAL_LOGPROB). A numeric ``meta_info.weight_version`` (set by SGLang's
-``update_weights_*`` endpoints) is passed on as the chunk's ``weight_version``.
+the prompt. ``sampling_seed`` is omitted when no seed is given, and sent as its low 31 bits:
+SGLang builds an int32 tensor of it (only honoured with ``--enable-deterministic-inference``),
+and the gateway's derived seeds are 63-bit; a regeneration sends the same bits. A numeric
+``meta_info.weight_version`` (set by SGLang's ``update_weights_*`` endpoints) is passed on as the
+chunk's ``weight_version``.
+
+What SGLang's log-probs are depends on its version and environment; its ``Sampler.forward``
+(python/sglang/srt/layers/sampler.py) computes them, after penalties, logit bias and grammar masks:
+
+- a batch of greedy requests only: ``log_softmax(logits)``, the raw distribution (greedy's, as
+  the protocol defines it);
+- otherwise ``logits.div_(temperatures); softmax`` and the log of that: temperature applied.
+  Top-p was applied too from sgl-project/sglang#2664 (Dec 2024: "the real logprob we sample
+  from"; ``log(top_p_normalize_probs_torch(probs, top_ps))``, about lines 85-93 and 123-127 of
+  sampler.py at commit 584f55d1) until #5961 (May 2025: "return logprobs independent of
+  top-p", as OpenAI's API does); since then top-p, top-k and min-p truncation happen after the
+  log-probs are taken;
+- with the environment variable SGLANG_RETURN_ORIGINAL_LOGPROB set (#8375, July 2025):
+  ``log_softmax(logits)`` before temperature, i.e. raw, whatever the sampling.
+
+So a current SGLang records the sampled distribution at any temperature with top_p 1, and
+neither it nor any other setting records a top_p below 1 truthfully. The gateway probes each
+replica as it does vLLM's (``gateway.backends.probe``: "tempered", "processed" or "raw") and
+refuses what it would record wrongly (400), unless ``--allow-raw-logprobs`` marks it "raw".
 
 Written against SGLang 0.4.x/0.5.x; it cannot run here (no GPU): tests/unit/
 test_remote_backends.py checks the translation against payloads shaped as SGLang produces them.
@@ -29,23 +49,40 @@ test_remote_backends.py checks the translation against payloads shaped as SGLang
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import aclosing
+from dataclasses import replace
 from typing import Any
 
 import httpx
 
-from gateway.backends.base import FinishReason, GenerationChunk, SamplingParams, TopLogprob
+from gateway.backends.base import (
+    FinishReason,
+    GenerationChunk,
+    SamplingParams,
+    TopLogprob,
+    needs_processed_logprobs,
+)
 from gateway.backends.payload import as_float, as_int, as_int_list, as_list, member
+from gateway.backends.probe import PROBE_PROMPT, GuardedLogprobs, LogprobsGuard, LogprobsKind
 from gateway.backends.sse import RemoteBackend
 from gateway.errors import BackendError
 
 __all__ = ["SGLangBackend", "SGLangStreamReader", "generate_request"]
 
 _FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length"}
+_ADVICE: dict[LogprobsKind, str] = {
+    "raw": "Start SGLang without SGLANG_RETURN_ORIGINAL_LOGPROB in its environment (it makes "
+    "the log-probs those before temperature)",
+    # sgl-project/sglang#5961: log-probs are taken before top-p/top-k/min-p truncation.
+    "tempered": "SGLang returns log-probs before top-p truncation, whatever its flags: sample "
+    "with top_p 1 on SGLang",
+    "processed": "",
+    "unknown": "Check the SGLang server's version and SGLANG_RETURN_ORIGINAL_LOGPROB",
+}
 
 
-class SGLangBackend(RemoteBackend):
+class SGLangBackend(GuardedLogprobs, RemoteBackend):
     def __init__(
         self,
         base_url: str,
@@ -56,7 +93,11 @@ class SGLangBackend(RemoteBackend):
         incremental_streaming: bool = False,
         timeout_s: float = 600.0,
         connect_timeout_s: float = 5.0,
+        logprobs_kind: LogprobsKind | None = None,
+        probe_prompt: Sequence[int] = PROBE_PROMPT,
     ) -> None:
+        """``logprobs_kind``: known already (not probed); ``probe_prompt``: token ids of the
+        log-prob probe (``gateway.backends.probe``), valid for the served model."""
         super().__init__(
             f"{base_url.rstrip('/')}/generate",
             "SGLang",
@@ -67,10 +108,27 @@ class SGLangBackend(RemoteBackend):
             connect_timeout_s=connect_timeout_s,
         )
         self._incremental = incremental_streaming
+        self._logprobs = LogprobsGuard(
+            replica=backend_id,
+            where=self._where,
+            sample=lambda prompt, params: self._stream(prompt, params, checked=False),
+            advice=_ADVICE,
+            prompt=probe_prompt,
+            kind=logprobs_kind,
+        )
 
-    async def generate(
+    def generate(
         self, prompt_ids: Sequence[int], params: SamplingParams, *, session: str | None = None
     ) -> AsyncIterator[GenerationChunk]:
+        return self._stream(prompt_ids, params, checked=True)
+
+    async def _stream(
+        self, prompt_ids: Sequence[int], params: SamplingParams, *, checked: bool
+    ) -> AsyncGenerator[GenerationChunk, None]:
+        # Checked before anything is sent: a refusal (InvalidRequest) or the "raw" mark.
+        mark = None
+        if checked and needs_processed_logprobs(params):
+            mark = await self._logprobs.admit(params)
         body = generate_request(prompt_ids, params)
         reader = SGLangStreamReader(
             prompt_len=len(prompt_ids),
@@ -79,11 +137,15 @@ class SGLangBackend(RemoteBackend):
             where=self._where,
         )
         stream = self._events(body)
-        async with aclosing(stream) as events:
-            async for event in events:
-                chunk = reader.read(event)
-                if chunk is not None:
-                    yield chunk
+        try:
+            async with aclosing(stream) as events:
+                async for event in events:
+                    chunk = reader.read(event)
+                    if chunk is not None:
+                        yield chunk if mark is None else replace(chunk, logprobs_kind=mark)
+        except BackendError:
+            self._logprobs.forget()  # restarted, maybe with another environment or version
+            raise
         if not reader.finished:
             raise BackendError(f"{self._where}: the stream ended without a finish_reason")
 
@@ -97,7 +159,7 @@ def generate_request(prompt_ids: Sequence[int], params: SamplingParams) -> dict[
         "stop_token_ids": list(params.stop_token_ids),
     }
     if params.seed is not None:
-        sampling["sampling_seed"] = params.seed
+        sampling["sampling_seed"] = params.seed & 0x7FFF_FFFF  # int32 on the server
     return {
         "input_ids": list(prompt_ids),
         "sampling_params": sampling,

@@ -27,8 +27,12 @@ entry; the k most likely are kept).
 
 Server flags: ``--logprobs-mode processed_logprobs`` (vLLM >= 0.10.2) makes the logprobs those of
 the distribution actually sampled from (after temperature, and top-p when < 1), as the Backend
-protocol promises; vLLM's default reports the model's raw distribution. ``--max-logprobs``
-must be at least the largest ``top_logprobs`` an agent asks for.
+protocol promises; vLLM's default (raw_logprobs) reports the model's raw distribution whatever
+the sampling. The gateway cannot choose the mode per request, so it probes each replica
+(``gateway.backends.probe``) and refuses a temperature other than 1 or a top_p below 1 on a
+raw-mode replica (400), unless ``--allow-raw-logprobs`` marks such turns "raw".
+``--max-logprobs`` must be at least the largest ``top_logprobs`` an agent asks for (and 1, for
+the probe).
 
 tests/unit/test_remote_backends.py checks this translation against payloads shaped as vLLM
 documents them; tests/deploy/test_vllm.py runs it against a real vLLM 0.32 (its CPU build), two
@@ -37,15 +41,22 @@ replicas, streamed and not, with log-probs checked against the reference trainer
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
 
-from gateway.backends.base import FinishReason, GenerationChunk, SamplingParams, TopLogprob
+from gateway.backends.base import (
+    FinishReason,
+    GenerationChunk,
+    SamplingParams,
+    TopLogprob,
+    needs_processed_logprobs,
+)
 from gateway.backends.payload import as_float, as_int, as_int_list, as_list, member
+from gateway.backends.probe import PROBE_PROMPT, GuardedLogprobs, LogprobsGuard, LogprobsKind
 from gateway.backends.sse import RemoteBackend
 from gateway.errors import BackendError
 
@@ -53,9 +64,17 @@ __all__ = ["StreamEvent", "VLLMBackend", "completion_request", "parse_stream_eve
 
 _TOKEN_ID_PREFIX = "token_id:"
 _FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length"}
+_PROCESSED = "Start vLLM with --logprobs-mode processed_logprobs (vLLM >= 0.10.2)"
+_ADVICE: dict[LogprobsKind, str] = {
+    "raw": "Its --logprobs-mode is the default, raw_logprobs: start it with --logprobs-mode "
+    "processed_logprobs (vLLM >= 0.10.2)",
+    "tempered": _PROCESSED,
+    "processed": _PROCESSED,
+    "unknown": _PROCESSED,
+}
 
 
-class VLLMBackend(RemoteBackend):
+class VLLMBackend(GuardedLogprobs, RemoteBackend):
     def __init__(
         self,
         base_url: str,
@@ -66,7 +85,11 @@ class VLLMBackend(RemoteBackend):
         client: httpx.AsyncClient | None = None,
         timeout_s: float = 600.0,
         connect_timeout_s: float = 5.0,
+        logprobs_kind: LogprobsKind | None = None,
+        probe_prompt: Sequence[int] = PROBE_PROMPT,
     ) -> None:
+        """``logprobs_kind``: known already (not probed); ``probe_prompt``: token ids of the
+        log-prob probe (``gateway.backends.probe``), valid for the served model."""
         # Accept the base URL with or without the /v1 an OpenAI client would be given.
         root = base_url.rstrip("/").removesuffix("/v1")
         super().__init__(
@@ -79,30 +102,58 @@ class VLLMBackend(RemoteBackend):
             connect_timeout_s=connect_timeout_s,
         )
         self._model = model
+        self._logprobs = LogprobsGuard(
+            replica=backend_id,
+            where=self._where,
+            sample=lambda prompt, params: self._stream(prompt, params, checked=False),
+            advice=_ADVICE,
+            prompt=probe_prompt,
+            kind=logprobs_kind,
+        )
 
-    async def generate(
+    def generate(
         self, prompt_ids: Sequence[int], params: SamplingParams, *, session: str | None = None
     ) -> AsyncIterator[GenerationChunk]:
+        return self._stream(prompt_ids, params, checked=True)
+
+    async def _stream(
+        self, prompt_ids: Sequence[int], params: SamplingParams, *, checked: bool
+    ) -> AsyncGenerator[GenerationChunk, None]:
+        # Checked before anything is sent: a refusal (InvalidRequest) or the "raw" mark.
+        mark = None
+        if checked and needs_processed_logprobs(params):
+            mark = await self._logprobs.admit(params)
         sent = list(prompt_ids)
         body = completion_request(self._model, sent, params)
         stream = self._events(body)
         finished: GenerationChunk | None = None
         usage: dict[str, float] = {}
-        async with aclosing(stream) as events:
-            async for raw in events:
-                event = parse_stream_event(raw, top_logprobs=params.top_logprobs, where=self._where)
-                if event.prompt_token_ids is not None and event.prompt_token_ids != sent:
-                    raise BackendError(f"{self._where} generated from a different prompt than sent")
-                usage.update(event.usage)
-                if event.chunk is None:
-                    continue
-                if finished is not None:
-                    raise BackendError(f"{self._where} sent tokens after finish_reason")
-                if event.chunk.finish_reason is None:
-                    yield event.chunk
-                else:
-                    # Held until the usage event that follows it, so the last chunk carries it.
-                    finished = event.chunk
+        try:
+            async with aclosing(stream) as events:
+                async for raw in events:
+                    event = parse_stream_event(
+                        raw, top_logprobs=params.top_logprobs, where=self._where
+                    )
+                    if event.prompt_token_ids is not None and event.prompt_token_ids != sent:
+                        raise BackendError(
+                            f"{self._where} generated from a different prompt than sent"
+                        )
+                    usage.update(event.usage)
+                    chunk = event.chunk
+                    if chunk is None:
+                        continue
+                    if finished is not None:
+                        raise BackendError(f"{self._where} sent tokens after finish_reason")
+                    if mark is not None:
+                        chunk = replace(chunk, logprobs_kind=mark)
+                    if chunk.finish_reason is None:
+                        yield chunk
+                    else:
+                        # Held until the usage event that follows it, so the last chunk has it.
+                        finished = chunk
+        except BackendError:
+            self._logprobs.forget()  # restarted, maybe with another --logprobs-mode
+            raise
         if finished is None:
             raise BackendError(f"{self._where}: the stream ended without a finish_reason")
         prompt_tokens = usage.get("prompt_tokens")

@@ -51,7 +51,7 @@ class CompletionServing:
             False,
             req.logprobs is not None,
             top,
-            sampling_record(params, req.stop_strings, None, req.max_tokens),
+            sampling_record(params, req.stop_strings, None, req.max_tokens, asked_seed=req.seed),
             request={"api": "completions"},
         )
 

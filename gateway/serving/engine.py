@@ -11,6 +11,7 @@ to ``finish``.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import secrets
 import time
@@ -32,7 +33,7 @@ from gateway.tools import ToolCallParser
 from gateway.turns import SessionState, TurnDraft, apply, fold, prefix_parent, turn_event
 from schemas.events import SessionEvent, TurnCompleted
 
-__all__ = ["Turn", "TurnEngine", "TurnResult", "sampling_record"]
+__all__ = ["Turn", "TurnEngine", "TurnResult", "derived_seed", "sampling_record"]
 
 log = logging.getLogger(__name__)
 JSON = dict[str, Any]
@@ -179,6 +180,14 @@ class TurnEngine:
                 f"model's context length of {self.backend.max_context} tokens",
                 param="messages",
             )
+        if seed is None:
+            # Every request's randomness is its own (issue 19): without one a replica draws from
+            # its engine's generator, and replicas started alike sample alike. The index is the
+            # session's next one, read under the session lock the caller holds. Should the event
+            # land at another index (TurnEngine._taken_by_earlier_attempt: an earlier attempt,
+            # answered 503, took this one, sampled with this same seed), the recorded seed is
+            # still the one sent: a replay sends the recorded seed, never one derived again.
+            seed = derived_seed(session.state.run, session.state.id, session.state.turns)
         # max_tokens is a cap (DESIGN §4): agents ask for 32k-64k whatever the model, so a cap
         # past the room left is lowered to fit (the sampling record keeps both values).
         return SamplingParams(
@@ -353,18 +362,49 @@ class TurnEngine:
         return True
 
 
+_SEED_MASK = (1 << 63) - 1  # derived seeds are non-negative int64s (derived_seed)
+
+
+def derived_seed(run: str, session: str, turn: int) -> int:
+    """The seed of a turn whose request sets none: BLAKE2b with an 8-byte digest of
+    ``turnstream/seed/<run>/<session>/<turn>``, read big-endian, masked to 63 bits.
+
+    Stable across processes, hosts and Python versions (no ``hash()``), and distinct per
+    session and turn, so the sessions of a GRPO group (one prompt) never share a sample stream,
+    wherever they are routed. 63 bits: vLLM takes an int64 seed (its OpenAI server bounds it to
+    ``torch.long``), torch's ``Generator.manual_seed`` one below 2**64; a non-negative int64
+    suits both, and the gateway's own ``seed`` field (int64).
+
+    >>> derived_seed("r1", "s1", 0), derived_seed("r1", "s1", 1)
+    (4799148068869229546, 6702576449194413337)
+    """
+    key = f"turnstream/seed/{run}/{session}/{turn}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big") & _SEED_MASK
+
+
 def sampling_record(
-    params: SamplingParams, stop: Sequence[str], tool_choice: object, asked: int | None
+    params: SamplingParams,
+    stop: Sequence[str],
+    tool_choice: object,
+    asked: int | None,
+    *,
+    asked_seed: int | None,
 ) -> JSON:
+    """What the turn was sampled with, recorded in its event: all a replay needs to send it
+    again (``turnstream replay --regenerate``). ``asked`` and ``asked_seed`` are the request's
+    max_tokens and seed; a seed the request did not set was derived (``derived_seed``)."""
     record: JSON = {
         "max_tokens": params.max_tokens,
         "temperature": params.temperature,
         "top_p": params.top_p,
+        "stop_token_ids": list(params.stop_token_ids),
     }
     if asked is not None and asked != params.max_tokens:
         record["max_tokens_requested"] = asked
     if params.seed is not None:
         record["seed"] = params.seed
+        if asked_seed is None:
+            record["seed_derived"] = True
     if stop:
         record["stop"] = list(stop)
     if tool_choice is not None:

@@ -17,6 +17,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
+from gateway.backends.base import needs_processed_logprobs
 from gateway.branches import resent_turn
 from gateway.conversation import TurnRequest
 from gateway.decoding import Detokenizer
@@ -114,6 +115,13 @@ class TurnServing:
             req.seed,
             req.top_logprobs,
         )
+        if needs_processed_logprobs(params):
+            # Refused now, with its status code, not as an error event after the stream began:
+            # a replica whose log-probs would not be the sampled distribution's (issue 19).
+            try:
+                await engine.backend.admit(params)
+            except InvalidRequest as exc:
+                raise InvalidRequest(f"session {session.name}: {exc}", param=exc.param) from None
         return Turn(
             session,
             req.api,  # type: ignore[arg-type]  # the adapters pass a Kind
@@ -125,7 +133,7 @@ class TurnServing:
             use_tools,
             req.logprobs,
             req.top_logprobs,
-            sampling_record(params, req.stop, req.tool_choice, req.max_tokens),
+            sampling_record(params, req.stop, req.tool_choice, req.max_tokens, asked_seed=req.seed),
             forced,
             request=req.record,
             parallel_tool_calls=req.parallel_tool_calls,

@@ -10,7 +10,7 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
-from gateway.backends.base import GenerationChunk
+from gateway.backends.base import GenerationChunk, SamplingParams
 from gateway.errors import BackendError
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import ChatCompletionRequest
@@ -93,6 +93,9 @@ class _FailingBackend:
     ) -> AsyncIterator[GenerationChunk]:
         yield GenerationChunk([72], [-0.5])
         raise BackendError("replica died mid-generation")
+
+    async def admit(self, params: SamplingParams) -> str | None:
+        return None
 
     async def close(self) -> None:
         return None

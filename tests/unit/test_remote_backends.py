@@ -61,9 +61,16 @@ class Recorder:
 
 
 def vllm(handler: Handler, base_url: str = "http://gpu-1:8000") -> VLLMBackend:
+    # Known to be in processed mode: these tests pin the translation, not the log-prob probe
+    # (tests/unit/test_logprobs_probe.py), which would send requests of its own first.
     client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
     return VLLMBackend(
-        base_url, "Qwen/Qwen2.5-7B-Instruct", backend_id="vllm-1", max_context=32768, client=client
+        base_url,
+        "Qwen/Qwen2.5-7B-Instruct",
+        backend_id="vllm-1",
+        max_context=32768,
+        client=client,
+        logprobs_kind="processed",
     )
 
 
@@ -75,6 +82,7 @@ def sglang(handler: Handler, *, incremental: bool = False) -> SGLangBackend:
         max_context=32768,
         client=client,
         incremental_streaming=incremental,
+        logprobs_kind="processed",
     )
 
 

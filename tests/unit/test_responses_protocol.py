@@ -22,7 +22,7 @@ from openai.types.responses import ResponseStreamEvent
 from pydantic import TypeAdapter, ValidationError
 from transformers import AutoTokenizer
 
-from gateway.backends.base import GenerationChunk
+from gateway.backends.base import GenerationChunk, SamplingParams
 from gateway.conversation import TurnRequest, message_key
 from gateway.errors import BackendError, InvalidRequest
 from gateway.metrics import GatewayMetrics
@@ -542,6 +542,9 @@ class _ScriptedBackend:
         if self.fail:
             raise BackendError("replica died mid-generation")
         yield GenerationChunk([self.stop], [-0.1], finish_reason="stop")
+
+    async def admit(self, params: SamplingParams) -> str | None:
+        return None
 
     async def close(self) -> None:
         return None

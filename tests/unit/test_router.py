@@ -56,6 +56,9 @@ class FakeReplica:
             if not finished:
                 self.aborted += 1
 
+    async def admit(self, params: SamplingParams) -> str | None:
+        return None
+
     async def close(self) -> None:
         self.closed = True
 

@@ -140,6 +140,9 @@ class VerlServerStandIn:
         async for chunk in self._local.generate(prompt_ids, params, session=session):
             yield dataclasses.replace(chunk, weight_version=None)
 
+    async def admit(self, params: SamplingParams) -> str | None:
+        return await self._local.admit(params)
+
     async def close(self) -> None:
         await self._local.close()
 
