@@ -20,7 +20,7 @@ import signal
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -549,19 +549,29 @@ def reply_ids(model_dir: Path) -> list[int]:
     return [*tokenizer.encode(REPLY_TEXT, add_special_tokens=False), int(tokenizer.eos_token_id)]
 
 
-async def bench(args: argparse.Namespace, plan: SurfacePlan, apis: list[str], tmp: Path) -> JSON:
+@dataclass
+class BenchStack:
+    """The processes a gateway benchmark runs against, up and healthy."""
+
+    model_dir: Path
+    gateway_url: str
+    procs: overhead.Procs
+    js: Any  # a JetStream context on the stack's nats-server
+
+
+@contextlib.asynccontextmanager
+async def fixed_latency_stack(
+    args: argparse.Namespace, tmp: Path, max_context: int, name: str
+) -> AsyncIterator[BenchStack]:
+    """nats-server, the fixed-latency backend (its reply: the Bash tool call) and a gateway, all
+    with ``max_context``; the logs' tails are printed when the body fails."""
     from gateway.model import ensure_tiny_model
 
     t0 = time.perf_counter()
     model_dir = ensure_tiny_model(Path(args.model_cache))
     completion = reply_ids(model_dir)
     conv = overhead.Conversation([], [], (completion[-1],), completion, len(completion))
-    shape = claude_code_shape()
-    say(
-        f"tiny model ready in {time.perf_counter() - t0:.1f} s; reply: {len(completion)} tokens; "
-        f"system {sum(map(len, shape.system)):,} chars in {len(shape.system)} blocks, "
-        f"{len(shape.tools)} tools ({len(dumps(list(shape.tools))):,} bytes of JSON)"
-    )
+    say(f"tiny model ready in {time.perf_counter() - t0:.1f} s; reply: {len(completion)} tokens")
     log_dir = tmp / "logs"
     log_dir.mkdir()
     nats = NatsServer(tmp / "nats").start()
@@ -570,12 +580,12 @@ async def bench(args: argparse.Namespace, plan: SurfacePlan, apis: list[str], tm
     gateway_url = f"http://127.0.0.1:{gateway_port}"
     backend_cmd = overhead.backend_command(args, backend_port, conv, model_dir.name)
     backend = overhead.spawn(
-        [*backend_cmd, "--max-model-len", str(MAX_CONTEXT)], log_dir / "backend.log", os.environ
+        [*backend_cmd, "--max-model-len", str(max_context)], log_dir / "backend.log", os.environ
     )
     gateway_cmd = overhead.gateway_command(
         args, model_dir, nats.url, backend_url, gateway_port, tmp / "data", tmp / "gc.json"
     )
-    gateway_cmd[gateway_cmd.index("--max-context") + 1] = str(MAX_CONTEXT)
+    gateway_cmd[gateway_cmd.index("--max-context") + 1] = str(max_context)
     gateway: Any = None
     nc = None
     try:
@@ -587,19 +597,41 @@ async def bench(args: argparse.Namespace, plan: SurfacePlan, apis: list[str], tm
             f"backend (pid {backend.pid}), gateway (pid {gateway.pid}), nats-server "
             f"(pid {nats.pid}) up in {time.perf_counter() - t0:.1f} s"
         )
-        nc = await connect(nats.url, name="gateway-bench-apis")
-        js = nc.jetstream()
+        nc = await connect(nats.url, name=name)
+        yield BenchStack(model_dir, gateway_url, procs, nc.jetstream())
+    except BaseException:
+        for log_file in sorted(log_dir.iterdir()):
+            say(f"--- {log_file.name} (tail) ---\n{log_file.read_text(errors='replace')[-4000:]}")
+        raise
+    finally:
+        if nc is not None:
+            await nc.close()
+        if gateway is not None:
+            overhead.stop_process(gateway, signal.SIGINT, 60 if args.profile_gateway else 20)
+        overhead.stop_process(backend, signal.SIGTERM)
+        nats.stop()
+
+
+async def bench(args: argparse.Namespace, plan: SurfacePlan, apis: list[str], tmp: Path) -> JSON:
+    shape = claude_code_shape()
+    say(
+        f"system {sum(map(len, shape.system)):,} chars in {len(shape.system)} blocks, "
+        f"{len(shape.tools)} tools ({len(dumps(list(shape.tools))):,} bytes of JSON)"
+    )
+    async with fixed_latency_stack(args, tmp, MAX_CONTEXT, "gateway-bench-apis") as stack:
         per = args.workers_per_client
         c_max = max(c for c, _ in plan.variants)
         limits = httpx.Limits(max_connections=per + 2, max_keepalive_connections=per + 2)
         sent = SentSessions()
         loads = {
-            api: SessionLoad(SURFACES[api](shape, model_dir.name), gateway_url, sent)
+            api: SessionLoad(SURFACES[api](shape, stack.model_dir.name), stack.gateway_url, sent)
             for api in apis
         }
-        async with contextlib.AsyncExitStack() as stack:
+        async with contextlib.AsyncExitStack() as clients_stack:
             clients = [
-                await stack.enter_async_context(httpx.AsyncClient(limits=limits, timeout=120.0))
+                await clients_stack.enter_async_context(
+                    httpx.AsyncClient(limits=limits, timeout=120.0)
+                )
                 for _ in range(-(-c_max // per))
             ]
             # Warm-up, unmeasured: the first WARMUP_TURNS turns of a session per API, streamed
@@ -615,19 +647,8 @@ async def bench(args: argparse.Namespace, plan: SurfacePlan, apis: list[str], tm
             )
             gc.collect()
             gc.freeze()
-            phases = await run_rounds(args, plan, apis, loads, clients, procs, js)
-        checks = await check_sessions(js, sent)
-    except BaseException:
-        for log_file in sorted(log_dir.iterdir()):
-            say(f"--- {log_file.name} (tail) ---\n{log_file.read_text(errors='replace')[-4000:]}")
-        raise
-    finally:
-        if nc is not None:
-            await nc.close()
-        if gateway is not None:
-            overhead.stop_process(gateway, signal.SIGINT, 60 if args.profile_gateway else 20)
-        overhead.stop_process(backend, signal.SIGTERM)
-        nats.stop()
+            phases = await run_rounds(args, plan, apis, loads, clients, stack.procs, stack.js)
+        checks = await check_sessions(stack.js, sent)
     return {"phases": phases, "checks": checks}
 
 

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
-import signal
 import statistics
 import tempfile
 import time
@@ -29,12 +27,12 @@ from _api_surfaces import (
     ClaudeCodeShape,
     claude_code_shape,
     dumps,
-    reply_ids,
+    fixed_latency_stack,
     tool_output,
 )
 from _common import banner, finish, say
 
-from eventlog import NatsServer, connect, free_port, read_session
+from eventlog import read_session
 
 JSON = dict[str, Any]
 
@@ -159,37 +157,9 @@ async def check(js: Any, load: InterleavedLoad) -> JSON:
 
 
 async def bench(args: argparse.Namespace, rounds: int, tmp: Path) -> JSON:
-    from gateway.model import ensure_tiny_model
-
-    t0 = time.perf_counter()
-    model_dir = ensure_tiny_model(Path(args.model_cache))
-    completion = reply_ids(model_dir)
-    conv = overhead.Conversation([], [], (completion[-1],), completion, len(completion))
-    log_dir = tmp / "logs"
-    log_dir.mkdir()
-    nats = NatsServer(tmp / "nats").start()
-    backend_port, gateway_port = free_port(), free_port()
-    backend_url = f"http://127.0.0.1:{backend_port}"
-    gateway_url = f"http://127.0.0.1:{gateway_port}"
-    backend_cmd = overhead.backend_command(args, backend_port, conv, model_dir.name)
-    backend = overhead.spawn(
-        [*backend_cmd, "--max-model-len", str(MAX_CONTEXT)], log_dir / "backend.log", os.environ
-    )
-    gateway_cmd = overhead.gateway_command(
-        args, model_dir, nats.url, backend_url, gateway_port, tmp / "data", tmp / "gc.json"
-    )
-    gateway_cmd[gateway_cmd.index("--max-context") + 1] = str(MAX_CONTEXT)
-    gateway: Any = None
-    nc = None
-    try:
-        await overhead.wait_http(f"{backend_url}/health", backend, "fixed-latency backend", 30)
-        gateway = overhead.spawn(gateway_cmd, log_dir / "gateway.log", overhead.gateway_env(args))
-        procs = overhead.Procs(backend, gateway, nats)
-        await overhead.wait_http(f"{gateway_url}/health", gateway, "gateway", 120)
-        say(f"backend, gateway and nats-server up in {time.perf_counter() - t0:.1f} s")
-        nc = await connect(nats.url, name="gateway-bench-interleaved")
-        js = nc.jetstream()
-        load = InterleavedLoad(ChatSurface(interleaved_shape(), model_dir.name), gateway_url)
+    async with fixed_latency_stack(args, tmp, MAX_CONTEXT, "gateway-bench-interleaved") as stack:
+        surface = ChatSurface(interleaved_shape(), stack.model_dir.name)
+        load = InterleavedLoad(surface, stack.gateway_url)
         phases: list[Phase] = []
         async with httpx.AsyncClient(timeout=120.0) as client:
             load.open("warm", 2)
@@ -199,42 +169,28 @@ async def bench(args: argparse.Namespace, rounds: int, tmp: Path) -> JSON:
                 order = LEVELS if rnd % 2 == 0 else LEVELS[::-1]
                 line = []
                 for level in order:
-                    sids = [f"il-n{level}-r{rnd}-s{k}" for k in range(CONVERSATIONS // level)]
-                    for sid in sids:
-                        load.open(sid, level)
-                    await load.round_robin(client, sids, WARM_TURNS)  # to ~32k tokens each
-                    cpu0 = procs.cpu()
-                    await load.round_robin(client, sids, MEASURED_TURNS)
-                    cpu1 = procs.cpu()
-                    measured = [
-                        p
-                        for sid in sids
-                        for c in load.sessions[sid]
-                        for p in c.prompt_tokens[WARM_TURNS:]
-                    ]
-                    phase = Phase(
-                        level,
-                        rnd,
-                        len(measured),
-                        {k: cpu1[k] - cpu0[k] for k in cpu0},
-                        measured,
-                    )
+                    phase = await run_phase(load, client, stack.procs, level, rnd)
                     phases.append(phase)
                     line.append(f"N={level:<2} {phase.cpu_ms_per_turn():6.2f} ms CPU/turn")
                 say(f"  round {rnd + 1}/{rounds}: " + " | ".join(line))
-        checks = await check(js, load)
-    except BaseException:
-        for log_file in sorted(log_dir.iterdir()):
-            say(f"--- {log_file.name} (tail) ---\n{log_file.read_text(errors='replace')[-4000:]}")
-        raise
-    finally:
-        if nc is not None:
-            await nc.close()
-        if gateway is not None:
-            overhead.stop_process(gateway, signal.SIGINT, 20)
-        overhead.stop_process(backend, signal.SIGTERM)
-        nats.stop()
+        checks = await check(stack.js, load)
     return {"phases": phases, "checks": checks}
+
+
+async def run_phase(
+    load: InterleavedLoad, client: httpx.AsyncClient, procs: overhead.Procs, level: int, rnd: int
+) -> Phase:
+    """CONVERSATIONS conversations in sessions of ``level``: warmed up to ~32k tokens each,
+    then MEASURED_TURNS turns each under the CPU meter."""
+    sids = [f"il-n{level}-r{rnd}-s{k}" for k in range(CONVERSATIONS // level)]
+    for sid in sids:
+        load.open(sid, level)
+    await load.round_robin(client, sids, WARM_TURNS)
+    cpu0 = procs.cpu()
+    await load.round_robin(client, sids, MEASURED_TURNS)
+    cpu1 = procs.cpu()
+    measured = [p for sid in sids for c in load.sessions[sid] for p in c.prompt_tokens[WARM_TURNS:]]
+    return Phase(level, rnd, len(measured), {k: cpu1[k] - cpu0[k] for k in cpu0}, measured)
 
 
 def report(phases: list[Phase], rounds: int) -> JSON:
