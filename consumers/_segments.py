@@ -5,16 +5,19 @@ worth; this module does the token arithmetic, with numpy and no per-token Python
 
 A session is a tree (DESIGN §5): each turn's delta is taken against its parent turn
 (``TurnCompleted.parent``; -1: none, an empty context). A turn's full context (its full prompt +
-its completion) is kept as a tuple of array chunks, not one array: in an append-only chain every
-prompt is "all of the parent's context + new tokens", so chaining chunks rebuilds n turns in
-O(total tokens) instead of O(n * context length). The chunks are only joined where a delta cuts
-into its parent's context, and once per sample.
+its completion) is kept as array chunks linked to its parent's (``Linked``), not one array: in
+an append-only chain every prompt is "all of the parent's context + new tokens", so linking
+chunks rebuilds n turns in O(total tokens) time and memory instead of O(n * context length), and
+holds O(n) chunks, not a copy of every ancestor's per turn. The chunks are only joined where a
+delta cuts into its parent's context, and once per sample. A turn's conversation is linked to
+its parent's the same way.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 import numpy as np
 
@@ -24,6 +27,32 @@ from schemas.events import JSON, Float32Array, Int8Array, Int32Array, TurnComple
 
 _NO_TOKENS: Int32Array = np.empty(0, dtype=np.int32)
 _INT32_MIN, _INT32_MAX = int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).max)
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Linked(Generic[_T]):
+    """A sequence as its own ``parts`` after those of the sequence it extends, which it shares:
+    extending one copies nothing, so n turns that each extend their parent hold O(n) parts.
+    Compared by identity (equality or a repr would walk every ancestor)."""
+
+    before: Linked[_T] | None = field(repr=False)
+    parts: tuple[_T, ...]
+    size: int = field(init=False)
+    """How many parts, the ancestors' included."""
+
+    def __post_init__(self) -> None:
+        inherited = self.before.size if self.before is not None else 0
+        object.__setattr__(self, "size", inherited + len(self.parts))
+
+    def all(self) -> list[_T]:
+        """Every part, the ancestors' first."""
+        links: list[Linked[_T]] = []
+        link: Linked[_T] | None = self
+        while link is not None:
+            links.append(link)
+            link = link.before
+        return [part for link in reversed(links) for part in link.parts]
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,13 +60,18 @@ class RebuiltTurn:
     """One turn with its delta decoded against its parent."""
 
     event: TurnCompleted
-    context: tuple[Int32Array, ...]  # chunks of full prompt + completion
+    context: Linked[Int32Array]  # chunks of full prompt + completion
     prompt_len: int  # tokens in the full prompt
     appended: int  # prompt tokens after the parent's full context (when ``extends``)
     extends: bool  # the full prompt starts with the parent's whole full context
     shared: int  # leading tokens of the full prompt equal to the parent's full context
     first_generated: int | None  # where the first token any turn generated lies in ``context``
-    conversation: list[JSON]  # the messages the model answered, before its own reply
+    messages: Linked[JSON]  # the messages the model answered, before its own reply
+
+    @property
+    def conversation(self) -> list[JSON]:
+        """The messages the model answered, before its own reply."""
+        return self.messages.all()
 
     @property
     def inside_generated(self) -> bool:
@@ -100,36 +134,46 @@ def rebuild(run: str, session: str, turns: Sequence[TurnCompleted]) -> list[Rebu
     rebuilt: list[RebuiltTurn] = []
     for event in turns:
         parent = rebuilt[event.parent] if event.parent >= 0 else None
-        context = parent.context if parent is not None else ()
         context_len = parent.prompt_len + len(parent.event.completion_ids) if parent else 0
-        history = [*parent.conversation, parent.event.assistant_message] if parent else []
-        _check(run, session, event, context_len, len(history))
+        history_len = parent.messages.size + 1 if parent else 0  # its messages and its reply
+        _check(run, session, event, context_len, history_len)
         if event.prefix_len == context_len:
             extends, shared = True, context_len
-            prompt = (*context, event.prompt_ids)
+            before = parent.context if parent is not None else None
+            context = Linked(before, (event.prompt_ids, event.completion_ids))
         else:
-            whole = _join(context)
+            assert parent is not None  # prefix_len > 0 = context_len is refused by _check
+            whole = _join(parent.context.all())
             dropped = whole[event.prefix_len :]
             # A client that resends history with a shorter prefix_len (no delta encoding) still
             # shares it, and extends the context when it resends all of it: decide on the
             # tokens, not on prefix_len alone.
             shared = event.prefix_len + common_prefix_len(dropped, event.prompt_ids)
             extends = shared == context_len
-            prompt = (whole[: event.prefix_len], event.prompt_ids)
+            parts = (whole[: event.prefix_len], event.prompt_ids, event.completion_ids)
+            context = Linked(None, parts)
         prompt_len = event.prefix_len + len(event.prompt_ids)
         inherited = parent.first_generated if parent is not None else None
         if inherited is None or inherited >= shared:
             inherited = prompt_len if len(event.completion_ids) else None
+        new_messages = tuple(event.new_messages)
+        if parent is None:
+            messages = Linked(None, new_messages)
+        elif event.message_prefix_len == history_len:
+            messages = Linked(parent.messages, (parent.event.assistant_message, *new_messages))
+        else:
+            history = [*parent.conversation, parent.event.assistant_message]
+            messages = Linked(None, (*history[: event.message_prefix_len], *new_messages))
         rebuilt.append(
             RebuiltTurn(
                 event=event,
-                context=(*prompt, event.completion_ids),
+                context=context,
                 prompt_len=prompt_len,
                 appended=prompt_len - context_len,
                 extends=extends,
                 shared=shared,
                 first_generated=inherited,
-                conversation=[*history[: event.message_prefix_len], *event.new_messages],
+                messages=messages,
             )
         )
     return rebuilt
@@ -193,7 +237,7 @@ def sample_arrays(sample: Sequence[RebuiltTurn]) -> SampleArrays:
         ]
     )
     return SampleArrays(
-        input_ids=_join(sample[-1].context),
+        input_ids=_join(sample[-1].context.all()),
         loss_mask=np.repeat(np.tile(np.array([0, 1], dtype=np.int8), n), runs),
         logprobs=logprobs.astype(np.float32, copy=False),
         versions=np.repeat(run_versions, runs),

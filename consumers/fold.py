@@ -7,7 +7,9 @@ Shaped like an event-sourced projection::
         state = apply(state, event)
     result = finish(state, FoldOptions())
 
-``apply`` only accumulates. It keeps one event per identity (the open, each turn index, each
+``apply`` only accumulates: it links the event in front of the events before it, a log that
+every earlier state shares, so a session of n events costs O(n) time and memory and no state is
+ever changed or copied. ``finish`` keeps one event per identity (the open, each turn index, each
 reward (key, turn), the close), so neither the order of the events nor their duplicates change
 the result. Everything that needs the whole session (which events are late, rebuilding the
 delta-encoded prompts, cutting segments, rewards) happens in ``finish``.
@@ -52,7 +54,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import reduce
 from itertools import islice
 from typing import Literal, TypeVar
@@ -136,17 +138,60 @@ class FoldResult:
     """The turns that begin a fork (``forks`` of them), in order."""
 
 
-@dataclass(frozen=True)
-class SessionState:
-    """What ``apply`` has accumulated: one event per identity and the count of repeats."""
+@dataclass(frozen=True, slots=True, eq=False)
+class _Applied:
+    """One link of a state's log: an applied event and the link of the events before it.
 
-    run: str | None = None
-    session: str | None = None
+    Compared by identity: equality or a repr would recurse down the whole log."""
+
+    event: SessionEvent
+    before: _Applied | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Kept:
+    """One event per identity, the first of each in application order holding its place."""
+
     opened: SessionOpened | None = None
     turns: Mapping[int, TurnCompleted] = field(default_factory=dict)
     rewards: Mapping[RewardKey, RewardAssigned] = field(default_factory=dict)
     closed: SessionClosed | None = None
     duplicates: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class SessionState:
+    """What ``apply`` has accumulated: the session's events, newest first.
+
+    The properties resolve the log to one event per identity (the one first by
+    (created_at, encoded bytes)) and the count of repeats; each reading walks the whole log, so
+    ``finish`` reads it once."""
+
+    run: str | None = None
+    session: str | None = None
+    log: _Applied | None = field(default=None, repr=False)
+    events: int = 0
+    """How many events were applied, repeats included."""
+
+    @property
+    def opened(self) -> SessionOpened | None:
+        return _resolve(self.log).opened
+
+    @property
+    def turns(self) -> Mapping[int, TurnCompleted]:
+        return _resolve(self.log).turns
+
+    @property
+    def rewards(self) -> Mapping[RewardKey, RewardAssigned]:
+        return _resolve(self.log).rewards
+
+    @property
+    def closed(self) -> SessionClosed | None:
+        return _resolve(self.log).closed
+
+    @property
+    def duplicates(self) -> int:
+        return _resolve(self.log).duplicates
 
 
 def initial() -> SessionState:
@@ -169,7 +214,8 @@ def _keep(current: _E | None, incoming: _E) -> _E:
 def apply(state: SessionState, event: SessionEvent) -> SessionState:
     """Return a new state with ``event`` accumulated; ``state`` is left unchanged.
 
-    A redelivered event (same identity as one already applied) only adds to ``duplicates``.
+    O(1): the new state links ``event`` in front of ``state``'s log, which both then share. A
+    redelivered event (same identity as one already applied) only adds to ``duplicates``.
     Raises FoldError for an event of another session, or one that is not a session event.
     """
     if not isinstance(event, SessionOpened | TurnCompleted | RewardAssigned | SessionClosed):
@@ -178,35 +224,36 @@ def apply(state: SessionState, event: SessionEvent) -> SessionState:
             f"cannot fold a {type(event).__name__}; the fold takes SessionOpened, "
             f"TurnCompleted, RewardAssigned and SessionClosed"
         )
-    if state.run is None:
-        state = replace(state, run=event.run, session=event.session)
-    elif (event.run, event.session) != (state.run, state.session):
+    if state.run is not None and (event.run, event.session) != (state.run, state.session):
         raise FoldError(
             f"run={state.run} session={state.session}: got a {type(event).__name__} of "
             f"run={event.run} session={event.session}; a fold takes the events of one session"
         )
-    if isinstance(event, TurnCompleted):
-        current_turn = state.turns.get(event.turn)
-        turns = {**state.turns, event.turn: _keep(current_turn, event)}
-        return replace(state, turns=turns, duplicates=state.duplicates + (current_turn is not None))
-    if isinstance(event, RewardAssigned):
-        key: RewardKey = (event.key, event.turn)
-        current_reward = state.rewards.get(key)
-        rewards = {**state.rewards, key: _keep(current_reward, event)}
-        return replace(
-            state, rewards=rewards, duplicates=state.duplicates + (current_reward is not None)
-        )
-    if isinstance(event, SessionOpened):
-        return replace(
-            state,
-            opened=_keep(state.opened, event),
-            duplicates=state.duplicates + (state.opened is not None),
-        )
-    return replace(
-        state,
-        closed=_keep(state.closed, event),
-        duplicates=state.duplicates + (state.closed is not None),
-    )
+    return SessionState(event.run, event.session, _Applied(event, state.log), state.events + 1)
+
+
+def _resolve(log: _Applied | None) -> _Kept:
+    """The log's events in application order, one per identity (``_keep``), and the repeats."""
+    applied: list[SessionEvent] = []
+    while log is not None:
+        applied.append(log.event)
+        log = log.before
+    opened: SessionOpened | None = None
+    closed: SessionClosed | None = None
+    turns: dict[int, TurnCompleted] = {}
+    rewards: dict[RewardKey, RewardAssigned] = {}
+    for event in reversed(applied):
+        if isinstance(event, TurnCompleted):
+            turns[event.turn] = _keep(turns.get(event.turn), event)
+        elif isinstance(event, RewardAssigned):
+            key: RewardKey = (event.key, event.turn)
+            rewards[key] = _keep(rewards.get(key), event)
+        elif isinstance(event, SessionOpened):
+            opened = _keep(opened, event)
+        else:
+            closed = _keep(closed, event)
+    distinct = len(turns) + len(rewards) + (opened is not None) + (closed is not None)
+    return _Kept(opened, turns, rewards, closed, len(applied) - distinct)
 
 
 def _turns_to_fold(
@@ -303,15 +350,13 @@ def _tree_metadata(chains: Chains, sample: list[RebuiltTurn]) -> JSON:
     return metadata
 
 
-def _created_at(
-    state: SessionState, turns: list[TurnCompleted], rewards: list[RewardAssigned]
-) -> float:
+def _created_at(kept: _Kept, turns: list[TurnCompleted], rewards: list[RewardAssigned]) -> float:
     """The time of the result, from the events only: re-folding must give the same bytes."""
-    if state.closed is not None:
-        return state.closed.created_at
+    if kept.closed is not None:
+        return kept.closed.created_at
     times = [event.created_at for event in (*turns, *rewards)]
-    if state.opened is not None:
-        times.append(state.opened.created_at)
+    if kept.opened is not None:
+        times.append(kept.opened.created_at)
     return max(times, default=0.0)
 
 
@@ -322,12 +367,13 @@ def finish(state: SessionState, options: FoldOptions = FoldOptions()) -> FoldRes
     one past the highest turn seen), FoldError when a turn's delta does not fit its parent turn.
     A session with no close folds as status "open", with no final reward and nothing late.
     """
+    kept = _resolve(state.log)
     if state.run is None or state.session is None:
-        return FoldResult(trajectories=[], forks=0, late_events=0, duplicates=state.duplicates)
-    run, session, closed = state.run, state.session, state.closed
-    turns, late_turns = _turns_to_fold(run, session, state.turns, closed)
-    rewards = [r for r in state.rewards.values() if not _is_late(r, closed, len(turns))]
-    late_rewards = len(state.rewards) - len(rewards)
+        return FoldResult(trajectories=[], forks=0, late_events=0, duplicates=kept.duplicates)
+    run, session, closed = state.run, state.session, kept.closed
+    turns, late_turns = _turns_to_fold(run, session, kept.turns, closed)
+    rewards = [r for r in kept.rewards.values() if not _is_late(r, closed, len(turns))]
+    late_rewards = len(kept.rewards) - len(rewards)
 
     rebuilt = rebuild(run, session, turns)
     chains = split(rebuilt, options.per_turn)
@@ -335,14 +381,14 @@ def finish(state: SessionState, options: FoldOptions = FoldOptions()) -> FoldRes
     forks = len(chains.fork_turns)
     final_reward = _final_reward(closed, [r for r in rewards if r.turn is None])
     turn_rewards = _turn_rewards([r for r in rewards if r.turn is not None])
-    opened = state.opened
+    opened = kept.opened
     base_metadata: JSON = dict(opened.metadata) if opened is not None else {}
     # segments: how many samples the session became, so a consumer (a GRPO batcher) knows
     # when it has all of them.
     base_metadata.update(
         model=opened.model if opened is not None else "", forks=forks, segments=len(samples)
     )
-    created_at = _created_at(state, turns, rewards)
+    created_at = _created_at(kept, turns, rewards)
     tools = _tools_by_turn(turns)
 
     def trajectory(index: int, sample: list[RebuiltTurn]) -> TrajectoryReady:
@@ -383,7 +429,7 @@ def finish(state: SessionState, options: FoldOptions = FoldOptions()) -> FoldRes
         trajectories=[trajectory(index, sample) for index, sample in enumerate(samples)],
         forks=forks,
         late_events=late_turns + late_rewards,
-        duplicates=state.duplicates,
+        duplicates=kept.duplicates,
         turn_segments=chains.turn_samples,
         fork_turns=chains.fork_turns,
     )

@@ -542,6 +542,40 @@ def test_apply_leaves_the_state_it_was_given() -> None:
     assert finish(initial()) == FoldResult(trajectories=[], forks=0, late_events=0, duplicates=0)
 
 
+def test_states_applied_to_twice_stay_apart() -> None:
+    # apply shares the earlier state's events instead of copying them: two events applied to one
+    # state must still give two states, each with only its own event.
+    t0, t1 = turn_events(append_only(2))
+    start = apply(initial(), opened())
+    one, other = apply(start, t0), apply(start, t1)
+
+    assert (list(one.turns), list(other.turns), list(start.turns)) == ([0], [1], [])
+    assert apply(one, t0).duplicates == 1 and one.duplicates == 0
+    assert encoded(finish(apply(one, t1))) == encoded(finish(apply(other, t0)))
+
+
+def test_a_session_of_thousands_of_turns_folds_without_recursion() -> None:
+    # States link each event to the ones before: nothing may walk that chain recursively.
+    turns = 2_000
+    events: list[SessionEvent] = [opened()]
+    for t in range(turns):
+        events.append(
+            TurnCompleted(
+                run=RUN, session=SESSION, turn=t, prefix_len=2 * t, prompt_ids=[t],
+                completion_ids=[t], logprobs=[-0.5], message_prefix_len=2 * t,
+                new_messages=[{"role": "tool", "content": str(t)}],
+            )
+        )  # fmt: skip
+    state = initial()
+    for event in [*events, closed(num_turns=turns), *events[1:]]:
+        state = apply(state, event)
+    [sample] = finish(state).trajectories
+
+    assert sample.input_ids.tolist() == [t for t in range(turns) for _ in range(2)]
+    assert len(sample.messages) == 2 * turns and state.duplicates == turns
+    assert "SessionState(" in repr(state) and state == state
+
+
 def test_fold_options_reject_an_unknown_scope() -> None:
     with pytest.raises(ValueError, match="final_reward_scope"):
         FoldOptions(final_reward_scope="first")  # type: ignore[arg-type]
