@@ -27,6 +27,18 @@ when that fails is each row tried alone to find the culprits (``writable_table``
 A shard's footer also names its TRAJ stream and that stream's creation time: sequences of a
 stream deleted and made again restart at 1, and shards of the old one are not taken for it.
 
+**Encoding overlaps fetching.** A buffer that is due (full, or aged) is handed to a write task
+of its run: the Arrow table and the zstd Parquet encode run in a thread while the loop goes on
+fetching and decoding. One write at a time per run (its shards stay in sequence order); runs
+write side by side. The buffers filling are capped by ``max_rows`` / ``max_bytes`` over all
+runs as before, the rows being written by as much again (memory stays under twice the limits;
+a new write waits for the run's previous one rather than cut small shards), and their messages
+are acked only after the shard is renamed into place, as before. A write that fails for good
+ends the writer at its next message or tick; stop waits for every write in flight, then writes
+what is buffered. Decoding keeps the trajectory in its compact form
+(``Codec.decode_compact_trajectory``): the token columns are built for the whole shard at once
+(``schemas.shards``).
+
 **One shard writer per TRAJ stream and target.** The committed set lives in this process; a
 second writer on the same durable consumer would not know the first one's shards, and a
 redelivery could then be written twice.
@@ -75,8 +87,9 @@ class ShardWriterStats:
     write_retries: int = 0
 
 
-@dataclass
+@dataclass(eq=False)
 class _RunBuffer:
+    run: str
     opened_at: float
     rows: dict[int, tuple[ShardRow, Delivery]] = field(default_factory=dict)  # by TRAJ sequence
     nbytes: int = 0
@@ -113,9 +126,12 @@ class ShardWriter:
         self._clock = clock
         self.stats = ShardWriterStats()
         self._committed = SeqSet()
-        self._buffers: dict[str, _RunBuffer] = {}
-        self._buffered_run: dict[int, str] = {}  # TRAJ sequence -> run of its buffer
-        self._buffered_bytes = 0  # over all runs
+        self._buffers: dict[str, _RunBuffer] = {}  # filling, by run
+        self._writing: dict[str, asyncio.Task[None]] = {}  # a write in flight, by run
+        self._failed: BaseException | None = None  # a write that failed for good
+        self._by_seq: dict[int, _RunBuffer] = {}  # TRAJ sequence -> its buffer, until committed
+        self._buffered_bytes = 0  # over all runs, buffers being written included
+        self._writing_rows = self._writing_bytes = 0  # of the buffers being written
         self._stream_created = ""
         self._metrics = metrics.loop(SOURCE) if metrics else LoopMetrics.disabled()
         s = self.settings
@@ -165,6 +181,9 @@ class ShardWriter:
             await self.loop.run(stop, tick=self._rotate_aged, wait_s=self._fetch_wait_s)
             await self.flush()
         finally:
+            # Writes in flight finish (and ack what they committed) before the loop is closed.
+            if self._writing:
+                await asyncio.gather(*self._writing.values(), return_exceptions=True)
             await self.loop.close()
         return self.stats
 
@@ -222,61 +241,124 @@ class ShardWriter:
     # -- one message ------------------------------------------------------------------------
 
     async def handle(self, delivery: Delivery) -> Outcome:
+        self._raise_failed()
         seq = delivery.seq
         if seq in self._committed:
             self.stats.duplicates_skipped += 1
             return ACK
-        run = self._buffered_run.get(seq)
-        if run is not None:  # redelivered while buffered: ack the newest delivery later
-            buffer = self._buffers[run]
-            buffer.rows[seq] = (buffer.rows[seq][0], delivery)
+        held = self._by_seq.get(seq)
+        if held is not None:  # redelivered while buffered or written: ack the newest later
+            held.rows[seq] = (held.rows[seq][0], delivery)
             self.stats.duplicates_skipped += 1
             return HOLD
         try:
-            event = self._codec.decode_trajectory(delivery.data, delivery.subject)
+            event = self._codec.decode_compact_trajectory(delivery.data, delivery.subject)
             try:
                 row = shard_row(seq, event)
             except ValueError as exc:
                 raise UndecodableEvent(str(exc)) from exc
         except SchemaError as exc:
             return Reject(exc.reason, f"{type(exc).__name__}: {exc}")
-        self._buffer(event.run, row, delivery)
-        buffer = self._buffers[event.run]
+        buffer = self._buffer(event.run, row, delivery)
         s = self.settings
         if len(buffer.rows) >= s.max_rows or buffer.nbytes >= s.max_bytes:
-            await self._write(event.run)  # a ShardWriteFailed is fatal: it ends the writer
-        # Over all runs too: bounds memory and keeps the unacked below max_ack_pending.
-        while self._buffered_run and (
-            len(self._buffered_run) >= s.max_rows or self._buffered_bytes >= s.max_bytes
+            await self._start_write(event.run)
+        # Over all runs too: the buffers filling are capped by the same limits (the oldest is
+        # cut), the rows being written besides them by as much again: memory stays under twice
+        # the limits, and unacked rows past max_ack_pending only pause deliveries until a write
+        # commits.
+        while self._buffers and (
+            len(self._by_seq) - self._writing_rows >= s.max_rows
+            or self._buffered_bytes - self._writing_bytes >= s.max_bytes
         ):
-            await self._write(min(self._buffers, key=lambda r: self._buffers[r].opened_at))
+            idle = [r for r in self._buffers if r not in self._writing]
+            if idle:
+                await self._start_write(min(idle, key=self._opened_at))
+            else:  # every run that fills is being written: wait rather than cut small shards
+                await self._wait(next(iter(self._writing.values())))
+        while self._writing and (
+            len(self._by_seq) >= 2 * s.max_rows or self._buffered_bytes >= 2 * s.max_bytes
+        ):
+            await self._wait(next(iter(self._writing.values())))
         return HOLD
 
-    def _buffer(self, run: str, row: ShardRow, delivery: Delivery) -> None:
+    def _opened_at(self, run: str) -> float:
+        return self._buffers[run].opened_at
+
+    def _buffer(self, run: str, row: ShardRow, delivery: Delivery) -> _RunBuffer:
         buffer = self._buffers.get(run)
         if buffer is None:
-            buffer = self._buffers[run] = _RunBuffer(self._clock())
+            buffer = self._buffers[run] = _RunBuffer(run, self._clock())
         buffer.rows[row.traj_seq] = (row, delivery)
         buffer.nbytes += row.nbytes
         self._buffered_bytes += row.nbytes
-        self._buffered_run[row.traj_seq] = run
+        self._by_seq[row.traj_seq] = buffer
+        return buffer
 
     # -- shards -----------------------------------------------------------------------------
 
     async def _rotate_aged(self) -> None:
+        self._raise_failed()
         now = self._clock()
         max_age = self.settings.max_age_s
         for run in [r for r, b in self._buffers.items() if now - b.opened_at >= max_age]:
-            await self._write(run)
+            await self._start_write(run)
 
     async def flush(self) -> None:
-        """Commit every buffer now (on stop)."""
+        """Commit every buffer now (on stop): the writes in flight, then the rest."""
+        while self._writing:
+            await self._wait(next(iter(self._writing.values())))
         for run in list(self._buffers):
-            await self._write(run)
+            await self._start_write(run)
+            task = self._writing.get(run)
+            if task is not None:
+                await self._wait(task)
 
-    async def _write(self, run: str) -> None:
-        buffer = self._buffers.pop(run)
-        self._buffered_bytes -= buffer.nbytes
+    def _raise_failed(self) -> None:
+        if self._failed is not None:
+            raise self._failed
+
+    async def _wait(self, task: asyncio.Task[None]) -> None:
+        """Wait for a write task; its failure (ShardWriteFailed: fatal) ends the writer."""
+        await asyncio.wait({task})
+        if not task.cancelled() and task.exception() is not None and self._failed is None:
+            self._failed = task.exception()
+        self._raise_failed()
+
+    async def _start_write(self, run: str) -> None:
+        """Hand ``run``'s buffer to a write task, after the run's write in flight, if any."""
+        previous = self._writing.get(run)
+        if previous is not None:
+            await self._wait(previous)
+        buffer = self._buffers.pop(run, None)
+        if buffer is None:  # written meanwhile
+            return
+        self._writing_rows += len(buffer.rows)
+        self._writing_bytes += buffer.nbytes
+        task = asyncio.create_task(self._write(buffer), name=f"shard-write-{run}")
+        self._writing[run] = task
+        task.add_done_callback(self._write_done)
+
+    def _write_done(self, task: asyncio.Task[None]) -> None:
+        for run, running in list(self._writing.items()):
+            if running is task:
+                del self._writing[run]
+        if not task.cancelled() and task.exception() is not None and self._failed is None:
+            self._failed = task.exception()
+
+    async def _write(self, buffer: _RunBuffer) -> None:
+        try:
+            await self._write_shard(buffer)
+        finally:
+            self._buffered_bytes -= buffer.nbytes
+            self._writing_rows -= len(buffer.rows)
+            self._writing_bytes -= buffer.nbytes
+            for seq in buffer.rows:  # committed or dead-lettered, or left to come again
+                if self._by_seq.get(seq) is buffer:
+                    del self._by_seq[seq]
+
+    async def _write_shard(self, buffer: _RunBuffer) -> None:
+        run = buffer.run
         entries = [buffer.rows[seq] for seq in sorted(buffer.rows)]
         try:
             table, unwritable = await asyncio.to_thread(writable_table, [r for r, _ in entries])
@@ -298,9 +380,8 @@ class ShardWriter:
         shard = await self._commit(table, meta)
         seqs = [row.traj_seq for row in rows]
         self._committed.add_many(seqs)
-        for seq in seqs:
-            del self._buffered_run[seq]
-        await self.loop.ack(delivery for _, delivery in entries)
+        # The newest delivery of each row: one redelivered while the shard was written, too.
+        await self.loop.ack(buffer.rows[seq][1] for seq in seqs)
         self._metrics.shard_committed(len(rows))
         self.stats.shards_written += 1
         self.stats.rows_written += len(rows)
@@ -321,9 +402,8 @@ class ShardWriter:
             why = unwritable.get(row.traj_seq)
             if why is None:
                 continue
-            # Out of the buffer whatever comes of the dead letter: if it cannot be published,
-            # the message is not acked and comes again, to be dead-lettered then.
-            del self._buffered_run[row.traj_seq]
+            # Out of the buffer whatever comes of the dead letter (``_write``): if it cannot be
+            # published, the message is not acked and comes again, to be dead-lettered then.
             t = row.trajectory
             error = (
                 f"trajectory {t.trajectory_id} ({self.stream} seq {row.traj_seq}) cannot be a "

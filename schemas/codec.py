@@ -6,6 +6,10 @@ bytes and whose ext code names the dtype:
 
     ext 1 = int32 LE    ext 2 = float32 LE    ext 3 = int8
 
+A TrajectoryReady travels as its ``CompactTrajectory`` (token ids once, generated spans with
+one weight version each, logprobs of generated tokens only); ``decode`` expands it back, and
+reads the per-token form of older messages the same way.
+
 Decoding maps each payload with ``numpy.frombuffer`` onto the message buffer: no copy, no
 per-token object. Unknown fields are ignored; an event with an older ``v`` is passed through the
 registered upcasters (v -> v+1, on the raw map) before it is typed; a newer ``v``, undecodable
@@ -26,7 +30,16 @@ import msgspec
 import numpy as np
 
 from schemas.errors import PayloadTooLarge, UndecodableEvent, UnsupportedSchemaVersion
-from schemas.events import SCHEMA_VERSION, Event, SessionClosed, TrajectoryReady
+from schemas.events import (
+    SCHEMA_VERSION,
+    CompactTrajectory,
+    Event,
+    RewardAssigned,
+    SessionClosed,
+    SessionOpened,
+    TrajectoryReady,
+    TurnCompleted,
+)
 
 __all__ = ["DEFAULT_MAX_PAYLOAD", "Codec", "Upcaster"]
 
@@ -34,6 +47,9 @@ DEFAULT_MAX_PAYLOAD = 8 * 1024 * 1024  # matches the embedded nats-server's max_
 
 _EXT_DTYPE: dict[int, np.dtype[Any]] = {1: np.dtype("<i4"), 2: np.dtype("<f4"), 3: np.dtype("i1")}
 _DTYPE_EXT = {dtype: code for code, dtype in _EXT_DTYPE.items()}
+
+_WireEvent = SessionOpened | TurnCompleted | RewardAssigned | SessionClosed | CompactTrajectory
+"""What a message decodes to: a TrajectoryReady travels in its compact form."""
 
 Upcaster = Callable[[dict[str, Any]], dict[str, Any]]
 """Turns the raw map of a version-v event into the raw map of version v+1."""
@@ -74,11 +90,14 @@ class Codec:
         self.max_payload = max_payload
         self._upcasters = dict(upcasters or {})
         self._encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
-        self._decoder = msgspec.msgpack.Decoder(Event, ext_hook=_ext_hook, dec_hook=_dec_hook)
+        self._decoder = msgspec.msgpack.Decoder(_WireEvent, ext_hook=_ext_hook, dec_hook=_dec_hook)
         self._raw_decoder = msgspec.msgpack.Decoder(ext_hook=_ext_hook)
 
-    def encode(self, event: Event) -> bytes:
-        data = self._encoder.encode(event)
+    def encode(self, event: Event | CompactTrajectory) -> bytes:
+        """The event's message; a TrajectoryReady in its compact form."""
+        data = self._encoder.encode(
+            event.compact() if isinstance(event, TrajectoryReady) else event
+        )
         if len(data) > self.max_payload:
             raise PayloadTooLarge(
                 f"{type(event).__name__} run={event.run} session={event.session}",
@@ -88,10 +107,36 @@ class Codec:
         return data
 
     def decode(self, data: bytes | bytearray | memoryview) -> Event:
+        """The event; a TrajectoryReady with its per-token arrays (expanded from the spans)."""
+        event = self._decode_wire(data)
+        return _expand(event) if isinstance(event, CompactTrajectory) else event
+
+    def decode_trajectory(
+        self, data: bytes | bytearray | memoryview, where: str
+    ) -> TrajectoryReady:
+        """``data`` (read from ``where``, e.g. a TRAJ subject) as a TrajectoryReady, or a
+        SchemaError: TRAJ holds trajectories only."""
+        return _expand(self.decode_compact_trajectory(data, where))
+
+    def decode_compact_trajectory(
+        self, data: bytes | bytearray | memoryview, where: str
+    ) -> CompactTrajectory:
+        """As ``decode_trajectory``, left in its wire form (spans, or the per-token arrays of
+        an older message): for a consumer that builds its own columns (the shard writer)."""
+        event = self._decode_wire(data)
+        if not isinstance(event, CompactTrajectory):
+            raise UndecodableEvent(
+                f"{where} carries a {type(event).__name__}; TRAJ holds TrajectoryReady"
+            )
+        return event
+
+    def _decode_wire(
+        self, data: bytes | bytearray | memoryview
+    ) -> SessionOpened | TurnCompleted | RewardAssigned | SessionClosed | CompactTrajectory:
         if len(data) > self.max_payload:
             raise PayloadTooLarge("event payload", len(data), self.max_payload)
         try:
-            event: Event = self._decoder.decode(data)
+            event: _WireEvent = self._decoder.decode(data)
         # ValidationError subclasses DecodeError; ext_hook's ValueError escapes msgspec as is.
         except (msgspec.DecodeError, ValueError) as exc:
             return self._decode_versioned(data, exc)
@@ -99,21 +144,9 @@ class Codec:
             return self._decode_versioned(data, None)
         return event
 
-    def decode_trajectory(
-        self, data: bytes | bytearray | memoryview, where: str
-    ) -> TrajectoryReady:
-        """``data`` (read from ``where``, e.g. a TRAJ subject) as a TrajectoryReady, or a
-        SchemaError: TRAJ holds trajectories only."""
-        event = self.decode(data)
-        if not isinstance(event, TrajectoryReady):
-            raise UndecodableEvent(
-                f"{where} carries a {type(event).__name__}; TRAJ holds TrajectoryReady"
-            )
-        return event
-
     def _decode_versioned(
         self, data: bytes | bytearray | memoryview, typed_error: Exception | None
-    ) -> Event:
+    ) -> SessionOpened | TurnCompleted | RewardAssigned | SessionClosed | CompactTrajectory:
         """Slow path: read the raw map, check ``v``, upcast an older event, then type it."""
         try:
             raw = self._raw_decoder.decode(data)
@@ -138,12 +171,19 @@ class Codec:
             version += 1
             raw["v"] = version
         try:
-            upcasted: Event = msgspec.convert(raw, Event, dec_hook=_dec_hook)
+            upcasted: _WireEvent = msgspec.convert(raw, _WireEvent, dec_hook=_dec_hook)
         except msgspec.ValidationError as exc:
             raise UndecodableEvent(
                 f"invalid {raw.get('type', 'event')} after upcast: {exc}"
             ) from exc
         return upcasted
+
+
+def _expand(compact: CompactTrajectory) -> TrajectoryReady:
+    try:
+        return compact.expand()
+    except ValueError as exc:  # checked on decode already; kept a SchemaError all the same
+        raise UndecodableEvent(f"invalid TrajectoryReady: {exc}") from exc
 
 
 # Make the doctest in the module docstring self-contained.

@@ -165,7 +165,11 @@ class SessionClosed(_Event, tag="SessionClosed", kw_only=True):
 
 
 class TrajectoryReady(_Event, tag="TrajectoryReady", kw_only=True):
-    """One folded training sample (DESIGN §6). Arrays all have len(input_ids) entries."""
+    """One folded training sample (DESIGN §6). Arrays all have len(input_ids) entries.
+
+    This is the sample as consumers use it, per token; on the wire (TRAJ) it travels as its
+    ``compact()`` form, a ``CompactTrajectory``, which the codec expands back on decode.
+    """
 
     trajectory_id: str
     group: str
@@ -197,16 +201,7 @@ class TrajectoryReady(_Event, tag="TrajectoryReady", kw_only=True):
         for name in ("loss_mask", "logprobs", "versions"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"{name} has {len(getattr(self, name))} entries, input_ids {n}")
-        # What a consumer indexes with: a sample breaking these is refused where it is decoded
-        # (and dead-lettered there), not deep inside a trainer's batch.
-        if not 0 <= self.prompt_len <= n:
-            raise ValueError(f"prompt_len {self.prompt_len} is outside its {n} tokens")
-        if len(self.turn_rewards) != len(self.turn_ends):
-            raise ValueError(
-                f"{len(self.turn_rewards)} turn_rewards for {len(self.turn_ends)} turn_ends"
-            )
-        if len(self.turn_ends) and not (self.turn_ends.min() >= 0 and self.turn_ends.max() <= n):
-            raise ValueError(f"turn_ends {self.turn_ends.tolist()} outside its {n} tokens")
+        _check_samples(n, self.prompt_len, self.turn_ends, self.turn_rewards)
 
     @property
     def response_len(self) -> int:
@@ -232,6 +227,238 @@ class TrajectoryReady(_Event, tag="TrajectoryReady", kw_only=True):
         if isinstance(forks, int) and not isinstance(forks, bool):
             return forks + 1
         return 1
+
+    def compact(self) -> CompactTrajectory:
+        """This sample in its wire form: generated spans instead of per-token mask, versions
+        and zero logprobs. A sample the spans cannot say exactly (a mask value other than 0/1,
+        a logprob other than +0.0 or a version other than -1 on a token not generated) keeps
+        its per-token arrays instead, so the round trip is exact either way."""
+        mask, versions, logprobs = self.loss_mask, self.versions, self.logprobs
+        generated = mask == 1
+        plain = ~generated
+        fields = {name: getattr(self, name) for name in _COMMON_FIELDS}
+        if (
+            np.any(mask[plain] != 0)
+            or np.any(versions[plain] != -1)
+            or np.any(logprobs.view(np.int32)[plain] != 0)
+        ):
+            return CompactTrajectory(**fields, loss_mask=mask, logprobs=logprobs, versions=versions)
+        starts, ends = _runs(generated, versions)
+        spans = np.empty(2 * len(starts), dtype=np.int32)
+        spans[0::2], spans[1::2] = starts, ends
+        return CompactTrajectory(
+            **fields,
+            spans=spans,
+            span_versions=versions[starts],
+            gen_logprobs=logprobs[generated],
+        )
+
+
+def _runs(generated: npt.NDArray[np.bool_], versions: Int32Array) -> tuple[Int32Array, Int32Array]:
+    """(starts, ends) of the maximal runs of generated tokens of one weight version."""
+    n = len(generated)
+    if n == 0:
+        return np.empty(0, dtype=np.int32), np.empty(0, dtype=np.int32)
+    changed = (generated[1:] != generated[:-1]) | (generated[1:] & (versions[1:] != versions[:-1]))
+    bounds = np.concatenate(([0], np.flatnonzero(changed) + 1, [n])).astype(np.int32)
+    starts, ends = bounds[:-1], bounds[1:]
+    is_generated = generated[starts]
+    return starts[is_generated], ends[is_generated]
+
+
+def span_positions(starts: np.ndarray, ends: np.ndarray) -> npt.NDArray[np.int64]:
+    """The token positions inside the spans ``[starts[i], ends[i])``, in order, vectorized.
+
+    >>> span_positions(np.array([1, 5]), np.array([3, 6])).tolist()
+    [1, 2, 5]
+    """
+    lengths = ends.astype(np.int64) - starts
+    total = int(lengths.sum())
+    if total == 0:
+        return np.empty(0, dtype=np.int64)
+    before = np.cumsum(lengths) - lengths  # generated tokens before each span
+    return np.repeat(starts.astype(np.int64) - before, lengths) + np.arange(total)
+
+
+def _check_samples(
+    n: int, prompt_len: int, turn_ends: Int32Array, turn_rewards: list[float | None]
+) -> None:
+    """What a consumer indexes with: a sample breaking these is refused where it is decoded
+    (and dead-lettered there), not deep inside a trainer's batch or a shard writer."""
+    if not 0 <= prompt_len <= n:
+        raise ValueError(f"prompt_len {prompt_len} is outside its {n} tokens")
+    if len(turn_rewards) != len(turn_ends):
+        raise ValueError(f"{len(turn_rewards)} turn_rewards for {len(turn_ends)} turn_ends")
+    if len(turn_ends) and not (turn_ends.min() >= 0 and turn_ends.max() <= n):
+        raise ValueError(f"turn_ends {turn_ends.tolist()} outside its {n} tokens")
+
+
+_COMMON_FIELDS = (
+    "v",
+    "run",
+    "session",
+    "created_at",
+    "trajectory_id",
+    "group",
+    "segment",
+    "status",
+    "input_ids",
+    "prompt_len",
+    "turn_ends",
+    "turn_rewards",
+    "reward",
+    "num_turns",
+    "finish_reason",
+    "messages",
+    "metadata",
+    "fold_version",
+    "tools",
+)
+
+
+class CompactTrajectory(_Event, tag="TrajectoryReady", kw_only=True):
+    """A TrajectoryReady as TRAJ carries it (DESIGN §6): token ids once, the generated tokens
+    as spans.
+
+    ``spans`` holds (start, end) int32 pairs, sorted and disjoint: the runs of generated tokens
+    (loss mask 1), one weight version each (``span_versions``); ``gen_logprobs`` has one
+    logprob per generated token, in order. Every other token has mask 0, logprob 0 and
+    version -1. About 4 bytes per token plus 4 per generated token, against 13 per token.
+
+    Messages written before this form (and samples the spans cannot say exactly) carry the
+    per-token ``loss_mask``, ``logprobs`` and ``versions`` instead; ``spans`` is then None.
+    Exactly one of the two forms is present. ``expand()`` gives the TrajectoryReady;
+    ``token_arrays()`` the per-token arrays alone.
+    """
+
+    trajectory_id: str
+    group: str
+    segment: int
+    status: TrajectoryStatus
+    input_ids: np.ndarray  # int32
+    spans: np.ndarray | None = None  # int32: start, end of each generated run
+    span_versions: np.ndarray | None = None  # int32: the weight_version of each span
+    gen_logprobs: np.ndarray | None = None  # float32: one per generated token
+    loss_mask: np.ndarray | None = None  # the per-token form (older messages)
+    logprobs: np.ndarray | None = None
+    versions: np.ndarray | None = None
+    prompt_len: int
+    turn_ends: np.ndarray  # int32
+    turn_rewards: list[float | None]
+    reward: float | None
+    num_turns: int
+    finish_reason: str
+    messages: list[JSON]
+    metadata: JSON
+    fold_version: int
+    tools: list[JSON] = msgspec.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.input_ids = as_array(self.input_ids, "<i4", "input_ids")
+        self.turn_ends = as_array(self.turn_ends, "<i4", "turn_ends")
+        n = len(self.input_ids)
+        per_token = (self.loss_mask, self.logprobs, self.versions)
+        compact = (self.spans, self.span_versions, self.gen_logprobs)
+        if all(a is None for a in per_token) and all(a is not None for a in compact):
+            self._check_spans(n)
+        elif all(a is not None for a in per_token) and all(a is None for a in compact):
+            self.loss_mask = as_array(self.loss_mask, "i1", "loss_mask")
+            self.logprobs = as_array(self.logprobs, "<f4", "logprobs")
+            self.versions = as_array(self.versions, "<i4", "versions")
+            for name in ("loss_mask", "logprobs", "versions"):
+                if len(getattr(self, name)) != n:
+                    raise ValueError(
+                        f"{name} has {len(getattr(self, name))} entries, input_ids {n}"
+                    )
+        else:
+            raise ValueError(
+                "a trajectory carries either spans, span_versions and gen_logprobs, or "
+                "loss_mask, logprobs and versions"
+            )
+        _check_samples(n, self.prompt_len, self.turn_ends, self.turn_rewards)
+
+    def _check_spans(self, n: int) -> None:
+        spans = self.spans = as_array(self.spans, "<i4", "spans")
+        self.span_versions = as_array(self.span_versions, "<i4", "span_versions")
+        self.gen_logprobs = as_array(self.gen_logprobs, "<f4", "gen_logprobs")
+        if len(spans) % 2:
+            raise ValueError(f"spans has {len(spans)} entries: (start, end) pairs")
+        starts, ends = spans[0::2], spans[1::2]
+        if len(starts) and not (
+            starts[0] >= 0
+            and ends[-1] <= n
+            and np.all(ends > starts)
+            and np.all(starts[1:] >= ends[:-1])
+        ):
+            raise ValueError(f"spans must be sorted, disjoint, non-empty and inside the {n} tokens")
+        if len(self.span_versions) != len(starts):
+            raise ValueError(f"{len(self.span_versions)} span_versions for {len(starts)} spans")
+        generated = int((ends.astype(np.int64) - starts).sum())
+        if len(self.gen_logprobs) != generated:
+            raise ValueError(
+                f"gen_logprobs has {len(self.gen_logprobs)} entries for {generated} generated "
+                "tokens"
+            )
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def n_generated(self) -> int:
+        if self.spans is None:
+            assert self.loss_mask is not None
+            return int(np.count_nonzero(self.loss_mask == 1))
+        return int((self.spans[1::2].astype(np.int64) - self.spans[0::2]).sum())
+
+    @property
+    def response_len(self) -> int:
+        return len(self.input_ids) - self.prompt_len
+
+    @property
+    def min_weight_version(self) -> int:
+        if self.spans is None:
+            assert self.loss_mask is not None and self.versions is not None
+            generated = self.versions[self.loss_mask == 1]
+            return int(generated.min()) if len(generated) else -1
+        assert self.span_versions is not None
+        return int(self.span_versions.min()) if len(self.span_versions) else -1
+
+    @property
+    def max_weight_version(self) -> int:
+        if self.spans is None:
+            assert self.versions is not None
+            return int(self.versions.max()) if len(self.versions) else -1
+        assert self.span_versions is not None
+        found = [int(self.span_versions.max())] if len(self.span_versions) else []
+        if self.n_generated < len(self.input_ids):
+            found.append(-1)  # the tokens not generated
+        return max(found, default=-1)
+
+    def token_arrays(self) -> tuple[Int8Array, Float32Array, Int32Array]:
+        """The per-token loss mask, logprobs and versions (int8, float32, int32)."""
+        if self.spans is None:
+            assert self.loss_mask is not None and self.logprobs is not None
+            assert self.versions is not None
+            return self.loss_mask, self.logprobs, self.versions
+        assert self.span_versions is not None and self.gen_logprobs is not None
+        n = len(self.input_ids)
+        mask = np.zeros(n, dtype=np.int8)
+        logprobs = np.zeros(n, dtype=np.float32)
+        versions = np.full(n, -1, dtype=np.int32)
+        starts, ends = self.spans[0::2], self.spans[1::2]
+        at = span_positions(starts, ends)
+        mask[at] = 1
+        logprobs[at] = self.gen_logprobs
+        versions[at] = np.repeat(self.span_versions, ends - starts)
+        return mask, logprobs, versions
+
+    def expand(self) -> TrajectoryReady:
+        """The TrajectoryReady with its per-token arrays."""
+        mask, logprobs, versions = self.token_arrays()
+        fields = {name: getattr(self, name) for name in _COMMON_FIELDS}
+        return TrajectoryReady(**fields, loss_mask=mask, logprobs=logprobs, versions=versions)
 
 
 SessionEvent = SessionOpened | TurnCompleted | RewardAssigned | SessionClosed

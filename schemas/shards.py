@@ -1,8 +1,11 @@
 """Trajectories as Arrow tables: the shard schema (DESIGN §6) and the conversions (pure).
 
-One row per TrajectoryReady, plus ``traj_seq``, the TRAJ stream sequence the row came from. The
-token columns are built from the events' numpy arrays with one concatenation per column and an
-offsets array (``pa.ListArray.from_arrays``): no per-token Python object. ``messages``,
+One row per TrajectoryReady, plus ``traj_seq``, the TRAJ stream sequence the row came from. A
+row holds the trajectory in its wire form (``CompactTrajectory``: ids once, generated spans).
+The token columns are built for all rows at once from one concatenated buffer and an offsets
+array (``pa.ListArray.from_arrays``): the per-token mask, logprobs and versions are written
+into preallocated buffers at the spans' positions (vectorized over every row of the shard),
+so there is no per-token Python object and no per-row expansion. ``messages``,
 ``metadata`` and ``tools`` are JSON text (msgspec), encoded when a row is buffered, so a row
 that cannot be encoded is found before it can spoil a whole shard.
 
@@ -35,6 +38,7 @@ A row whose values do not fit the schema is left out of the table, and said why:
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -43,7 +47,7 @@ import msgspec
 import numpy as np
 import pyarrow as pa
 
-from schemas.events import TrajectoryReady
+from schemas.events import CompactTrajectory, TrajectoryReady, span_positions
 
 __all__ = [
     "ROW_ERRORS",
@@ -115,13 +119,14 @@ _ROW_OVERHEAD = 256  # ids, scalars and the Python objects around them, roughly
 class ShardRow:
     """One trajectory ready for a shard.
 
-    ``trajectory`` keeps its token arrays (views onto the message that carried it) but its
-    ``messages``, ``metadata`` and ``tools`` are emptied: they are held as JSON text only, which
-    is several times smaller than the Python objects while a shard fills up.
+    ``trajectory`` is the compact form and keeps its arrays (views onto the message that
+    carried it) but its ``messages``, ``metadata`` and ``tools`` are emptied: they are held as
+    JSON text only, which is several times smaller than the Python objects while a shard fills
+    up.
     """
 
     traj_seq: int
-    trajectory: TrajectoryReady
+    trajectory: CompactTrajectory
     messages: bytes
     metadata: bytes
     tools: bytes
@@ -130,14 +135,21 @@ class ShardRow:
     def nbytes(self) -> int:
         """What the row holds in memory, roughly: arrays, JSON text and a fixed overhead."""
         t = self.trajectory
-        arrays = t.input_ids.nbytes + t.loss_mask.nbytes + t.logprobs.nbytes + t.versions.nbytes
+        arrays = sum(
+            a.nbytes
+            for a in (t.input_ids, t.turn_ends, t.spans, t.span_versions, t.gen_logprobs)
+            if a is not None
+        )
+        arrays += sum(a.nbytes for a in (t.loss_mask, t.logprobs, t.versions) if a is not None)
         text = len(self.messages) + len(self.metadata) + len(self.tools)
-        return arrays + t.turn_ends.nbytes + text + _ROW_OVERHEAD
+        return arrays + text + _ROW_OVERHEAD
 
 
-def shard_row(traj_seq: int, trajectory: TrajectoryReady) -> ShardRow:
+def shard_row(traj_seq: int, trajectory: CompactTrajectory | TrajectoryReady) -> ShardRow:
     """The row of ``trajectory``; ValueError when its messages, metadata or tools are not
     JSON-able."""
+    if isinstance(trajectory, TrajectoryReady):
+        trajectory = trajectory.compact()
     try:
         messages = _json.encode(trajectory.messages)
         metadata = _json.encode(trajectory.metadata)
@@ -146,24 +158,82 @@ def shard_row(traj_seq: int, trajectory: TrajectoryReady) -> ShardRow:
         raise ValueError(
             f"trajectory {trajectory.trajectory_id}: messages/metadata/tools cannot be JSON: {exc}"
         ) from exc
-    lean = msgspec.structs.replace(trajectory, messages=[], metadata={}, tools=[])
+    # A shallow copy, not ``structs.replace``: the sample was checked when it was decoded.
+    lean = copy.copy(trajectory)
+    lean.messages, lean.metadata, lean.tools = [], {}, []
     return ShardRow(traj_seq, lean, messages, metadata, tools)
 
 
-def _list_column(arrays: Sequence[np.ndarray], value_type: pa.DataType, dtype: str) -> pa.Array:
-    lengths = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=len(arrays))
-    offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
+def _offsets(lengths: np.ndarray) -> np.ndarray:
+    """int32 list offsets of rows of ``lengths`` values; ValueError past list<>'s limit."""
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     if offsets[-1] > np.iinfo(np.int32).max:
         raise ValueError(
             f"{offsets[-1]} list values in one column exceed list<> offsets (2^31 - 1): "
             f"lower the shard writer's max_bytes"
         )
+    return offsets.astype(np.int32)
+
+
+def _list_array(offsets: np.ndarray, values: np.ndarray, value_type: pa.DataType) -> pa.Array:
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=value_type))
+
+
+def _list_column(arrays: Sequence[np.ndarray], value_type: pa.DataType, dtype: str) -> pa.Array:
+    lengths = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=len(arrays))
+    offsets = _offsets(lengths)
     values = np.concatenate(arrays) if arrays else np.empty(0, dtype=dtype)
-    return pa.ListArray.from_arrays(
-        pa.array(offsets.astype(np.int32)),
-        pa.array(values.astype(dtype, copy=False), type=value_type),
+    return _list_array(offsets, values.astype(dtype, copy=False), value_type)
+
+
+def _token_columns(rows: Sequence[ShardRow]) -> dict[str, pa.Array]:
+    """input_ids, loss_mask, logprobs and versions of every row, each as one list array.
+
+    One concatenation of the ids; the other three start as their default (0, 0.0, -1) and the
+    generated tokens are written at once for all the rows with spans (their positions shifted
+    by each row's offset). Rows in the per-token form (older messages) are copied in whole.
+    """
+    trajectories = [r.trajectory for r in rows]
+    lengths = np.fromiter((t.n_tokens for t in trajectories), dtype=np.int64, count=len(rows))
+    offsets = _offsets(lengths)
+    total = int(offsets[-1])
+    ids = (
+        np.concatenate([t.input_ids for t in trajectories])
+        if trajectories
+        else np.empty(0, dtype=np.int32)
     )
+    mask = np.zeros(total, dtype=np.int8)
+    logprobs = np.zeros(total, dtype=np.float32)
+    versions = np.full(total, -1, dtype=np.int32)
+    spanned = [i for i, t in enumerate(trajectories) if t.spans is not None]
+    if spanned:
+        spans, gen_logprobs, span_versions = [], [], []
+        for i in spanned:
+            t = trajectories[i]
+            assert t.spans is not None and t.gen_logprobs is not None
+            assert t.span_versions is not None
+            spans.append(t.spans)
+            gen_logprobs.append(t.gen_logprobs)
+            span_versions.append(t.span_versions)
+        counts = np.fromiter((len(v) for v in span_versions), dtype=np.int64, count=len(spanned))
+        shift = np.repeat(offsets[spanned].astype(np.int64), counts)
+        joined = np.concatenate(spans).astype(np.int64)
+        starts, ends = joined[0::2] + shift, joined[1::2] + shift
+        at = span_positions(starts, ends)
+        mask[at] = 1
+        logprobs[at] = np.concatenate(gen_logprobs)
+        versions[at] = np.repeat(np.concatenate(span_versions), ends - starts)
+    for i, t in enumerate(trajectories):
+        if t.spans is None:
+            lo, hi = offsets[i], offsets[i + 1]
+            mask[lo:hi], logprobs[lo:hi], versions[lo:hi] = t.token_arrays()
+    return {
+        "input_ids": _list_array(offsets, ids, pa.int32()),
+        "loss_mask": _list_array(offsets, mask, pa.int8()),
+        "logprobs": _list_array(offsets, logprobs, pa.float32()),
+        "versions": _list_array(offsets, versions, pa.int32()),
+    }
 
 
 ROW_ERRORS: tuple[type[Exception], ...] = (
@@ -177,9 +247,13 @@ ROW_ERRORS: tuple[type[Exception], ...] = (
 int32, a ``created_at`` beyond the timestamp range, ...)."""
 
 
-def _column(name: str, type_: pa.DataType, rows: Sequence[ShardRow]) -> pa.Array:
-    if name in _NUMPY_DTYPE:
-        arrays = [getattr(r.trajectory, name) for r in rows]
+def _column(
+    name: str, type_: pa.DataType, rows: Sequence[ShardRow], tokens: dict[str, pa.Array]
+) -> pa.Array:
+    if name in tokens:
+        return tokens[name]
+    if name == "turn_ends":
+        arrays = [r.trajectory.turn_ends for r in rows]
         return _list_column(arrays, type_.value_type, _NUMPY_DTYPE[name])
     if name in ("messages", "metadata", "tools", "traj_seq"):
         return pa.array([getattr(r, name) for r in rows], type_)
@@ -199,7 +273,8 @@ def rows_to_table(rows: Sequence[ShardRow], metadata: ShardMetadata | None = Non
     schema = TRAJECTORY_SCHEMA
     if metadata is not None:
         schema = schema.with_metadata(metadata.to_metadata())
-    columns = [_column(f.name, f.type, rows) for f in TRAJECTORY_SCHEMA]
+    tokens = _token_columns(rows)
+    columns = [_column(f.name, f.type, rows, tokens) for f in TRAJECTORY_SCHEMA]
     return pa.Table.from_arrays(columns, schema=schema)
 
 
@@ -208,9 +283,13 @@ def row_problem(row: ShardRow) -> str | None:
 
     Builds a one-row array per column: for finding the culprits once a whole table failed.
     """
+    try:
+        tokens = _token_columns([row])
+    except ROW_ERRORS as exc:
+        return f"token columns do not fit: {type(exc).__name__}: {exc}"
     for field in TRAJECTORY_SCHEMA:
         try:
-            _column(field.name, field.type, [row])
+            _column(field.name, field.type, [row], tokens)
         except ROW_ERRORS as exc:
             value = getattr(row.trajectory, field.name, None)
             shown = f" {value!r:.60}" if isinstance(value, int | float | str) else ""

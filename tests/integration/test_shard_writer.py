@@ -10,11 +10,13 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 
 import duckdb
 import msgspec
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -219,6 +221,67 @@ async def test_undecodable_messages_are_dead_lettered_and_the_rest_written(
     assert info.num_ack_pending == 0 and info.num_pending == 0
 
 
+def raw_fields(trajectory: TrajectoryReady) -> dict[str, object]:
+    """``trajectory``'s TRAJ message as a plain msgpack map, arrays kept as ext values."""
+    raw: dict[str, object] = msgspec.msgpack.decode(
+        Codec().encode(trajectory),
+        ext_hook=lambda code, data: msgspec.msgpack.Ext(code, bytes(data)),
+    )
+    return raw
+
+
+def per_token_message(trajectory: TrajectoryReady) -> bytes:
+    """``trajectory`` as TRAJ messages were before the compact form: every array per token."""
+    fields = msgspec.structs.asdict(trajectory)
+    codes = {"<i4": 1, "<f4": 2, "|i1": 3}
+    return msgspec.msgpack.encode(
+        {
+            "type": "TrajectoryReady",
+            **{
+                k: msgspec.msgpack.Ext(codes[v.dtype.str], v.tobytes())
+                if isinstance(v, np.ndarray)
+                else v
+                for k, v in fields.items()
+            },
+        }
+    )
+
+
+async def test_old_per_token_messages_and_compact_ones_share_a_shard_and_bad_spans_are_refused(
+    log: Log, publisher: JetStreamPublisher, tmp_path: Path
+) -> None:
+    """A TRAJ stream written before the compact form still drains into shards, next to new
+    messages; a compact message whose spans do not fit its tokens is dead-lettered where it is
+    decoded, and the shard is written without it."""
+    new = [folded("run-a", f"s{i}") for i in range(3)]
+    old = [folded("run-a", f"old{i}") for i in range(2)]
+    await publisher.publish_many(new[:1])
+    for t in old:
+        await publisher.publish_raw("ts.traj.run-a", per_token_message(t), t.trajectory_id)
+    bad = folded("run-a", "bad")
+    n = len(bad.input_ids)
+    bad_data = msgspec.msgpack.encode(
+        raw_fields(bad) | {"spans": msgspec.msgpack.Ext(1, np.array([0, n + 5], "<i4").tobytes())}
+    )
+    receipt = await publisher.publish_raw("ts.traj.run-a", bad_data, "bad-spans-1")
+    await publisher.publish_many(new[1:])
+    writer = start(log, publisher, tmp_path, FAST)
+    await writer.until(lambda w: w.stats.rows_written == 5, "the 5 good ones written")
+    await writer.until(lambda w: sum(w.loop.stats.dead_letters.values()) == 1, "1 dead letter")
+    await writer.stop()
+
+    letter = decode_dead_letter((await log.js.get_msg("DLQ", 1)).data)
+    assert (letter.reason, letter.seq, letter.payload) == ("undecodable", receipt.seq, bad_data)
+    assert "spans" in letter.error
+    want = {t.trajectory_id: t for t in [*new, *old]}
+    table = pa.concat_tables(pq.read_table(f) for f in shard_files(tmp_path))
+    for _, back in table_to_trajectories(table):
+        t = want.pop(back.trajectory_id)
+        for name in ("input_ids", "loss_mask", "logprobs", "versions", "turn_ends"):
+            assert getattr(back, name).tobytes() == getattr(t, name).tobytes(), name
+    assert not want
+
+
 def with_created_at(trajectory: TrajectoryReady, created_at: float) -> bytes:
     """``trajectory``'s TRAJ message bytes with ``created_at`` put in at the msgpack level.
 
@@ -303,6 +366,57 @@ async def test_a_directory_fsync_failing_after_the_rename_commits_the_shard_once
     assert any(shard.name in r.getMessage() and "fsync" in r.getMessage() for r in caplog.records)
     info = await log.js.consumer_info("TRAJ", FAST.durable)
     assert info.num_ack_pending == 0 and info.num_pending == 0
+
+
+class HeldStore(FileShardStore):
+    """Holds each shard write (in the writer's thread) until ``release`` is set."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self.release = threading.Event()
+        self.writing = threading.Event()
+
+    def write(self, table, metadata):  # type: ignore[no-untyped-def]
+        self.writing.set()
+        assert self.release.wait(20.0), "the test never released the write"
+        return super().write(table, metadata)
+
+
+async def test_fetching_goes_on_while_a_shard_is_written_and_nothing_is_acked_before_its_commit(
+    log: Log, publisher: JetStreamPublisher, tmp_path: Path
+) -> None:
+    settings = FAST.model_copy(update={"ack_wait_s": 120.0})  # shards cut by age (0.3 s)
+    store = HeldStore(str(tmp_path))
+    writer = Running(ShardWriter(log.js, publisher, store, settings))
+    first = [folded("r", f"a{i}") for i in range(4)]
+    await publisher.publish_many(first)
+    await eventually(store.writing.is_set, 20.0, "the first shard being written")
+    more = [folded("r", f"b{i}") for i in range(3)]
+    await publisher.publish_many(more)
+
+    async def delivered(n: int) -> bool:
+        info = await log.js.consumer_info("TRAJ", settings.durable)
+        return info.num_ack_pending == n and info.num_pending == 0
+
+    # The three later ones were fetched and buffered while the first shard was held: nothing
+    # acked, not even the four being written.
+    for _ in range(200):
+        if await delivered(7) and len(writer.writer._by_seq) == 7:
+            break
+        await asyncio.sleep(0.05)
+    assert await delivered(7) and len(writer.writer._by_seq) == 7
+    assert writer.writer.stats.rows_written == 0 and not shard_files(tmp_path)
+
+    store.release.set()
+    await writer.until(lambda w: w.stats.rows_written == 7, "every shard committed")
+    await writer.stop()
+    assert sorted(shard_ids(tmp_path)) == sorted(t.trajectory_id for t in [*first, *more])
+    assert len(shard_files(tmp_path)) >= 2
+    for _ in range(100):
+        if await delivered(0):
+            break
+        await asyncio.sleep(0.05)
+    assert await delivered(0)
 
 
 class CrashAfterCommit(BaseException):
