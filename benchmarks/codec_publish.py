@@ -3,7 +3,7 @@
 Run it from the repository root::
 
     .venv/bin/python benchmarks/codec_publish.py           # full run, a few minutes
-    .venv/bin/python benchmarks/codec_publish.py --quick   # under a minute, noisier
+    .venv/bin/python benchmarks/codec_publish.py --quick   # 2 rounds, 3 codec repeats, noisier
 
 What it measures
 ----------------
@@ -29,11 +29,16 @@ What it measures
      (ours ``publish_many_raw`` vs raw ``js.publish_async`` + ``asyncio.gather``).
 
    Each run publishes into fresh subjects (its own session id, so no Msg-Id repeats and no
-   duplicates), is checked afterwards (stream holds exactly N messages, no duplicate acks) and
-   the EVENTS stream is purged before the next run. Rounds alternate which side goes first and
-   the median of the rounds is reported per side; ``ratio = ours / raw`` of events/s (equal to
-   the MB/s ratio since the bytes are identical). A ratio near 1.0 means the publisher's
-   guarantees (deadlines, retries, outbox) cost nothing measurable; below 1.0 is overhead.
+   duplicates), is checked afterwards (stream holds exactly N messages, no duplicate acks, no
+   publisher retry) and the EVENTS stream is purged before the next run. A run that is not
+   clean (on a loaded machine an ack can miss the publisher's deadline: it retries) is run
+   again, up to 3 times; ``publish_runs_discarded`` counts them, and a run still not clean
+   the third time is kept and counted in ``publish_runs_unclean_kept`` (its figure includes a
+   retry: read it as a lower bound). Rounds alternate which side
+   goes first and the median of the rounds is reported per side; ``ratio = ours / raw`` of
+   events/s (equal to the MB/s ratio since the bytes are identical). A ratio near 1.0 means
+   the publisher's guarantees (deadlines, retries, outbox) cost nothing measurable; below 1.0
+   is overhead.
 
 Reading the output: progress and result lines first; the LAST line is one JSON object with all
 figures (``codec_tokens_per_s_*``, ``publish_ratio_*`` — pipelined — and
@@ -46,6 +51,12 @@ one run's writeback does not slow the next. The store lives in the system temp d
 ``--store-dir`` names another parent (``/dev/shm`` takes the disk out of the picture). On a
 small machine run-to-run noise is large (tens of percent): the per-round ratios are printed
 and kept in the JSON to show it.
+
+Today's figures (2026-11-25, the 2-core VM shared with other work at load ~10; full run 572 s):
+codec round trips 25 M / 456 M / 1,023 M tokens/s at 1k / 32k / 128k tokens (162 M with
+text); publish ratios (ours / raw) pipelined 1.18 at 1 KB (2 of its runs kept with a retry),
+1.52 at 512 KB; seq 1.61 and 1.12. ``--quick`` 3 minutes earlier: 15 M / 568 M / 601 M tokens/s;
+2.08, 1.94; 1.84, 1.24 — the same work per measurement, so the differences are the load's.
 """
 
 from __future__ import annotations
@@ -104,18 +115,12 @@ FULL = Plan(
         ("512kb", "pipelined"): 1_000,
     },
 )
-QUICK = Plan(
-    codec_repeat_s=0.1,
-    codec_repeats=3,
-    rounds=4,
-    counts={
-        ("1kb", "seq"): 2_000,
-        ("1kb", "pipelined"): 8_000,
-        ("512kb", "seq"): 150,
-        ("512kb", "pipelined"): 200,
-    },
-)
+# --quick: the full run's per-measurement work (loop length, messages per run), fewer repeats
+# and rounds, so its figures are the full run's, noisier. Smaller runs were not: 150-2,000
+# messages per run and 0.1 s codec loops gave rates and ratios 20-60% off the full run's.
+QUICK = Plan(codec_repeat_s=0.4, codec_repeats=3, rounds=2, counts=FULL.counts)
 SIZES = {"1kb": 1 * KB, "512kb": 512 * KB}
+UNCLEAN_TRIES = 3
 
 
 # -- events -----------------------------------------------------------------------------------
@@ -301,12 +306,34 @@ class Bench:
     js: JetStreamContext
     pub: JetStreamPublisher
     runs: int = 0
+    discarded: int = 0  # runs done again: not clean (a retry under load), see ``timed``
+    unclean_kept: int = 0  # runs not clean UNCLEAN_TRIES times in a row: the last one counts
 
     async def purge(self) -> None:
         await self.js.purge_stream(STREAM)
 
     async def timed(self, mode: str, side: str, payload: bytes, n: int, tag: str) -> float:
-        """Publish n copies of payload into fresh subjects; returns seconds. Checks the stream."""
+        """Seconds of a clean run of ``once``: one with a publisher retry (an ack later than
+        its deadline on a loaded machine) or a duplicate measures the retry, so it is run again,
+        up to UNCLEAN_TRIES times, and counted in ``discarded``; after that the last run counts,
+        flagged in ``unclean_kept`` (the JSON's ``publish_runs_unclean_kept``)."""
+        for attempt in range(UNCLEAN_TRIES):
+            elapsed, unclean = await self.once(mode, side, payload, n, tag)
+            if unclean is None:
+                return elapsed
+            if attempt == UNCLEAN_TRIES - 1:
+                self.unclean_kept += 1
+                say(f"  {unclean} {UNCLEAN_TRIES} times in a row: kept, flagged")
+                return elapsed
+            self.discarded += 1
+            say(f"  {unclean}: run again")
+        raise AssertionError("unreachable")
+
+    async def once(
+        self, mode: str, side: str, payload: bytes, n: int, tag: str
+    ) -> tuple[float, str | None]:
+        """Publish n copies of payload into fresh subjects: seconds, and what made the run
+        not a clean measurement (None: nothing). Checks the stream."""
         self.runs += 1
         items = make_items(payload, n, f"{tag}-{mode}-{side}-{self.runs}")
         await self.purge()
@@ -321,11 +348,11 @@ class Bench:
         stored = (await self.js.stream_info(STREAM)).state.messages
         retried = self.pub.stats.retried - retried_before
         if stored != n or dups or retried:
-            raise RuntimeError(
+            return elapsed, (
                 f"{mode}/{side}: stream holds {stored} of {n} messages, {dups} duplicate or "
                 f"spooled, {retried} publisher retries: the run is not a clean measurement"
             )
-        return elapsed
+        return elapsed, None
 
 
 async def bench_publish(
@@ -344,6 +371,8 @@ async def bench_publish(
                 bench = Bench(nc, js, pub)
                 try:
                     await _publish_sizes(bench, plan, rng, results)
+                    results["publish_runs_discarded"] = bench.discarded
+                    results["publish_runs_unclean_kept"] = bench.unclean_kept
                 finally:
                     await pub.close()
             finally:
@@ -401,7 +430,7 @@ async def _publish_sizes(
 
 async def main() -> None:
     parser = arguments(
-        __doc__, "smaller counts (< 60 s)", seed="seed of the random token ids", store_dir=True
+        __doc__, "2 rounds, 3 codec repeats", seed="seed of the random token ids", store_dir=True
     )
     args = parser.parse_args()
     plan = QUICK if args.quick else FULL

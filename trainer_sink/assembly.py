@@ -160,7 +160,13 @@ def assemble_padded(
     cut = _cut(trajectories, settings, padded=True)
     batch_size, width_p, width_r = len(trajectories), cut.prompt_width, cut.response_width
     width = width_p + width_r
-    input_ids = np.full((batch_size, width), settings.pad_token_id, dtype=np.int64)
+    pad = settings.pad_token_id
+    # Each byte of the batch written once: np.empty where a row writes all of its elements
+    # (padding included), np.zeros (fresh zero pages, no pass) where it writes only the real
+    # run; prompts and responses are written, not copied out of input_ids afterwards.
+    prompts = np.empty((batch_size, width_p), dtype=np.int64)
+    responses = np.empty((batch_size, width_r), dtype=np.int64)
+    input_ids = np.empty((batch_size, width), dtype=np.int64)
     attention_mask = np.zeros((batch_size, width), dtype=np.int64)
     position_ids = np.zeros((batch_size, width), dtype=np.int64)
     response_mask = np.zeros((batch_size, width_r), dtype=np.int64)
@@ -172,7 +178,12 @@ def assemble_padded(
         # clip(cumsum(attention_mask) - 1, min=0), are 0 on the left padding, 0, 1, ... on the
         # run and the run's last position on the right padding.
         first, end = width_p - kp, width_p + kr
-        input_ids[i, first:end] = t.input_ids[p - kp : p + kr]
+        prompts[i, :first] = pad
+        prompts[i, first:] = t.input_ids[p - kp : p]
+        responses[i, :kr] = t.input_ids[p : p + kr]
+        responses[i, kr:] = pad
+        input_ids[i, :width_p] = prompts[i]  # from the row just written, still in cache
+        input_ids[i, width_p:] = responses[i]
         attention_mask[i, first:end] = 1
         position_ids[i, first:end] = counting[: kp + kr]
         position_ids[i, end:] = max(kp + kr - 1, 0)
@@ -184,9 +195,9 @@ def assemble_padded(
 
     batch = TensorDict(
         {
-            # Copies, not views of input_ids: a trainer may write into one of them.
-            "prompts": torch.from_numpy(input_ids[:, :width_p].copy()),
-            "responses": torch.from_numpy(input_ids[:, width_p:].copy()),
+            # Not views of input_ids: a trainer may write into one of them.
+            "prompts": torch.from_numpy(prompts),
+            "responses": torch.from_numpy(responses),
             "input_ids": torch.from_numpy(input_ids),
             "attention_mask": torch.from_numpy(attention_mask),
             "position_ids": torch.from_numpy(position_ids),
