@@ -561,15 +561,24 @@ class BenchStack:
 
 @contextlib.asynccontextmanager
 async def fixed_latency_stack(
-    args: argparse.Namespace, tmp: Path, max_context: int, name: str
+    args: argparse.Namespace,
+    tmp: Path,
+    max_context: int,
+    name: str,
+    *,
+    model_dir: Path | None = None,
+    completion: list[int] | None = None,
+    source_tree: Path | None = None,
 ) -> AsyncIterator[BenchStack]:
-    """nats-server, the fixed-latency backend (its reply: the Bash tool call) and a gateway, all
-    with ``max_context``; the logs' tails are printed when the body fails."""
+    """nats-server, the fixed-latency backend (its reply: ``completion``, by default the Bash
+    tool call) and a gateway serving ``model_dir`` (default: the tiny model), all with
+    ``max_context``; the logs' tails are printed when the body fails. ``source_tree``: the
+    checkout whose code the gateway runs (``_gateway_launcher.py --source-tree``)."""
     from gateway.model import ensure_tiny_model
 
     t0 = time.perf_counter()
-    model_dir = ensure_tiny_model(Path(args.model_cache))
-    completion = reply_ids(model_dir)
+    model_dir = model_dir or ensure_tiny_model(Path(args.model_cache))
+    completion = completion or reply_ids(model_dir)
     conv = overhead.Conversation([], [], (completion[-1],), completion, len(completion))
     say(f"tiny model ready in {time.perf_counter() - t0:.1f} s; reply: {len(completion)} tokens")
     log_dir = tmp / "logs"
@@ -583,7 +592,14 @@ async def fixed_latency_stack(
         [*backend_cmd, "--max-model-len", str(max_context)], log_dir / "backend.log", os.environ
     )
     gateway_cmd = overhead.gateway_command(
-        args, model_dir, nats.url, backend_url, gateway_port, tmp / "data", tmp / "gc.json"
+        args,
+        model_dir,
+        nats.url,
+        backend_url,
+        gateway_port,
+        tmp / "data",
+        tmp / "gc.json",
+        source_tree,
     )
     gateway_cmd[gateway_cmd.index("--max-context") + 1] = str(max_context)
     gateway: Any = None

@@ -1,12 +1,13 @@
 """A fixed-latency stand-in for vLLM's OpenAI-compatible server (benchmarks and tests only).
 
 It speaks the subset of ``POST /v1/completions`` that ``gateway.backends.vllm.VLLMBackend`` uses
-(token-id ``prompt``, ``stream: true``, ``return_token_ids``, ``return_tokens_as_token_ids``,
-``logprobs: k``, ``stream_options.include_usage``) and answers every request with the same fixed
-tokens after a fixed delay::
+(token-id ``prompt``, ``stream`` true or false, ``return_token_ids``,
+``return_tokens_as_token_ids``, ``logprobs: k``, ``stream_options.include_usage``) and answers
+every request with the same fixed tokens after a fixed delay::
 
     data: {"id": ..., "choices": [{"index": 0, "text": "T", "token_ids": [84],
            "prompt_token_ids": [...],                  # first event only, as vLLM does
+                                                       # (both ids: with return_token_ids)
            "logprobs": {"tokens": ["token_id:84"], "token_logprobs": [-0.1],
                         "top_logprobs": [{"token_id:84": -0.1, ...}], "text_offset": [0]},
            "finish_reason": null, "stop_reason": null}], "usage": null}
@@ -15,9 +16,11 @@ tokens after a fixed delay::
     data: {"id": ..., "choices": [], "usage": {"prompt_tokens": P, "completion_tokens": N, ...}}
     data: [DONE]
 
-plus ``GET /health``, ``GET /v1/models`` (the model and its ``max_model_len``, as vLLM lists
-them) and ``GET /stats`` (connections accepted, completions served: a client that
-opens a new connection per request shows up as connections ~ completions).
+or, with ``stream: false``, all tokens in one JSON body (one choice, after ``--ttft-ms`` plus
+``--itl-ms`` per further token); plus ``GET /health``, ``GET /v1/models`` (the model and its
+``max_model_len``, as vLLM lists them) and ``GET /stats`` (connections accepted, completions
+served: a client that opens a new connection per request shows up as connections ~
+completions).
 
 Timing: the response headers go out at once (as a streaming server sends them); the first event
 after ``--ttft-ms``, each further event ``--itl-ms`` after the previous one. With ``--itl-ms 0``
@@ -76,39 +79,39 @@ class Completions:
         self._cache: dict[tuple[int, int], list[dict[str, Any]]] = {}
         self._encoded: dict[tuple[int, int], list[bytes]] = {}
 
-    def _choices(self, k: int, n: int) -> list[dict[str, Any]]:
-        key = (k, n)
+    def _choices(self, k: int, n: int, ids: bool) -> list[dict[str, Any]]:
+        key = (k, n, ids)
         if key not in self._cache:
             config = self.config
             step = config.tokens_per_event
             choices = []
             for start in range(0, n, step):
-                ids = list(config.tokens[start : min(start + step, n)])
-                logprobs = [round(-0.05 - 0.01 * (start + i), 4) for i in range(len(ids))]
+                part = list(config.tokens[start : min(start + step, n)])
+                logprobs = [round(-0.05 - 0.01 * (start + i), 4) for i in range(len(part))]
                 top = [
                     {
                         f"token_id:{token}": lp,
                         **{f"token_id:{(token + j) % 256}": lp - j for j in range(1, k)},
                     }
-                    for token, lp in zip(ids, logprobs, strict=True)
+                    for token, lp in zip(part, logprobs, strict=True)
                 ]
-                offsets = [sum(len(t) for t in config.texts[: start + i]) for i in range(len(ids))]
-                last = start + len(ids) >= n
+                offsets = [sum(len(t) for t in config.texts[: start + i]) for i in range(len(part))]
+                last = start + len(part) >= n
                 choices.append(
                     {
                         "index": 0,
-                        "text": "".join(config.texts[start : start + len(ids)]),
+                        "text": "".join(config.texts[start : start + len(part)]),
                         "logprobs": {
                             "text_offset": offsets,
                             "token_logprobs": logprobs,
-                            "tokens": [f"token_id:{t}" for t in ids],
+                            "tokens": [f"token_id:{t}" for t in part],
                             "top_logprobs": top,
                         },
                         "finish_reason": (
                             ("stop" if n == len(config.tokens) else "length") if last else None
                         ),
                         "stop_reason": None,
-                        "token_ids": ids,
+                        **({"token_ids": part} if ids else {}),
                     }
                 )
             self._cache[key] = choices
@@ -127,10 +130,11 @@ class Completions:
             "usage": usage,
         }
 
-    def events(self, prompt: list[int], k: int, max_tokens: int) -> list[bytes]:
+    def events(self, prompt: list[int], k: int, max_tokens: int, ids: bool) -> list[bytes]:
+        """``ids``: the request's ``return_token_ids`` (the ids, and the prompt's echoed)."""
         n = max(1, min(len(self.config.tokens), max_tokens))
-        choices = self._choices(k, n)
-        first = {**choices[0], "prompt_token_ids": prompt}
+        choices = self._choices(k, n, ids)
+        first = {**choices[0], "prompt_token_ids": prompt} if ids else choices[0]
         usage = {
             "prompt_tokens": len(prompt),
             "total_tokens": len(prompt) + n,
@@ -138,10 +142,50 @@ class Completions:
         }
         return [
             _sse(self._event([first], None)),
-            *self._encoded[(k, n)],
+            *self._encoded[(k, n, ids)],
             _sse(self._event([], usage)),
             b"data: [DONE]\n\n",
         ]
+
+    def whole(self, prompt: list[int], k: int, max_tokens: int, ids: bool) -> bytes:
+        """The non-streamed answer (``stream: false``): every token in one choice."""
+        n = max(1, min(len(self.config.tokens), max_tokens))
+        key = (-1 - k, n, ids)
+        if key not in self._encoded:
+            parts = self._choices(k, n, ids)
+            logprobs = {
+                name: [item for part in parts for item in part["logprobs"][name]]
+                for name in ("text_offset", "token_logprobs", "tokens", "top_logprobs")
+            }
+            choice = {
+                "index": 0,
+                "text": "".join(part["text"] for part in parts),
+                "logprobs": logprobs,
+                "finish_reason": parts[-1]["finish_reason"],
+                "stop_reason": None,
+            }
+            if ids:
+                choice["token_ids"] = [t for part in parts for t in part["token_ids"]]
+            # Cached encoded up to the prompt ids, which vLLM echoes (with return_token_ids).
+            head = json.dumps(choice, separators=(",", ":"))[:-1]
+            self._encoded[key] = [(head + ',"prompt_token_ids":' if ids else head).encode()]
+        usage = {
+            "prompt_tokens": len(prompt),
+            "total_tokens": len(prompt) + n,
+            "completion_tokens": n,
+        }
+        event = self._event([], usage)
+        del event["choices"]
+        rest = json.dumps(event, separators=(",", ":"))[1:]
+        return b"".join(
+            (
+                b'{"choices":[',
+                self._encoded[key][0],
+                json.dumps(prompt, separators=(",", ":")).encode() if ids else b"",
+                b"}],",
+                rest.encode(),
+            )
+        )
 
 
 def _sse(event: dict[str, Any]) -> bytes:
@@ -219,8 +263,45 @@ class HTTPConnection(asyncio.Protocol):
                 self._respond(405, {"error": "POST only"}, close=close)
                 return
             self._complete(body, close)
+        elif path == "/v1/chat/completions" and method == "POST":
+            self._chat(body, close)
         else:
             self._respond(404, {"error": f"no route {path}"}, close=close)
+
+    def _chat(self, body: bytes, close: bool) -> None:
+        """``POST /v1/chat/completions``, not streamed (for a proxy in front of this backend,
+        as LiteLLM in ``benchmarks/_litellm.py``): the same text after the same delay."""
+        try:
+            request = json.loads(body)
+            if request.get("stream"):
+                raise ValueError("stream is not supported on /v1/chat/completions here")
+            chars = sum(len(str(m.get("content") or "")) for m in request["messages"])
+            n = max(1, min(len(self.config.tokens), int(request.get("max_tokens") or 1 << 30)))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            self.stats.bad_requests += 1
+            self._respond(400, {"error": {"message": str(exc)}}, close=close)
+            return
+        stopped = n == len(self.config.tokens)  # the last token is the stop token: no text
+        content = "".join(self.config.texts[: n - 1 if stopped else n])
+        answer = {
+            "id": "chatcmpl-fixed",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.config.model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": content},
+                    "finish_reason": "stop" if stopped else "length",
+                    "logprobs": None,
+                }
+            ],
+            "usage": {"prompt_tokens": chars, "completion_tokens": n, "total_tokens": chars + n},
+        }
+        self.busy = True
+        delay = self.config.ttft_s + max(n - 1, 0) * self.config.itl_s
+        loop = asyncio.get_running_loop()
+        self.timer = loop.call_later(delay, self._send_whole, json.dumps(answer).encode(), close)
 
     def _complete(self, body: bytes, close: bool) -> None:
         try:
@@ -228,16 +309,25 @@ class HTTPConnection(asyncio.Protocol):
             prompt = request["prompt"]
             if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
                 raise ValueError("prompt must be a list of token ids")
-            if request.get("stream") is not True:
-                raise ValueError("only stream=true is implemented")
+            stream = request.get("stream", False)
+            if not isinstance(stream, bool):
+                raise ValueError("stream must be a boolean")
             k = int(request.get("logprobs") or 0)
             max_tokens = int(request.get("max_tokens") or len(self.config.tokens))
+            ids = request.get("return_token_ids") is True
         except (ValueError, KeyError, TypeError) as exc:
             self.stats.bad_requests += 1
             self._respond(400, {"error": {"message": str(exc)}}, close=close)
             return
-        events = self.completions.events(prompt, k, max_tokens)
         assert self.transport is not None
+        if not stream:  # one JSON response after ttft + (n - 1) * itl, as vLLM answers it
+            data = self.completions.whole(prompt, k, max_tokens, ids)
+            n = max(1, min(len(self.config.tokens), max_tokens))
+            delay = self.config.ttft_s + max(n - 1, 0) * self.config.itl_s
+            self.busy = True
+            self.timer = asyncio.get_running_loop().call_later(delay, self._send_whole, data, close)
+            return
+        events = self.completions.events(prompt, k, max_tokens, ids)
         self.transport.write(
             b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
             b"cache-control: no-cache\r\ntransfer-encoding: chunked\r\n\r\n"
@@ -267,6 +357,22 @@ class HTTPConnection(asyncio.Protocol):
         if self.transport is None:
             return
         self.transport.write(b"".join(_chunk(p) for p in parts) + b"0\r\n\r\n")
+        self.stats.completions += 1
+        self.busy = False
+        if close:
+            self.transport.close()
+            return
+        if self.buffer:
+            self._next_request()
+
+    def _send_whole(self, data: bytes, close: bool) -> None:
+        self.timer = None
+        if self.transport is None:
+            return
+        self.transport.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n%b" % (len(data), data)
+        )
         self.stats.completions += 1
         self.busy = False
         if close:

@@ -192,6 +192,18 @@ The LAST line is then one JSON object with ``cpu_ms_per_request_<api>_c<c>[_stre
 API and variant: the figures above, per-round lists, the other processes' CPU), ``checks``,
 settings, machine info and date.
 
+CPU per generated token: ``--per-token`` (also part of the default run)
+-----------------------------------------------------------------------
+Issue 16: the gateway's CPU per output token, for a client that does not stream
+(``cpu_us_per_output_token``, target <= 2 us) and one that does
+(``cpu_us_per_output_token_streamed``, <= 6 us): 460- vs 16-token replies of the fixed-latency
+backend, first turns of new sessions with the same ~1k-token prompt, phases alternating
+(``benchmarks/_per_token.py`` says how)::
+
+    .venv/bin/python benchmarks/gateway_overhead.py --per-token            # ~5 min
+    .venv/bin/python benchmarks/gateway_overhead.py --per-token --quick    # 2 rounds
+    .venv/bin/python benchmarks/gateway_overhead.py --per-token --quick --itl-ms 1  # spaced
+
 Interleaved conversations: ``--interleaved``
 --------------------------------------------
 Issue 18: sub-agents share their caller's session and take turns with it, so the gateway matches
@@ -216,6 +228,16 @@ each request against every turn the session keeps (``benchmarks/_interleaved.py`
 * Checked at the end, from EVENTS: every turn after a conversation's first has its
   conversation's previous turn as ``parent_turn`` and a ``prefix_len`` of that turn's whole
   context: continued token-exact, no fork. A failed request or check aborts the run.
+
+Agent-shaped sessions: ``--agent-shape``
+----------------------------------------
+Issue 16: gateway CPU per later turn at ~1k, ~32k and ~100k tokens of context, 460 output tokens
+and a tool result a turn, the first turn's cost beside it, with the tiny tokenizer and a BPE
+tokenizer of ~4 bytes a token trained here (``benchmarks/_agent_shape.py`` describes what is
+sent, measured and checked); part of the default run too (its keys on the last line)::
+
+    .venv/bin/python benchmarks/gateway_overhead.py --agent-shape           # ~6 min
+    .venv/bin/python benchmarks/gateway_overhead.py --agent-shape --quick   # ~3 min
 """
 
 from __future__ import annotations
@@ -243,6 +265,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import httpx
+import msgspec
 from _common import arguments, banner, finish, say
 from _common import machine_info as common_machine_info
 
@@ -450,7 +473,7 @@ class Direct(LoadPath):
     def __init__(
         self, clients: list[httpx.AsyncClient], per: int, url: str, model: str, conv: Conversation
     ):
-        from gateway.backends.base import SamplingParams
+        from gateway.backends.base import Prompt, SamplingParams
         from gateway.backends.vllm import completion_request
 
         self.clients, self.per = clients, per
@@ -463,7 +486,11 @@ class Direct(LoadPath):
             stop_token_ids=conv.stop_token_ids,
             top_logprobs=0,
         )
-        self.bodies = [completion_request(model, ids, params) for ids in conv.prompt_ids]
+        # Encoded as the gateway's backends encode theirs (msgspec; the prompt's JSON text).
+        self.bodies = [
+            msgspec.json.encode(completion_request(model, Prompt(ids), params))
+            for ids in conv.prompt_ids
+        ]
         self.expected = conv.completion_ids
         self.counts = PhaseCounts()
 
@@ -476,7 +503,9 @@ class Direct(LoadPath):
             body = self.bodies[turn]
             turn = (turn + 1) % len(self.bodies)
             tokens: list[int] = []
-            async with client.stream("POST", self.url, json=body) as response:
+            async with client.stream(
+                "POST", self.url, content=body, headers={"content-type": "application/json"}
+            ) as response:
                 if response.status_code != 200:
                     detail = (await response.aread())[:300]
                     raise RuntimeError(f"direct: HTTP {response.status_code}: {detail!r}")
@@ -491,7 +520,9 @@ class Direct(LoadPath):
                         done = True
                         continue
                     for choice in json.loads(payload)["choices"]:
-                        tokens.extend(choice["token_ids"])
+                        # The sampled ids: the "token_id:<id>" logprob keys, as the gateway
+                        # reads them (it does not ask for return_token_ids).
+                        tokens.extend(int(t[9:]) for t in choice["logprobs"]["tokens"])
             if not tokens or (self.expected is not None and tokens != self.expected):
                 raise RuntimeError(f"direct: got tokens {tokens}, expected {self.expected}")
             self.counts.requests += 1
@@ -1575,7 +1606,56 @@ async def main() -> None:
         help="issue 18: CPU per turn with 1, 4 and 16 interleaved ~32k-token conversations per "
         "session",
     )
+    parser.add_argument(
+        "--per-token",
+        action="store_true",
+        help="issue 16: CPU per generated token, 460 vs 16 output tokens, streamed and not",
+    )
+    parser.add_argument(
+        "--per-token-profile",
+        choices=("whole", "streamed"),
+        default="whole",
+        help="with --per-token --profile-gateway: which 460-token phases to profile",
+    )
+    parser.add_argument(
+        "--agent-shape",
+        action="store_true",
+        help="issue 16: CPU per later turn at 1k, 32k and 100k tokens of context, 460 output "
+        "tokens a turn, with the tiny and a BPE tokenizer (also part of the default run)",
+    )
+    parser.add_argument(
+        "--scaleout",
+        action="store_true",
+        help="issue 16: throughput and CPU at c=64 through 1 vs 2 gateway processes "
+        "(turnstream gateway --workers N; also part of the default run)",
+    )
+    parser.add_argument(
+        "--litellm",
+        action="store_true",
+        help="issue 16: gateway vs LiteLLM proxy 1.106.2 CPU per request at c=16, phases "
+        "alternating (installs LiteLLM once in its own venv; also part of the default run)",
+    )
     args = parser.parse_args()
+    if args.litellm:
+        from _litellm import litellm_main
+
+        await litellm_main(parser, args)
+        return
+    if args.scaleout:
+        from _scaleout import scaleout_main
+
+        await scaleout_main(parser, args)
+        return
+    if args.agent_shape:
+        from _agent_shape import agent_shape_main
+
+        await agent_shape_main(parser, args)
+        return
+    if args.per_token:
+        from _per_token import per_token_main
+
+        await per_token_main(parser, args)
+        return
     if args.interleaved:
         from _interleaved import interleaved_main
 
@@ -1632,6 +1712,14 @@ async def main() -> None:
     with tempfile.TemporaryDirectory(prefix="ts-gwbench-", dir=args.store_dir) as tmp:
         result = await bench(args, plan, Path(tmp))
     out = report(result)
+    per_token: dict[str, Any] = {}
+    if not vllm:  # issue 16: CPU per generated token (benchmarks/_per_token.py), unprofiled
+        from _per_token import measure_per_token
+
+        say("\nCPU per generated token (--per-token):")
+        unprofiled = argparse.Namespace(**{**vars(args), "profile_gateway": None})
+        with tempfile.TemporaryDirectory(prefix="ts-gwpt-", dir=args.store_dir) as tmp:
+            per_token = await measure_per_token(unprofiled, Path(tmp))
     profile = None
     if args.profile_gateway:
         gateway_phases = [p for p in result["phases"] if p.path == "gateway"]
@@ -1661,6 +1749,7 @@ async def main() -> None:
     )
     figures: dict[str, Any] = {
         **out["figures"],
+        **per_token,
         "targets": targets,
         "details": out["details"],
         "backend_stats": result["backend_stats"],
@@ -1684,6 +1773,27 @@ async def main() -> None:
         },
         **({"gateway_profile": profile} if profile else {}),
     }
+    if not vllm:  # issue 16's agent-shape keys (--agent-shape alone runs just these)
+        from _agent_shape import agent_shape_figures
+
+        say("\nagent shape: gateway CPU per later turn at 1k, 32k and 100k tokens of context")
+        unprofiled = argparse.Namespace(**{**vars(args), "profile_gateway": None})
+        figures.update(await agent_shape_figures(unprofiled))
+        duration = time.perf_counter() - started
+    if not vllm:  # issue 16's scale-out keys (--scaleout alone runs just these)
+        from _scaleout import scaleout_figures
+
+        say("\nscale-out: c=64 through 1 vs 2 gateway processes")
+        figures.update(await scaleout_figures(args))
+        duration = time.perf_counter() - started
+    if not vllm:  # issue 16's LiteLLM keys (--litellm alone runs just these)
+        from _litellm import measure_litellm
+
+        say(f"\ngateway vs LiteLLM {'(quick) ' if args.quick else ''}at c=16, phases alternating")
+        unprofiled = argparse.Namespace(**{**vars(args), "profile_gateway": None})
+        with tempfile.TemporaryDirectory(prefix="ts-gwlt-", dir=args.store_dir) as tmp:
+            figures.update(await measure_litellm(unprofiled, Path(tmp)))
+        duration = time.perf_counter() - started
     finish(figures, quick=args.quick, duration_s=duration, info=info)
 
 

@@ -29,18 +29,27 @@ def continued_turn(
     keys, when the caller has them."""
     keys = message_keys(messages) if keys is None else tuple(keys)
     n = len(keys)
-    best: TurnNode | None = None
-    for node in state.nodes.values():
+    # The longest first (ties: the most recent), so the first that matches is the one: in a
+    # linear session every earlier turn's conversation is a prefix too, and comparing each of
+    # them in full (a long first message in each) made a turn's cost grow with its context.
+    for node in sorted(state.nodes.values(), key=_length_then_turn, reverse=True):
         m = len(node.keys)
         if not 0 < m < n or node.event.request.get("api") == "completions":
             continue
-        if best is not None and (m, node.turn) < (len(best.keys), best.turn):
-            continue
-        # Cheap tests first: the reply (the conversation's last message) is what differs most.
-        if node.keys[-1] != keys[m - 1] or node.tools != tools or keys[:m] != node.keys:
-            continue
-        best = node
-    return best
+        # Cheap tests first: the reply (the conversation's last message) is what differs most;
+        # then the rest from the end, where conversations differ (their first messages, e.g. a
+        # long system prompt or task, are what sub-agents share).
+        if (
+            node.keys[-1] == keys[m - 1]
+            and node.tools == tools
+            and node.keys[::-1] == keys[m - 1 :: -1]
+        ):
+            return node
+    return None
+
+
+def _length_then_turn(node: TurnNode) -> tuple[int, int]:
+    return len(node.keys), node.turn
 
 
 def resent_turn(

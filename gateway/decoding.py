@@ -54,7 +54,7 @@ class Detokenizer:
 
     def finish(self) -> None:
         """Generation ended: flush text held back for an incomplete UTF-8 sequence."""
-        if not self.stopped:
+        if not self.stopped and self._read_offset < len(self.ids):  # else: nothing held back
             prefix = self._decode(self.ids[self._prefix_offset : self._read_offset])
             window = self._decode(self.ids[self._prefix_offset :])
             searched_from = max(len(self.text) - self._holdback, 0)

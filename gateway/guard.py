@@ -27,6 +27,7 @@ from typing import Any
 import msgspec
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
+from prometheus_client import Histogram
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -36,11 +37,13 @@ from gateway.protocol.common import INT64_MAX, INT64_MIN
 from schemas.ids import ID_PATTERN
 
 __all__ = [
+    "GUARD_ERRORS",
     "BodyLimits",
     "GuardedRoute",
     "RequestGuard",
     "allowed_runs",
     "decode_json",
+    "decoded_json",
     "parse_api_keys",
 ]
 
@@ -56,6 +59,8 @@ _LONG_DIGITS = b"0" * 19
 _OFF_LOOP_BYTES = 1024 * 1024
 _DECODER = msgspec.json.Decoder()
 _CONTAINERS = (dict, list)
+# What RequestGuard.admit raises: answered with the error's status before any route runs.
+GUARD_ERRORS = (Unauthorized, InvalidRequest, RequestTooLarge, RequestTimeout)
 
 
 @dataclass(frozen=True)
@@ -144,6 +149,7 @@ class RequestGuard:
         self.limits = limits
         self.reject = reject
         self.metrics = metrics
+        self._latency: dict[str, Histogram] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -151,16 +157,29 @@ class RequestGuard:
             return
         started = time.perf_counter()
         try:
-            if self.keys and scope["path"] not in self.open_paths:
-                scope[_RUNS_KEY] = self._runs_of_key(scope)
-            if scope["method"] in ("POST", "PUT", "PATCH"):
-                receive = await self._read_body(scope, receive)
-        except (Unauthorized, InvalidRequest, RequestTooLarge, RequestTimeout) as problem:
+            receive = await self.admit(scope, receive)
+        except GUARD_ERRORS as problem:
             await self.reject(problem, scope["path"])(scope, receive, send)
             return
         await self.app(scope, receive, send)
-        route = getattr(scope.get("route"), "path", "unmatched")
-        self.metrics.request_latency.labels(route).observe(time.perf_counter() - started)
+        self.observe(getattr(scope.get("route"), "path", "unmatched"), started)
+
+    async def admit(self, scope: Scope, receive: Receive) -> Receive:
+        """The checks before any route runs (one of ``GUARD_ERRORS`` when one fails): the key
+        and its runs, then a POST/PUT/PATCH body read and decoded (``decoded_json``); returns
+        the receive the app reads the body from."""
+        if self.keys and scope["path"] not in self.open_paths:
+            scope[_RUNS_KEY] = self._runs_of_key(scope)
+        if scope["method"] in ("POST", "PUT", "PATCH"):
+            receive = await self._read_body(scope, receive)
+        return receive
+
+    def observe(self, route: str, started: float) -> None:
+        """The request's latency, by route (``route`` a route's path, or "unmatched")."""
+        latency = self._latency.get(route)
+        if latency is None:  # prometheus' labels() takes a lock and builds a key per call
+            latency = self._latency[route] = self.metrics.request_latency.labels(route)
+        latency.observe(time.perf_counter() - started)
 
     def _runs_of_key(self, scope: Scope) -> frozenset[str] | None:
         # Bearer (OpenAI clients) or x-api-key (Anthropic clients: Claude Code, the SDK).
@@ -205,6 +224,13 @@ class RequestGuard:
             else:
                 scope[_JSON_KEY] = decode_json(body, depth)
         return _replay(body, receive)
+
+
+def decoded_json(scope: Scope) -> tuple[bool, Any]:
+    """(True, the body ``RequestGuard`` decoded) or (False, None): no JSON body was decoded."""
+    if _JSON_KEY in scope:
+        return True, scope[_JSON_KEY]
+    return False, None
 
 
 def _too_large(size: int, limit: int, *, streamed: bool = False) -> str:

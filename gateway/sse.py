@@ -4,10 +4,12 @@ OpenAI Responses."""
 
 from __future__ import annotations
 
+import msgspec
+
 from gateway.errors import error_body
 from gateway.protocol.common import ErrorBody, ErrorResponse, Wire
 
-__all__ = ["DONE", "sse", "sse_error", "sse_event"]
+__all__ = ["DONE", "TextEvents", "sse", "sse_error", "sse_event"]
 
 DONE = b"data: [DONE]\n\n"
 
@@ -26,3 +28,31 @@ def sse_error(exc: BaseException) -> bytes:
     event; the OpenAI SDK raises it as an APIError."""
     error = ErrorResponse(error=ErrorBody.model_validate(error_body(exc)))
     return b"data: " + error.model_dump_json().encode() + b"\n\n"
+
+
+_TEXT = msgspec.json.Encoder()
+
+
+class TextEvents:
+    """Events that differ in one text field only (a streamed reply's text deltas), written from
+    their framed bytes with that text empty: split around it once, each delta JSON-encoded into
+    the gap. A delta then costs one string encode, not a model built and serialized.
+
+    >>> events = TextEvents(b'data: {"delta":{"content":""},"n":null}\\n\\n', b'"content":')
+    >>> events.write('say "hi"\\n')
+    b'data: {"delta":{"content":"say \\\\"hi\\\\"\\\\n"},"n":null}\\n\\n'
+    """
+
+    __slots__ = ("_head", "_tail")
+
+    def __init__(self, framed: bytes, key: bytes) -> None:
+        """``framed``: the event with the text empty: ``key`` then ``""``, once."""
+        empty = key + b'""'
+        if framed.count(empty) != 1:
+            raise ValueError(f"{empty!r} should occur once in {framed[:200]!r}")
+        head, tail = framed.split(empty)
+        self._head = head + key
+        self._tail = tail
+
+    def write(self, text: str) -> bytes:
+        return self._head + _TEXT.encode(text) + self._tail

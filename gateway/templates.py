@@ -17,6 +17,7 @@ import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 from transformers import PreTrainedTokenizerBase, TokenizersBackend
 
 from gateway.conversation import arguments_object
@@ -52,10 +53,19 @@ class ChatTemplate:
     """A tokenizer and its chat template, with the text arithmetic of prefix extension."""
 
     def __init__(
-        self, tokenizer: PreTrainedTokenizerBase, stop_token_ids: Sequence[int] = ()
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        stop_token_ids: Sequence[int] = (),
+        *,
+        max_context: int | None = None,
     ) -> None:
+        """``max_context``: the served context length, which becomes the tokenizer's own limit
+        (transformers warns about any longer encoding, e.g. 30994 > 4096, though the model
+        served takes it)."""
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat_template; serve a chat model")
+        if max_context is not None:
+            tokenizer.model_max_length = max_context
         self.tokenizer = tokenizer
         self.hash = hashlib.sha256(str(tokenizer.chat_template).encode()).hexdigest()[:16]
         eos = tokenizer.eos_token_id
@@ -111,10 +121,26 @@ class ChatTemplate:
         """The full render of a conversation, ready for the model's reply."""
         return self.encode(self.render(messages, tools, generation=True))
 
+    def extension_ids(
+        self, context_text: str, messages: Sequence[JSON], tools: list[JSON] | None
+    ) -> tuple[list[int] | None, str]:
+        """The render of ``messages`` (ready for the reply), and the ids to append after a
+        context whose ids stand for ``context_text`` so that the prompt's text is exactly that
+        render: where the render starts with ``context_text`` (the template renders the kept
+        turns, the model's replies included, as they are), the ids of the rest; else None.
+
+        One render, where ``continuation_ids`` needs two; when both apply they give the same
+        ids (the rest of the render is the end of turn the model did not sample + the new
+        messages' text)."""
+        full = self.render(messages, tools, generation=True)
+        if not full.startswith(context_text):
+            return None, full
+        return self.encode(full[len(context_text) :]), full
+
     def continuation_ids(
         self,
         conversation: Sequence[JSON],
-        completion_ids: Sequence[int],
+        completion_ids: Sequence[int] | np.ndarray,
         new_messages: Sequence[JSON],
         tools: list[JSON] | None,
     ) -> list[int] | None:
@@ -126,8 +152,9 @@ class ChatTemplate:
         if not full.startswith(base):
             return None
         tail = self.turn_end_text
-        if completion_ids and completion_ids[-1] in self.stop_token_ids:
-            sampled = self.decode(completion_ids[-1:], skip_special_tokens=False)
+        last = int(completion_ids[-1]) if len(completion_ids) else -1
+        if last in self.stop_token_ids:
+            sampled = self.decode([last], skip_special_tokens=False)
             if tail.startswith(sampled):
                 tail = tail[len(sampled) :]
         return self.encode(tail + full[len(base) :])

@@ -62,6 +62,7 @@ from schemas.delta import common_prefix_len
 from schemas.events import SessionClosed, SessionEvent, SessionOpened, TurnCompleted
 
 __all__ = [
+    "ContextCache",
     "Kept",
     "SessionState",
     "TurnDraft",
@@ -98,6 +99,31 @@ class Kept:
             raise ValueError(f"a session keeps >= 1 turn and >= 1 token, not {self}")
 
 
+@dataclass(eq=False)
+class ContextCache:
+    """What the turn that continues a kept turn reuses of it, built when that turn ran:
+
+    * ``text``: the text its context ids stand for (its prompt's render, any forced tool-call
+      opening, its completion decoded with special tokens), so that the next turn renders its
+      conversation once and keeps the ids of this text where the render starts with it
+      (``ChatTemplate.extension_ids``);
+    * ``json_head``: the JSON text of its context ids without the closing bracket
+      (``b"[1,2,3"``), built when its prompt went to an HTTP backend
+      (``gateway.backends.base.Prompt``), so the next turn encodes only its new ids.
+
+    A cache, not state: empty after recovery, and handed on (``take``) to the turn that
+    continues it, so a chain of turns holds one (a second continuation of a turn finds it
+    empty and renders and encodes in full)."""
+
+    text: str | None = None
+    json_head: bytes = b""
+
+    def take(self) -> tuple[str | None, bytes]:
+        taken = self.text, self.json_head
+        self.text, self.json_head = None, b""
+        return taken
+
+
 @dataclass(frozen=True)
 class TurnNode:
     """A kept turn: what a later turn needs to continue it token for token."""
@@ -110,6 +136,7 @@ class TurnNode:
     keys: tuple[MessageKey, ...]  # message_key of each message of ``conversation``
     tools: list[JSON] | None
     continued: bool = False  # a later turn extends it: no longer the tip of a conversation
+    cache: ContextCache = field(default_factory=ContextCache, compare=False, repr=False)
 
     @property
     def turn(self) -> int:
@@ -176,7 +203,7 @@ class SessionState:
 class TurnDraft:
     """A generated turn before it is an event: what the prompt was and what was sampled."""
 
-    prompt_ids: Sequence[int]
+    prompt_ids: Sequence[int] | np.ndarray
     messages: Sequence[JSON]  # the turn's whole conversation (chat); () for text completions
     tools: list[JSON] | None
     completion_ids: Sequence[int]
@@ -195,6 +222,9 @@ class TurnDraft:
     # kept: the kept turn sharing the longest token prefix with prompt_ids.
     parent_turn: int | None = None
     logprobs_kind: str = "sampled"  # TurnCompleted.logprobs_kind
+    # Where known, the tokens prompt_ids shares with parent_turn's context: a prompt that
+    # continues the parent holds its whole context (not compared again, token by token).
+    prefix_len: int | None = None
 
 
 # -- the delta base of a turn that continues none ------------------------------------------
@@ -230,7 +260,16 @@ def turn_event(state: SessionState, draft: TurnDraft) -> TurnCompleted:
     node = state.nodes.get(parent)
     context = _NO_IDS if node is None else node.context_ids
     prompt = np.asarray(draft.prompt_ids, dtype=np.int32)  # once: a long prompt is a long list
-    prefix_len = common_prefix_len(context, prompt)
+    whole = len(context)
+    if (
+        node is not None
+        and parent == draft.parent_turn
+        and draft.prefix_len == whole <= len(prompt)
+        and (not whole or prompt[whole - 1] == context[-1])  # a spot check, O(1)
+    ):
+        prefix_len = whole  # the prompt continues the parent's whole context
+    else:
+        prefix_len = common_prefix_len(context, prompt)
     message_prefix_len = 0
     for key, message in zip(node.keys if node else (), draft.messages, strict=False):
         if key != message_key(message):

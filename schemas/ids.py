@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import secrets
+import zlib
 from typing import Literal
 
 from schemas.errors import InvalidIdentifier
@@ -31,15 +32,44 @@ def validate_id(value: object, field: str = "id") -> str:
     return value
 
 
+def session_owner(session: str, workers: int) -> int:
+    """Which of ``workers`` gateway processes holds ``session`` (``turnstream gateway
+    --workers N``): the same in every process and across restarts (CRC-32, not Python's salted
+    ``hash``). The run is left out: a key allowed one run finds its run only after the request
+    is parsed, and the session alone spreads as evenly.
+
+    >>> session_owner("s-1", 2), session_owner("a", 2), session_owner("s-1", 1)
+    (0, 1, 0)
+    """
+    return zlib.crc32(session.encode()) % workers
+
+
+_owned: tuple[int, int] = (0, 1)  # (this process's worker index, workers)
+
+
+def own_new_session_ids(index: int, workers: int) -> None:
+    """Make ``new_session_id`` draw ids that ``session_owner`` maps to worker ``index`` of
+    ``workers`` (set once by each gateway worker process at its start)."""
+    global _owned
+    if not 0 <= index < workers:
+        raise ValueError(f"worker {index} of {workers}")
+    _owned = (index, workers)
+
+
 def new_session_id() -> str:
     """A gateway-made session id: 128 random bits; base64url is already [A-Za-z0-9_-]. Never
     starts with ``-``, which a command line would read as an option (``turnstream inspect ID``).
+    In a gateway worker, one this worker owns (``own_new_session_ids``): about ``workers`` draws
+    (log2(workers) bits fewer left to chance).
 
     >>> all(not new_session_id().startswith("-") for _ in range(1000))
     True
     """
-    while (session := secrets.token_urlsafe(16)).startswith("-"):
-        pass  # 1 in 64 draws: draw again (127.9 bits of randomness left)
+    index, workers = _owned
+    while (session := secrets.token_urlsafe(16)).startswith("-") or (
+        workers > 1 and session_owner(session, workers) != index
+    ):
+        pass  # 1 in 64 draws starts with "-": draw again (127.9 bits of randomness left)
     return session
 
 

@@ -207,6 +207,20 @@ def _quiet_tls_close(record: logging.LogRecord) -> bool:
     return "eof_received() has no effect when using ssl" not in record.getMessage()
 
 
+def configure_logging(fmt: str = "%(message)s") -> None:
+    """The commands' logging: rich lines on stderr at ``TURNSTREAM_LOG_LEVEL`` (INFO), in
+    ``fmt`` (a gateway worker process names itself in it)."""
+    logging.basicConfig(
+        level=os.environ.get("TURNSTREAM_LOG_LEVEL", "INFO"),
+        format=fmt,
+        handlers=[RichHandler(console=console, show_path=False)],
+    )
+    # Per-request INFO lines from client libraries cost ~0.6 ms a turn in the gateway.
+    for noisy in ("nats", "httpx", "httpcore", "httpx2", "httpcore2"):  # httpx2: the openai SDK
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    logging.getLogger("asyncio").addFilter(_quiet_tls_close)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
@@ -219,15 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # transformers advises at import that without torch "Models won't be available": true and
     # meant for a gateway in front of vLLM, which needs only the tokenizer.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    logging.basicConfig(
-        level=os.environ.get("TURNSTREAM_LOG_LEVEL", "INFO"),
-        format="%(message)s",
-        handlers=[RichHandler(console=console, show_path=False)],
-    )
-    # Per-request INFO lines from client libraries cost ~0.6 ms a turn in the gateway.
-    for noisy in ("nats", "httpx", "httpcore", "httpx2", "httpcore2"):  # httpx2: the openai SDK
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    logging.getLogger("asyncio").addFilter(_quiet_tls_close)
+    configure_logging()
     try:
         CliApp.run(with_toml(COMMANDS[name][1](), _pop_config(args)), cli_args=args)
     except ValidationError as exc:

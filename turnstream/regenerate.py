@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 
 from consumers.recording import Recording, read_recording
-from gateway.backends.base import Backend, GenerationChunk, SamplingParams
+from gateway.backends.base import Backend, GenerationChunk, Prompt, SamplingParams
 from schemas.codec import Codec
 from schemas.errors import SchemaError, TurnstreamError
 from schemas.events import SessionEvent, TurnCompleted
@@ -258,7 +258,7 @@ async def _generate(
     ids: list[int] = []
     logprobs: list[float] = []
     stream: AsyncIterator[GenerationChunk] = backend.generate(
-        prompt.tolist(), params, session=session
+        Prompt(prompt), params, session=session
     )
     try:
         async for chunk in stream:

@@ -62,7 +62,7 @@ class UpSettings(GatewaySettings):
 @dataclass
 class Stack:
     event_log: EventLog
-    gateway: Gateway
+    gateway: Gateway | None  # None: in worker processes (--workers N)
     url: str  # the gateway's base URL
     worker: FoldWorker
     reaper: Reaper | None
@@ -79,12 +79,24 @@ async def embedded_stack(
     The embedded nats-server is restarted when it dies; if it keeps dying, ``stop`` is set and
     ``ServerCrashLoop`` is raised on exit.
     """
-    async with (
-        open_log(settings, name="turnstream-up", stop=stop) as event_log,
-        build_gateway(settings, event_log) as gateway,
-    ):
-        port = settings.port or free_port()
-        server = http_server(gateway.app, settings.host, port)
+    async with contextlib.AsyncExitStack() as exits:
+        event_log = await exits.enter_async_context(
+            open_log(settings, name="turnstream-up", stop=stop)
+        )
+        gateway: Gateway | None = None
+        server = None
+        if settings.workers > 1:  # gateway worker processes (turnstream.gateway_workers)
+            from turnstream.gateway_workers import gateway_workers
+
+            pool = await exits.enter_async_context(
+                gateway_workers(settings, event_log, stop or asyncio.Event())
+            )
+            url = pool.url
+        else:
+            gateway = await exits.enter_async_context(build_gateway(settings, event_log))
+            port = settings.port or free_port()
+            server = http_server(gateway.app, settings.host, port)
+            url = f"http://{settings.host}:{port}"
         publisher = await JetStreamPublisher(event_log.nc, settings.publisher).start()
         worker, reaper = fold_workers(
             event_log, publisher, settings.fold, settings.reaper, settings.log
@@ -96,21 +108,23 @@ async def embedded_stack(
         gc.collect()
         gc.freeze()  # see GatewayCommand: torch's long-lived objects made full GCs slow
         tasks = [
-            asyncio.create_task(server.serve(), name="gateway"),
             asyncio.create_task(worker.run(done), name="fold-worker"),
             asyncio.create_task(writer.run(done), name="shard-writer"),
         ]
         if reaper is not None:
             tasks.append(asyncio.create_task(reaper.run(done), name="reaper"))
-        while not server.started:
-            if tasks[0].done():
-                tasks[0].result()  # the gateway could not start (port taken): say why
-            await asyncio.sleep(0.02)
-        url = f"http://{settings.host}:{port}"
+        if server is not None:
+            serving = asyncio.create_task(server.serve(), name="gateway")
+            tasks.append(serving)
+            while not server.started:
+                if serving.done():
+                    serving.result()  # the gateway could not start (port taken): say why
+                await asyncio.sleep(0.02)
         try:
             yield Stack(event_log, gateway, url, worker, reaper, writer, settings.shard_target)
         finally:
-            server.should_exit = True
+            if server is not None:
+                server.should_exit = True
             done.set()
             results = await asyncio.gather(*tasks, return_exceptions=True)
             await publisher.close()

@@ -11,15 +11,100 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
+import msgspec
+import numpy as np
+
 __all__ = [
     "Backend",
     "GenerationChunk",
+    "Prompt",
     "SamplingParams",
     "TopLogprob",
     "needs_processed_logprobs",
 ]
 
 FinishReason = Literal["stop", "length"]
+
+
+_JSON = msgspec.json.Encoder()
+
+
+class Prompt:
+    """A prompt's token ids as the Backend port carries them: an int32 array, and (built on
+    first use, once) the JSON array text the HTTP backends put in their request bodies.
+
+    A turn that continues a kept turn passes that turn's context as ``head``: the JSON text of
+    ``ids[:head_len]`` without its closing bracket, which the kept turn cached when its own
+    prompt was sent (``extended_json_head``). Then ``json()`` encodes only the new ids, and a
+    turn's cost does not grow with its context.
+
+    >>> p = Prompt([1, 2, 3])
+    >>> len(p), p.json(), p.extended_json_head([4, 5])
+    (3, b'[1,2,3]', b'[1,2,3,4,5')
+    >>> q = Prompt([1, 2, 3, 4, 5, 6], head=p.extended_json_head([4, 5]), head_len=5)
+    >>> q.json(), q.same_ids([1, 2, 3, 4, 5, 6]), q.same_ids([1, 2, 3])
+    (b'[1,2,3,4,5,6]', True, False)
+    """
+
+    __slots__ = ("_head", "_head_len", "_json", "_list", "ids")
+
+    def __init__(
+        self, ids: Sequence[int] | np.ndarray, *, head: bytes = b"", head_len: int = 0
+    ) -> None:
+        self.ids: np.ndarray = np.asarray(ids, dtype=np.int32)
+        # A list given is kept: encoding it needs no conversion from the array.
+        self._list: list[int] | None = ids if isinstance(ids, list) else None
+        if head_len > len(self.ids) or (head_len > 0) != bool(head):
+            raise ValueError(f"a JSON head of {head_len} ids for a prompt of {len(self.ids)}")
+        self._head = head
+        self._head_len = head_len
+        self._json: bytes | None = None
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __repr__(self) -> str:
+        return f"Prompt({len(self.ids)} ids)"
+
+    @property
+    def encoded(self) -> bool:
+        """Whether ``json()`` was built (an HTTP backend sent this prompt)."""
+        return self._json is not None
+
+    def extended(self, more: Sequence[int]) -> Prompt:
+        """These ids followed by ``more`` (the JSON head carried over)."""
+        ids = np.concatenate([self.ids, np.asarray(more, dtype=np.int32)])
+        return Prompt(ids, head=self._head, head_len=self._head_len)
+
+    def tolist(self) -> list[int]:
+        if self._list is None:
+            self._list = self.ids.tolist()
+        return self._list
+
+    def json(self) -> bytes:
+        """The ids as a JSON array: ``b"[1,2,3]"``."""
+        if self._json is None:
+            if not self._head_len:
+                self._json = _JSON.encode(self.tolist())
+            elif self._head_len == len(self.ids):
+                self._json = self._head + b"]"
+            else:  # one copy of the head, however long
+                tail = _JSON.encode(self.ids[self._head_len :].tolist())
+                self._json = b"".join((self._head, b",", memoryview(tail)[1:]))
+        return self._json
+
+    def extended_json_head(self, more: Sequence[int]) -> bytes:
+        """The JSON head (no closing bracket) of these ids followed by ``more``: what the
+        kept turn of this prompt and its completion caches for the turn that continues it."""
+        text = memoryview(self.json())[:-1]  # one copy of the text, however long
+        if not more:
+            return bytes(text)
+        tail = memoryview(_JSON.encode(more if isinstance(more, list) else list(more)))[1:-1]
+        return b"".join((text, b"," if len(self.ids) else b"", tail))
+
+    def same_ids(self, ids: Sequence[int]) -> bool:
+        """Whether ``ids`` (e.g. a backend's echo of the prompt) are exactly these ids."""
+        return len(ids) == len(self.ids) and _JSON.encode(ids) == self.json()
 
 
 @dataclass(frozen=True)
@@ -44,6 +129,10 @@ class SamplingParams:
     # refuses a sampling whose distribution differs from them, unless this is set (the
     # gateway's --allow-raw-logprobs): then it generates and marks its chunks "raw".
     allow_raw_logprobs: bool = False
+    # False: the caller reads the completion whole (its client does not stream), so an HTTP
+    # backend asks its server for one non-streamed response and yields it as one chunk, rather
+    # than parse an event per token. Chunks stay the contract: a backend may ignore this.
+    stream: bool = True
 
 
 def needs_processed_logprobs(params: SamplingParams) -> bool:
@@ -96,9 +185,9 @@ class Backend(Protocol):
         ...
 
     def generate(
-        self, prompt_ids: Sequence[int], params: SamplingParams, *, session: str | None = None
+        self, prompt: Prompt, params: SamplingParams, *, session: str | None = None
     ) -> AsyncIterator[GenerationChunk]:
-        """Stream the completion of ``prompt_ids``. Raises BackendError (gateway.errors) when
+        """Stream the completion of ``prompt``. Raises BackendError (gateway.errors) when
         the backend fails; cancelling the iteration stops the generation. ``session`` is a
         routing hint (replicas keep a session's prefix cached); a single backend ignores it."""
         ...

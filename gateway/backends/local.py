@@ -29,7 +29,13 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from gateway.backends.base import FinishReason, GenerationChunk, SamplingParams, TopLogprob
+from gateway.backends.base import (
+    FinishReason,
+    GenerationChunk,
+    Prompt,
+    SamplingParams,
+    TopLogprob,
+)
 from gateway.errors import BackendError, BackendUnavailable, ContextLengthExceeded, InvalidRequest
 
 __all__ = [
@@ -261,8 +267,9 @@ class LocalBackend:
         return self._decode_steps
 
     async def generate(
-        self, prompt_ids: Sequence[int], params: SamplingParams, *, session: str | None = None
+        self, prompt: Prompt, params: SamplingParams, *, session: str | None = None
     ) -> AsyncIterator[GenerationChunk]:
+        prompt_ids = prompt.tolist()
         self._check_request(prompt_ids, params)
         loop = asyncio.get_running_loop()
         chunks: asyncio.Queue[GenerationChunk | BaseException | _WorkerEnded] = asyncio.Queue()
@@ -274,7 +281,7 @@ class LocalBackend:
             except RuntimeError:  # the loop is closed: nobody is listening any more
                 cancelled.set()
 
-        job = _Job(self._policy, list(prompt_ids), params, emit, cancelled, time.perf_counter())
+        job = _Job(self._policy, prompt_ids, params, emit, cancelled, time.perf_counter())
         self._running.add(cancelled)
         try:
             try:

@@ -34,6 +34,7 @@ from typing import Any
 from gateway.backends.base import (
     Backend,
     GenerationChunk,
+    Prompt,
     SamplingParams,
     needs_processed_logprobs,
 )
@@ -136,7 +137,7 @@ class ReplicaRouter:
         return None if index is None else self._replicas[index].backend.id
 
     async def generate_for(
-        self, session_id: str | None, prompt_ids: Sequence[int], params: SamplingParams
+        self, session_id: str | None, prompt: Prompt, params: SamplingParams
     ) -> tuple[str, RoutedStream]:
         """Start a generation on a replica and return that replica's id with the chunks.
 
@@ -144,25 +145,25 @@ class ReplicaRouter:
         replaced by another before anything is streamed. Iterate the stream to its end or
         ``aclose`` it: that gives the replica's slot back.
         """
-        stream = RoutedStream(self, session_id, prompt_ids, params)
+        stream = RoutedStream(self, session_id, prompt, params)
         await stream.begin()
         return stream.replica_id, stream
 
     def generate(
-        self, prompt_ids: Sequence[int], params: SamplingParams, *, session: str | None = None
+        self, prompt: Prompt, params: SamplingParams, *, session: str | None = None
     ) -> RoutedStream:
         """The Backend port: ``session`` makes the route sticky; the route is chosen when the
         first chunk is asked for, and that chunk names the replica (``GenerationChunk.replica``)."""
-        return RoutedStream(self, session, prompt_ids, params)
+        return RoutedStream(self, session, prompt, params)
 
     async def _route(
-        self, session_id: str | None, prompt_ids: Sequence[int], params: SamplingParams
+        self, session_id: str | None, prompt: Prompt, params: SamplingParams
     ) -> tuple[_Replica, GenerationChunk, AsyncIterator[GenerationChunk]]:
         tried: set[int] = set()
         last_error: BackendUnavailable | None = None
         while True:
             replica = await self._acquire(session_id, tried, last_error)
-            chunks = replica.backend.generate(prompt_ids, params)
+            chunks = replica.backend.generate(prompt, params)
             try:
                 first = await anext(chunks)
             except BackendUnavailable as exc:
@@ -254,13 +255,13 @@ class RoutedStream:
         self,
         router: ReplicaRouter,
         session_id: str | None,
-        prompt_ids: Sequence[int],
+        prompt: Prompt,
         params: SamplingParams,
     ) -> None:
         self._router = router
-        self._request: tuple[str | None, Sequence[int], SamplingParams] | None = (
+        self._request: tuple[str | None, Prompt, SamplingParams] | None = (
             session_id,
-            prompt_ids,
+            prompt,
             params,
         )
         self._replica: _Replica | None = None

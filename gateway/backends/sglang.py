@@ -55,17 +55,19 @@ from dataclasses import replace
 from typing import Any
 
 import httpx
+import msgspec
 
 from gateway.backends.base import (
     FinishReason,
     GenerationChunk,
+    Prompt,
     SamplingParams,
     TopLogprob,
     needs_processed_logprobs,
 )
 from gateway.backends.payload import as_float, as_int, as_int_list, as_list, member
 from gateway.backends.probe import PROBE_PROMPT, GuardedLogprobs, LogprobsGuard, LogprobsKind
-from gateway.backends.sse import RemoteBackend
+from gateway.backends.sse import RemoteBackend, decode_event, merge_chunks
 from gateway.errors import BackendError
 
 __all__ = ["SGLangBackend", "SGLangStreamReader", "generate_request"]
@@ -111,38 +113,50 @@ class SGLangBackend(GuardedLogprobs, RemoteBackend):
         self._logprobs = LogprobsGuard(
             replica=backend_id,
             where=self._where,
-            sample=lambda prompt, params: self._stream(prompt, params, checked=False),
+            sample=lambda prompt, params: self._stream(Prompt(prompt), params, checked=False),
             advice=_ADVICE,
             prompt=probe_prompt,
             kind=logprobs_kind,
         )
 
     def generate(
-        self, prompt_ids: Sequence[int], params: SamplingParams, *, session: str | None = None
+        self, prompt: Prompt, params: SamplingParams, *, session: str | None = None
     ) -> AsyncIterator[GenerationChunk]:
-        return self._stream(prompt_ids, params, checked=True)
+        return self._stream(prompt, params, checked=True)
 
     async def _stream(
-        self, prompt_ids: Sequence[int], params: SamplingParams, *, checked: bool
+        self, prompt: Prompt, params: SamplingParams, *, checked: bool
     ) -> AsyncGenerator[GenerationChunk, None]:
         # Checked before anything is sent: a refusal (InvalidRequest) or the "raw" mark.
         mark = None
         if checked and needs_processed_logprobs(params):
             mark = await self._logprobs.admit(params)
-        body = generate_request(prompt_ids, params)
+        body = generate_request(prompt, params)
         reader = SGLangStreamReader(
-            prompt_len=len(prompt_ids),
+            prompt_len=len(prompt),
             top_logprobs=params.top_logprobs,
             incremental=self._incremental,
             where=self._where,
         )
-        stream = self._events(body)
         try:
-            async with aclosing(stream) as events:
-                async for event in events:
-                    chunk = reader.read(event)
-                    if chunk is not None:
-                        yield chunk if mark is None else replace(chunk, logprobs_kind=mark)
+            if not params.stream:  # one response, one chunk
+                whole = await self._whole(body, params.max_tokens)
+                chunk = reader.read(decode_event(whole, self._url, "SGLang"))
+                if chunk is not None:
+                    yield chunk if mark is None else replace(chunk, logprobs_kind=mark)
+            else:
+                async with aclosing(self._event_batches(body)) as batches:
+                    async for batch in batches:
+                        # The events of one network read as one chunk (sse.merge_chunks).
+                        read = [
+                            chunk
+                            for payload in batch
+                            if (chunk := reader.read(decode_event(payload, self._url, "SGLang")))
+                            is not None
+                        ]
+                        if read:
+                            chunk = merge_chunks(read)
+                            yield chunk if mark is None else replace(chunk, logprobs_kind=mark)
         except BackendError:
             self._logprobs.forget()  # restarted, maybe with another environment or version
             raise
@@ -150,8 +164,9 @@ class SGLangBackend(GuardedLogprobs, RemoteBackend):
             raise BackendError(f"{self._where}: the stream ended without a finish_reason")
 
 
-def generate_request(prompt_ids: Sequence[int], params: SamplingParams) -> dict[str, Any]:
-    """The JSON body of one streamed /generate request."""
+def generate_request(prompt: Prompt, params: SamplingParams) -> dict[str, Any]:
+    """The JSON body of one /generate request, streamed unless ``params.stream`` is False
+    (the ids as their JSON text, as for vLLM: ``gateway.backends.vllm.completion_request``)."""
     sampling: dict[str, Any] = {
         "max_new_tokens": params.max_tokens,
         "temperature": params.temperature,
@@ -161,12 +176,12 @@ def generate_request(prompt_ids: Sequence[int], params: SamplingParams) -> dict[
     if params.seed is not None:
         sampling["sampling_seed"] = params.seed & 0x7FFF_FFFF  # int32 on the server
     return {
-        "input_ids": list(prompt_ids),
+        "input_ids": msgspec.Raw(prompt.json()),
         "sampling_params": sampling,
         "return_logprob": True,
         "top_logprobs_num": params.top_logprobs,
         "logprob_start_len": -1,
-        "stream": True,
+        "stream": params.stream,
     }
 
 

@@ -10,19 +10,36 @@ server and its URL.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
+from contextlib import aclosing, contextmanager
+from dataclasses import replace
 from typing import Any
 
 import httpx
 import msgspec
 
+from gateway.backends.base import GenerationChunk
 from gateway.backends.transport import StreamingTransport
 from gateway.errors import BackendError, BackendUnavailable
 
-__all__ = ["RemoteBackend", "post_event_stream"]
+__all__ = [
+    "RemoteBackend",
+    "decode_event",
+    "merge_chunks",
+    "post_event_batches",
+    "post_event_stream",
+    "post_whole",
+]
 
 _BODY_EXCERPT = 500  # characters of an error body worth putting in a message
+# A non-streamed generation may take timeout_s plus max_tokens at this rate (tokens/s) before
+# it times out: below any server's decode rate, so only a hung one reaches it.
+_SLOWEST_TOKENS_PER_S = 10.0
 _JSON = msgspec.json.Decoder()  # 3-4x json.loads on these events; the same dicts and lists
+# Request bodies: msgspec copies a prompt's JSON text (msgspec.Raw) as it is, and encodes the
+# rest ~10x faster than json.dumps (which httpx's json= uses).
+_BODY = msgspec.json.Encoder()
+_BODY_HEADERS = {"content-type": "application/json"}
 
 
 class RemoteBackend:
@@ -66,6 +83,25 @@ class RemoteBackend:
             self._client, self._url, body, server=self._server, http_timeout=self._timeout
         )
 
+    def _event_batches(self, body: dict[str, Any]) -> AsyncGenerator[list[bytes], None]:
+        return post_event_batches(
+            self._client, self._url, body, server=self._server, http_timeout=self._timeout
+        )
+
+    async def _whole(self, body: dict[str, Any], max_tokens: int) -> bytes:
+        """POST a non-streamed request; its response comes when the whole generation is done,
+        so the wait is bounded by ``timeout_s`` plus the time of ``max_tokens`` at the slowest
+        rate a server is expected to decode at (_SLOWEST_TOKENS_PER_S)."""
+        read = self._timeout.read or 0.0
+        timeout = self._timeout.as_dict() | {"read": read + max_tokens / _SLOWEST_TOKENS_PER_S}
+        return await post_whole(
+            self._client,
+            self._url,
+            body,
+            server=self._server,
+            http_timeout=httpx.Timeout(**timeout),
+        )
+
     async def close(self) -> None:
         if self._owns_client:
             await self._client.aclose()
@@ -84,19 +120,36 @@ async def post_event_stream(
     Close the iterator (``contextlib.aclosing``) to stop early: that closes the connection, which
     is how vLLM and SGLang learn to abort the request.
     """
+    batches = post_event_batches(client, url, body, server=server, http_timeout=http_timeout)
+    async with aclosing(batches):
+        async for batch in batches:
+            for payload in batch:
+                yield decode_event(payload, url, server)
+
+
+async def post_whole(
+    client: httpx.AsyncClient,
+    url: str,
+    body: dict[str, Any],
+    *,
+    server: str,
+    http_timeout: httpx.Timeout,
+) -> bytes:
+    """POST ``body`` as JSON and return the body of the (non-streamed) response."""
+    with _translated(url, server):
+        response = await client.post(
+            url, content=_BODY.encode(body), headers=_BODY_HEADERS, timeout=http_timeout
+        )
+        if response.status_code != httpx.codes.OK:
+            raise await _status_error(response, url, server)
+        return response.content
+
+
+@contextmanager
+def _translated(url: str, server: str) -> Iterator[None]:
+    """httpx's errors as the gateway's (see the module's docstring)."""
     try:
-        async with client.stream("POST", url, json=body, timeout=http_timeout) as response:
-            if response.status_code != httpx.codes.OK:
-                raise await _status_error(response, url, server)
-            payloads = _data_payloads(response.aiter_bytes())
-            async for payload in payloads:
-                if payload == b"[DONE]":
-                    # Read to the end, as the OpenAI SDK does: a response left unread closes
-                    # the connection, and every turn would pay a new one.
-                    async for _ in payloads:
-                        pass
-                    return
-                yield _decode_event(payload, url, server)
+        yield
     except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
         raise BackendUnavailable(
             f"cannot connect to {server} at {url} ({exc}); is the server running?"
@@ -105,6 +158,40 @@ async def post_event_stream(
         raise BackendError(f"{server} at {url} timed out ({type(exc).__name__})") from exc
     except httpx.HTTPError as exc:
         raise BackendError(f"{server} at {url} failed mid-request: {exc!r}") from exc
+
+
+async def post_event_batches(
+    client: httpx.AsyncClient,
+    url: str,
+    body: dict[str, Any],
+    *,
+    server: str,
+    http_timeout: httpx.Timeout,
+) -> AsyncGenerator[list[bytes], None]:
+    """POST ``body`` as JSON and yield the payloads of the ``data:`` lines until ``[DONE]``,
+    undecoded, a list per network read: the events that arrived together (never an empty list).
+
+    Close the iterator (``contextlib.aclosing``) to stop early: that closes the connection, which
+    is how vLLM and SGLang learn to abort the request.
+    """
+    with _translated(url, server):
+        async with client.stream(
+            "POST", url, content=_BODY.encode(body), headers=_BODY_HEADERS, timeout=http_timeout
+        ) as response:
+            if response.status_code != httpx.codes.OK:
+                raise await _status_error(response, url, server)
+            batches = _data_batches(response.aiter_bytes())
+            async for batch in batches:
+                if b"[DONE]" in batch:
+                    done = batch.index(b"[DONE]")
+                    if done:
+                        yield batch[:done]
+                    # Read to the end, as the OpenAI SDK does: a response left unread closes
+                    # the connection, and every turn would pay a new one.
+                    async for _ in batches:
+                        pass
+                    return
+                yield batch
 
 
 async def _status_error(response: httpx.Response, url: str, server: str) -> BackendError:
@@ -116,8 +203,8 @@ async def _status_error(response: httpx.Response, url: str, server: str) -> Back
     return BackendError(message)
 
 
-async def _data_payloads(body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """The payload of every ``data:`` line, whatever parts the body arrives in.
+async def _data_batches(body: AsyncIterator[bytes]) -> AsyncIterator[list[bytes]]:
+    """The payloads of the ``data:`` lines, a list per body part that completed any.
 
     Only single-line ``data:`` events are used by these servers; comments (``: ping``) and
     blank separators are skipped. A body part holds as many events as one network read got,
@@ -128,14 +215,16 @@ async def _data_payloads(body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         # A line is complete once its end of line arrived (SSE allows \n, \r\n and \r; a
         # \r\n split across parts only adds a blank line, which is skipped).
         pending = b"" if part.endswith((b"\n", b"\r")) else lines.pop() if lines else b""
-        for line in lines:
-            if line.startswith(b"data:"):
-                yield line[5:].strip()
+        batch = [line[5:].strip() for line in lines if line.startswith(b"data:")]
+        if batch:
+            yield batch
     if pending.startswith(b"data:"):
-        yield pending[5:].strip()
+        yield [pending[5:].strip()]
 
 
-def _decode_event(payload: bytes, url: str, server: str) -> dict[str, Any]:
+def decode_event(payload: bytes, url: str, server: str) -> dict[str, Any]:
+    """One event's JSON object; an ``{"error": ...}`` event or one that is not a JSON object is
+    a BackendError naming the server."""
     try:
         event = _JSON.decode(payload)
     except msgspec.DecodeError:
@@ -157,3 +246,26 @@ def _decode_event(payload: bytes, url: str, server: str) -> dict[str, Any]:
         message = error.get("message", error) if isinstance(error, dict) else error
         raise BackendError(f"{server} at {url} reported an error mid-stream: {message}")
     return event
+
+
+def merge_chunks(chunks: Sequence[GenerationChunk]) -> GenerationChunk:
+    """Consecutive chunks of one generation as one: their tokens in order, the last chunk's
+    finish reason, weight version and log-prob kind, every chunk's ``extra``.
+
+    The HTTP backends pass on the events that arrived in one network read as one chunk: nothing
+    waits for more (each read's chunk goes out at once), so no token is later for it, while the
+    gateway's cost per chunk (detokenizing, the client's event, its send) is paid once per read.
+    """
+    if len(chunks) == 1:
+        return chunks[0]
+    ids: list[int] = []
+    logprobs: list[float] = []
+    tops: list[list[Any]] | None = [] if chunks[0].top_logprobs is not None else None
+    extra: dict[str, float] = {}
+    for chunk in chunks:
+        ids += chunk.token_ids
+        logprobs += chunk.logprobs
+        if tops is not None and chunk.top_logprobs is not None:
+            tops += chunk.top_logprobs
+        extra.update(chunk.extra)
+    return replace(chunks[-1], token_ids=ids, logprobs=logprobs, top_logprobs=tops, extra=extra)

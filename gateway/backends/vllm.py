@@ -1,16 +1,17 @@
 """vLLM's OpenAI-compatible server as a Backend: token ids in, token ids and logprobs out.
 
-Targets vLLM >= 0.10.2, whose ``/v1/completions`` accepts ``return_token_ids`` (each streamed
-choice then carries the delta ``token_ids``, and the first one the ``prompt_token_ids``):
+Targets vLLM >= 0.10.2 (``--logprobs-mode``, below). ``/v1/completions`` takes the prompt as
+token ids; ``logprobs`` (always asked for) with ``return_tokens_as_token_ids`` names each sampled
+token ``"token_id:<id>"``, which is how the gateway reads the sampled ids:
 
     POST {base_url}/v1/completions
     {"model": ..., "prompt": [151644, 872, ...],      # token ids: vLLM does not tokenize them
      "max_tokens": 256, "temperature": 1.0, "top_p": 1.0, "seed": 7, "stop_token_ids": [151645],
-     "logprobs": 5, "return_token_ids": true, "return_tokens_as_token_ids": true,
+     "logprobs": 5, "return_tokens_as_token_ids": true,
      "skip_special_tokens": false, "include_stop_str_in_output": true,
      "stream": true, "stream_options": {"include_usage": true}}
 
-    data: {"choices": [{"index": 0, "text": "Hi", "token_ids": [13048],
+    data: {"choices": [{"index": 0, "text": "Hi",
            "logprobs": {"tokens": ["token_id:13048"], "token_logprobs": [-0.01],
                         "top_logprobs": [{"token_id:13048": -0.01, "token_id:9707": -4.6}],
                         "text_offset": [0]},
@@ -19,11 +20,18 @@ choice then carries the delta ``token_ids``, and the first one the ``prompt_toke
     data: {"choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": 9, ...}}
     data: [DONE]
 
-``return_tokens_as_token_ids`` makes the logprob keys ``"token_id:<id>"``: top-logprob
-alternatives are identified by id, not by decoded text (which is ambiguous for partial UTF-8),
-and gives the sampled ids on servers that predate ``return_token_ids``. ``logprobs: k`` returns
-the sampled token's logprob plus up to k alternatives (vLLM may add the sampled token as a k+1-th
-entry; the k most likely are kept).
+Not ``return_token_ids``: it would add the ``token_ids`` the logprob keys already give, and
+echo the whole prompt's ids in the first event (or the response), O(context) for the server to
+write and the gateway to read on every turn. Ids are still read from ``token_ids`` when a server
+sends them, and a prompt echo is still checked against the ids sent (as bytes, then as ids).
+``logprobs: k`` returns the sampled token's logprob plus up to k alternatives (vLLM may add the
+sampled token as a k+1-th entry; the k most likely are kept).
+
+A caller that reads the completion whole (``SamplingParams.stream`` False: a client that does
+not stream) gets it from one non-streamed request (``"stream": false``, the same choice with
+every token, and ``usage``) as one chunk. Streamed, the events of one network read are passed
+on as one chunk (``gateway.backends.sse.merge_chunks``). Either way the JSON is decoded straight
+into typed structs (msgspec), the ids of several events in one pass.
 
 Server flags: ``--logprobs-mode processed_logprobs`` (vLLM >= 0.10.2) makes the logprobs those of
 the distribution actually sampled from (after temperature, and top-p when < 1), as the Backend
@@ -43,24 +51,25 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import httpx
+import msgspec
 
 from gateway.backends.base import (
     FinishReason,
     GenerationChunk,
+    Prompt,
     SamplingParams,
     TopLogprob,
     needs_processed_logprobs,
 )
-from gateway.backends.payload import as_float, as_int, as_int_list, as_list, member
 from gateway.backends.probe import PROBE_PROMPT, GuardedLogprobs, LogprobsGuard, LogprobsKind
-from gateway.backends.sse import RemoteBackend
+from gateway.backends.sse import RemoteBackend, decode_event
 from gateway.errors import BackendError
 
-__all__ = ["StreamEvent", "VLLMBackend", "completion_request", "parse_stream_event"]
+__all__ = ["CompletionReader", "VLLMBackend", "completion_request"]
 
 _TOKEN_ID_PREFIX = "token_id:"
 _FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length"}
@@ -105,165 +114,292 @@ class VLLMBackend(GuardedLogprobs, RemoteBackend):
         self._logprobs = LogprobsGuard(
             replica=backend_id,
             where=self._where,
-            sample=lambda prompt, params: self._stream(prompt, params, checked=False),
+            sample=lambda prompt, params: self._stream(Prompt(prompt), params, checked=False),
             advice=_ADVICE,
             prompt=probe_prompt,
             kind=logprobs_kind,
         )
 
     def generate(
-        self, prompt_ids: Sequence[int], params: SamplingParams, *, session: str | None = None
+        self, prompt: Prompt, params: SamplingParams, *, session: str | None = None
     ) -> AsyncIterator[GenerationChunk]:
-        return self._stream(prompt_ids, params, checked=True)
+        return self._stream(prompt, params, checked=True)
 
     async def _stream(
-        self, prompt_ids: Sequence[int], params: SamplingParams, *, checked: bool
+        self, prompt: Prompt, params: SamplingParams, *, checked: bool
     ) -> AsyncGenerator[GenerationChunk, None]:
         # Checked before anything is sent: a refusal (InvalidRequest) or the "raw" mark.
         mark = None
         if checked and needs_processed_logprobs(params):
             mark = await self._logprobs.admit(params)
-        sent = list(prompt_ids)
-        body = completion_request(self._model, sent, params)
-        stream = self._events(body)
+        body = completion_request(self._model, prompt, params)
+        reader = CompletionReader(prompt, top_logprobs=params.top_logprobs, url=self._url)
         finished: GenerationChunk | None = None
-        usage: dict[str, float] = {}
         try:
-            async with aclosing(stream) as events:
-                async for raw in events:
-                    event = parse_stream_event(
-                        raw, top_logprobs=params.top_logprobs, where=self._where
-                    )
-                    if event.prompt_token_ids is not None and event.prompt_token_ids != sent:
-                        raise BackendError(
-                            f"{self._where} generated from a different prompt than sent"
-                        )
-                    usage.update(event.usage)
-                    chunk = event.chunk
-                    if chunk is None:
-                        continue
-                    if finished is not None:
-                        raise BackendError(f"{self._where} sent tokens after finish_reason")
-                    if mark is not None:
-                        chunk = replace(chunk, logprobs_kind=mark)
-                    if chunk.finish_reason is None:
-                        yield chunk
-                    else:
-                        # Held until the usage event that follows it, so the last chunk has it.
-                        finished = chunk
+            if not params.stream:  # one response, one chunk
+                finished = reader.read(await self._whole(body, params.max_tokens))
+            else:
+                async with aclosing(self._event_batches(body)) as batches:
+                    async for batch in batches:
+                        chunk = reader.read_batch(batch)  # one network read's events
+                        if chunk is None:
+                            continue
+                        if chunk.finish_reason is not None:
+                            # Held until the usage event that follows it, so the last chunk
+                            # has it.
+                            finished = chunk
+                        else:
+                            yield chunk if mark is None else replace(chunk, logprobs_kind=mark)
         except BackendError:
             self._logprobs.forget()  # restarted, maybe with another --logprobs-mode
             raise
-        if finished is None:
+        if finished is None or finished.finish_reason is None:
             raise BackendError(f"{self._where}: the stream ended without a finish_reason")
+        usage = reader.usage
         prompt_tokens = usage.get("prompt_tokens")
-        if prompt_tokens is not None and prompt_tokens != len(sent):
+        if prompt_tokens is not None and prompt_tokens != len(prompt):
             raise BackendError(
-                f"{self._where} counted {prompt_tokens:.0f} prompt tokens, {len(sent)} sent"
+                f"{self._where} counted {prompt_tokens:.0f} prompt tokens, {len(prompt)} sent"
             )
-        yield replace(finished, extra={**finished.extra, **usage})
+        yield replace(finished, extra={**finished.extra, **usage}, logprobs_kind=mark)
 
 
-def completion_request(
-    model: str, prompt_ids: Sequence[int], params: SamplingParams
-) -> dict[str, Any]:
-    """The JSON body of one streamed /v1/completions request."""
+def completion_request(model: str, prompt: Prompt, params: SamplingParams) -> dict[str, Any]:
+    """The JSON body of one /v1/completions request (the prompt's ids as their JSON text,
+    ``msgspec.Raw``: a turn that continues a kept turn encodes only its new ids); streamed
+    unless ``params.stream`` is False."""
     body: dict[str, Any] = {
         "model": model,
-        "prompt": list(prompt_ids),
+        "prompt": msgspec.Raw(prompt.json()),
         "max_tokens": params.max_tokens,
         "temperature": params.temperature,
         "top_p": params.top_p,
         "stop_token_ids": list(params.stop_token_ids),
-        # Always ask: logprobs are recorded for every sampled token (0 = the sampled one only).
+        # Always ask: logprobs are recorded for every sampled token (0 = the sampled one only),
+        # and their "token_id:<id>" keys are the sampled ids. Not return_token_ids: its echo of
+        # the prompt ids would cost the server and the gateway O(context) every turn.
         "logprobs": params.top_logprobs,
-        "return_token_ids": True,
         "return_tokens_as_token_ids": True,
         "skip_special_tokens": False,
         "include_stop_str_in_output": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
+        "stream": params.stream,
     }
+    if params.stream:
+        body["stream_options"] = {"include_usage": True}
     if params.seed is not None:
         body["seed"] = params.seed
     return body
 
 
-@dataclass(frozen=True)
-class StreamEvent:
-    chunk: GenerationChunk | None  # None: nothing generated in this event (e.g. usage only)
-    prompt_token_ids: list[Any] | None = None  # echoed in the first event
-    usage: dict[str, float] = field(default_factory=dict)
+# What the gateway reads of vLLM's JSON, typed, so that msgspec decodes it straight into these
+# (checking every type as it goes) and skips all else: "text", "text_offset", a prompt echo's
+# ids (kept as raw JSON, compared as bytes), ids and usage fields the gateway does not use.
+class _Logprobs(msgspec.Struct):
+    # Raw JSON, read only when used: the sampled ids in bulk (_token_ids), the alternatives
+    # only when asked for (vLLM sends one per token even for logprobs 0).
+    tokens: msgspec.Raw = msgspec.Raw()
+    token_logprobs: list[float] | None = None
+    top_logprobs: msgspec.Raw = msgspec.Raw()
 
 
-def parse_stream_event(event: dict[str, Any], *, top_logprobs: int, where: str) -> StreamEvent:
-    """One ``data:`` object of the stream as a GenerationChunk (pure)."""
-    usage = _usage(member(event, "usage", where), where)
-    choices = as_list(member(event, "choices", where) or [], "choices", where)
-    if not choices:
-        return StreamEvent(None, None, usage)
-    if len(choices) != 1:
-        raise BackendError(f"{where} sent {len(choices)} choices; the gateway asks for one")
-    choice = choices[0]
-    prompt_ids = member(choice, "prompt_token_ids", where)
-    logprobs = member(choice, "logprobs", where)
-    token_ids = _token_ids(choice, logprobs, where)
-    finish_reason = _finish_reason(member(choice, "finish_reason", where), where)
-    if not token_ids:
-        chunk = GenerationChunk([], [], [] if top_logprobs else None, finish_reason)
-    else:
-        sampled, top = _logprobs(logprobs, len(token_ids), top_logprobs, where)
-        chunk = GenerationChunk(token_ids, sampled, top, finish_reason)
-    return StreamEvent(
-        chunk if token_ids or finish_reason else None,
-        # Only compared with the ids sent: list equality checks every element, cheaper than
-        # validating each one first (this was ~10% of the gateway's CPU per request).
-        None if prompt_ids is None else as_list(prompt_ids, "prompt_token_ids", where),
-        usage,
-    )
+class _Choice(msgspec.Struct):
+    token_ids: list[int] | None = None
+    prompt_token_ids: msgspec.Raw = msgspec.Raw()  # absent: b""; null: b"null"
+    logprobs: _Logprobs | None = None
+    finish_reason: str | None = None
+    text: str | None = None
 
 
-def _token_ids(choice: Any, logprobs: Any, where: str) -> list[int]:
-    token_ids = member(choice, "token_ids", where)
-    if token_ids is not None:
-        return as_int_list(token_ids, "token_ids", where)
-    if logprobs is not None:  # a server without return_token_ids: ids from the logprob keys
-        tokens = as_list(member(logprobs, "tokens", where), "logprobs.tokens", where)
-        return [_token_id(token, where) for token in tokens]
-    if member(choice, "text", where):
-        raise BackendError(
-            f"{where} returned text without token ids; vLLM >= 0.10.2 is needed (return_token_ids)"
-        )
-    return []
+class _Details(msgspec.Struct):
+    cached_tokens: int | None = None
 
 
-def _logprobs(
-    logprobs: Any, count: int, top_logprobs: int, where: str
-) -> tuple[list[float], list[list[TopLogprob]] | None]:
-    if logprobs is None:
-        raise BackendError(f"{where} returned tokens without the logprobs asked for")
-    values = as_list(member(logprobs, "token_logprobs", where), "token_logprobs", where)
-    if len(values) != count:
-        raise BackendError(f"{where} sent {len(values)} logprobs for {count} tokens")
-    sampled = [as_float(value, "token_logprobs", where) for value in values]
+class _Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    prompt_tokens_details: _Details | None = None
+
+
+class _Completion(msgspec.Struct):
+    """A streamed event or the whole non-streamed response: the same fields."""
+
+    choices: list[_Choice] | None = None
+    usage: _Usage | None = None
+    error: Any = None
+
+
+_DECODER = msgspec.json.Decoder(_Completion)
+_INT_LIST = msgspec.json.Decoder(list[int])
+_STR_LIST = msgspec.json.Decoder(list[str])
+_BATCH = msgspec.json.Decoder(list[_Completion])
+_NO_ARRAY = (b"", b"null")  # a Raw field absent, or null
+_TOP = msgspec.json.Decoder(list[dict[str, float]])
+_QUOTED_PREFIX = b'"' + _TOKEN_ID_PREFIX.encode()
+
+
+class CompletionReader:
+    """Reads the events of one streamed completion, or its one non-streamed response, into
+    GenerationChunks; collects the usage; checks a prompt echo against the ids sent."""
+
+    def __init__(self, prompt: Prompt, *, top_logprobs: int, url: str) -> None:
+        self._prompt = prompt
+        self._top_logprobs = top_logprobs
+        self._url = url
+        self._where = f"vLLM at {url}"
+        self.usage: dict[str, float] = {}
+        self.finished = False
+
+    def read(self, payload: bytes) -> GenerationChunk | None:
+        """One event (or response) as a chunk; None when it holds no tokens and no finish."""
+        return self._chunk([self._decode(payload)])
+
+    def read_batch(self, payloads: list[bytes]) -> GenerationChunk | None:
+        """The events of one network read as one chunk (``sse.merge_chunks`` says why),
+        decoded in one call, their ids and alternatives read in bulk."""
+        if len(payloads) == 1:
+            return self.read(payloads[0])
+        try:
+            events = _BATCH.decode(b"[" + b",".join(payloads) + b"]")
+        except msgspec.DecodeError:
+            events = []
+        if len(events) != len(payloads) or any(event.error is not None for event in events):
+            events = [self._decode(payload) for payload in payloads]  # names the bad one
+        return self._chunk(events)
+
+    def _decode(self, payload: bytes) -> _Completion:
+        try:
+            event = _DECODER.decode(payload)
+        except msgspec.DecodeError as exc:
+            # An {"error": ...} object of another shape, NaN, not JSON at all: the generic
+            # reading says which (a BackendError), or else this type error is the message.
+            decode_event(payload, self._url, "vLLM")
+            raise BackendError(f"{self._where} sent an unexpected event: {exc}") from None
+        if event.error is not None:
+            decode_event(payload, self._url, "vLLM")  # raises, naming the error
+        return event
+
+    def _chunk(self, events: list[_Completion]) -> GenerationChunk | None:
+        where = self._where
+        parts: list[list[int] | bytes] = []  # ids, or the raw JSON of "token_id:<id>" keys
+        logprobs: list[float] = []
+        tops: list[bytes] = []
+        finish: FinishReason | None = None
+        for event in events:
+            if event.usage is not None:
+                self.usage = _usage(event.usage)
+            choices = event.choices
+            if not choices:
+                continue
+            if len(choices) != 1:
+                raise BackendError(f"{where} sent {len(choices)} choices; the gateway asks for one")
+            choice = choices[0]
+            echo = choice.prompt_token_ids
+            if echo and echo != b"null" and not self._same_prompt(echo):
+                raise BackendError(f"{where} generated from a different prompt than sent")
+            reason = _finish_reason(choice.finish_reason, where)
+            lp = choice.logprobs
+            part: list[int] | bytes = []
+            if choice.token_ids:
+                part = choice.token_ids
+            elif lp is not None and lp.tokens not in _NO_ARRAY and lp.tokens != b"[]":
+                part = bytes(lp.tokens)
+            elif choice.token_ids is None and choice.text:
+                raise BackendError(
+                    f"{where} returned text without token ids; vLLM >= 0.10.2 is needed "
+                    "(return_tokens_as_token_ids and logprobs)"
+                )
+            if not part and reason is None:
+                continue
+            if self.finished:
+                raise BackendError(f"{where} sent tokens after finish_reason")
+            if reason is not None:
+                self.finished, finish = True, reason
+            if not part:
+                continue
+            if lp is None or lp.token_logprobs is None:
+                raise BackendError(f"{where} returned tokens without the logprobs asked for")
+            parts.append(part)
+            logprobs += lp.token_logprobs
+            if self._top_logprobs > 0:
+                tops.append(bytes(lp.top_logprobs))
+        if not parts:
+            if finish is None:
+                return None
+            return GenerationChunk([], [], [] if self._top_logprobs else None, finish)
+        token_ids = _ids(parts, where)
+        if len(logprobs) != len(token_ids):
+            raise BackendError(f"{where} sent {len(logprobs)} logprobs for {len(token_ids)} tokens")
+        top = _alternatives(tops, len(token_ids), self._top_logprobs, where)
+        return GenerationChunk(token_ids, logprobs, top, finish)
+
+    def _same_prompt(self, echo: msgspec.Raw) -> bool:
+        # As bytes first (vLLM writes compact JSON, as the gateway does), else as ids.
+        if memoryview(echo) == memoryview(self._prompt.json()):
+            return True
+        try:
+            return self._prompt.same_ids(_INT_LIST.decode(echo))
+        except msgspec.DecodeError:
+            raise BackendError(f"{self._where}: prompt_token_ids should be a list of ids") from None
+
+
+def _ids(parts: list[list[int] | bytes], where: str) -> list[int]:
+    """The sampled ids of a chunk's events: given as ids, or as "token_id:<id>" keys (the raw
+    JSON arrays of several events joined and read in one pass)."""
+    arrays = [part for part in parts if isinstance(part, bytes)]
+    if len(arrays) == len(parts):
+        if len(arrays) == 1:
+            return _logprob_token_ids(arrays[0], where)
+        return _logprob_token_ids(b"[" + b",".join(a[1:-1] for a in arrays) + b"]", where)
+    ids: list[int] = []
+    for part in parts:
+        ids += _logprob_token_ids(part, where) if isinstance(part, bytes) else part
+    return ids
+
+
+def _alternatives(
+    tops: list[bytes], count: int, top_logprobs: int, where: str
+) -> list[list[TopLogprob]] | None:
+    """The ``top_logprobs`` most likely alternatives at each of ``count`` positions, best
+    first, from the events' raw ``top_logprobs`` arrays."""
     if top_logprobs <= 0:
-        return sampled, None
-    positions = as_list(member(logprobs, "top_logprobs", where), "top_logprobs", where)
+        return None
+    if any(top in _NO_ARRAY for top in tops):
+        raise BackendError(f"{where} sent no top_logprobs for {count} tokens")
+    joined = tops[0] if len(tops) == 1 else b"[" + b",".join(t[1:-1] for t in tops) + b"]"
+    try:
+        positions = _TOP.decode(joined)
+    except msgspec.DecodeError as exc:
+        raise BackendError(f"{where}: top_logprobs should be a list of objects ({exc})") from None
     if len(positions) != count:
         raise BackendError(f"{where} sent {len(positions)} top_logprobs for {count} tokens")
     top: list[list[TopLogprob]] = []
     for position in positions:
-        if not isinstance(position, dict):
-            raise BackendError(f"{where}: a top_logprobs entry should be an object")
         ranked = sorted(
-            (
-                TopLogprob(_token_id(key, where), as_float(value, "top_logprobs", where))
-                for key, value in position.items()
-            ),
+            (TopLogprob(_token_id(key, where), value) for key, value in position.items()),
             key=lambda alternative: -alternative.logprob,
         )
         top.append(ranked[:top_logprobs])
-    return sampled, top
+    return top
+
+
+def _logprob_token_ids(raw: bytes, where: str) -> list[int]:
+    """The ids of the sampled tokens' ``"token_id:<id>"`` keys, read in bulk: the JSON array of
+    those strings without the prefix and the quotes is the array of the ids. Anything else
+    (another spelling, escapes, a key that is not one) is read key by key, which names it."""
+    count = raw.count(_QUOTED_PREFIX)
+    if raw.count(b'"') == 2 * count:
+        try:
+            ids = _INT_LIST.decode(raw.replace(_QUOTED_PREFIX, b"").replace(b'"', b""))
+        except msgspec.DecodeError:
+            pass
+        else:
+            if len(ids) == count:
+                return ids
+    try:
+        keys = _STR_LIST.decode(raw)
+    except msgspec.DecodeError:
+        raise BackendError(f"{where}: logprobs.tokens should be a list of strings") from None
+    return [_token_id(key, where) for key in keys]
 
 
 def _token_id(token: Any, where: str) -> int:
@@ -288,17 +424,13 @@ def _finish_reason(value: Any, where: str) -> FinishReason | None:
     return reason
 
 
-def _usage(value: Any, where: str) -> dict[str, float]:
-    if value is None:
-        return {}
+def _usage(value: _Usage) -> dict[str, float]:
     usage = {
-        "prompt_tokens": float(as_int(member(value, "prompt_tokens", where), "usage", where)),
-        "completion_tokens": float(
-            as_int(member(value, "completion_tokens", where), "usage", where)
-        ),
+        "prompt_tokens": float(value.prompt_tokens),
+        "completion_tokens": float(value.completion_tokens),
     }
-    details = member(value, "prompt_tokens_details", where)
-    cached = None if details is None else member(details, "cached_tokens", where)
-    if cached is not None:  # only with --enable-prompt-tokens-details
-        usage["cached_prompt_tokens"] = float(as_int(cached, "cached_tokens", where))
+    details = value.prompt_tokens_details
+    if details is not None and details.cached_tokens is not None:
+        # only with --enable-prompt-tokens-details
+        usage["cached_prompt_tokens"] = float(details.cached_tokens)
     return usage

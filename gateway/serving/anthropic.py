@@ -65,7 +65,7 @@ from gateway.protocol.anthropic_reply import (
 from gateway.serving.engine import TurnEngine, TurnResult
 from gateway.serving.turns import TurnServing, TurnStream
 from gateway.sessions import Session
-from gateway.sse import sse_event
+from gateway.sse import TextEvents, sse_event
 
 __all__ = [
     "AnthropicServing",
@@ -302,6 +302,7 @@ class _MessagesEncoder:
         self.request = request
         self.prompt_tokens = prompt_tokens
         self.text_open = False
+        self._texts: TextEvents | None = None  # text deltas, from one serialized
 
     def opening(self) -> bytes:
         message = Message.build(
@@ -319,8 +320,10 @@ class _MessagesEncoder:
             self.text_open = True
             start = ContentBlockStartEvent.build(index=0, content_block=TextContent.build(text=""))
             out = sse_event("content_block_start", start)
-        event = ContentBlockDeltaEvent.build(index=0, delta=TextDelta.build(text=delta))
-        return out + sse_event("content_block_delta", event)
+        if self._texts is None:
+            event = ContentBlockDeltaEvent.build(index=0, delta=TextDelta.build(text=""))
+            self._texts = TextEvents(sse_event("content_block_delta", event), b'"text":')
+        return out + self._texts.write(delta)
 
     def closing(self, result: TurnResult, rest: str, detok: Detokenizer, tokens: range) -> bytes:
         out = [self.text(rest, detok, tokens)] if rest else []

@@ -29,7 +29,7 @@ from gateway.protocol.common import Usage
 from gateway.serving.engine import TurnEngine, TurnResult
 from gateway.serving.turns import TurnServing, TurnStream
 from gateway.sessions import Session
-from gateway.sse import DONE, sse, sse_error
+from gateway.sse import DONE, TextEvents, sse, sse_error
 
 __all__ = ["ChatServing", "chat_turn_request", "token_logprobs", "usage"]
 
@@ -115,6 +115,7 @@ class _ChatEncoder:
         self.request = request
         self.include_usage = include_usage
         self.created = int(time.time())
+        self._texts: TextEvents | None = None  # text-only chunks, from one serialized
 
     def _chunk(
         self, delta: Delta, finish: str | None = None, logprobs: ChoiceLogprobs | None = None
@@ -135,7 +136,11 @@ class _ChatEncoder:
         return self._chunk(Delta.build(role="assistant", content=""))
 
     def text(self, delta: str, detok: Detokenizer, tokens: range) -> bytes:
-        return self._chunk(Delta.build(content=delta), logprobs=self._logprobs(detok, tokens))
+        if self.request.logprobs:
+            return self._chunk(Delta.build(content=delta), logprobs=self._logprobs(detok, tokens))
+        if self._texts is None:
+            self._texts = TextEvents(self._chunk(Delta.build(content="")), b'"content":')
+        return self._texts.write(delta)
 
     def closing(self, result: TurnResult, rest: str, detok: Detokenizer, tokens: range) -> bytes:
         out = []

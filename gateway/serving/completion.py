@@ -6,6 +6,7 @@ import time
 
 import numpy as np
 
+from gateway.backends.base import Prompt
 from gateway.errors import InvalidRequest
 from gateway.protocol.completions import (
     Completion,
@@ -43,7 +44,7 @@ class CompletionServing:
         return Turn(
             session,
             "completions",
-            prompt_ids,
+            Prompt(prompt_ids),
             [],
             None,
             params,

@@ -16,13 +16,13 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
 from eventlog import Publisher
-from gateway.backends.base import Backend, GenerationChunk, SamplingParams
+from gateway.backends.base import Backend, GenerationChunk, Prompt, SamplingParams
 from gateway.branches import attachment, continued_turn
 from gateway.decoding import Detokenizer
 from gateway.errors import ContextLengthExceeded, ModelNotFound
@@ -33,7 +33,7 @@ from gateway.tools import ToolCallParser
 from gateway.turns import SessionState, TurnDraft, apply, fold, prefix_parent, turn_event
 from schemas.events import SessionEvent, TurnCompleted
 
-__all__ = ["Turn", "TurnEngine", "TurnResult", "derived_seed", "sampling_record"]
+__all__ = ["ChatPrompt", "Turn", "TurnEngine", "TurnResult", "derived_seed", "sampling_record"]
 
 log = logging.getLogger(__name__)
 JSON = dict[str, Any]
@@ -46,13 +46,22 @@ _OFF_LOOP_CHARS = 64 * 1024
 _OFF_LOOP_MESSAGES = 512
 
 
+class ChatPrompt(NamedTuple):
+    """A chat turn's prompt and where it joins the session (``TurnEngine.chat_prompt``)."""
+
+    prompt: Prompt
+    parent: int  # the kept turn it continues, else the one sharing the longest prefix (-1: none)
+    prefix_len: int | None  # a continued turn's: the parent's whole context; None: not known
+    text: str | None  # what the prompt's ids stand for (the render), where it is that exactly
+
+
 @dataclass
 class Turn:
     """A prepared turn: what to send to the backend and what to record."""
 
     session: Session
     kind: Kind
-    prompt_ids: list[int]
+    prompt: Prompt
     messages: list[JSON]  # the full conversation of this turn (chat); [] for completions
     tools: list[JSON] | None
     params: SamplingParams
@@ -69,9 +78,11 @@ class Turn:
     finish: str = "length"  # set from the backend's last chunk
     sampled_version: int | None = None  # weight_version the backend reported
     # The turn it continues or shares the most with (-1: none); None: the kept turn sharing
-    # the longest token prefix with prompt_ids, found when the event is built (completions).
+    # the longest token prefix with the prompt, found when the event is built (completions).
     parent: int | None = None
     logprobs_kind: str = "sampled"  # "raw" when the backend said so (TurnCompleted.logprobs_kind)
+    prefix_len: int | None = None  # ChatPrompt.prefix_len
+    prompt_text: str | None = None  # ChatPrompt.text (the forced_text follows it)
 
     @property
     def index(self) -> int:
@@ -133,10 +144,11 @@ class TurnEngine:
 
     async def chat_prompt(
         self, state: SessionState, messages: list[JSON], tools: list[JSON] | None
-    ) -> tuple[list[int], int]:
-        """The prompt ids and the parent turn: the kept turn the conversation extends furthest,
-        continued token for token, else the rendered conversation and the kept turn sharing
-        the longest token prefix with it (-1: none)."""
+    ) -> ChatPrompt:
+        """The prompt and the parent turn: the kept turn the conversation extends furthest,
+        continued token for token (its context ids, as an array, + the new messages' ids; its
+        cached JSON text too), else the rendered conversation and the kept turn sharing the
+        longest token prefix with it (-1: none)."""
         chars = sum(len(m.get("content") or "") for m in messages)
         least = self.template.min_tokens(chars)
         if least > self.backend.max_context:
@@ -151,17 +163,30 @@ class TurnEngine:
 
     def _chat_prompt(
         self, state: SessionState, messages: list[JSON], tools: list[JSON] | None
-    ) -> tuple[list[int], int]:
+    ) -> ChatPrompt:
         node = continued_turn(state, messages, tools)
+        full: str | None = None
         if node is not None:
-            done = len(node.conversation)
-            suffix = self.template.continuation_ids(
-                node.conversation, node.completion_ids.tolist(), messages[done:], tools
-            )
+            # Taken: this turn's context will hold the next turn's cache (one per chain).
+            text, head = node.cache.take()
+            suffix: list[int] | None = None
+            if text is not None:  # one render, where it starts with the kept turn's text
+                suffix, full = self.template.extension_ids(text, messages, tools)
+            rendered = suffix is not None
+            if suffix is None:  # the render and the kept turn's render without this turn's
+                done = len(node.conversation)
+                suffix = self.template.continuation_ids(
+                    node.conversation, node.completion_ids, messages[done:], tools
+                )
             if suffix is not None:
-                return [*node.context_ids.tolist(), *suffix], node.turn
-        prompt = self.template.prompt_ids(messages, tools)
-        return prompt, prefix_parent(state, prompt)
+                context = node.context_ids
+                ids = np.concatenate([context, np.asarray(suffix, dtype=np.int32)])
+                prompt = Prompt(ids, head=head, head_len=len(context) if head else 0)
+                return ChatPrompt(prompt, node.turn, len(context), full if rendered else None)
+        if full is None:
+            full = self.template.render(messages, tools, generation=True)
+        prompt = Prompt(self.template.encode(full))
+        return ChatPrompt(prompt, prefix_parent(state, prompt.ids), None, full)
 
     def params(
         self,
@@ -207,7 +232,7 @@ class TurnEngine:
         turn.backend_id = self.backend.id
         # The session is the routing hint: its replica holds the conversation in its cache.
         stream: AsyncIterator[GenerationChunk] = self.backend.generate(
-            turn.prompt_ids, turn.params, session=turn.session.name
+            turn.prompt, turn.params, session=turn.session.name
         )
         try:
             async for chunk in stream:
@@ -231,7 +256,14 @@ class TurnEngine:
             detok.finish()
 
     async def run(self, turn: Turn) -> TurnResult:
-        """A whole turn, not streamed; the caller holds the session lock."""
+        """A whole turn, not streamed; the caller holds the session lock.
+
+        Nothing reads this turn token by token, so without stop strings the backend is asked
+        for the completion in one response (``SamplingParams.stream``), decoded and detokenized
+        once (its ``ttft_ms`` is then the whole generation's). Stop strings keep the stream:
+        the backend would otherwise generate past the first match, up to ``max_tokens``."""
+        if not turn.stop_strings:
+            turn.params = replace(turn.params, stream=False)
         detok = Detokenizer(self.template.decode, turn.stop_strings)
         ttft = None
         async for _ in self.tokens(turn, detok):
@@ -265,7 +297,7 @@ class TurnEngine:
             version = self.weight_version()
         generated = time.perf_counter()
         draft = TurnDraft(
-            prompt_ids=turn.prompt_ids,
+            prompt_ids=turn.prompt.ids,
             messages=turn.messages,
             tools=turn.tools,
             completion_ids=detok.ids,
@@ -285,6 +317,7 @@ class TurnEngine:
             request=turn.request,
             logprobs_kind=turn.logprobs_kind,
             parent_turn=turn.parent,
+            prefix_len=turn.prefix_len,
         )
         event = turn_event(session.state, draft)
         with self.metrics.publish_latency.time():
@@ -294,11 +327,19 @@ class TurnEngine:
             # the log after all: that index holds tokens the client never received. The session
             # now holds the log's turns, and this reply is its next turn, so the log holds what
             # the client gets.
+            draft = replace(draft, prefix_len=None)  # the state changed: compared again
             event = turn_event(session.state, draft)
             receipt = await self.publisher.publish(event)
         self.metrics.attached.labels(attachment(session.state, event)).inc()
         session.state = apply(session.state, event)  # type: ignore[assignment]
-        self.metrics.tokens_in.inc(len(turn.prompt_ids))
+        node = session.state.nodes.get(event.turn)
+        if node is not None:  # its context: this prompt + the completion (ContextCache)
+            if turn.prompt_text is not None:
+                sampled = self.template.decode(detok.ids, skip_special_tokens=False)
+                node.cache.text = "".join((turn.prompt_text, turn.forced_text, sampled))
+            if turn.prompt.encoded:
+                node.cache.json_head = turn.prompt.extended_json_head(detok.ids)
+        self.metrics.tokens_in.inc(len(turn.prompt))
         self.metrics.tokens_out.inc(len(detok.ids))
         self.metrics.turns.labels(turn.kind).inc()
         prefix = "cmpl" if turn.kind == "completions" else "chatcmpl"
@@ -311,7 +352,7 @@ class TurnEngine:
             finish,
             list(detok.ids),
             detok,
-            len(turn.prompt_ids),
+            len(turn.prompt),
             version,
         )
 

@@ -96,7 +96,8 @@ class TurnServing:
         use_tools = bool(req.tools) and req.tool_choice != "none"
         tools = req.tools if use_tools else None
         named = named_tool_choice(req)
-        prompt_ids, parent = await engine.chat_prompt(session.state, req.messages, tools)
+        chat = await engine.chat_prompt(session.state, req.messages, tools)
+        prompt = chat.prompt
         # "required" / a named function: open the call in the prompt, so the model cannot
         # decline it; these tokens are the gateway's: prompt tokens, not the policy's actions.
         forced = ""
@@ -105,10 +106,10 @@ class TurnServing:
         elif use_tools and named is not None:
             forced = engine.parser.forced_prefix(named)
         if forced:
-            prompt_ids += engine.template.encode(forced)
+            prompt = prompt.extended(engine.template.encode(forced))
         params = engine.params(
             session,
-            len(prompt_ids),
+            len(prompt),
             req.max_tokens,
             req.temperature,
             req.top_p,
@@ -125,7 +126,7 @@ class TurnServing:
         return Turn(
             session,
             req.api,  # type: ignore[arg-type]  # the adapters pass a Kind
-            prompt_ids,
+            prompt,
             req.messages,
             tools,
             params,
@@ -137,7 +138,9 @@ class TurnServing:
             forced,
             request=req.record,
             parallel_tool_calls=req.parallel_tool_calls,
-            parent=parent,
+            parent=chat.parent,
+            prefix_len=chat.prefix_len,
+            prompt_text=chat.text,
         )
 
     def _resent(self, session: Session, req: TurnRequest) -> TurnResult | None:
@@ -216,7 +219,7 @@ class TurnServing:
         engine = self.engine
         started()
         try:
-            encoder = make_encoder(turn.index, len(turn.prompt_ids))
+            encoder = make_encoder(turn.index, len(turn.prompt))
             detok = Detokenizer(engine.template.decode, turn.stop_strings)
             yield encoder.opening()
             sent, sent_tokens, ttft = 0, 0, None

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.backends.base import SamplingParams
+from gateway.backends.base import Prompt, SamplingParams
 from gateway.backends.local import LocalBackend
 from gateway.backends.policy_watch import watch_policy
 from gateway.model import ensure_tiny_model
@@ -75,7 +75,7 @@ async def put(log: Log, run: str, version: int, checkpoint: Path | str) -> None:
 
 
 async def logprobs(backend: LocalBackend) -> list[float]:
-    return [lp async for chunk in backend.generate(PROMPT, GREEDY) for lp in chunk.logprobs]
+    return [lp async for chunk in backend.generate(Prompt(PROMPT), GREEDY) for lp in chunk.logprobs]
 
 
 async def test_a_new_version_in_the_bucket_is_loaded(

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from gateway.backends.base import Backend, GenerationChunk, SamplingParams
+from gateway.backends.base import Backend, GenerationChunk, Prompt, SamplingParams
 from gateway.backends.local import LocalBackend, processed_log_probs, sample_token
 from gateway.errors import (
     BackendError,
@@ -58,7 +58,7 @@ def other_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
 async def run(
     backend: LocalBackend, prompt: list[int], params: SamplingParams
 ) -> list[GenerationChunk]:
-    return [chunk async for chunk in backend.generate(prompt, params)]
+    return [chunk async for chunk in backend.generate(Prompt(prompt), params)]
 
 
 def tokens(chunks: list[GenerationChunk]) -> list[int]:
@@ -255,7 +255,7 @@ async def test_concurrent_generations_equal_their_solo_runs(backend: LocalBacken
 
     async def timed(prompt: list[int], params: SamplingParams) -> list[GenerationChunk]:
         chunks, first = [], 0.0
-        async for chunk in backend.generate(prompt, params):
+        async for chunk in backend.generate(Prompt(prompt), params):
             first = first or time.monotonic()
             chunks.append(chunk)
         spans.append((first, time.monotonic()))
@@ -286,7 +286,9 @@ async def test_cancelling_the_consumer_stops_the_decode_loop(endless: LocalBacke
     received: list[GenerationChunk] = []
 
     async def consume() -> None:
-        async for chunk in endless.generate(PROMPT, SamplingParams(max_tokens=3000, seed=0)):
+        async for chunk in endless.generate(
+            Prompt(PROMPT), SamplingParams(max_tokens=3000, seed=0)
+        ):
             received.append(chunk)
 
     task = asyncio.create_task(consume())
@@ -305,7 +307,7 @@ async def test_cancelling_the_consumer_stops_the_decode_loop(endless: LocalBacke
 
 
 async def test_closing_the_iterator_early_stops_the_decode_loop(endless: LocalBackend) -> None:
-    stream = endless.generate(PROMPT, SamplingParams(max_tokens=3000, seed=0))
+    stream = endless.generate(Prompt(PROMPT), SamplingParams(max_tokens=3000, seed=0))
     assert isinstance(stream, AsyncGenerator)
     await anext(stream)
     await stream.aclose()
@@ -316,8 +318,8 @@ async def test_closing_the_iterator_early_stops_the_decode_loop(endless: LocalBa
 async def test_close_ends_running_and_queued_generations(tiny_model_dir: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     backend = LocalBackend(model, eos_token_ids=(), max_concurrency=1)
-    running = backend.generate(PROMPT, SamplingParams(max_tokens=3000, seed=0))
-    queued = backend.generate(PROMPT, SamplingParams(max_tokens=3000, seed=1))
+    running = backend.generate(Prompt(PROMPT), SamplingParams(max_tokens=3000, seed=0))
+    queued = backend.generate(Prompt(PROMPT), SamplingParams(max_tokens=3000, seed=1))
     await anext(running)
     waiting = asyncio.create_task(anext(queued))
     await asyncio.sleep(0.05)
@@ -357,7 +359,7 @@ async def test_in_flight_generation_finishes_on_the_weights_it_started_with(
 ) -> None:
     params = SamplingParams(max_tokens=600, seed=11)
     solo_old = await run(endless, PROMPT, params)
-    stream = endless.generate(PROMPT, params)
+    stream = endless.generate(Prompt(PROMPT), params)
     chunks = [await anext(stream)]
     steps_before = endless.decode_steps
     await endless.load_weights(other_weights, version=2)

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.backends.base import SamplingParams, TopLogprob
+from gateway.backends.base import Prompt, SamplingParams, TopLogprob
 from gateway.backends.probe import (
     PROBE_PROMPT,
     LogprobsGuard,
@@ -98,8 +98,14 @@ class StandIn:
         body = json.loads(request.content)
         self.bodies.append(body)
         events = self.events(body)
+        if body.get("stream") is False:  # a caller reading the completion whole
+            return httpx.Response(200, json=self.whole(events))
         content = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
         return httpx.Response(200, content=content.encode())
+
+    def whole(self, events: list[Any]) -> Any:
+        """The non-streamed answer: the stream's last event (SGLang's are cumulative)."""
+        return events[-1]
 
     def events(self, body: dict[str, Any]) -> list[Any]:
         raise NotImplementedError
@@ -137,6 +143,20 @@ class StandInVLLM(StandIn):
             events.append({"choices": [choice], "usage": None})
         usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": len(tokens)}
         return [*events, {"choices": [], "usage": usage}]
+
+    def whole(self, events: list[Any]) -> Any:
+        """One choice holding every streamed choice's tokens, and the usage."""
+        choices = [e["choices"][0] for e in events if e["choices"]]
+        lps = [c["logprobs"] for c in choices]
+        choice = {
+            "index": 0,
+            "text": "".join(c["text"] for c in choices),
+            "token_ids": [t for c in choices for t in c["token_ids"]],
+            "prompt_token_ids": choices[0]["prompt_token_ids"],
+            "logprobs": {key: [v for lp in lps for v in lp[key]] for key in lps[0]},
+            "finish_reason": choices[-1]["finish_reason"],
+        }
+        return {"choices": [choice], "usage": events[-1]["usage"]}
 
 
 class StandInSGLang(StandIn):
@@ -181,7 +201,7 @@ def kind_of(backend: VLLMBackend | SGLangBackend) -> str | None:
 
 
 async def collect(backend: Any, params: SamplingParams) -> list[Any]:
-    return [chunk async for chunk in backend.generate(PROMPT, params)]
+    return [chunk async for chunk in backend.generate(Prompt(PROMPT), params)]
 
 
 # ---- the pure decision ----------------------------------------------------------------------
@@ -276,11 +296,12 @@ async def test_a_raw_replica_refuses_a_tempered_turn_before_sending_it() -> None
 async def test_the_flag_generates_and_marks_every_chunk_raw() -> None:
     server = StandInVLLM("raw_logprobs")
     chunks = await collect(vllm(server), sampling(temperature=0.5, allow_raw_logprobs=True))
-    assert [c.token_ids for c in chunks] == [[72], [73], [74]]
+    # (the stand-in's events arrive in one read: the backend passes them on as one chunk)
+    assert [t for c in chunks for t in c.token_ids] == [72, 73, 74]
     assert {c.logprobs_kind for c in chunks} == {"raw"}
     # What was recorded is the raw distribution's, as the mark says.
     raw = logprobs(1.0, 1.0, tempered=False, truncated=False)
-    assert [c.logprobs[0] for c in chunks] == [raw[t] for t in ANSWER]
+    assert [lp for c in chunks for lp in c.logprobs] == [raw[t] for t in ANSWER]
     assert len(server.generations) == 1
 
 
@@ -297,7 +318,7 @@ async def test_a_processed_replica_serves_and_does_not_mark() -> None:
     chunks = await collect(vllm(server), sampling(temperature=0.5, top_p=0.9))
     assert {c.logprobs_kind for c in chunks} == {None}
     sampled = logprobs(0.5, 0.9, tempered=True, truncated=True)
-    assert chunks[0].logprobs == [sampled[72]]
+    assert chunks[0].logprobs[0] == sampled[72]
 
 
 async def test_sglang_serves_temperature_and_refuses_top_p() -> None:
@@ -321,7 +342,7 @@ async def test_a_replica_down_at_the_probe_is_probed_when_it_comes_back() -> Non
     assert kind_of(backend) is None
     server.up = True
     chunks = await collect(backend, sampling(temperature=0.5))
-    assert kind_of(backend) == "processed" and len(chunks) == 3
+    assert kind_of(backend) == "processed" and sum(len(c.token_ids) for c in chunks) == 3
 
 
 async def test_a_failed_request_makes_the_replica_probed_again() -> None:
@@ -346,7 +367,7 @@ async def test_a_refusal_probes_again_once_the_last_probe_is_old() -> None:
     guard = LogprobsGuard(
         replica="vllm-0",
         where="vLLM stand-in",
-        sample=lambda prompt, params: backend._stream(prompt, params, checked=False),
+        sample=lambda prompt, params: backend._stream(Prompt(prompt), params, checked=False),
         advice={"raw": "start it in processed mode"},
         recheck_s=30.0,
         clock=lambda: now[0],

@@ -13,7 +13,7 @@ import torch
 from tensordict import TensorDict
 
 from consumers import fold
-from gateway.backends.base import SamplingParams
+from gateway.backends.base import Prompt, SamplingParams
 from gateway.backends.local import LocalBackend
 from schemas.events import TrajectoryReady, TurnCompleted
 from tests.helpers.grpo_sessions import SESSION_ADVANTAGE, WON_SEGMENTS, segmented_group
@@ -159,7 +159,7 @@ async def test_recomputed_log_probs_match_the_local_backends_on_a_padded_batch(
         params = SamplingParams(max_tokens=6 + 4 * i, temperature=0.7, seed=i)
         completion: list[int] = []
         logprobs: list[float] = []
-        async for chunk in backend.generate(prompt, params):
+        async for chunk in backend.generate(Prompt(prompt), params):
             completion += chunk.token_ids
             logprobs += chunk.logprobs
         n, p = len(prompt) + len(completion), len(prompt)

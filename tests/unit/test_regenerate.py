@@ -12,7 +12,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from gateway.backends.base import SamplingParams
+from gateway.backends.base import Prompt, SamplingParams
 from gateway.backends.local import LocalBackend
 from gateway.serving.engine import derived_seed
 from schemas.delta import replay_context
@@ -52,7 +52,7 @@ async def sampled(
     )
     ids: list[int] = []
     logprobs: list[float] = []
-    async for chunk in backend.generate(list(prompt), params):
+    async for chunk in backend.generate(Prompt(list(prompt)), params):
         ids += chunk.token_ids
         logprobs += chunk.logprobs
     return ids, logprobs

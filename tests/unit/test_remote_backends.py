@@ -1,9 +1,11 @@
 """vLLM and SGLang backends: request and response translation.
 
 Neither server can run here (no GPU), so these tests stand in for them with ``httpx.MockTransport``
-handlers that answer with SSE bodies shaped as the projects document and emit them (vLLM >= 0.10.2
-``/v1/completions`` with ``return_token_ids`` and ``return_tokens_as_token_ids``; SGLang's native
-``/generate`` with ``return_logprob``, cumulative and ``--incremental-streaming-output`` modes).
+handlers that answer with SSE bodies shaped as the projects document and emit them, one event per
+network read unless a test says otherwise (vLLM >= 0.10.2 ``/v1/completions`` with
+``return_tokens_as_token_ids``, and servers that send ``token_ids`` too; SGLang's native
+``/generate`` with ``return_logprob``, cumulative and ``--incremental-streaming-output`` modes),
+or with one JSON response to a request not streamed.
 They pin the exact request JSON (token ids in, no text), the chunks produced (new tokens only,
 logprobs, top logprobs, finish reason) and the error translation. They do not prove that a live
 server of a given version still speaks this dialect: that needs a GPU run against the real server.
@@ -18,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.backends.base import Backend, GenerationChunk, SamplingParams, TopLogprob
+from gateway.backends.base import Backend, GenerationChunk, Prompt, SamplingParams, TopLogprob
 from gateway.backends.sglang import SGLangBackend
 from gateway.backends.vllm import VLLMBackend
 from gateway.errors import BackendError, BackendUnavailable
@@ -37,11 +39,26 @@ def sse(*events: dict[str, Any] | str) -> bytes:
     return "".join(lines).encode()
 
 
-def answer(body: bytes, status: int = 200) -> Handler:
+def answer(body: bytes, status: int = 200, *, at_once: bool = False) -> Handler:
+    """Each SSE event in its own part of the body (as a server writes them, one network read
+    each), or ``at_once``: the whole body in one part (events that arrived together)."""
+
     def handle(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(status, content=body, headers={"content-type": "text/event-stream"})
+        headers = {"content-type": "text/event-stream"}
+        if at_once:
+            return httpx.Response(status, content=body, headers=headers)
+        return httpx.Response(status, stream=EventParts(body), headers=headers)
 
     return handle
+
+
+class EventParts(httpx.AsyncByteStream):
+    def __init__(self, body: bytes) -> None:
+        self.parts = [part + b"\n\n" for part in body.split(b"\n\n") if part]
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        for part in self.parts:
+            yield part
 
 
 class Recorder:
@@ -87,7 +104,7 @@ def sglang(handler: Handler, *, incremental: bool = False) -> SGLangBackend:
 
 
 async def collect(backend: Backend, params: SamplingParams = PARAMS) -> list[GenerationChunk]:
-    return [chunk async for chunk in backend.generate(PROMPT, params)]
+    return [chunk async for chunk in backend.generate(Prompt(PROMPT), params)]
 
 
 # ---- vLLM payloads ------------------------------------------------------------------------------
@@ -188,7 +205,6 @@ async def test_vllm_sends_token_ids_and_the_documented_fields() -> None:
             "seed": 7,
             "stop_token_ids": [IM_END],
             "logprobs": 2,
-            "return_token_ids": True,
             "return_tokens_as_token_ids": True,
             "skip_special_tokens": False,
             "include_stop_str_in_output": True,
@@ -251,11 +267,90 @@ async def test_vllm_before_return_token_ids_reads_ids_from_logprob_tokens() -> N
     assert [c.token_ids for c in chunks] == [[13048], [IM_END]]
 
 
+async def test_vllm_events_read_together_become_one_chunk() -> None:
+    """What one network read brought is passed on as one chunk: the same tokens, logprobs and
+    usage as event by event (the finish held for the usage, as then)."""
+    chunks = await collect(vllm(answer(VLLM_STREAM, at_once=True)))
+    [chunk] = chunks
+    one_by_one = await collect(vllm(answer(VLLM_STREAM)))
+    assert chunk.token_ids == [t for c in one_by_one for t in c.token_ids] == [13048, 0, IM_END]
+    assert chunk.logprobs == [-0.01, -2.5, -0.05]
+    assert chunk.top_logprobs == [t for c in one_by_one for t in c.top_logprobs or []]
+    assert chunk.finish_reason == "stop"
+    assert chunk.extra == one_by_one[-1].extra
+
+
+def vllm_whole(**extra: Any) -> dict[str, Any]:
+    """The non-streamed response to VLLM_STREAM's request: one choice, all tokens, the usage."""
+    choice = vllm_event(
+        "Hi!<|im_end|>",
+        [13048, 0, IM_END],
+        [-0.01, -2.5, -0.05],
+        [
+            {"token_id:13048": -0.01, "token_id:9707": -4.6},
+            {"token_id:0": -2.5, "token_id:11": -0.2, "token_id:13": -1.9},
+            {f"token_id:{IM_END}": -0.05, "token_id:198": -3.1},
+        ],
+        "stop",
+        with_token_ids=False,
+        **extra,
+    )
+    return {**choice, "usage": VLLM_USAGE["usage"]}
+
+
+async def test_vllm_not_streamed_asks_for_one_response_and_gives_one_chunk() -> None:
+    """A caller that reads the completion whole (SamplingParams.stream False): one request
+    without stream_options, one JSON response, one chunk with every token and the usage."""
+    recorder = Recorder(
+        lambda request: httpx.Response(200, json=vllm_whole(prompt_token_ids=PROMPT))
+    )
+    whole = SamplingParams(**{**vars(PARAMS), "stream": False})
+    [chunk] = await collect(vllm(recorder), whole)
+    body = recorder.bodies[0]
+    assert body["stream"] is False and "stream_options" not in body
+    assert chunk == merged(await collect(vllm(answer(VLLM_STREAM))))
+
+
+def merged(chunks: list[GenerationChunk]) -> GenerationChunk:
+    return GenerationChunk(
+        [t for c in chunks for t in c.token_ids],
+        [lp for c in chunks for lp in c.logprobs],
+        [t for c in chunks for t in c.top_logprobs or []],
+        chunks[-1].finish_reason,
+        extra=chunks[-1].extra,
+    )
+
+
+@pytest.mark.parametrize(
+    ("echo", "match"),
+    [
+        pytest.param(json.dumps(PROMPT), None, id="spaced JSON, same ids"),
+        pytest.param(json.dumps(PROMPT, separators=(",", ":")), None, id="compact, same ids"),
+        pytest.param(json.dumps(PROMPT[:-1]), "different prompt", id="shorter"),
+        pytest.param('["a"]', "list of ids", id="not ids"),
+    ],
+)
+async def test_vllm_checks_a_prompt_echo(echo: str, match: str | None) -> None:
+    """A server that echoes the prompt (return_token_ids, which the gateway no longer asks
+    for) must have generated from the ids sent."""
+    body = json.dumps(vllm_whole(prompt_token_ids=0)).replace(
+        '"prompt_token_ids": 0', f'"prompt_token_ids": {echo}'
+    )
+    backend = vllm(lambda request: httpx.Response(200, content=body.encode()))
+    whole = SamplingParams(**{**vars(PARAMS), "stream": False})
+    if match is None:
+        [chunk] = await collect(backend, whole)
+        assert chunk.token_ids == [13048, 0, IM_END]
+    else:
+        with pytest.raises(BackendError, match=match):
+            await collect(backend, whole)
+
+
 async def test_vllm_closing_the_iteration_closes_the_connection() -> None:
     """Cancelling the generation must reach the server: vLLM aborts on disconnect."""
     stream = TrackedStream(VLLM_STREAM)
     backend = vllm(lambda request: httpx.Response(200, stream=stream))
-    generation = aiter(backend.generate(PROMPT, PARAMS))
+    generation = aiter(backend.generate(Prompt(PROMPT), PARAMS))
     first = await anext(generation)
     assert first.token_ids == [13048]
     assert not stream.closed
@@ -315,6 +410,31 @@ class TrackedStream(httpx.AsyncByteStream):
             id="text keys",
         ),
         pytest.param(
+            sse(
+                vllm_event("Hi", [1], [-0.1], [{"token_id:1": -0.1}], "stop"),
+                vllm_event("!", [2], [-0.1], [{"token_id:2": -0.1}]),
+            ),
+            "tokens after finish_reason",
+            id="tokens after the finish",
+        ),
+        pytest.param(
+            sse(
+                {
+                    **vllm_event("Hi", [1], [-0.1], [{"token_id:1": -0.1}], with_token_ids=False),
+                    "choices": [
+                        {
+                            "index": 0,
+                            "text": "Hi",
+                            "finish_reason": None,
+                            "logprobs": {"tokens": ["Hi"], "token_logprobs": [-0.1]},
+                        }
+                    ],
+                }
+            ),
+            "not 'token_id:<id>'",
+            id="sampled token as text",
+        ),
+        pytest.param(
             sse(vllm_event("Hi", [1], [-0.1], [{"token_id:1": -0.1}], prompt_token_ids=[1, 2])),
             "different prompt",
             id="prompt echoed differently",
@@ -329,11 +449,13 @@ class TrackedStream(httpx.AsyncByteStream):
         ),
     ],
 )
+@pytest.mark.parametrize("at_once", [False, True], ids=["event by event", "read together"])
 async def test_vllm_unexpected_payloads_are_backend_errors_naming_the_url(
-    body: bytes, match: str
+    body: bytes, match: str, at_once: bool
 ) -> None:
+    backend = vllm(answer(body, at_once=at_once))
     with pytest.raises(BackendError, match=match) as caught:
-        await collect(vllm(answer(body)), SamplingParams(max_tokens=4, top_logprobs=1))
+        await collect(backend, SamplingParams(max_tokens=4, top_logprobs=1))
     assert not isinstance(caught.value, BackendUnavailable)
     assert "http://gpu-1:8000/v1/completions" in str(caught.value)
 
@@ -433,6 +555,22 @@ async def test_sglang_without_seed_leaves_it_to_the_server() -> None:
 )
 async def test_sglang_stream_emits_only_the_new_tokens(body: bytes, incremental: bool) -> None:
     assert await collect(sglang(answer(body), incremental=incremental)) == EXPECTED_SGLANG
+
+
+async def test_sglang_events_read_together_and_not_streamed_give_one_chunk() -> None:
+    together = await collect(sglang(answer(CUMULATIVE, at_once=True)))
+    recorder = Recorder(lambda request: httpx.Response(200, json=sglang_event(0, 3, STOP)))
+    whole = await collect(sglang(recorder), SamplingParams(**{**vars(PARAMS), "stream": False}))
+    assert recorder.bodies[0]["stream"] is False
+    expected = GenerationChunk(
+        [13048, 0, IM_END],
+        [-0.01, -2.5, -0.05],
+        [t for c in EXPECTED_SGLANG for t in c.top_logprobs or []],
+        "stop",
+        3,
+        EXPECTED_SGLANG[-1].extra,
+    )
+    assert together == whole == [expected]
 
 
 async def test_sglang_without_output_ids_reads_them_from_the_logprobs() -> None:

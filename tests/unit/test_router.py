@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import pytest
 
-from gateway.backends.base import Backend, GenerationChunk, SamplingParams
+from gateway.backends.base import Backend, GenerationChunk, Prompt, SamplingParams
 from gateway.backends.router import ReplicaRouter, ReplicaStatus
 from gateway.errors import BackendError, BackendUnavailable
 
@@ -40,9 +40,9 @@ class FakeReplica:
         return self._max_context
 
     async def generate(
-        self, prompt_ids: Sequence[int], params: SamplingParams
+        self, prompt: Prompt, params: SamplingParams
     ) -> AsyncIterator[GenerationChunk]:
-        self.prompts.append(list(prompt_ids))
+        self.prompts.append(prompt.tolist())
         if self.fail is not None:
             raise self.fail
         finished = False
@@ -93,7 +93,7 @@ def make_router(replicas: list[FakeReplica], clock: Clock, max_inflight: int = 2
 
 async def turn(router: ReplicaRouter, session: str | None, prompt: Sequence[int] = (7,)) -> str:
     """One whole generation; returns the replica that served it."""
-    replica, stream = await router.generate_for(session, prompt, PARAMS)
+    replica, stream = await router.generate_for(session, Prompt(prompt), PARAMS)
     assert [chunk.token_ids async for chunk in stream] == [[1], [2]]
     return replica
 
@@ -120,7 +120,8 @@ async def test_stickiness_wins_over_load_below_the_limit(
 ) -> None:
     router = make_router(replicas, clock, max_inflight=2)
     home = await turn(router, "s1")
-    _, held = await router.generate_for("s1", [7], PARAMS)  # home now has 1 in flight, others 0
+    # home now has 1 in flight, others 0
+    _, held = await router.generate_for("s1", Prompt([7]), PARAMS)
     assert await turn(router, "s1") == home
     await held.aclose()
 
@@ -130,7 +131,7 @@ async def test_a_saturated_replica_sends_the_session_to_the_least_loaded(
 ) -> None:
     router = make_router(replicas[:2], clock, max_inflight=1)
     assert await turn(router, "s1") == "gpu-a"
-    busy, held = await router.generate_for("s1", [7], PARAMS)
+    busy, held = await router.generate_for("s1", Prompt([7]), PARAMS)
     assert busy == "gpu-a"
     assert inflight(router) == {"gpu-a": 1, "gpu-b": 0}
     assert await turn(router, "s1") == "gpu-b"
@@ -144,7 +145,7 @@ async def test_when_all_are_saturated_a_request_waits_for_a_slot(
     replicas: list[FakeReplica], clock: Clock
 ) -> None:
     router = make_router(replicas[:1], clock, max_inflight=1)
-    _, held = await router.generate_for("s1", [7], PARAMS)
+    _, held = await router.generate_for("s1", Prompt([7]), PARAMS)
     waiting = asyncio.create_task(turn(router, "s2"))
     await asyncio.sleep(0.01)
     assert not waiting.done()
@@ -202,11 +203,11 @@ async def test_all_down_is_backend_unavailable_naming_each_replica(
     for replica in replicas[:2]:
         replica.fail = unavailable(replica.id)
     with pytest.raises(BackendUnavailable, match=r"session s1.*gpu-a: down.*gpu-b: down") as caught:
-        await router.generate_for("s1", [7], PARAMS)
+        await router.generate_for("s1", Prompt([7]), PARAMS)
     assert isinstance(caught.value.__cause__, BackendUnavailable)
     # Still down: the next request fails at once, without calling the servers.
     with pytest.raises(BackendUnavailable):
-        await router.generate_for("s2", [7], PARAMS)
+        await router.generate_for("s2", Prompt([7]), PARAMS)
     assert [len(replica.prompts) for replica in replicas[:2]] == [1, 1]
     assert inflight(router) == {"gpu-a": 0, "gpu-b": 0}
 
@@ -217,7 +218,7 @@ async def test_other_backend_errors_are_not_failed_over(
     router = make_router(replicas[:2], clock)
     replicas[0].fail = BackendError("vLLM at http://gpu-a:8000 answered HTTP 400: bad request")
     with pytest.raises(BackendError, match="HTTP 400"):
-        await router.generate_for(None, [7], PARAMS)
+        await router.generate_for(None, Prompt([7]), PARAMS)
     assert len(replicas[1].prompts) == 0  # a bad request would fail anywhere
     assert all(status.up and status.inflight == 0 for status in router.status())
 
@@ -227,7 +228,7 @@ async def test_a_failure_after_the_first_chunk_reaches_the_caller(
 ) -> None:
     router = make_router(replicas[:2], clock)
     replicas[0].fail_midway = unavailable("gpu-a")
-    replica, stream = await router.generate_for("s1", [7], PARAMS)
+    replica, stream = await router.generate_for("s1", Prompt([7]), PARAMS)
     assert replica == "gpu-a"
     with pytest.raises(BackendUnavailable):
         _ = [chunk async for chunk in stream]
@@ -240,8 +241,8 @@ async def test_slots_are_given_back_on_close_and_on_a_dropped_stream(
     replicas: list[FakeReplica], clock: Clock
 ) -> None:
     router = make_router(replicas[:1], clock, max_inflight=3)
-    _, closed = await router.generate_for(None, [7], PARAMS)
-    _, dropped = await router.generate_for(None, [7], PARAMS)
+    _, closed = await router.generate_for(None, Prompt([7]), PARAMS)
+    _, dropped = await router.generate_for(None, Prompt([7]), PARAMS)
     assert inflight(router) == {"gpu-a": 2}
     await closed.aclose()
     assert replicas[0].aborted == 1  # closing reaches the backend (which aborts the request)
@@ -256,7 +257,7 @@ async def test_the_router_is_a_backend(replicas: list[FakeReplica], clock: Clock
     assert isinstance(router, Backend)
     assert router.id == "router(gpu-a,gpu-b,gpu-c)"
     assert router.max_context == 2048
-    assert [chunk.token_ids async for chunk in router.generate([7], PARAMS)] == [[1], [2]]
+    assert [chunk.token_ids async for chunk in router.generate(Prompt([7]), PARAMS)] == [[1], [2]]
     assert inflight(router) == {"gpu-a": 0, "gpu-b": 0, "gpu-c": 0}
     await router.close()
     assert all(replica.closed for replica in replicas)
@@ -293,10 +294,10 @@ async def test_the_backend_port_routes_by_the_session_hint_and_names_the_replica
     """Serving code calls ``generate(..., session=...)`` like on any backend; the first chunk
     says which replica served it."""
     router = make_router(replicas, clock)
-    first = [chunk async for chunk in router.generate([7], PARAMS, session="run/s1")]
+    first = [chunk async for chunk in router.generate(Prompt([7]), PARAMS, session="run/s1")]
     home = first[0].replica
     assert home in {"gpu-a", "gpu-b", "gpu-c"} and first[1].replica is None
     for _ in range(3):
-        again = [chunk async for chunk in router.generate([7, 8], PARAMS, session="run/s1")]
+        again = [chunk async for chunk in router.generate(Prompt([7, 8]), PARAMS, session="run/s1")]
         assert again[0].replica == home  # sticky: its cache holds the conversation
     assert inflight(router) == {"gpu-a": 0, "gpu-b": 0, "gpu-c": 0}

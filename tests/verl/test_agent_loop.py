@@ -53,7 +53,7 @@ from verl.utils.dataset.rl_dataset import RLHFDataset
 from verl.workers.config import ActorConfig, PolicyLossConfig
 
 from consumers import ShardWriterSettings
-from gateway.backends.base import GenerationChunk, SamplingParams
+from gateway.backends.base import GenerationChunk, Prompt, SamplingParams
 from gateway.backends.local import LocalBackend
 from tests.helpers.services import shard_table_rows
 from tests.helpers.waiting import eventually
@@ -135,9 +135,9 @@ class VerlServerStandIn:
         return self._local.max_context
 
     async def generate(
-        self, prompt_ids: Sequence[int], params: SamplingParams, *, session: str | None = None
+        self, prompt: Prompt, params: SamplingParams, *, session: str | None = None
     ) -> AsyncIterator[GenerationChunk]:
-        async for chunk in self._local.generate(prompt_ids, params, session=session):
+        async for chunk in self._local.generate(prompt, params, session=session):
             yield dataclasses.replace(chunk, weight_version=None)
 
     async def admit(self, params: SamplingParams) -> str | None:
