@@ -57,19 +57,20 @@ def own_new_session_ids(index: int, workers: int) -> None:
 
 
 def new_session_id() -> str:
-    """A gateway-made session id: 128 random bits; base64url is already [A-Za-z0-9_-]. Never
-    starts with ``-``, which a command line would read as an option (``turnstream inspect ID``).
-    In a gateway worker, one this worker owns (``own_new_session_ids``): about ``workers`` draws
-    (log2(workers) bits fewer left to chance).
+    """A gateway-made session id: at least 128 random bits (DESIGN §3); base64url is already
+    [A-Za-z0-9_-]. Never starts with ``-``, which a command line would read as an option
+    (``turnstream inspect ID``). In a gateway worker, one this worker owns
+    (``own_new_session_ids``): about ``workers`` draws, each taking log2(workers) bits from the
+    136 drawn, so up to 256 workers leave >= 128.
 
     >>> all(not new_session_id().startswith("-") for _ in range(1000))
     True
     """
     index, workers = _owned
-    while (session := secrets.token_urlsafe(16)).startswith("-") or (
+    while (session := secrets.token_urlsafe(17)).startswith("-") or (
         workers > 1 and session_owner(session, workers) != index
     ):
-        pass  # 1 in 64 draws starts with "-": draw again (127.9 bits of randomness left)
+        pass  # 1 in 64 draws starts with "-": draw again (0.02 bits fewer)
     return session
 
 

@@ -233,6 +233,14 @@ _INT_LIST = msgspec.json.Decoder(list[int])
 _STR_LIST = msgspec.json.Decoder(list[str])
 _BATCH = msgspec.json.Decoder(list[_Completion])
 _NO_ARRAY = (b"", b"null")  # a Raw field absent, or null
+
+
+def _given(raw: msgspec.Raw, *, empty: bytes = b"null") -> bool:
+    """A Raw field present, neither null nor ``empty`` (a Raw never equals bytes: compare a
+    copy, made only of short values)."""
+    return not (len(raw) <= 4 and bytes(raw) in (b"", b"null", empty))
+
+
 _TOP = msgspec.json.Decoder(list[dict[str, float]])
 _QUOTED_PREFIX = b'"' + _TOKEN_ID_PREFIX.encode()
 
@@ -294,14 +302,14 @@ class CompletionReader:
                 raise BackendError(f"{where} sent {len(choices)} choices; the gateway asks for one")
             choice = choices[0]
             echo = choice.prompt_token_ids
-            if echo and echo != b"null" and not self._same_prompt(echo):
+            if _given(echo) and not self._same_prompt(echo):
                 raise BackendError(f"{where} generated from a different prompt than sent")
             reason = _finish_reason(choice.finish_reason, where)
             lp = choice.logprobs
             part: list[int] | bytes = []
             if choice.token_ids:
                 part = choice.token_ids
-            elif lp is not None and lp.tokens not in _NO_ARRAY and lp.tokens != b"[]":
+            elif lp is not None and _given(lp.tokens, empty=b"[]"):
                 part = bytes(lp.tokens)
             elif choice.token_ids is None and choice.text:
                 raise BackendError(
