@@ -100,7 +100,9 @@ class ShardWriterSettings(BaseModel):
     def max_ack_pending(self) -> int:
         # Trajectories are acked only once their shard is committed, so a full buffer plus one
         # fetch must fit; otherwise the consumer stalls before the row limit is reached. The
-        # writer caps the rows buffered over all runs at max_rows, so this holds with many runs.
+        # writer caps the rows *filling* buffers over all runs at max_rows, so this holds with
+        # many runs; rows being written (up to as many again) past it only pause deliveries
+        # until a write commits.
         return self.max_rows + self.batch
 
     @property
