@@ -8,17 +8,9 @@ from typing import Any
 
 import httpx
 import pytest
-from transformers import AutoTokenizer
 
-from gateway.app import create_app
-from gateway.backends.router import ReplicaRouter
-from gateway.metrics import GatewayMetrics
-from gateway.serving import SessionService, TurnEngine
-from gateway.sessions import SessionStore
-from gateway.templates import ChatTemplate
-from gateway.tools import get_parser
-from tests.unit.test_logprobs_probe import StandInVLLM, vllm
-from tests.unit.test_logprobs_refusal import _Publisher
+from tests.unit.test_logprobs_probe import StandInVLLM
+from tests.unit.test_logprobs_refusal import _Publisher, stand_in_app
 
 HI: Any = [{"role": "user", "content": "hi"}]
 
@@ -26,17 +18,7 @@ HI: Any = [{"role": "user", "content": "hi"}]
 def gateway(
     tiny_model_dir: Path, server: StandInVLLM, api_keys: tuple[str, ...] = ()
 ) -> tuple[httpx.AsyncClient, Any, _Publisher]:
-    publisher = _Publisher()
-    engine = TurnEngine(
-        template=ChatTemplate(AutoTokenizer.from_pretrained(tiny_model_dir)),
-        backend=ReplicaRouter([vllm(server)], max_inflight_per_replica=4),
-        publisher=publisher,  # type: ignore[arg-type]
-        parser=get_parser("hermes"),
-        model_name="tiny",
-        metrics=GatewayMetrics(),
-    )
-    sessions = SessionService(store=SessionStore(), publisher=publisher, model_name="tiny")  # type: ignore[arg-type]
-    app = create_app(engine=engine, sessions=sessions, default_run="run", api_keys=api_keys)
+    app, publisher = stand_in_app(tiny_model_dir, server, api_keys=api_keys)
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw")
     return client, app, publisher
 

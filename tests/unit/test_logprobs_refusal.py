@@ -46,9 +46,15 @@ class _Publisher:
         return [e for e in self.events if isinstance(e, TurnCompleted)]
 
 
-def gateway(
-    tiny_model_dir: Path, server: StandInVLLM, *, allow_raw_logprobs: bool = False
-) -> tuple[openai.AsyncOpenAI, _Publisher]:
+def stand_in_app(
+    tiny_model_dir: Path,
+    server: StandInVLLM,
+    *,
+    allow_raw_logprobs: bool = False,
+    api_keys: tuple[str, ...] = (),
+) -> tuple[Any, _Publisher]:
+    """The gateway app on the tiny model's template, in front of one vLLM stand-in replica,
+    publishing to memory."""
     publisher = _Publisher()
     engine = TurnEngine(
         template=ChatTemplate(AutoTokenizer.from_pretrained(tiny_model_dir)),
@@ -60,7 +66,14 @@ def gateway(
         allow_raw_logprobs=allow_raw_logprobs,
     )
     sessions = SessionService(store=SessionStore(), publisher=publisher, model_name="tiny")  # type: ignore[arg-type]
-    app = create_app(engine=engine, sessions=sessions, default_run="run")
+    app = create_app(engine=engine, sessions=sessions, default_run="run", api_keys=api_keys)
+    return app, publisher
+
+
+def gateway(
+    tiny_model_dir: Path, server: StandInVLLM, *, allow_raw_logprobs: bool = False
+) -> tuple[openai.AsyncOpenAI, _Publisher]:
+    app, publisher = stand_in_app(tiny_model_dir, server, allow_raw_logprobs=allow_raw_logprobs)
     client = openai.AsyncOpenAI(
         base_url="http://gateway/v1",
         api_key="unused",
