@@ -30,7 +30,9 @@ as small as possible and the same whichever client (the gateway or the benchmark
 request. ``max_tokens`` smaller than the token list cuts it (``finish_reason: "length"``).
 
 The HTTP/1.1 server is a bare ``asyncio.Protocol`` (keep-alive, ``Content-Length`` bodies,
-chunked responses): no framework, so what it costs is small next to what is measured. Run::
+chunked responses): no framework, so what it costs is small next to what is measured.
+``--reuse-port`` lets several processes serve one port (the scale-out benchmark on many cores),
+``--uvloop`` runs it on uvloop. Run::
 
     .venv/bin/python benchmarks/_fixed_latency_backend.py --port 8100 --tokens 84,104,101,258
 """
@@ -209,8 +211,7 @@ class HTTPConnection(asyncio.Protocol):
         self.timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = transport  # type: ignore[assignment]  # a stream transport (uvloop's too)
         self.stats.connections += 1
         self.stats.open_connections += 1
 
@@ -394,12 +395,16 @@ class HTTPConnection(asyncio.Protocol):
             self.transport.close()
 
 
-async def serve(config: BackendConfig, host: str, port: int) -> None:
+async def serve(config: BackendConfig, host: str, port: int, *, reuse_port: bool = False) -> None:
     loop = asyncio.get_running_loop()
     completions = Completions(config)
     stats = Stats()
     server = await loop.create_server(
-        lambda: HTTPConnection(completions, stats), host, port, backlog=1024
+        lambda: HTTPConnection(completions, stats),
+        host,
+        port,
+        backlog=1024,
+        reuse_port=reuse_port or None,
     )
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -429,6 +434,12 @@ def main() -> None:
     parser.add_argument("--tokens-per-event", type=int, default=1)
     parser.add_argument("--model", default="fixed-latency")
     parser.add_argument("--max-model-len", type=int, default=4096, help="in /v1/models")
+    parser.add_argument(
+        "--reuse-port",
+        action="store_true",
+        help="SO_REUSEPORT: several processes serve one port, the kernel spreads connections",
+    )
+    parser.add_argument("--uvloop", action="store_true", help="run on uvloop's event loop")
     args = parser.parse_args()
     if args.tokens:
         tokens = tuple(int(t) for t in args.tokens.split(","))
@@ -447,8 +458,13 @@ def main() -> None:
         max_model_len=args.max_model_len,
     )
     started = time.perf_counter()
+    run: Any = asyncio.run
+    if args.uvloop:
+        import uvloop
+
+        run = uvloop.run
     try:
-        asyncio.run(serve(config, args.host, args.port))
+        run(serve(config, args.host, args.port, reuse_port=args.reuse_port))
     finally:
         print(f"fixed-latency backend stopped after {time.perf_counter() - started:.1f} s")
 

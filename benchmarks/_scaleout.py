@@ -1,4 +1,4 @@
-"""``gateway_overhead.py --scaleout``: throughput through 1 vs 2 gateway processes (issue 16.5).
+"""``gateway_overhead.py --scaleout``: throughput through 1 vs N gateway processes (issue 16.5).
 
 ``turnstream gateway --workers N`` runs N processes on one port; each request is served by the
 worker that holds its session, its connection moved there when it landed elsewhere
@@ -7,17 +7,24 @@ run (4-turn sessions, 16 output tokens, the fixed-latency backend ~20 ms to firs
 
     .venv/bin/python benchmarks/gateway_overhead.py --scaleout           # ~3 min
     .venv/bin/python benchmarks/gateway_overhead.py --scaleout --quick   # ~1.5 min
+    # 16 cores (issue 16.5's target shape; ~2.5 min):
+    python benchmarks/gateway_overhead.py --scaleout --scaleout-workers 1,4,8 \
+        --concurrency 256 --load-processes 8 --backend-processes 2
 
-* One nats-server, one fixed-latency backend, two gateways: ``--workers 1`` and ``--workers 2``
-  (both through ``_gateway_launcher.py``, as the default run starts its gateway).
-* Per round, three phases at c=64 (closed loop; 8 workers share each httpx pool, so one
-  keep-alive connection carries many sessions, as an agent host's does): direct to the backend,
-  through 1 worker, through 2 workers; the order rotates every round.
-* CPU of a gateway: its process and its live children (the 2-worker gateway's supervisor and
-  workers), user + system, from /proc, per answered request.
-* ``handoffs_per_request_workers_2``: connections moved between workers per request, from the
-  workers' own count (logged when they stop); with the CPU per request of both gateways it gives
-  the cost of a handoff beside what a second process brings.
+* One nats-server, the fixed-latency backend (``--backend-processes K``: K of them on one port,
+  SO_REUSEPORT, uvloop), one gateway per ``--scaleout-workers`` count (default 1 and 2), all
+  through ``_gateway_launcher.py``, as the default run starts its gateway.
+* Per round one phase per path at c=``--concurrency`` (default 64; closed loop; 8 workers share
+  each httpx pool, so one keep-alive connection carries many sessions, as an agent host's does):
+  direct to the backend, then each gateway; the order rotates every round. ``--load-processes
+  K``: the closed loop spread over K processes (c/K workers each, a phase's throughput the sum
+  of theirs), so that on many cores the load generator does not bound the direct path.
+* CPU of a gateway: its process and its live children (the supervisor and workers), user +
+  system, from /proc, per answered request; ``busy_cores``: each process group's CPU seconds over
+  the phases' wall time, which shows which one ran out of cores.
+* ``handoffs_per_request_workers_N``: connections moved between workers per request, from the
+  workers' own count (logged when they stop); with the CPU per request of the gateways it gives
+  the cost of a handoff beside what more processes bring.
 * Checked: every answer (text and id); EVENTS grew by exactly the turns answered + the sessions
   opened in each gateway phase.
 
@@ -25,12 +32,13 @@ run (4-turn sessions, 16 output tokens, the fixed-latency backend ~20 ms to firs
   descriptor and 700 bytes sent, received, taken), less the same loop without the move: the
   handoff's own CPU, apart from the machine's load.
 
-Keys: ``throughput_ratio_c64_workers_1``, ``throughput_ratio_c64_workers_2`` (requests/s over
-the same round's direct, median over rounds), ``gateway_cpu_ms_per_request_c64_workers_1`` and
-``_2``, ``handoffs_per_request_workers_2``, ``handoff_cpu_us``. On a 2-core machine the load
-generator, the backend and nats-server share the cores with the gateway: a second gateway process
-has no core of its own to run on, so the ratio shows the handoff's cost more than the scale-out's
-gain.
+Keys: ``throughput_ratio_c{C}_workers_{N}`` (requests/s over the same round's direct, median
+over rounds), ``gateway_cpu_ms_per_request_c{C}_workers_{N}``, ``handoffs_per_request_workers_N``,
+``handoff_cpu_us``. Today (2026-11-26, docs/PERFORMANCE.md): on this 2-core VM at c=64, 1 worker
+0.556 of direct, 2 workers 0.535 (a second process has no core of its own: the load generator,
+the backend and nats-server share the cores with the gateway); on 16 cores at c=256, 1 / 4 / 8
+workers ~540 / ~1,800 / ~3,300 requests/s, 8 workers 0.93-0.98 of a direct path bound by 4 load
+processes and 0.56 of one on 8 (~6,100/s), ~2.1 ms of CPU per request.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ import argparse
 import asyncio
 import contextlib
 import gc
+import multiprocessing
 import os
 import re
 import signal
@@ -48,6 +57,8 @@ import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
@@ -65,28 +76,204 @@ QUICK = overhead.Plan(warmup_s=0.5, measure_s=2.0, rounds=2)
 _STOPPED = re.compile(r"stopped: (\d+) sessions held, (\d+) connections moved out, (\d+) in")
 
 
+@dataclass(frozen=True)
+class Shape:
+    """What one scale-out run measures: the default (c=64, 1 vs 2 workers, everything in one
+    process each) or, on many cores, e.g. c=256 through 1, 4 and 8 workers with the load and the
+    backend spread over processes so that neither limits the direct path."""
+
+    concurrency: int = CONCURRENCY
+    workers: tuple[int, ...] = WORKERS
+    load_processes: int = 1
+    backend_processes: int = 1
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Shape:
+        levels = [int(c) for c in (args.concurrency or str(CONCURRENCY)).split(",")]
+        workers = tuple(int(n) for n in args.scaleout_workers.split(","))
+        if len(levels) != 1 or levels[0] < 1:
+            raise SystemExit("--scaleout measures one concurrency level (--concurrency C)")
+        if not workers or min(workers) < 1 or len(set(workers)) != len(workers):
+            raise SystemExit("--scaleout-workers: distinct positive counts, e.g. 1,4,8")
+        if args.load_processes < 1 or args.backend_processes < 1:
+            raise SystemExit("--load-processes and --backend-processes are at least 1")
+        return cls(levels[0], workers, args.load_processes, args.backend_processes)
+
+
 @dataclass
 class ScaleProcs:
-    """CPU seconds of the backend, each gateway (with its children), nats-server, this process."""
+    """CPU seconds of the backend processes, each gateway (with its children), nats-server and
+    the load generator (this process and its load processes)."""
 
-    backend: subprocess.Popen[bytes]
+    backends: list[subprocess.Popen[bytes]]
     gateways: dict[str, subprocess.Popen[bytes]]
     nats: NatsServer
+    load_pids: list[int]
 
     def cpu(self) -> dict[str, float]:
         assert self.nats.pid is not None
-        out = {"backend": overhead.cpu_seconds(self.backend.pid)}
+        out = {"backend": sum(overhead.cpu_seconds(p.pid) for p in self.backends)}
         for name, proc in self.gateways.items():
             out[name] = overhead.tree_cpu_seconds(proc.pid)
         out["nats"] = overhead.cpu_seconds(self.nats.pid)
-        return {**out, "loadgen": overhead.own_cpu_seconds()}
+        load = overhead.own_cpu_seconds()
+        for pid in self.load_pids:
+            with contextlib.suppress(OSError):
+                load += overhead.cpu_seconds(pid)
+        return {**out, "loadgen": load}
+
+
+class NoCpu:
+    """A load process measures no CPU: the parent reads every process's around the phase."""
+
+    def cpu(self) -> dict[str, float]:
+        return {}
 
 
 def gateway_name(workers: int) -> str:
     return f"workers_{workers}"
 
 
-async def measure_scaleout(args: argparse.Namespace, plan: overhead.Plan, tmp: Path) -> JSON:
+def start_backends(
+    args: argparse.Namespace, conv: overhead.Conversation, model: str, log_dir: Path, count: int
+) -> tuple[str, list[subprocess.Popen[bytes]]]:
+    """One fixed-latency backend, or ``count`` of them on one port (SO_REUSEPORT, uvloop)."""
+    port = free_port()
+    command = overhead.backend_command(args, port, conv, model)
+    if count > 1:
+        command += ["--reuse-port", "--uvloop"]
+    procs = [
+        overhead.spawn(command, log_dir / f"backend-{i}.log", os.environ) for i in range(count)
+    ]
+    return f"http://127.0.0.1:{port}", procs
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """What a load process needs to build the same paths as the parent."""
+
+    urls: dict[str, str]  # gateway name -> its URL
+    backend_url: str
+    model: str
+    conv: overhead.Conversation
+    per: int
+
+
+async def load_paths(
+    spec: LoadSpec, clients: list[httpx.AsyncClient]
+) -> dict[str, overhead.LoadPath]:
+    paths: dict[str, overhead.LoadPath] = {
+        "direct": overhead.Direct(clients, spec.per, spec.backend_url, spec.model, spec.conv)
+    }
+    for name, url in spec.urls.items():
+        paths[name] = overhead.Gateway(clients, spec.per, url, spec.model, spec.conv, name=name)
+    return paths
+
+
+async def http_clients(
+    stack: contextlib.AsyncExitStack[Any], concurrency: int, per: int
+) -> list[httpx.AsyncClient]:
+    # Idle connections dropped by the client before uvicorn's 5 s keep-alive timeout: a path
+    # idles through the other phases, and a connection the server closes just as it is reused
+    # is a ReadError (seen at load average 10), whichever path it is.
+    limits = httpx.Limits(
+        max_connections=per + 2, max_keepalive_connections=per + 2, keepalive_expiry=3.0
+    )
+    return [
+        await stack.enter_async_context(httpx.AsyncClient(limits=limits, timeout=60.0))
+        for _ in range(-(-concurrency // per))
+    ]
+
+
+def load_process_main(conn: Connection, spec: LoadSpec, concurrency: int, index: int) -> None:
+    """A load process: the same closed-loop workers as the parent's, on its share of the
+    concurrency; one phase per message (path name, plan, tag, round), its ``Phase`` sent back."""
+
+    async def main() -> None:
+        async with contextlib.AsyncExitStack() as stack:
+            clients = await http_clients(stack, concurrency, spec.per)
+            paths = await load_paths(spec, clients)
+            for path in paths.values():
+                path.counts = overhead.PhaseCounts()
+                await path.worker(0, f"first-p{index}")()
+            conn.send("ready")
+            while (job := await asyncio.to_thread(conn.recv)) is not None:
+                name, plan, tag, rnd = job
+                phase = await overhead.run_phase(paths[name], concurrency, plan, tag, NoCpu(), rnd)
+                conn.send(phase)
+
+    try:
+        asyncio.run(main())
+    except BaseException as exc:
+        conn.send(f"load process {index} failed: {exc!r}")
+        raise
+
+
+class LoadProcesses:
+    """The load spread over processes (``--load-processes K``): each runs c/K workers; a phase
+    is the sum of theirs (throughput summed over each process's own window)."""
+
+    def __init__(self, spec: LoadSpec, concurrency: int, count: int) -> None:
+        context = multiprocessing.get_context("spawn")
+        shares = [concurrency // count + (i < concurrency % count) for i in range(count)]
+        self.pipes: list[Connection] = []
+        self.procs: list[BaseProcess] = []
+        for index, share in enumerate(shares):
+            here, there = context.Pipe()
+            proc = context.Process(
+                target=load_process_main, args=(there, spec, share, index), daemon=True
+            )
+            proc.start()
+            self.pipes.append(here)
+            self.procs.append(proc)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs if p.pid is not None]
+
+    async def receive(self) -> list[Any]:
+        answers = [await asyncio.to_thread(pipe.recv) for pipe in self.pipes]
+        for answer in answers:
+            if isinstance(answer, str) and answer != "ready":
+                raise RuntimeError(answer)
+        return answers
+
+    async def phase(
+        self, name: str, plan: overhead.Plan, tag: str, procs: ScaleProcs, rnd: int
+    ) -> overhead.Phase:
+        cpu0, wall0 = procs.cpu(), time.time()
+        for index, pipe in enumerate(self.pipes):
+            pipe.send((name, plan, f"{tag}-p{index}", rnd))
+        parts: list[overhead.Phase] = await self.receive()
+        cpu1 = procs.cpu()
+        window = statistics.fmean(p.window_s for p in parts)
+        return overhead.Phase(
+            path=name,
+            concurrency=sum(p.concurrency for p in parts),
+            round=rnd,
+            latencies_s=[x for p in parts for x in p.latencies_s],
+            window_s=window,
+            completed_in_window=round(window * sum(p.throughput for p in parts)),
+            requests=sum(p.requests for p in parts),
+            sessions=sum(p.sessions for p in parts),
+            cpu_s={k: cpu1[k] - cpu0[k] for k in cpu0},
+            tokens=sum(p.tokens for p in parts),
+            wall=(wall0, time.time()),
+        )
+
+    def close(self) -> None:
+        for pipe in self.pipes:
+            with contextlib.suppress(OSError):
+                pipe.send(None)
+        for proc in self.procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+
+
+async def measure_scaleout(
+    args: argparse.Namespace, plan: overhead.Plan, tmp: Path, shape: Shape
+) -> JSON:
     from gateway.model import ensure_tiny_model
 
     model_dir = ensure_tiny_model(Path(args.model_cache))
@@ -94,22 +281,26 @@ async def measure_scaleout(args: argparse.Namespace, plan: overhead.Plan, tmp: P
     log_dir = tmp / "logs"
     log_dir.mkdir()
     nats = NatsServer(tmp / "nats").start()
-    backend = overhead.FixedLatencyBackend(args, conv, model_dir.name, log_dir)
+    backend_url, backends = start_backends(
+        args, conv, model_dir.name, log_dir, shape.backend_processes
+    )
     gateways: dict[str, subprocess.Popen[bytes]] = {}
     urls: dict[str, str] = {}
     unprofiled = argparse.Namespace(
-        **{**vars(args), "profile_gateway": None, "max_inflight_per_replica": CONCURRENCY}
+        **{**vars(args), "profile_gateway": None, "max_inflight_per_replica": shape.concurrency}
     )
     # rich wraps log lines at the terminal's width: the workers' counts must stay on one line.
     env = {**overhead.gateway_env(args), "COLUMNS": "400", "TURNSTREAM_LOG_LEVEL": "INFO"}
     nc = None
+    load: LoadProcesses | None = None
     try:
-        await backend.ready()
-        for workers in WORKERS:
+        for proc in backends:
+            await overhead.wait_http(f"{backend_url}/health", proc, "fixed-latency backend", 30)
+        for workers in shape.workers:
             name = gateway_name(workers)
             port = free_port()
             cmd = overhead.gateway_command(
-                unprofiled, model_dir, nats.url, backend.url, port, tmp / name, tmp / f"{name}.gc"
+                unprofiled, model_dir, nats.url, backend_url, port, tmp / name, tmp / f"{name}.gc"
             )
             gateways[name] = overhead.spawn(
                 [*cmd, "--workers", str(workers)], log_dir / f"{name}.log", env
@@ -117,44 +308,43 @@ async def measure_scaleout(args: argparse.Namespace, plan: overhead.Plan, tmp: P
             urls[name] = f"http://127.0.0.1:{port}"
         for name, proc in gateways.items():
             await overhead.wait_http(f"{urls[name]}/health", proc, name, 300)
-        procs = ScaleProcs(backend.proc, gateways, nats)
+        spec = LoadSpec(urls, backend_url, model_dir.name, conv, args.workers_per_client)
+        if shape.load_processes > 1:
+            load = LoadProcesses(spec, shape.concurrency, shape.load_processes)
+            await load.receive()
+        procs = ScaleProcs(backends, gateways, nats, load.pids if load is not None else [])
         nc = await connect(nats.url, name="scaleout-bench")
         js = nc.jetstream()
         gc.collect()
         gc.freeze()
-        per = args.workers_per_client
-        # Idle connections dropped by the client before uvicorn's 5 s keep-alive timeout: a path
-        # idles through the other two phases, and a connection the server closes just as it is
-        # reused is a ReadError (seen at load average 10), whichever path it is.
-        limits = httpx.Limits(
-            max_connections=per + 2, max_keepalive_connections=per + 2, keepalive_expiry=3.0
-        )
         async with contextlib.AsyncExitStack() as stack:
-            clients = [
-                await stack.enter_async_context(httpx.AsyncClient(limits=limits, timeout=60.0))
-                for _ in range(-(-CONCURRENCY // per))
-            ]
-            paths: dict[str, overhead.LoadPath] = {
-                "direct": overhead.Direct(clients, per, backend.url, model_dir.name, conv)
-            }
-            for name, url in urls.items():
-                paths[name] = overhead.Gateway(clients, per, url, model_dir.name, conv, name=name)
-            for path in paths.values():
-                path.counts = overhead.PhaseCounts()
-                await path.worker(0, "first")()
-            order = list(paths)
+            paths: dict[str, overhead.LoadPath] = {}
+            if load is None:
+                clients = await http_clients(stack, shape.concurrency, spec.per)
+                paths = await load_paths(spec, clients)
+                for path in paths.values():
+                    path.counts = overhead.PhaseCounts()
+                    await path.worker(0, "first")()
+            order = ["direct", *urls]
             phases: list[overhead.Phase] = []
             say(
-                f"\nc={CONCURRENCY}, {plan.rounds} rounds, each path per round: "
-                f"{plan.warmup_s:g} s warm-up + {plan.measure_s:g} s measured; order rotates"
+                f"\nc={shape.concurrency} ({shape.load_processes} load process(es), "
+                f"{shape.backend_processes} backend process(es)), {plan.rounds} rounds, each path "
+                f"per round: {plan.warmup_s:g} s warm-up + {plan.measure_s:g} s measured; order "
+                "rotates"
             )
             for rnd in range(plan.rounds):
                 line = []
-                for name in order[rnd % 3 :] + order[: rnd % 3]:
+                shift = rnd % len(order)
+                for name in order[shift:] + order[:shift]:
                     before = await overhead.stream_messages(js)
-                    phase = await overhead.run_phase(
-                        paths[name], CONCURRENCY, plan, f"{name}-r{rnd}", procs, rnd
-                    )
+                    tag = f"{name}-r{rnd}"
+                    if load is not None:
+                        phase = await load.phase(name, plan, tag, procs, rnd)
+                    else:
+                        phase = await overhead.run_phase(
+                            paths[name], shape.concurrency, plan, tag, procs, rnd
+                        )
                     if name != "direct":
                         grown = await overhead.stream_messages(js) - before
                         if grown != phase.requests + phase.sessions:
@@ -170,62 +360,97 @@ async def measure_scaleout(args: argparse.Namespace, plan: overhead.Plan, tmp: P
             say(f"--- {log_file.name} (tail) ---\n{log_file.read_text(errors='replace')[-3000:]}")
         raise
     finally:
+        if load is not None:
+            load.close()
         if nc is not None:
             await nc.close()
         for proc in gateways.values():
             overhead.stop_process(proc, signal.SIGINT, 60)
-        backend.stop()
+        for proc in backends:
+            overhead.stop_process(proc, signal.SIGTERM)
         nats.stop()
-    moved = sum(int(m.group(2)) for m in _STOPPED.finditer((log_dir / "workers_2.log").read_text()))
-    return report(phases, moved)
+    moved = {
+        workers: sum(
+            int(m.group(2))
+            for m in _STOPPED.finditer((log_dir / f"{gateway_name(workers)}.log").read_text())
+        )
+        for workers in shape.workers
+    }
+    return report(phases, moved, shape)
 
 
-def report(phases: list[overhead.Phase], moved: int) -> JSON:
+def report(phases: list[overhead.Phase], moved: dict[int, int], shape: Shape) -> JSON:
     rounds = sorted({p.round for p in phases})
     by = {(p.path, p.round): p for p in phases}
+    c = shape.concurrency
     figures: JSON = {}
     rows: JSON = {}
-    for workers in WORKERS:
+    cores: JSON = {}
+    for workers in shape.workers:
         name = gateway_name(workers)
         ratios = [by[name, r].throughput / by["direct", r].throughput for r in rounds]
         mine = [p for p in phases if p.path == name]
         requests = sum(p.requests for p in mine)
         cpu_ms = 1000 * sum(p.cpu_s[name] for p in mine) / requests
-        figures[f"throughput_ratio_c{CONCURRENCY}_{name}"] = round(statistics.median(ratios), 3)
-        figures[f"gateway_cpu_ms_per_request_c{CONCURRENCY}_{name}"] = round(cpu_ms, 3)
+        figures[f"throughput_ratio_c{c}_{name}"] = round(statistics.median(ratios), 3)
+        figures[f"gateway_cpu_ms_per_request_c{c}_{name}"] = round(cpu_ms, 3)
+        # Every request of the gateway's phases and its warm-up ones: the moves it counted.
+        figures[f"handoffs_per_request_{name}"] = round(moved[workers] / (requests + 1), 3)
         rows[name] = {
             "ratios": [round(r, 3) for r in ratios],
             "requests_per_s": [round(by[name, r].throughput, 1) for r in rounds],
             "p50_ms": round(1000 * statistics.median(x for p in mine for x in p.latencies_s), 2),
             "requests": requests,
         }
+        cores[name] = busy_cores(mine)
     direct = [p for p in phases if p.path == "direct"]
     rows["direct"] = {
         "requests_per_s": [round(p.throughput, 1) for p in direct],
         "p50_ms": round(1000 * statistics.median(x for p in direct for x in p.latencies_s), 2),
     }
-    # Every request of the 2-worker gateway's phases and its warm-up ones: the moves it counted.
-    two = sum(p.requests for p in phases if p.path == gateway_name(2)) + 1
-    figures["handoffs_per_request_workers_2"] = round(moved / two, 3)
-    per_handoff = (
-        figures[f"gateway_cpu_ms_per_request_c{CONCURRENCY}_workers_2"]
-        - figures[f"gateway_cpu_ms_per_request_c{CONCURRENCY}_workers_1"]
-    ) / max(figures["handoffs_per_request_workers_2"], 1e-9)
+    cores["direct"] = busy_cores(direct)
+    extra: JSON = {}
+    many = [n for n in shape.workers if n > 1]
+    if 1 in shape.workers and many:
+        n = many[0]
+        extra["cpu_ms_added_per_handoff"] = round(
+            (
+                figures[f"gateway_cpu_ms_per_request_c{c}_{gateway_name(n)}"]
+                - figures[f"gateway_cpu_ms_per_request_c{c}_workers_1"]
+            )
+            / max(figures[f"handoffs_per_request_{gateway_name(n)}"], 1e-9),
+            3,
+        )
     figures["scaleout"] = {
         "rows": rows,
-        "cpu_ms_added_per_handoff": round(per_handoff, 3),
+        "busy_cores": cores,
+        **extra,
         "cpus": os.cpu_count(),
-        "note": "16-core machine not available: N=4/8 at c=256 not measured",
+        "load_processes": shape.load_processes,
+        "backend_processes": shape.backend_processes,
     }
-    say(
-        f"\n  through 1 worker: {figures['throughput_ratio_c64_workers_1']:.3f} of direct, "
-        f"{figures['gateway_cpu_ms_per_request_c64_workers_1']:.3f} ms CPU/request; "
-        f"2 workers: {figures['throughput_ratio_c64_workers_2']:.3f}, "
-        f"{figures['gateway_cpu_ms_per_request_c64_workers_2']:.3f} ms; "
-        f"{figures['handoffs_per_request_workers_2']:.2f} handoffs/request "
-        f"(~{per_handoff:.3f} ms CPU each, if all of the difference is theirs)"
-    )
+    say("")
+    for workers in shape.workers:
+        name = gateway_name(workers)
+        say(
+            f"  through {workers} worker(s): {figures[f'throughput_ratio_c{c}_{name}']:.3f} of "
+            f"direct, {figures[f'gateway_cpu_ms_per_request_c{c}_{name}']:.3f} ms CPU/request, "
+            f"{figures[f'handoffs_per_request_{name}']:.2f} handoffs/request; busy cores "
+            + ", ".join(f"{k} {v:.2f}" for k, v in cores[name].items())
+        )
+    say("  direct: busy cores " + ", ".join(f"{k} {v:.2f}" for k, v in cores["direct"].items()))
     return figures
+
+
+def busy_cores(phases: list[overhead.Phase]) -> JSON:
+    """Mean cores each process kept busy over the phases (CPU seconds / wall seconds): which
+    one ran out of cores first."""
+    wall = sum(p.wall[1] - p.wall[0] for p in phases)
+    return {
+        key: round(sum(p.cpu_s[key] for p in phases) / wall, 2)
+        for key in phases[0].cpu_s
+        if any(p.cpu_s[key] for p in phases)
+    }
 
 
 async def handoff_cpu_us(moves: int, request_bytes: int = 700) -> JSON:
@@ -275,13 +500,15 @@ async def handoff_cpu_us(moves: int, request_bytes: int = 700) -> JSON:
     }
 
 
-async def scaleout_figures(args: argparse.Namespace) -> JSON:
-    """The scale-out keys; for the default run as well."""
+async def scaleout_figures(args: argparse.Namespace, shape: Shape | None = None) -> JSON:
+    """The scale-out keys; for the default run as well (``shape`` None: c=64, 1 vs 2)."""
     plan = QUICK if args.quick else FULL
-    if args.rounds:
-        plan = overhead.Plan(plan.warmup_s, plan.measure_s, args.rounds)
+    if args.rounds or args.measure_s:
+        plan = overhead.Plan(
+            plan.warmup_s, args.measure_s or plan.measure_s, args.rounds or plan.rounds
+        )
     with tempfile.TemporaryDirectory(prefix="ts-gwscale-", dir=args.store_dir) as tmp:
-        figures = await measure_scaleout(args, plan, Path(tmp))
+        figures = await measure_scaleout(args, plan, Path(tmp), shape or Shape())
     figures.update(await handoff_cpu_us(2_000 if args.quick else 10_000))
     say(f"  one handoff alone (send + take, one process): {figures['handoff_cpu_us']:.1f} us CPU")
     return figures
@@ -292,6 +519,8 @@ async def scaleout_main(parser: argparse.ArgumentParser, args: argparse.Namespac
         parser.error("--scaleout runs the fixed-latency backend, without --compare-with")
     started = time.perf_counter()
     info = overhead.machine_info()
-    banner("gateway scale-out (1 vs 2 processes)", args.quick, info)
-    figures = await scaleout_figures(args)
+    shape = Shape.from_args(args)
+    workers = " vs ".join(str(n) for n in shape.workers)
+    banner(f"gateway scale-out ({workers} processes)", args.quick, info)
+    figures = await scaleout_figures(args, shape)
     finish(figures, quick=args.quick, duration_s=time.perf_counter() - started, info=info)

@@ -1630,6 +1630,25 @@ async def main() -> None:
         "(turnstream gateway --workers N; also part of the default run)",
     )
     parser.add_argument(
+        "--scaleout-workers",
+        default="1,2",
+        metavar="N,N",
+        help="with --scaleout: the gateways' --workers counts (16 cores: 1,4,8 with "
+        "--concurrency 256)",
+    )
+    parser.add_argument(
+        "--load-processes",
+        type=int,
+        default=1,
+        help="with --scaleout: spread the load generator over this many processes",
+    )
+    parser.add_argument(
+        "--backend-processes",
+        type=int,
+        default=1,
+        help="with --scaleout: fixed-latency backend processes sharing one port (SO_REUSEPORT)",
+    )
+    parser.add_argument(
         "--litellm",
         action="store_true",
         help="issue 16: gateway vs LiteLLM proxy 1.106.2 CPU per request at c=16, phases "
