@@ -125,6 +125,24 @@ def find_nats_server() -> str:
     return found
 
 
+def _wait_stopped(pid: int, within_s: float = 5.0) -> None:
+    """Until every thread of ``pid`` is in the stopped state (``T`` in /proc; where there is no
+    /proc, at once)."""
+    tasks = f"/proc/{pid}/task"
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            states = []
+            for task in os.listdir(tasks):
+                with open(f"{tasks}/{task}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+        except OSError:  # no /proc, the process or a thread gone: nothing left to wait for
+            return
+        if all(state in ("T", "t") for state in states):
+            return
+        time.sleep(0.001)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -294,9 +312,12 @@ class NatsServer:
         return self.start(timeout)
 
     def pause(self) -> None:
-        """SIGSTOP: the server hangs with its sockets open, like a frozen VM."""
+        """SIGSTOP: the server hangs with its sockets open, like a frozen VM. Returns once every
+        thread of it has stopped: the signal takes effect asynchronously, and on a loaded
+        machine a thread still running answered a request after ``kill`` had returned."""
         if self._proc is not None and self._proc.poll() is None:
             os.kill(self._proc.pid, signal.SIGSTOP)
+            _wait_stopped(self._proc.pid)
 
     def resume(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
