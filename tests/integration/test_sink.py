@@ -366,6 +366,39 @@ async def test_a_commit_the_log_did_not_confirm_can_be_made_again(log: Log) -> N
     assert info.num_ack_pending == 0 and info.num_pending == 0
 
 
+async def test_a_recorded_commit_stands_when_the_server_confirms_no_ack(log: Log) -> None:
+    # After a nats-server restart the server answered no ack of a delivery it had delivered
+    # again (the soak, 2026-11-26): the trainer retried that commit until it gave up. The record
+    # is the commit, so the commit returns; the redelivery is acked on arrival, never handed out.
+    await fold_into_traj(log, sessions(4))
+    async with live_sink(log, BatchingSettings(batch_size=4), ack_wait_s=1.0) as sink:
+        [batch] = await take(sink, 1, commit=False)
+        source = sink.source
+        assert isinstance(source, LiveSource)
+        real_ack = source.loop.ack
+
+        async def unanswered(*_: Any, **__: Any) -> None:
+            # Test double for the server's silence: the acks are sent nowhere.
+            raise EventLogUnavailable("no answer")
+
+        source.loop.ack = unanswered  # type: ignore[method-assign]
+        try:
+            await sink.commit(batch)
+        finally:
+            source.loop.ack = real_ack  # type: ignore[method-assign]
+        assert source.stats.ack_unconfirmed == 4
+        with pytest.raises(BatchCommitted):
+            await sink.commit(batch)
+        handed: list[object] = []
+        deadline = asyncio.get_running_loop().time() + 10.0
+        while source.stats.already_committed < 4:
+            assert asyncio.get_running_loop().time() < deadline, source.stats
+            handed += await source.receive(8, 0.5) or []
+        assert handed == []
+    info = await log.js.consumer_info("TRAJ", "trainer")
+    assert info.num_pending == 0
+
+
 async def test_the_dataset_commits_before_it_fetches_so_one_batch_may_fill_the_window(
     log: Log,
 ) -> None:
