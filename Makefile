@@ -39,12 +39,13 @@ typecheck: setup
 	$(BIN)/mypy
 
 # Test files run on TEST_WORKERS pytest-xdist workers (one file stays on one worker: its module
-# fixtures, a nats-server or a gateway, are started once): 943 s with 2 against 1363 s serial on
-# the 2-core VM (2026-11-25). TEST_WORKERS=0 runs them in this process.
-TEST_WORKERS ?= 2
+# fixtures, a nats-server or a gateway, are started once), the longest files first
+# (tests/conftest.py, LONGEST_FIRST): 943 s with 2 against 1363 s serial on the 2-core VM
+# (2026-11-25). TEST_WORKERS=0 runs them in this process.
+TEST_WORKERS ?= 3
 
 test: lint typecheck
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q --durations=25 -n $(TEST_WORKERS) --dist loadfile
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q --durations=25 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The deployment as users run it (docs: README, Deploying): docker compose under a real Docker
 # engine (installed and started if none answers), a 3-node NATS cluster, a real vLLM (CPU). What it

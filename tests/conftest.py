@@ -23,6 +23,35 @@ from eventlog import LogSettings, NatsServer, connect, provision
 
 pytest_plugins = ["tests.conftest_model"]
 
+# make test runs files on pytest-xdist workers in collection order (--no-loadscope-reorder):
+# the longest files first, so that none of them is left to run alone at the end. Seconds on
+# the 2-core VM (make test, 2026-11-26).
+LONGEST_FIRST = (
+    "e2e/test_soak.py",  # ~160
+    "e2e/test_readme.py",  # ~110-130
+    "e2e/test_demo.py",  # ~100
+    "e2e/test_openapi_contract.py",  # ~60-100
+    "e2e/test_gateway_workers.py",  # ~70
+    "integration/test_ray.py",  # ~50
+    "e2e/test_stack_file.py",  # ~45
+    "integration/test_export.py",  # ~40
+    "integration/test_verl.py",  # ~40
+    "e2e/test_train_service.py",  # ~35
+    "e2e/test_supervision.py",  # ~35
+    "integration/test_tensordict_compat.py",  # ~30
+    "e2e/test_gateway_memory.py",  # ~28
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    tests = Path(__file__).parent
+
+    def rank(item: pytest.Item) -> int:
+        where = item.path.relative_to(tests).as_posix() if item.path.is_relative_to(tests) else ""
+        return LONGEST_FIRST.index(where) if where in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: the rest keep their order
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _data_dir_outside_the_working_copy(
