@@ -42,7 +42,7 @@ typecheck: setup
 # fixtures, a nats-server or a gateway, are started once), the longest files first
 # (tests/conftest.py, LONGEST_FIRST): 943 s with 2 against 1363 s serial on the 2-core VM
 # (2026-11-25). TEST_WORKERS=0 runs them in this process.
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 2
 
 test: lint typecheck
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -q --durations=25 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
