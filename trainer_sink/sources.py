@@ -243,7 +243,9 @@ class LiveSource:
         The record is the commit: a delivery of a recorded sequence is acknowledged on arrival
         and never handed out (``handle``). So an ack the server does not confirm within
         ``ack_timeout_s`` does not fail the commit: the item is no longer kept alive, and if the
-        ack was lost it comes back once and is acknowledged then. Waiting for that confirmation
+        ack was lost it comes back once and is acknowledged then; the batch's later acks are sent
+        without waiting for an answer, so one silent server costs ``ack_timeout_s`` once per
+        commit, not once per item. Waiting for that confirmation
         instead could wait forever: nats-server answers no ack for a delivery it has since
         delivered again (seen in the soak after a nats-server restart, 2026-11-26)."""
         assert self._ledger is not None
@@ -256,21 +258,28 @@ class LiveSource:
                 f"release the batch; uncommitted, it is delivered again after ack_wait_s="
                 f"{self.settings.ack_wait_s:g}"
             ) from exc
+        confirm: float | None = self.settings.ack_timeout_s
         for item in items:
             if item.handle is None:
                 continue
-            try:
-                await self.loop.ack([item.handle], confirm_s=self.settings.ack_timeout_s)
-            except EventLogUnavailable as exc:
-                self.loop.drop([item.handle])
+            if confirm is None:  # the server left one unanswered: the rest are not waited for
+                await self.loop.ack([item.handle])
                 self.stats.ack_unconfirmed += 1
-                log.info(
-                    "ack of %s (TRAJ seq %s) not confirmed (%s): committed all the same, a "
-                    "delivery of it again is acknowledged on arrival",
-                    item.trajectory.trajectory_id,
-                    item.seq,
-                    exc.__cause__,
-                )
+            else:
+                try:
+                    await self.loop.ack([item.handle], confirm_s=confirm)
+                except EventLogUnavailable as exc:
+                    confirm = None
+                    self.loop.drop([item.handle])
+                    self.stats.ack_unconfirmed += 1
+                    log.info(
+                        "ack of %s (TRAJ seq %s) not confirmed (%s): committed all the same, a "
+                        "delivery of it again is acknowledged on arrival; the batch's other "
+                        "acks are sent without waiting",
+                        item.trajectory.trajectory_id,
+                        item.seq,
+                        exc.__cause__,
+                    )
             self._let_go([item])
             self.stats.acked += 1
 

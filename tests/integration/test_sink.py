@@ -377,9 +377,15 @@ async def test_a_recorded_commit_stands_when_the_server_confirms_no_ack(log: Log
         assert isinstance(source, LiveSource)
         real_ack = source.loop.ack
 
-        async def unanswered(*_: Any, **__: Any) -> None:
-            # Test double for the server's silence: the acks are sent nowhere.
-            raise EventLogUnavailable("no answer")
+        calls: list[float | None] = []
+
+        async def unanswered(deliveries: Any, *, confirm_s: float | None = None) -> None:
+            # Test double for the server's silence: the acks are sent nowhere (lost), the
+            # deliveries no longer kept alive, as the loop's own ack does first.
+            calls.append(confirm_s)
+            source.loop.drop(deliveries)
+            if confirm_s is not None:
+                raise EventLogUnavailable("no answer")
 
         source.loop.ack = unanswered  # type: ignore[method-assign]
         try:
@@ -387,6 +393,7 @@ async def test_a_recorded_commit_stands_when_the_server_confirms_no_ack(log: Log
         finally:
             source.loop.ack = real_ack  # type: ignore[method-assign]
         assert source.stats.ack_unconfirmed == 4
+        assert calls[0] is not None and calls[1:] == [None] * 3  # waited for one answer only
         with pytest.raises(BatchCommitted):
             await sink.commit(batch)
         handed: list[object] = []
