@@ -245,9 +245,9 @@ class LiveSource:
         ``ack_timeout_s`` does not fail the commit: the item is no longer kept alive, and if the
         ack was lost it comes back once and is acknowledged then; the batch's later acks are sent
         without waiting for an answer, so one silent server costs ``ack_timeout_s`` once per
-        commit, not once per item. Waiting for that confirmation
-        instead could wait forever: nats-server answers no ack for a delivery it has since
-        delivered again (seen in the soak after a nats-server restart, 2026-11-26)."""
+        commit, not once per item. Waiting for that confirmation instead could wait forever:
+        nats-server answers no ack for a delivery it has since delivered again (seen in the
+        soak after a nats-server restart, 2026-11-26)."""
         assert self._ledger is not None
         seqs = [i.seq for i in items if i.handle is not None and i.seq is not None]
         try:
@@ -269,8 +269,7 @@ class LiveSource:
                 try:
                     await self.loop.ack([item.handle], confirm_s=confirm)
                 except EventLogUnavailable as exc:
-                    confirm = None
-                    self.loop.drop([item.handle])
+                    confirm = None  # (loop.ack no longer keeps the item alive)
                     self.stats.ack_unconfirmed += 1
                     log.info(
                         "ack of %s (TRAJ seq %s) not confirmed (%s): committed all the same, a "
