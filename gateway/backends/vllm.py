@@ -31,7 +31,9 @@ A caller that reads the completion whole (``SamplingParams.stream`` False: a cli
 not stream) gets it from one non-streamed request (``"stream": false``, the same choice with
 every token, and ``usage``) as one chunk. Streamed, the events of one network read are passed
 on as one chunk (``gateway.backends.sse.merge_chunks``). Either way the JSON is decoded straight
-into typed structs (msgspec), the ids of several events in one pass.
+into typed structs (msgspec), the ids of several events in one pass; a read's plain events (the
+tokens in the middle of a generation, nearly all of them) are checked by the decoder and read
+in bulk, without a Python step per event.
 
 Server flags: ``--logprobs-mode processed_logprobs`` (vLLM >= 0.10.2) makes the logprobs those of
 the distribution actually sampled from (after temperature, and top-p when < 1), as the Backend
@@ -52,7 +54,7 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 import msgspec
@@ -194,7 +196,9 @@ def completion_request(model: str, prompt: Prompt, params: SamplingParams) -> di
 # What the gateway reads of vLLM's JSON, typed, so that msgspec decodes it straight into these
 # (checking every type as it goes) and skips all else: "text", "text_offset", a prompt echo's
 # ids (kept as raw JSON, compared as bytes), ids and usage fields the gateway does not use.
-class _Logprobs(msgspec.Struct):
+# gc=False: none of these is ever in a reference cycle, and a streamed batch decodes hundreds,
+# which would otherwise set off the cyclic collector every few hundred events.
+class _Logprobs(msgspec.Struct, gc=False):
     # Raw JSON, read only when used: the sampled ids in bulk (_token_ids), the alternatives
     # only when asked for (vLLM sends one per token even for logprobs 0).
     tokens: msgspec.Raw = msgspec.Raw()
@@ -202,7 +206,7 @@ class _Logprobs(msgspec.Struct):
     top_logprobs: msgspec.Raw = msgspec.Raw()
 
 
-class _Choice(msgspec.Struct):
+class _Choice(msgspec.Struct, gc=False):
     token_ids: list[int] | None = None
     prompt_token_ids: msgspec.Raw = msgspec.Raw()  # absent: b""; null: b"null"
     logprobs: _Logprobs | None = None
@@ -210,17 +214,17 @@ class _Choice(msgspec.Struct):
     text: str | None = None
 
 
-class _Details(msgspec.Struct):
+class _Details(msgspec.Struct, gc=False):
     cached_tokens: int | None = None
 
 
-class _Usage(msgspec.Struct):
+class _Usage(msgspec.Struct, gc=False):
     prompt_tokens: int
     completion_tokens: int
     prompt_tokens_details: _Details | None = None
 
 
-class _Completion(msgspec.Struct):
+class _Completion(msgspec.Struct, gc=False):
     """A streamed event or the whole non-streamed response: the same fields."""
 
     choices: list[_Choice] | None = None
@@ -228,6 +232,33 @@ class _Completion(msgspec.Struct):
     error: Any = None
 
 
+# A streamed event in the middle of a generation, as vLLM writes nearly all of them: one choice
+# with sampled tokens and their logprobs, no finish, usage, error, ids or prompt echo. A batch
+# of these decodes only if every event is one (msgspec checks it in C), and is then read without
+# a Python step per event beyond collecting its fields; any other batch is read event by event.
+class _PlainLogprobs(msgspec.Struct, gc=False):
+    tokens: msgspec.Raw
+    token_logprobs: tuple[float, ...]  # a tuple: lists are tracked by the cyclic collector
+    top_logprobs: msgspec.Raw = msgspec.Raw()
+
+
+class _PlainChoice(msgspec.Struct, gc=False):
+    logprobs: _PlainLogprobs
+    finish_reason: None = None
+    token_ids: None = None
+    prompt_token_ids: None = None
+
+
+class _PlainEvent(msgspec.Struct, gc=False):
+    choices: tuple[_PlainChoice]
+    usage: None = None
+    error: None = None
+
+
+_PLAIN_BATCH = msgspec.json.Decoder(list[_PlainEvent])
+# In every event but the last ones of a stream (the finish, the usage), compact as vLLM writes
+# it or spaced: where a read's plain events end. Only a marker: the decoder decides.
+_UNFINISHED = (b'"finish_reason":null', b'"finish_reason": null')
 _DECODER = msgspec.json.Decoder(_Completion)
 _INT_LIST = msgspec.json.Decoder(list[int])
 _STR_LIST = msgspec.json.Decoder(list[str])
@@ -243,6 +274,15 @@ def _given(raw: msgspec.Raw, *, empty: bytes = b"null") -> bool:
 
 _TOP = msgspec.json.Decoder(list[dict[str, float]])
 _QUOTED_PREFIX = b'"' + _TOKEN_ID_PREFIX.encode()
+
+
+class _Tokens(NamedTuple):
+    """The tokens of a chunk's events as they are read: ids (a list) or the raw JSON arrays of
+    their "token_id:<id>" keys, their logprobs, the raw JSON of their alternatives."""
+
+    parts: list[list[int] | bytes]
+    logprobs: list[float]
+    tops: list[bytes]
 
 
 class CompletionReader:
@@ -262,17 +302,44 @@ class CompletionReader:
         return self._chunk([self._decode(payload)])
 
     def read_batch(self, payloads: list[bytes]) -> GenerationChunk | None:
-        """The events of one network read as one chunk (``sse.merge_chunks`` says why),
-        decoded in one call, their ids and alternatives read in bulk."""
+        """The events of one network read as one chunk (``sse.merge_chunks`` says why): the
+        plain token events before the stream's last ones decoded and read in bulk, the rest
+        (or all, if any of them is not plain) in one call, their ids and alternatives in bulk."""
         if len(payloads) == 1:
             return self.read(payloads[0])
+        end = len(payloads)
+        while end and not any(mark in payloads[end - 1] for mark in _UNFINISHED):
+            end -= 1
+        head = self._plain(payloads[:end]) if end > 1 else None
+        rest = payloads if head is None else payloads[end:]
+        events: list[_Completion] = []
+        if rest:
+            try:
+                events = _BATCH.decode(b"[" + b",".join(rest) + b"]")
+            except msgspec.DecodeError:
+                events = []
+            if len(events) != len(rest) or any(event.error is not None for event in events):
+                events = [self._decode(payload) for payload in rest]  # names the bad one
+        return self._chunk(events, head)
+
+    def _plain(self, payloads: list[bytes]) -> _Tokens | None:
+        """The tokens of events that are all plain (``_PlainEvent``), each with tokens; None
+        when any is not, to be read event by event."""
         try:
-            events = _BATCH.decode(b"[" + b",".join(payloads) + b"]")
+            events = _PLAIN_BATCH.decode(b"[" + b",".join(payloads) + b"]")
         except msgspec.DecodeError:
-            events = []
-        if len(events) != len(payloads) or any(event.error is not None for event in events):
-            events = [self._decode(payload) for payload in payloads]  # names the bad one
-        return self._chunk(events)
+            return None
+        found = [event.choices[0].logprobs for event in events]
+        tokens = [bytes(lp.tokens) for lp in found]
+        if b"[]" in tokens or b"null" in tokens:
+            return None  # an event without tokens: the event-by-event reading decides
+        if self.finished:
+            raise BackendError(f"{self._where} sent tokens after finish_reason")
+        return _Tokens(
+            [b"[" + b",".join([array[1:-1] for array in tokens]) + b"]"],
+            [logprob for lp in found for logprob in lp.token_logprobs],
+            [bytes(lp.top_logprobs) for lp in found] if self._top_logprobs > 0 else [],
+        )
 
     def _decode(self, payload: bytes) -> _Completion:
         try:
@@ -286,11 +353,12 @@ class CompletionReader:
             decode_event(payload, self._url, "vLLM")  # raises, naming the error
         return event
 
-    def _chunk(self, events: list[_Completion]) -> GenerationChunk | None:
+    def _chunk(
+        self, events: list[_Completion], head: _Tokens | None = None
+    ) -> GenerationChunk | None:
+        """The tokens of ``head`` (events already read) and of ``events``, as one chunk."""
         where = self._where
-        parts: list[list[int] | bytes] = []  # ids, or the raw JSON of "token_id:<id>" keys
-        logprobs: list[float] = []
-        tops: list[bytes] = []
+        parts, logprobs, tops = head or _Tokens([], [], [])
         finish: FinishReason | None = None
         for event in events:
             if event.usage is not None:

@@ -280,6 +280,133 @@ async def test_vllm_events_read_together_become_one_chunk() -> None:
     assert chunk.extra == one_by_one[-1].extra
 
 
+def plain_stream(count: int, *tail: dict[str, Any]) -> list[dict[str, Any]]:
+    """``count`` events in the middle of a generation as the gateway asks vLLM for them (ids
+    only in the logprob keys), one to three tokens each, then ``tail``."""
+    events = []
+    for n in range(count):
+        ids = [100 + n * 3 + i for i in range(1 + n % 3)]
+        logprobs = [-0.01 * (id_ - 99) for id_ in ids]
+        top = [
+            {f"token_id:{i}": lp, f"token_id:{i + 1}": lp - 1.5}
+            for i, lp in zip(ids, logprobs, strict=True)
+        ]
+        events.append(vllm_event("ab", ids, logprobs, top, with_token_ids=False))
+    return [*events, *tail]
+
+
+def sse_json(events: list[dict[str, Any]], *, compact: bool = True) -> bytes:
+    """Events as vLLM writes them (compact JSON) or spaced, then [DONE]."""
+    separators = (",", ":") if compact else (", ", ": ")
+    return sse(*[json.dumps(event, separators=separators) for event in events], "[DONE]")
+
+
+FINISH = vllm_event("", [IM_END], [-0.05], [{f"token_id:{IM_END}": -0.05}], "stop")
+USAGE_80 = {**VLLM_USAGE, "usage": {"prompt_tokens": len(PROMPT), "completion_tokens": 80}}
+
+
+@pytest.mark.parametrize("top_logprobs", [0, 1])
+@pytest.mark.parametrize("compact", [True, False], ids=["compact", "spaced"])
+async def test_vllm_plain_events_read_together_are_read_in_bulk_as_one_by_one(
+    top_logprobs: int, compact: bool
+) -> None:
+    """The plain events of a read (tokens, no finish) are decoded and read in bulk: the same
+    tokens, logprobs, alternatives, finish and usage as read event by event."""
+    body = sse_json(plain_stream(40, FINISH, USAGE_80), compact=compact)
+    params = SamplingParams(max_tokens=200, top_logprobs=top_logprobs)
+    [together] = await collect(vllm(answer(body, at_once=True)), params)
+    one_by_one = await collect(vllm(answer(body)), params)
+    assert len(one_by_one) == 41
+    assert together == merged(one_by_one)
+    assert together.token_ids[:4] == [100, 103, 104, 106] and together.token_ids[-1] == IM_END
+    assert together.finish_reason == "stop"
+    assert together.extra == {"prompt_tokens": 9.0, "completion_tokens": 80.0}
+    if top_logprobs:
+        assert together.top_logprobs is not None
+        assert together.top_logprobs[0] == [TopLogprob(100, -0.01)]
+
+
+class Parts(httpx.AsyncByteStream):
+    """The body in the given parts: what each network read brought."""
+
+    def __init__(self, *parts: bytes) -> None:
+        self.parts = parts
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        for part in self.parts:
+            yield part
+
+
+async def test_vllm_plain_events_after_the_finish_are_refused_in_bulk() -> None:
+    first = sse_json(plain_stream(2, FINISH))[: -len(b"data: [DONE]\n\n")]
+    body = Parts(first, sse_json(plain_stream(5)))
+    backend = vllm(lambda request: httpx.Response(200, stream=body))
+    with pytest.raises(BackendError, match="tokens after finish_reason"):
+        await collect(backend, SamplingParams(max_tokens=20))
+
+
+def bad_in_the_middle(bad: dict[str, Any]) -> bytes:
+    return sse_json([*plain_stream(6), bad, *plain_stream(6, FINISH, USAGE_80)])
+
+
+@pytest.mark.parametrize(
+    ("body", "match"),
+    [
+        pytest.param(
+            bad_in_the_middle(vllm_event("Hi", [], [], [], with_token_ids=False)),
+            "vLLM >= 0.10.2",
+            id="text without ids",
+        ),
+        pytest.param(
+            bad_in_the_middle(vllm_event("Hi", [1, 2], [-0.1], [{}, {}], with_token_ids=False)),
+            "logprobs for",
+            id="misaligned",
+        ),
+        pytest.param(
+            bad_in_the_middle(
+                vllm_event("Hi", [1], [-0.1], [{}], with_token_ids=False, prompt_token_ids=[7])
+            ),
+            "different prompt",
+            id="prompt echoed differently",
+        ),
+        pytest.param(
+            bad_in_the_middle({"error": {"message": "CUDA out of memory", "code": 500}}),
+            "CUDA out of memory",
+            id="error event",
+        ),
+        pytest.param(
+            bad_in_the_middle(
+                {
+                    **vllm_event("Hi", [1], [-0.1], with_token_ids=False),
+                    "choices": [
+                        {
+                            "index": 0,
+                            "text": "Hi",
+                            "finish_reason": None,
+                            "logprobs": {"tokens": ["Hi"], "token_logprobs": [-0.1]},
+                        }
+                    ],
+                }
+            ),
+            "not 'token_id:<id>'",
+            id="sampled token as text",
+        ),
+        pytest.param(
+            bad_in_the_middle(vllm_event("Hi", [1], [-0.1], None, with_token_ids=False)),
+            "no top_logprobs",
+            id="alternatives missing",
+        ),
+    ],
+)
+async def test_vllm_a_bad_event_among_plain_ones_read_together_is_named(
+    body: bytes, match: str
+) -> None:
+    backend = vllm(answer(body, at_once=True))
+    with pytest.raises(BackendError, match=match) as caught:
+        await collect(backend, SamplingParams(max_tokens=200, top_logprobs=1))
+    assert not isinstance(caught.value, BackendUnavailable)
+
+
 def vllm_whole(**extra: Any) -> dict[str, Any]:
     """The non-streamed response to VLLM_STREAM's request: one choice, all tokens, the usage."""
     choice = vllm_event(
@@ -315,7 +442,9 @@ def merged(chunks: list[GenerationChunk]) -> GenerationChunk:
     return GenerationChunk(
         [t for c in chunks for t in c.token_ids],
         [lp for c in chunks for lp in c.logprobs],
-        [t for c in chunks for t in c.top_logprobs or []],
+        None
+        if all(c.top_logprobs is None for c in chunks)
+        else [t for c in chunks for t in c.top_logprobs or []],
         chunks[-1].finish_reason,
         extra=chunks[-1].extra,
     )
