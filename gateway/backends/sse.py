@@ -39,7 +39,7 @@ _JSON = msgspec.json.Decoder()  # 3-4x json.loads on these events; the same dict
 # Request bodies: msgspec copies a prompt's JSON text (msgspec.Raw) as it is, and encodes the
 # rest ~10x faster than json.dumps (which httpx's json= uses).
 _BODY = msgspec.json.Encoder()
-_BODY_HEADERS = {"content-type": "application/json"}
+_BODY_HEADERS = httpx.Headers({"content-type": "application/json"})
 
 
 class RemoteBackend:
@@ -60,6 +60,7 @@ class RemoteBackend:
         connect_timeout_s: float,
     ) -> None:
         self._url = url
+        self._target = httpx.URL(url)  # parsed once, not on every request
         self._server = server
         self._id = backend_id
         self._max_context = max_context
@@ -80,12 +81,12 @@ class RemoteBackend:
 
     def _events(self, body: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
         return post_event_stream(
-            self._client, self._url, body, server=self._server, http_timeout=self._timeout
+            self._client, self._target, body, server=self._server, http_timeout=self._timeout
         )
 
     def _event_batches(self, body: dict[str, Any]) -> AsyncGenerator[list[bytes], None]:
         return post_event_batches(
-            self._client, self._url, body, server=self._server, http_timeout=self._timeout
+            self._client, self._target, body, server=self._server, http_timeout=self._timeout
         )
 
     async def _whole(self, body: dict[str, Any], max_tokens: int) -> bytes:
@@ -96,7 +97,7 @@ class RemoteBackend:
         timeout = self._timeout.as_dict() | {"read": read + max_tokens / _SLOWEST_TOKENS_PER_S}
         return await post_whole(
             self._client,
-            self._url,
+            self._target,
             body,
             server=self._server,
             http_timeout=httpx.Timeout(**timeout),
@@ -109,7 +110,7 @@ class RemoteBackend:
 
 async def post_event_stream(
     client: httpx.AsyncClient,
-    url: str,
+    url: str | httpx.URL,
     body: dict[str, Any],
     *,
     server: str,
@@ -129,7 +130,7 @@ async def post_event_stream(
 
 async def post_whole(
     client: httpx.AsyncClient,
-    url: str,
+    url: str | httpx.URL,
     body: dict[str, Any],
     *,
     server: str,
@@ -146,7 +147,7 @@ async def post_whole(
 
 
 @contextmanager
-def _translated(url: str, server: str) -> Iterator[None]:
+def _translated(url: str | httpx.URL, server: str) -> Iterator[None]:
     """httpx's errors as the gateway's (see the module's docstring)."""
     try:
         yield
@@ -162,7 +163,7 @@ def _translated(url: str, server: str) -> Iterator[None]:
 
 async def post_event_batches(
     client: httpx.AsyncClient,
-    url: str,
+    url: str | httpx.URL,
     body: dict[str, Any],
     *,
     server: str,
@@ -194,7 +195,9 @@ async def post_event_batches(
                 yield batch
 
 
-async def _status_error(response: httpx.Response, url: str, server: str) -> BackendError:
+async def _status_error(
+    response: httpx.Response, url: str | httpx.URL, server: str
+) -> BackendError:
     detail = (await response.aread()).decode("utf-8", errors="replace")[:_BODY_EXCERPT]
     message = f"{server} at {url} answered HTTP {response.status_code}: {detail}"
     # 503: starting up, overloaded or shutting down; another replica may take the request.
@@ -222,7 +225,7 @@ async def _data_batches(body: AsyncIterator[bytes]) -> AsyncIterator[list[bytes]
         yield [pending[5:].strip()]
 
 
-def decode_event(payload: bytes, url: str, server: str) -> dict[str, Any]:
+def decode_event(payload: bytes, url: str | httpx.URL, server: str) -> dict[str, Any]:
     """One event's JSON object; an ``{"error": ...}`` event or one that is not a JSON object is
     a BackendError naming the server."""
     try:

@@ -52,12 +52,15 @@ class Server:
                 except asyncio.IncompleteReadError:
                     self.closed_by_client.set()
                     return
-                length = 0
+                length, chunked = 0, False
                 for line in head.decode().split("\r\n"):
                     name, _, value = line.partition(":")
                     if name.lower() == "content-length":
                         length = int(value)
-                request = head + await reader.readexactly(length)
+                    chunked |= (name.lower(), value.strip()) == ("transfer-encoding", "chunked")
+                request = head + (
+                    await read_chunked(reader) if chunked else await reader.readexactly(length)
+                )
                 self.requests.append(request)
                 if not await self.answer(reader, writer, request):
                     return
@@ -70,6 +73,15 @@ class Server:
         port = server.sockets[0].getsockname()[1]
         async with server:
             yield f"http://127.0.0.1:{port}"
+
+
+async def read_chunked(reader: asyncio.StreamReader) -> bytes:
+    """A chunked body, unframed."""
+    body = b""
+    while size := int((await reader.readuntil(b"\r\n")).strip(), 16):
+        body += (await reader.readexactly(size + 2))[:-2]
+    await reader.readuntil(b"\r\n")
+    return body
 
 
 def reply(data: bytes) -> Answer:
@@ -164,6 +176,51 @@ async def test_transport_failures_are_httpx_errors() -> None:
             pass  # the port is free again: nothing listens there
         with pytest.raises(httpx.ConnectError):
             await client.post(url, content=b"x")
+
+
+async def test_informational_close_delimited_and_malformed_responses() -> None:
+    """A 100 Continue before the response is skipped; a body framed by neither Content-Length
+    nor chunked ends when the server closes; bytes that are not HTTP are a protocol error."""
+    informational = Server(
+        reply(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 201 Created\r\ncontent-length: 2\r\n\r\nok")
+    )
+    until_close = Server(reply(b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\nto the end"))
+    garbage = Server(reply(b"HTTP/1.1 2x0 OK\r\n\r\n"))
+    async with httpx.AsyncClient(transport=StreamingTransport()) as client:
+        async with informational.running() as url:
+            response = await client.post(url, content=b"x")
+            assert (response.status_code, response.reason_phrase) == (201, "Created")
+            assert response.content == b"ok"
+            assert (await client.post(url, content=b"y")).content == b"ok"
+        assert informational.connections == 1
+        async with until_close.running() as url:
+            assert (await client.post(url, content=b"x")).content == b"to the end"
+        async with garbage.running() as url:
+            with pytest.raises(httpx.RemoteProtocolError, match="malformed response"):
+                await client.post(url, content=b"x")
+
+
+async def test_the_request_head_and_a_body_of_unknown_length() -> None:
+    """The head carries httpx's headers; a streamed body goes chunked; a header value with a
+    line break is refused before anything is sent."""
+    server = Server(reply(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"))
+
+    async def parts() -> AsyncIterator[bytes]:
+        yield b"ab"
+        yield b""
+        yield b"cde"
+
+    async with server.running() as url, httpx.AsyncClient(transport=StreamingTransport()) as client:
+        await client.post(f"{url}/v1/x?q=1", content=b"{}", headers={"x-a": "1"})
+        lines = server.requests[0].partition(b"\r\n\r\n")[0].split(b"\r\n")
+        assert lines[0] == b"POST /v1/x?q=1 HTTP/1.1"
+        assert b"x-a: 1" in lines and b"content-length: 2" in [h.lower() for h in lines]
+        with pytest.raises(httpx.LocalProtocolError, match="control character"):
+            await client.post(url, content=b"{}", headers={"x-a": "1\r\nx-b: 2"})
+        await client.post(url, content=parts())
+        head, _, body = server.requests[1].partition(b"\r\n\r\n")
+        assert b"transfer-encoding: chunked" in head.lower() and body == b"abcde"
+    assert len(server.requests) == 2
 
 
 VLLM_EVENTS = [
