@@ -175,6 +175,7 @@ HOLDER = """
 import fcntl, json, os, sys
 fd = os.open(os.path.join(sys.argv[1], "turnstream-nats.lock"), os.O_RDWR | os.O_CREAT)
 fcntl.flock(fd, fcntl.LOCK_EX)
+os.ftruncate(fd, 0)  # as StoreLock.record does: a shorter record must not leave a longer one's tail
 os.write(fd, json.dumps({"pid": int(sys.argv[2]), "server_pid": os.getpid()}).encode())
 print("locked", flush=True)
 sys.stdin.read()  # holds the lock until the test closes stdin
