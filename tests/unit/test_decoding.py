@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gateway.backends.base import TopLogprob
 from gateway.decoding import Detokenizer
 
 
@@ -81,3 +82,12 @@ def test_any_text_in_any_chunking_comes_out_whole(text: str, step: int) -> None:
     feed(detok, text.encode(), step)
     detok.finish()
     assert detok.text == text
+
+
+def test_alternatives_stay_at_their_tokens_when_only_some_chunks_have_them() -> None:
+    detok = Detokenizer(byte_decode)
+    detok.add([104, 105], [-0.1, -0.2])  # no alternatives: none asked for, or none sent
+    detok.add([33], [-0.3], [[TopLogprob(33, -0.3), TopLogprob(46, -1.5)]])
+    detok.add([10, 10], [-0.4, -0.5])
+    assert detok.top_logprobs == [[], [], [TopLogprob(33, -0.3), TopLogprob(46, -1.5)], [], []]
+    assert Detokenizer(byte_decode).top_logprobs == []
