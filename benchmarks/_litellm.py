@@ -21,6 +21,11 @@ phase, divided by the requests it answered in that phase::
     cpu_ratio_to_litellm_c16         the median over rounds of gateway / LiteLLM (target <= 0.15)
 
 plus p50 / p99 latency and throughput of each.
+
+Today's figures (2026-11-26, the 2-core VM with nothing else running, commit c9adbd5): two full
+runs, gateway 3.08 and 3.22 ms, LiteLLM 24.1 and 23.5 ms, ratio 0.135 and 0.135; two more on
+77ee468, 3.25 / 2.54 against 21.8 / 18.2 ms, ratio 0.143 and 0.145 (the issue's day: 1.71-1.84
+against 7.6-8.2; this VM was 2.2-3.2x slower today for both).
 """
 
 from __future__ import annotations

@@ -16,9 +16,9 @@ With ``--itl-ms 0`` (the default) the backend writes all its events at once, so 
 many in one network read; ``--itl-ms 1`` spaces them out as a real server's decode steps do (one
 read per event): run both to see what reading events one by one costs.
 
-Figures on the 2-core VM, shared with other benchmark runs (load average ~12), 2026-11-26: full
-runs 2.67 and 2.21 us not streamed, 16.4 and 15.9 us streamed (the gateway before issue 16, in
-the same period: 33.8 and 94.5); ``--itl-ms 1``: 3.9 and 96.8 us (before: 104 and 134).
+Today's figures (2026-11-26, the 2-core VM with nothing else running, commit 77ee468): full runs
+0.56 and 0.38 us not streamed, 3.43 and 3.80 us streamed (targets 2 and 6; the gateway before
+issue 16, on a loaded VM: 33.8 and 94.5). docs/PERFORMANCE.md, section 3, has the history.
 """
 
 from __future__ import annotations
