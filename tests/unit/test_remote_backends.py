@@ -345,6 +345,20 @@ async def test_vllm_plain_events_after_the_finish_are_refused_in_bulk() -> None:
         await collect(backend, SamplingParams(max_tokens=20))
 
 
+# The sampled token named by its text, not "token_id:<id>" (return_tokens_as_token_ids ignored).
+SAMPLED_AS_TEXT = {
+    **vllm_event("Hi", [1], [-0.1], with_token_ids=False),
+    "choices": [
+        {
+            "index": 0,
+            "text": "Hi",
+            "finish_reason": None,
+            "logprobs": {"tokens": ["Hi"], "token_logprobs": [-0.1]},
+        }
+    ],
+}
+
+
 def bad_in_the_middle(bad: dict[str, Any]) -> bytes:
     return sse_json([*plain_stream(6), bad, *plain_stream(6, FINISH, USAGE_80)])
 
@@ -375,19 +389,7 @@ def bad_in_the_middle(bad: dict[str, Any]) -> bytes:
             id="error event",
         ),
         pytest.param(
-            bad_in_the_middle(
-                {
-                    **vllm_event("Hi", [1], [-0.1], with_token_ids=False),
-                    "choices": [
-                        {
-                            "index": 0,
-                            "text": "Hi",
-                            "finish_reason": None,
-                            "logprobs": {"tokens": ["Hi"], "token_logprobs": [-0.1]},
-                        }
-                    ],
-                }
-            ),
+            bad_in_the_middle(SAMPLED_AS_TEXT),
             "not 'token_id:<id>'",
             id="sampled token as text",
         ),
@@ -550,19 +552,7 @@ class TrackedStream(httpx.AsyncByteStream):
             id="tokens after the finish",
         ),
         pytest.param(
-            sse(
-                {
-                    **vllm_event("Hi", [1], [-0.1], [{"token_id:1": -0.1}], with_token_ids=False),
-                    "choices": [
-                        {
-                            "index": 0,
-                            "text": "Hi",
-                            "finish_reason": None,
-                            "logprobs": {"tokens": ["Hi"], "token_logprobs": [-0.1]},
-                        }
-                    ],
-                }
-            ),
+            sse(SAMPLED_AS_TEXT),
             "not 'token_id:<id>'",
             id="sampled token as text",
         ),
