@@ -778,7 +778,10 @@ PROFILE_CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
     ),
     ("backend stream parsing (sse, vllm)", ("/gateway/backends/payload.py",)),
     ("replica router", ("/gateway/backends/router.py",)),
-    ("backend HTTP client (httpx, httpcore)", ("/httpx/", "/httpcore/")),
+    (
+        "backend HTTP client (httpx, transport)",
+        ("/httpx/", "/httpcore/", "/gateway/backends/transport.py"),
+    ),
     ("publish (schemas, codec, nats-py)", ("/schemas/", "/nats/")),
     ("logging (logging, rich)", ("/logging/", "/rich/")),
     ("metrics (prometheus_client)", ("/prometheus_client/",)),
