@@ -136,22 +136,26 @@ def test_interleaved_agents_are_two_trajectories_each_token_for_token(
     assert not extends(contexts, turns[1])
     assert all(extends(contexts, t) for t in turns[2:])
 
-    re_tokenized = 0
-    for own in (turns[0::2], turns[1::2]):
+    re_tokenized = {}  # agent -> how many of its replies re-tokenize to other ids
+    for agent, own in ((main, turns[0::2]), (sub, turns[1::2])):
         last = prompt_of(contexts, own[-1])
+        re_tokenized[agent] = 0
         for earlier in own[:-1]:  # every earlier completion, as sampled, inside the last prompt
             sampled = earlier.completion_ids.tolist()
             start = len(prompt_of(contexts, earlier))
             assert last[start : start + len(sampled)] == sampled, f"turn {earlier.turn}"
-            re_tokenized += tokenizer.encode(earlier.text, add_special_tokens=False) != [
+            re_tokenized[agent] += tokenizer.encode(earlier.text, add_special_tokens=False) != [
                 i for i in sampled if i not in tokenizer.all_special_ids
             ]
-    # The control: the replies' text re-tokenizes to other ids (rendering would not be exact).
-    assert re_tokenized >= 1
+    # The control: a reply's text re-tokenizes to other ids, so rendering that agent's
+    # conversation would not give its recorded prompt. (Which agent's replies do is chance: the
+    # replies are sampled.)
+    assert sum(re_tokenized.values()) >= 1
+    agent, last_turn = (main, turns[4]) if re_tokenized[main] else (sub, turns[5])
     text = tokenizer.apply_chat_template(
-        main.messages[:6], tokenize=False, add_generation_prompt=True
+        agent.messages[:6], tokenize=False, add_generation_prompt=True
     )
-    assert prompt_of(contexts, turns[4]) != tokenizer.encode(text, add_special_tokens=False)
+    assert prompt_of(contexts, last_turn) != tokenizer.encode(text, add_special_tokens=False)
 
     folded = fold(events)
     assert folded.forks == 0 and folded.turn_segments == (0, 1, 0, 1, 0, 1)
