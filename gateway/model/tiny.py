@@ -15,17 +15,11 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-from transformers import (
-    AutoModelForCausalLM,
-    GenerationConfig,
-    PreTrainedModel,
-    PreTrainedTokenizerFast,
-    Qwen3Config,
-)
-from transformers.convert_slow_tokenizer import bytes_to_unicode
+if TYPE_CHECKING:  # torch and transformers are imported only to build the model (~3 s): the
+    # commands that look the directory up (export, inspect, train) or find it built need neither
+    from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 __all__ = [
     "CHATML_TOOLS_TEMPLATE",
@@ -174,6 +168,10 @@ def _write_model(path: Path, seed: int, head_dim: int) -> None:
 
 
 def _build_tokenizer() -> PreTrainedTokenizerFast:
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
     # Ids 0..255 are the bytes themselves (in GPT-2's printable byte alphabet), with no merges:
     # any UTF-8 text round-trips, and a token is never more than one byte.
     alphabet: dict[int, str] = bytes_to_unicode()  # type: ignore[no-untyped-call]  # untyped
@@ -206,6 +204,9 @@ def _heads(head_dim: int) -> tuple[int, int]:
 
 
 def _build_model(tokenizer: PreTrainedTokenizerFast, seed: int, head_dim: int) -> PreTrainedModel:
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig, Qwen3Config
+
     endoftext = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
     im_end = tokenizer.convert_tokens_to_ids(IM_END)
     assert isinstance(endoftext, int) and isinstance(im_end, int)
