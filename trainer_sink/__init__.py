@@ -9,6 +9,8 @@ A pipeline of values: ``Source -> Batcher -> assemble -> Batch``, committed thro
   group instances (``uid``); pure.
 - ``assembly``: trajectories -> one TensorDict in verl's padded layout or a jagged
   (``torch.nested``) layout, every key listed in its docstring; pure.
+- ``buffers``: ``BatchBuffers``, the memory of earlier padded batches nothing refers to any more,
+  which the sink assembles the next ones into (``AssemblySettings.reuse_memory``).
 - ``sessions``: which rows of a batch are one session (``session_uid``): one row per session
   for GRPO's baseline, per-session values broadcast to the rows; pure.
 - ``sink``: ``async for batch in TrainerSink(source, ...)`` ... ``await sink.commit(batch)``,
@@ -30,6 +32,7 @@ from trainer_sink.batching import (
     Sample,
     instance_uid,
 )
+from trainer_sink.buffers import BatchBuffers
 from trainer_sink.config import AssemblySettings, BatchingSettings, LiveSourceSettings
 from trainer_sink.dataproto import to_dataproto
 from trainer_sink.errors import BatchCommitted, BatchError, PolicyError, SinkError
@@ -63,6 +66,7 @@ __all__ = [
     "AckToken",
     "AssemblySettings",
     "Batch",
+    "BatchBuffers",
     "BatchCommitted",
     "BatchError",
     "Batcher",

@@ -1,4 +1,5 @@
-"""Batch assembly (DESIGN §7): trajectories in, one TensorDict out. Pure: no I/O, no clock.
+"""Batch assembly (DESIGN §7): trajectories in, one TensorDict out. Pure: no I/O, no clock
+(the padded layout may write into a ``BatchBuffers`` pool it is given: ``assemble``).
 
 Every key a batch carries is listed here (the sink adds none). B samples; padded: P prompt and
 R response columns; integer tensors int64::
@@ -98,6 +99,7 @@ import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
 from schemas.events import TrajectoryReady
+from trainer_sink.buffers import BatchBuffers
 from trainer_sink.config import AssemblySettings
 from trainer_sink.errors import BatchError
 
@@ -138,11 +140,14 @@ def assemble(
     *,
     uids: Sequence[str] | None = None,
     stale: Sequence[bool] | None = None,
+    buffers: BatchBuffers | None = None,
 ) -> TensorDict:
-    """The batch of ``trajectories`` in ``settings.layout``; see the module docstring."""
+    """The batch of ``trajectories`` in ``settings.layout``; see the module docstring.
+    ``buffers``: the padded layout's arrays are taken from this pool (``trainer_sink.buffers``:
+    the memory of earlier batches nothing refers to any more), not allocated afresh."""
     if settings.layout == "jagged":
         return assemble_jagged(trajectories, settings, uids=uids, stale=stale)
-    return assemble_padded(trajectories, settings, uids=uids, stale=stale)
+    return assemble_padded(trajectories, settings, uids=uids, stale=stale, buffers=buffers)
 
 
 def assemble_padded(
@@ -151,26 +156,35 @@ def assemble_padded(
     *,
     uids: Sequence[str] | None = None,
     stale: Sequence[bool] | None = None,
+    buffers: BatchBuffers | None = None,
 ) -> TensorDict:
     """The padded (verl) batch: prompts left-padded, responses right-padded.
 
     ``settings.layout`` is ignored. Raises BatchError for an empty batch, a malformed sample,
-    or a sample over a fixed length when ``settings.truncate`` is off.
+    or a sample over a fixed length when ``settings.truncate`` is off. ``buffers``: see
+    ``assemble``.
     """
     cut = _cut(trajectories, settings, padded=True)
     batch_size, width_p, width_r = len(trajectories), cut.prompt_width, cut.response_width
     width = width_p + width_r
     pad = settings.pad_token_id
-    # Each byte of the batch written once: np.empty where a row writes all of its elements
-    # (padding included), np.zeros (fresh zero pages, no pass) where it writes only the real
-    # run; prompts and responses are written, not copied out of input_ids afterwards.
-    prompts = np.empty((batch_size, width_p), dtype=np.int64)
-    responses = np.empty((batch_size, width_r), dtype=np.int64)
-    input_ids = np.empty((batch_size, width), dtype=np.int64)
-    attention_mask = np.zeros((batch_size, width), dtype=np.int64)
-    position_ids = np.zeros((batch_size, width), dtype=np.int64)
-    response_mask = np.zeros((batch_size, width_r), dtype=np.int64)
-    log_probs = np.zeros((batch_size, width_r), dtype=np.float32)
+
+    # Each byte of the batch written once: "empty" where a row writes all of its elements
+    # (padding included), "zeros" (fresh zero pages, no pass; a reused buffer is cleared) where
+    # it writes only the real run; prompts and responses are written, not copied out of
+    # input_ids afterwards.
+    def array(shape: tuple[int, int], dtype: type[np.generic], *, zeroed: bool) -> Any:
+        if buffers is not None:
+            return buffers.take(shape, dtype, zeroed=zeroed)
+        return np.zeros(shape, dtype=dtype) if zeroed else np.empty(shape, dtype=dtype)
+
+    prompts = array((batch_size, width_p), np.int64, zeroed=False)
+    responses = array((batch_size, width_r), np.int64, zeroed=False)
+    input_ids = array((batch_size, width), np.int64, zeroed=False)
+    attention_mask = array((batch_size, width), np.int64, zeroed=True)
+    position_ids = array((batch_size, width), np.int64, zeroed=True)
+    response_mask = array((batch_size, width_r), np.int64, zeroed=True)
+    log_probs = array((batch_size, width_r), np.float32, zeroed=True)
     counting = np.arange(width, dtype=np.int64)
     for i, (t, p, kp, kr) in enumerate(_kept(trajectories, cut)):
         # Slice copies (int32 -> int64 on assignment): per sample, never per token. The real
@@ -189,7 +203,7 @@ def assemble_padded(
         position_ids[i, end:] = max(kp + kr - 1, 0)
         response_mask[i, :kr] = t.loss_mask[p : p + kr]
         log_probs[i, :kr] = t.logprobs[p : p + kr]
-    rm_scores = np.zeros((batch_size, width_r), dtype=np.float32)
+    rm_scores = array((batch_size, width_r), np.float32, zeroed=True)
     rewards = _rewards(trajectories, cut)
     np.add.at(rm_scores, (rewards.sample, rewards.position), rewards.value)
 

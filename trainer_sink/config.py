@@ -73,6 +73,11 @@ class AssemblySettings(BaseModel):
         description="give each sample an empty multi_modal_inputs dict, which verl's trainer "
         "reads for every sample",
     )
+    reuse_memory: bool = Field(
+        True,
+        description="padded: write a batch into the memory of earlier batches nothing refers "
+        "to any more (trainer_sink.buffers) instead of fresh pages; false: allocate each batch",
+    )
 
 
 class LiveSourceSettings(BaseModel):

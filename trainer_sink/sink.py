@@ -39,6 +39,7 @@ from schemas.errors import EventLogUnavailable
 from schemas.events import TrajectoryReady
 from trainer_sink.assembly import assemble
 from trainer_sink.batching import Batcher, Decision, Sample
+from trainer_sink.buffers import BatchBuffers
 from trainer_sink.config import AssemblySettings, BatchingSettings
 from trainer_sink.errors import BatchCommitted, BatchError
 from trainer_sink.sources import Received, Source
@@ -110,6 +111,7 @@ class TrainerSink:
         self.source = source
         self.batching = batching or BatchingSettings()
         self.assembly = assembly or AssemblySettings()
+        self._buffers = BatchBuffers() if self.assembly.reuse_memory else None
         self.batcher: Batcher[Received] = Batcher(self.batching)
         self.stats = SinkStats()
         self._receive_max = receive_max
@@ -146,6 +148,7 @@ class TrainerSink:
                 self.assembly,
                 uids=[s.uid for s in samples],
                 stale=[s.stale for s in samples],
+                buffers=self._buffers,
             )
         except BatchError:
             # Settings the samples do not fit (the error says which): hand them back rather

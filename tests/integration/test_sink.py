@@ -198,6 +198,28 @@ async def test_offline_shards_with_filters_become_the_same_batches(tmp_path: Pat
     assert sum([len(b.trajectory_ids) async for b in everything]) == 34
 
 
+async def test_a_training_loop_gets_batches_in_reused_memory_equal_to_fresh_ones(
+    tmp_path: Path,
+) -> None:
+    """Each batch trained on and dropped: the ones after the second are written into the
+    memory of the ones before (trainer_sink.buffers), and hold what fresh memory would."""
+    trajectories = [t for s in sessions(30) for t in fold(s).trajectories]
+    _write_shard(tmp_path / "run=run-1" / "part-a.parquet", trajectories)
+
+    async def loop(reuse: bool) -> tuple[list[dict[str, list[Any]]], TrainerSink]:
+        settings = AssemblySettings(reuse_memory=reuse)
+        sink = TrainerSink(OfflineSource(str(tmp_path)), BatchingSettings(batch_size=4), settings)
+        seen = []
+        async for batch in sink:  # the loop's variable holds a batch while the next is made
+            seen.append({k: batch.tensors[k].tolist() for k in ("input_ids", "rm_scores")})
+        return seen, sink
+
+    reused, sink = await loop(True)
+    fresh, _ = await loop(False)
+    assert reused == fresh and len(reused) == 8
+    assert sink._buffers is not None and sink._buffers.reused >= 8 * 5
+
+
 async def test_replay_reads_a_traj_sequence_range(log: Log) -> None:
     await fold_into_traj(log, sessions(10))
     sink = TrainerSink(ReplaySource(log.js, 3, 7), BatchingSettings(batch_size=10))

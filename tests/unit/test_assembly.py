@@ -17,6 +17,7 @@ from schemas.events import TrajectoryReady
 from tests.helpers.sessions import TurnSpec, reward, reward_events, session_events, turn_specs
 from trainer_sink import (
     AssemblySettings,
+    BatchBuffers,
     BatchError,
     assemble,
     assemble_jagged,
@@ -485,3 +486,56 @@ def test_samples_with_raw_log_probs_are_flagged(layout: str) -> None:
     assert batch["raw_logprobs"].dtype == torch.bool
     assert batch["raw_logprobs"].tolist() == [False, True, False]
     assert non_tensor_values(batch, "trajectory_id")[1] == "run-1/raw/0"
+
+
+# -- reused memory (trainer_sink.buffers) -----------------------------------------------------
+
+
+def _equal(a: TensorDict, b: TensorDict) -> bool:
+    return all(torch.equal(a[k], b[k]) for k in TENSOR_KEYS)
+
+
+@settings(max_examples=25, deadline=None)
+@given(rounds=st.lists(batches(), min_size=2, max_size=4), pad=st.integers(-1, 7))
+def test_batches_written_into_reused_memory_equal_fresh_ones(
+    rounds: list[list[TrajectoryReady]], pad: int
+) -> None:
+    """Each batch dropped before the next, so the next is written over its memory (rows,
+    widths and padding differ from batch to batch): the same tensors as a fresh assembly."""
+    options = AssemblySettings(pad_token_id=pad)
+    pool = BatchBuffers()
+    for samples in [*rounds, rounds[-1]]:  # the last one twice: then every array is reused
+        reused = pool.reused
+        assert _equal(assemble(samples, options, buffers=pool), assemble(samples, options))
+    assert pool.reused - reused == len(TENSOR_KEYS)
+
+
+def test_memory_is_reused_only_once_nothing_refers_to_the_batch() -> None:
+    pool = BatchBuffers()
+    samples = known()
+    kept = assemble(samples, buffers=pool)
+    expected = assemble(samples)
+    view = assemble(samples, buffers=pool)["input_ids"][:, :2]  # the batch gone, a view kept
+    made = pool.allocated
+    assert made == 16 and pool.reused == 0  # two batches of 8 arrays, all fresh
+    third = assemble(list(reversed(samples)), buffers=pool)
+    # the second batch's memory, but for its input_ids (the view holds it): 1 or 2 arrays new
+    assert pool.reused >= 6 and pool.allocated + pool.reused == made + len(TENSOR_KEYS)
+    assert _equal(kept, expected)  # written over nothing of a batch still held
+    assert torch.equal(view, expected["input_ids"][:, :2])
+    assert _equal(third, assemble(list(reversed(samples))))
+    assert all(third[k].data_ptr() != kept[k].data_ptr() for k in TENSOR_KEYS)
+
+
+def test_the_pool_keeps_at_most_its_bound() -> None:
+    pool = BatchBuffers(keep=8)
+    held = [assemble(known(), buffers=pool) for _ in range(3)]  # in use: never reused
+    assert pool.allocated == 24 and len(pool._buffers) == 8
+    assert all(_equal(b, held[0]) for b in held)
+    with pytest.raises(ValueError, match="keep"):
+        BatchBuffers(keep=0)
+
+
+def test_the_sink_setting_turns_reuse_off() -> None:
+    assert AssemblySettings().reuse_memory
+    assert not AssemblySettings(reuse_memory=False).reuse_memory
