@@ -170,12 +170,14 @@ def assemble_padded(
     pad = settings.pad_token_id
 
     # Each byte of the batch written once: "empty" where a row writes all of its elements
-    # (padding included), "zeros" (fresh zero pages, no pass; a reused buffer is cleared) where
-    # it writes only the real run; prompts and responses are written, not copied out of
-    # input_ids afterwards.
+    # (padding included), "zeros" (fresh zero pages, no pass) where it writes only the real run;
+    # into reused memory (``buffers``), which holds an earlier batch's bytes, a row writes its
+    # zeros too. Prompts and responses are written, not copied out of input_ids afterwards.
+    reused = buffers is not None
+
     def array(shape: tuple[int, int], dtype: type[np.generic], *, zeroed: bool) -> Any:
         if buffers is not None:
-            return buffers.take(shape, dtype, zeroed=zeroed)
+            return buffers.take(shape, dtype)
         return np.zeros(shape, dtype=dtype) if zeroed else np.empty(shape, dtype=dtype)
 
     prompts = array((batch_size, width_p), np.int64, zeroed=False)
@@ -203,7 +205,15 @@ def assemble_padded(
         position_ids[i, end:] = max(kp + kr - 1, 0)
         response_mask[i, :kr] = t.loss_mask[p : p + kr]
         log_probs[i, :kr] = t.logprobs[p : p + kr]
+        if reused:
+            attention_mask[i, :first] = 0
+            attention_mask[i, end:] = 0
+            position_ids[i, :first] = 0
+            response_mask[i, kr:] = 0
+            log_probs[i, kr:] = 0
     rm_scores = array((batch_size, width_r), np.float32, zeroed=True)
+    if reused:
+        rm_scores.fill(0)  # rewards are scattered into it
     rewards = _rewards(trajectories, cut)
     np.add.at(rm_scores, (rewards.sample, rewards.position), rewards.value)
 

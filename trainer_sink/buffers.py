@@ -34,7 +34,8 @@ _HEADROOM = 1.125
 
 
 class BatchBuffers:
-    """A pool of flat byte buffers; ``take`` gives an array of the asked shape backed by one.
+    """A pool of flat byte buffers; ``take`` gives an array of the asked shape backed by one
+    (its bytes are what an earlier batch left: the caller writes every element).
 
     Keeps at most ``keep`` buffers (enough for two padded batches by default): past that, the
     free ones go first (smallest first), then the oldest of those in use, which stay alive for
@@ -46,30 +47,22 @@ class BatchBuffers:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.keep = keep
         self._buffers: list[npt.NDArray[np.uint8]] = []
-        self._zeroed: set[int] = set()  # ids of buffers never written since made (calloc'd)
         self.reused = 0  # takes served from an earlier batch's memory
         self.allocated = 0  # takes that needed new memory
 
-    def take(
-        self, shape: tuple[int, ...], dtype: type[np.generic], *, zeroed: bool
-    ) -> npt.NDArray[Any]:
-        """An array of ``shape`` and ``dtype``; all zeros if ``zeroed``, else undefined."""
+    def take(self, shape: tuple[int, ...], dtype: type[np.generic]) -> npt.NDArray[Any]:
+        """An array of ``shape`` and ``dtype``, its contents undefined (an earlier batch's)."""
         nbytes = prod(shape) * np.dtype(dtype).itemsize
         index = self._best_free(nbytes)
         if index is None:
-            buffer = np.zeros(max(1, int(nbytes * _HEADROOM)), dtype=np.uint8)
+            buffer = np.empty(max(1, int(nbytes * _HEADROOM)), dtype=np.uint8)
             self._buffers.append(buffer)
-            self._zeroed.add(id(buffer))
             self.allocated += 1
             self._trim()
         else:
             buffer = self._buffers[index]
             self.reused += 1
-        array = buffer[:nbytes].view(dtype).reshape(shape)
-        if zeroed and id(buffer) not in self._zeroed:
-            array.fill(0)
-        self._zeroed.discard(id(buffer))
-        return array
+        return buffer[:nbytes].view(dtype).reshape(shape)
 
     def _free(self, index: int) -> bool:
         return sys.getrefcount(self._buffers[index]) == _FREE_REFS
@@ -84,5 +77,4 @@ class BatchBuffers:
         while len(self._buffers) > self.keep:
             free = [i for i in range(len(self._buffers)) if self._free(i)]
             index = min(free, key=lambda i: self._buffers[i].nbytes) if free else 0
-            dropped = self._buffers.pop(index)
-            self._zeroed.discard(id(dropped))
+            self._buffers.pop(index)
