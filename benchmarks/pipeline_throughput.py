@@ -38,15 +38,14 @@ keys at 500 sessions: at 120 the phase lasted ~2.4 s, of which the fixed tail (t
 waiting out its 1 s rotation age) was a large share, and the ratio came out well under the full
 run's (0.075).
 
-Today's figures (2026-11-25, the 2-core VM shared with other jobs: load average 11-15 during
-every run, so wall-clock rates were a fifth of a quiet machine's and the ratios swing +-20%
-from run to run; CPU per 1k tokens moves less). Full runs: ``ratio_to_raw`` 0.113 and 0.119
-(earlier the same day 0.103 and 0.119; HEAD before the compact TrajectoryReady, same
-conditions: 0.111); ``--quick``: 0.106, 0.092, 0.152 (HEAD 0.153). CPU per 1k tokens over the
-phase, full runs: worker 333-392 us, shard writer 221-246 us, nats-server 216-246 us (777-878
-us in all; HEAD 847 us, nats-server 257 us); the raw read itself 72-104 us. TRAJ carries 9.06
-bytes per token (HEAD 17.05). A quiet machine on 2026-11-24 gave 0.17-0.18
-(docs/PERFORMANCE.md).
+Today's figures (2026-11-26, the quiet 2-core VM, nothing else running; its speed moved 3x
+between runs, the raw read 6.9-20.4 M tokens/s): full runs ``ratio_to_raw`` 0.128, 0.236,
+0.176 and 0.172 (the last two minutes apart agree, as do their CPU ratios), ``--quick`` 0.161.
+CPU per 1k tokens over the phase: worker 196-322 us, shard writer 145-211 us, nats-server
+140-205 us (480-740 us in all) against 58-97 us for the raw read itself: the pipeline is
+CPU-bound at ~0.13-0.2 of raw on 2 cores. TRAJ carries 9.06 bytes per token (17.05 before the
+compact TrajectoryReady). Runs on a VM loaded by other jobs (2026-11-25, load 11-15) gave
+0.103-0.119 (docs/PERFORMANCE.md, issue 16, section 1).
 """
 
 from __future__ import annotations

@@ -29,19 +29,22 @@ copy time / assembly time; target ``padded_ratio_to_copy`` >= 0.5.
 ``<layout>_cpu_ratio_to_copy`` is the same in CPU time of the process (``time.process_time``,
 all threads), which a shared machine's load moves less. Absolute rates move with the machine
 (127 M -> 49 M tokens/s padded between two VMs of one kind); the ratio does not.
-Assembly writes fresh memory (the kernel zeroes each new page first) where the copy rewrites
-pages it already has, and assembly also builds the non-tensor entries, so ~0.8 is its ceiling.
-Each layout and each copy runs once to warm up, then ``repeats`` rounds of copy, padded, copy,
-jagged, alternating so all four see the same load; medians (best alongside) are reported.
-``--quick`` assembles the same 256 samples with fewer repeats, so its rates and ratios are
-the full run's (on a 2-core VM shared with other work, within ~20%).
+The padded batch is assembled as ``TrainerSink`` assembles it: into a ``BatchBuffers`` pool,
+each timed batch dropped at once as a trainer drops the batch it trained on, so the next is
+written into the same pages; ``padded_fresh_ratio_to_copy`` is the same batch into fresh
+memory each time (``AssemblySettings.reuse_memory=False``), where the kernel maps and zeroes
+every page first. Each layout and each copy runs once to warm up, then ``repeats`` rounds of
+copy, padded, copy, jagged, padded into fresh memory, alternating so all see the same load;
+medians (best alongside) are reported. ``--quick`` assembles the same 256 samples with fewer
+repeats, so its rates and ratios are the full run's (on a 2-core VM shared with other work,
+within ~20%).
 
-Today's figures (2026-11-25, the 2-core VM shared with other work at load 9-12): padded
-8.6 M tokens/s, 249 ms per [256, 17,057] batch, against a copy of its 192 MiB in 107 ms:
-``padded_ratio_to_copy`` 0.43 (0.51 in the run before, 0.50-0.57 in paired runs at load ~4:
-the target holds only on a quiet machine); jagged 11.8 M tokens/s, ratio 0.29. The quick runs
-beside them: 0.31 and 0.42 padded. Absolute rates were 10-15x below those of 2026-11-24 on an
-idle VM (129 M tokens/s padded); see docs/PERFORMANCE.md for the per-stage profile.
+Today's figures (2026-11-26, the quiet 2-core VM): padded 59 M tokens/s, 36 ms per [256,
+17,057] batch against a copy of its 192 MiB in 22 ms: ``padded_ratio_to_copy`` 0.61 and 0.62
+(quick 0.59); into fresh memory 59-62 ms, ``padded_fresh_ratio_to_copy`` 0.36-0.37 (before
+the pool the padded figure was that one: 0.28-0.51 over four runs); jagged 46 M tokens/s, ratio
+0.23-0.24. close -> batch p50 7-9 ms. See docs/PERFORMANCE.md (issue 16, section 6) for the
+per-stage profile.
 
 Then the latency of the live path (``pipeline_latency``): session close -> the batch holding
 its trajectory yielded by a ``TrainerSink`` on the live TRAJ feed, with ``turnstream worker``
@@ -50,7 +53,8 @@ and ``turnstream shard-writer`` processes running (see that function's docstring
 Reading the output: progress lines, then the LAST line: one JSON object with
 ``padded_tokens_per_s``, ``jagged_tokens_per_s``, their ``_best`` values, the median ms per
 batch, ``<layout>_output_bytes``, ``<layout>_copy_tokens_per_s``, ``<layout>_copy_ms_median``,
-``padded_ratio_to_copy``, ``jagged_ratio_to_copy``, their ``_cpu_`` variants, the batch shape,
+``padded_ratio_to_copy``, ``jagged_ratio_to_copy``, their ``_cpu_`` variants,
+``padded_fresh_ms_median``, ``padded_fresh_ratio_to_copy``, the batch shape,
 ``close_to_batch_ms_p50`` / ``_p99``, ``target_padded_ratio_to_copy`` (0.5) and ``target_met``,
 the machine and the date.
 """
