@@ -14,16 +14,24 @@ end-of-turn text is what the template writes after an assistant message's conten
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Callable, Sequence
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from transformers import PreTrainedTokenizerBase, TokenizersBackend
 
 from gateway.conversation import arguments_object
 from gateway.errors import InvalidRequest
 
-__all__ = ["ChatTemplate", "template_messages"]
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+__all__ = ["ChatTemplate", "load_tokenizer", "template_messages"]
+
+# What tokenizer_config.json's "tokenizer_class" names when the tokenizer is tokenizer.json as the
+# tokenizers library runs it: AutoTokenizer resolves both names to TokenizersBackend.
+_PLAIN_TOKENIZER_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
 
 JSON = dict[str, Any]
 _SENTINEL = "\x00turnstream-sentinel\x00"
@@ -160,6 +168,28 @@ class ChatTemplate:
         return self.encode(tail + full[len(base) :])
 
 
+def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
+    """The tokenizer ``AutoTokenizer.from_pretrained(model_dir)`` loads: the same class, loaded
+    the same way. Where the directory's tokenizer_config.json names the plain fast tokenizer,
+    that class is loaded directly: AutoTokenizer's module imports torch through transformers'
+    model utilities (~3 s of CPU and ~300 MB at start), which a gateway in front of vLLM,
+    ``inspect`` and ``export`` do not need. Anything else goes through AutoTokenizer."""
+    try:
+        config = json.loads((Path(model_dir) / "tokenizer_config.json").read_text("utf-8"))
+        named = config.get("tokenizer_class") if isinstance(config, dict) else None
+    except (OSError, ValueError):
+        named = None
+    if named in _PLAIN_TOKENIZER_CLASSES and (Path(model_dir) / "tokenizer.json").is_file():
+        from transformers import TokenizersBackend
+
+        loaded: PreTrainedTokenizerBase = TokenizersBackend.from_pretrained(model_dir)
+        return loaded
+    from transformers import AutoTokenizer
+
+    auto: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(model_dir)
+    return auto
+
+
 def _rust_decode(tokenizer: PreTrainedTokenizerBase) -> Callable[[Sequence[int], bool], str] | None:
     """The ``tokenizers`` library's decode, where transformers' decode is exactly that call.
 
@@ -167,6 +197,8 @@ def _rust_decode(tokenizer: PreTrainedTokenizerBase) -> Callable[[Sequence[int],
     (argument conversion, batch detection, cleanup options) cost 2-3 times the decode itself.
     Only a plain fast tokenizer without ``clean_up_tokenization_spaces`` qualifies: a subclass
     may override decoding, and the cleanup is Python-side; those keep transformers' path."""
+    from transformers import PreTrainedTokenizerBase, TokenizersBackend
+
     cls = type(tokenizer)
     if (
         not isinstance(tokenizer, TokenizersBackend)

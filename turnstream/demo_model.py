@@ -36,6 +36,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from gateway.backends.local import kv_cache
 from gateway.tools import get_parser
 from schemas.errors import TurnstreamError
 from turnstream.demo_agents import LOOKUP_PROMPTS, TOOLS, WORD_TOOL_NAME, WRITE_PROMPTS
@@ -185,16 +186,13 @@ def _sample(
     """``context`` and ANCHOR_TOKENS sampled after it."""
     ids = list(context)
     with torch.no_grad():
-        output = model(input_ids=torch.tensor([ids]), use_cache=True)
+        cache = kv_cache(model)
+        output = model(input_ids=torch.tensor([ids]), **cache)
         for _ in range(ANCHOR_TOKENS):
             probs = torch.softmax(output.logits[0, -1] / temperature, dim=-1)
             token = int(torch.multinomial(probs, 1, generator=generator))
             ids.append(token)
-            output = model(
-                input_ids=torch.tensor([[token]]),
-                past_key_values=output.past_key_values,
-                use_cache=True,
-            )
+            output = model(input_ids=torch.tensor([[token]]), **cache)
     return ids
 
 

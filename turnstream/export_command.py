@@ -229,12 +229,12 @@ class TemplateRenderer:
 
 def load_renderer(model_dir: Path) -> TemplateRenderer:
     """The chat template of the model at ``model_dir``, loaded as the gateway loads it."""
-    from transformers import AutoTokenizer, GenerationConfig
+    from transformers import GenerationConfig
 
-    from gateway.templates import ChatTemplate
+    from gateway.templates import ChatTemplate, load_tokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        tokenizer = load_tokenizer(model_dir)
     except (OSError, ValueError) as exc:
         raise TurnstreamError(
             f"--tokenizer {model_dir}: no tokenizer could be loaded there ({exc}); name the "

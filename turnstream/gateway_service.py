@@ -23,7 +23,6 @@ import uvicorn
 from fastapi import FastAPI
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
-from transformers import AutoTokenizer, GenerationConfig
 
 from eventlog import JetStreamPublisher, Outbox, read_session
 from gateway.app import create_app
@@ -33,7 +32,7 @@ from gateway.guard import BodyLimits
 from gateway.metrics import GatewayMetrics
 from gateway.serving import SessionService, TurnEngine
 from gateway.sessions import SessionStore
-from gateway.templates import ChatTemplate
+from gateway.templates import ChatTemplate, load_tokenizer
 from gateway.tools import get_parser
 from gateway.turns import Kept
 from schemas.errors import TurnstreamError
@@ -235,11 +234,14 @@ async def _probe_logprobs(backend: Backend) -> None:
 @contextlib.asynccontextmanager
 async def build_gateway(settings: GatewaySettings, event_log: EventLog) -> AsyncIterator[Gateway]:
     """The gateway app on ``event_log``; publisher, backend and policy watch live as long as it."""
+    # transformers only where a gateway is built: not in the supervisor of `--workers N`.
+    from transformers import GenerationConfig
+
     settings = await settings.served()
     model_dir = settings.model_dir
     # The built-in tiny model is served as "tiny"; a model directory under its own name.
     name = settings.model_name or (model_dir.name if settings.model is not None else "tiny")
-    tokenizer: Any = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     # Every end token the model may sample closes its turn, not only the tokenizer's eos.
     try:
         eos = GenerationConfig.from_pretrained(model_dir).eos_token_id

@@ -344,10 +344,10 @@ class InspectCommand(ServiceSettings):
 
 
 def _tokenizer(model: Path | None, data_dir: Path) -> Any:
-    from transformers import AutoTokenizer  # slow to import: only once the session is found
+    from gateway.templates import load_tokenizer  # slow to import: only once the session is found
 
     if model is None:
         from gateway.model import ensure_tiny_model
 
         model = ensure_tiny_model(data_dir / "models")
-    return AutoTokenizer.from_pretrained(model)
+    return load_tokenizer(model)

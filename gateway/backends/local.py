@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import inspect
 import json
 import secrets
 import threading
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from gateway.backends.base import (
     FinishReason,
@@ -41,10 +42,20 @@ from gateway.errors import BackendError, BackendUnavailable, ContextLengthExceed
 __all__ = [
     "LocalBackend",
     "SampledToken",
+    "kv_cache",
     "processed_log_probs",
     "read_checkpoint",
     "sample_token",
 ]
+
+
+def kv_cache(model: PreTrainedModel) -> dict[str, object]:
+    """The keyword arguments that give ``model``'s forward a fresh key/value cache, which each
+    call then extends in place: ``cache=`` where the forward takes it (transformers 5.2x renamed
+    ``past_key_values``, warns on its first use and drops it in 5.40), else ``past_key_values=``."""
+    parameters = inspect.signature(model.forward).parameters
+    name = "cache" if "cache" in parameters else "past_key_values"
+    return {name: DynamicCache(config=model.config), "use_cache": True}
 
 
 @dataclass(frozen=True)
@@ -402,20 +413,14 @@ class LocalBackend:
         generator.manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
         stops = self._eos_token_ids | frozenset(params.stop_token_ids)
         input_ids = torch.tensor([job.prompt_ids], dtype=torch.long, device=device)
-        past_key_values = None
+        cache = kv_cache(model)
         prefill_s = 0.0
         for step in range(params.max_tokens):
             if job.cancelled.is_set():
                 return
-            output = model(
-                input_ids=input_ids,
-                past_key_values=past_key_values,
-                use_cache=True,
-                logits_to_keep=1,
-            )
+            output = model(input_ids=input_ids, **cache, logits_to_keep=1)
             with self._counter_lock:
                 self._decode_steps += 1
-            past_key_values = output.past_key_values
             sampled = sample_token(output.logits[0, -1].float(), params, generator)
             finish: FinishReason | None = None
             if sampled.token_id in stops:
