@@ -179,11 +179,15 @@ def local_backend_class() -> type[LocalBackend]:
     try:
         from gateway.backends.local import LocalBackend
     except ImportError as exc:
-        raise TurnstreamError(
-            f"the local backend needs torch ({exc}): pip install 'turnstream[local]', or "
-            f"serve a remote model with --backend vllm / sglang"
-        ) from exc
+        raise _needs_torch(f" ({exc})") from exc
     return LocalBackend
+
+
+def _needs_torch(detail: str = "") -> TurnstreamError:
+    return TurnstreamError(
+        f"the local backend needs torch{detail}: pip install 'turnstream[local]', or serve a "
+        f"remote model with --backend vllm / sglang"
+    )
 
 
 def _backend(settings: GatewaySettings, model_dir: Path, name: str) -> Backend:
@@ -373,8 +377,11 @@ class GatewayCommand(GatewaySettings):
     __doc__ = GatewaySettings.__doc__
 
     def cli_cmd(self) -> None:
-        if self.backend == "local":
-            local_backend_class()  # before connecting to anything: a missing extra says so
+        if self.backend == "local":  # before connecting to anything: a missing extra says so
+            if self.workers == 1:
+                local_backend_class()
+            elif importlib.util.find_spec("torch") is None:  # the supervisor never loads torch
+                raise _needs_torch()
         if self.workers > 1:
             from turnstream.gateway_workers import serve_workers
 

@@ -96,6 +96,7 @@ def test_the_base_install_has_no_torch_tensordict_or_openai(base_venv: Path) -> 
     ("command", "extra", "says"),
     [
         ("gateway", "local", "the local backend needs torch"),  # --backend local, the default
+        ("gateway --workers 2", "local", "the local backend needs torch"),  # the supervisor
         ("up", "local", "the local backend needs torch"),
         ("train", "train", "this command needs the 'train' extra"),
         ("demo", "demo", "this command needs the 'demo' extra"),
@@ -105,7 +106,7 @@ def test_a_command_whose_extra_is_missing_says_which_to_install(
     base_venv: Path, tmp_path: Path, command: str, extra: str, says: str
 ) -> None:
     ran = subprocess.run(
-        [str(base_venv / "bin" / "turnstream"), command, "--data-dir", str(tmp_path)],
+        [str(base_venv / "bin" / "turnstream"), *command.split(), "--data-dir", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=120,
