@@ -24,22 +24,30 @@ from eventlog import LogSettings, NatsServer, connect, provision
 pytest_plugins = ["tests.conftest_model"]
 
 # make test runs files on pytest-xdist workers in collection order (--no-loadscope-reorder):
-# the longest files first, so that none of them is left to run alone at the end. Seconds on
-# the 2-core VM (make test, 2026-11-26).
+# the longest files first, so that none of them is left to run alone at the end. Seconds per
+# file on the 2-core VM (make test's pytest on 2 workers, 2026-11-26: 1,792 test-seconds).
 LONGEST_FIRST = (
-    "e2e/test_soak.py",  # ~160
-    "e2e/test_readme.py",  # ~110-130
-    "e2e/test_demo.py",  # ~100
-    "e2e/test_openapi_contract.py",  # ~60-100
-    "e2e/test_gateway_workers.py",  # ~70
-    "integration/test_ray.py",  # ~50
-    "e2e/test_stack_file.py",  # ~45
-    "integration/test_export.py",  # ~40
-    "integration/test_verl.py",  # ~40
-    "e2e/test_train_service.py",  # ~35
-    "e2e/test_supervision.py",  # ~35
-    "integration/test_tensordict_compat.py",  # ~30
-    "e2e/test_gateway_memory.py",  # ~28
+    "e2e/test_soak.py",  # 188
+    "e2e/test_demo.py",  # 146
+    "e2e/test_readme.py",  # 132
+    "integration/test_export.py",  # 109
+    "e2e/test_openapi_contract.py",  # 84
+    "e2e/test_gateway_workers.py",  # 80
+    "e2e/test_train_service.py",  # 68
+    "e2e/test_supervision.py",  # 67
+    "e2e/test_gateway.py",  # 61
+    "integration/test_ray.py",  # 56
+    "e2e/test_gateway_memory.py",  # 53
+    "e2e/test_cli.py",  # 51
+    "integration/test_pipeline.py",  # 45
+    "integration/test_verl.py",  # 43
+    "integration/test_base_install.py",  # 37
+    "e2e/test_regenerate.py",  # 36
+    "e2e/test_stack_file.py",  # 35
+    "e2e/test_anthropic_api.py",  # 35
+    "integration/test_tensordict_compat.py",  # 34
+    "integration/test_replay.py",  # 34
+    "e2e/test_secure_log.py",  # 34
 )
 
 

@@ -183,6 +183,14 @@ def local_backend_class() -> type[LocalBackend]:
     return LocalBackend
 
 
+def require_local_backend() -> None:
+    """Before anything starts, a missing torch is an error naming the extra to install. Looked
+    up, not imported: the ``--workers`` supervisor never loads it, and a second ``up`` on a
+    locked store exits before it would."""
+    if importlib.util.find_spec("torch") is None:
+        raise _needs_torch()
+
+
 def _needs_torch(detail: str = "") -> TurnstreamError:
     return TurnstreamError(
         f"the local backend needs torch{detail}: pip install 'turnstream[local]', or serve a "
@@ -377,11 +385,8 @@ class GatewayCommand(GatewaySettings):
     __doc__ = GatewaySettings.__doc__
 
     def cli_cmd(self) -> None:
-        if self.backend == "local":  # before connecting to anything: a missing extra says so
-            if self.workers == 1:
-                local_backend_class()
-            elif importlib.util.find_spec("torch") is None:  # the supervisor never loads torch
-                raise _needs_torch()
+        if self.backend == "local":
+            require_local_backend()
         if self.workers > 1:
             from turnstream.gateway_workers import serve_workers
 

@@ -27,7 +27,7 @@ from turnstream.gateway_service import (
     GatewaySettings,
     build_gateway,
     http_server,
-    local_backend_class,
+    require_local_backend,
 )
 from turnstream.shard_writer_service import shard_writer
 from turnstream.stack import EventLog, open_log, stop_on_signals
@@ -141,7 +141,7 @@ class UpCommand(UpSettings):
 
     def cli_cmd(self) -> None:
         if self.backend == "local":
-            local_backend_class()  # before starting anything: a missing extra says so
+            require_local_backend()
         asyncio.run(self._run())
 
     async def _run(self) -> None:
