@@ -15,6 +15,7 @@ copies of each) is what a replay asks.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import datetime
@@ -61,37 +62,27 @@ async def read_session_messages(
     timeout_s: float = 5.0,
 ) -> list[StoredMessage]:
     """Every message of ``run``/``session`` in ``stream``, undecoded, in stream order.
-    ``run`` None matches the session in any run (session ids are unique)."""
-    # nats-py has no batched direct get; the request is plain core NATS on its connection.
+    ``run`` None matches the session in any run (session ids are unique). ``timeout_s``: the
+    longest wait for the next message of a batch."""
+    # nats-py has no batched direct get; the request is plain core NATS on its connection. The
+    # answers are taken by a callback on the subscription's own task: ``next_msg`` per message
+    # made two tasks and a timer each (~75 us; 2.15 -> 1.23 ms of CPU per 11-event session).
     nc: Any = js._nc
     where = f"session {run or '*'}/{session} in {stream}"
     subject = session_subjects(run or "*", session)
     api = f"$JS.API.DIRECT.GET.{stream}"
     found: list[StoredMessage] = []
-    seq = 1
-    try:
-        sub = await nc.subscribe(nc.new_inbox())
-    except (nats.errors.Error, OSError) as exc:
-        raise EventLogUnavailable(f"reading {where}: {exc}") from exc
-    try:
-        while True:
-            # max_bytes: the batch arrives as one burst; past the server's slow-consumer limit
-            # it would cut the connection.
-            request = {"seq": seq, "next_by_subj": subject, "batch": batch, "max_bytes": max_bytes}
-            await nc.publish(api, json.dumps(request).encode(), reply=sub.subject)
-            while True:
-                msg = await sub.next_msg(timeout=timeout_s)
-                headers = msg.headers or {}
-                status = headers.get(_STATUS)
-                if status == _NOT_FOUND:
-                    return found
-                if status == _END_OF_BATCH:
-                    break
-                if status is not None:
-                    raise EventLogUnavailable(
-                        f"reading {where} at seq {seq}: JetStream answered {status} "
-                        f"{headers.get('Description', '')}"
-                    )
+    loop = asyncio.get_running_loop()
+    ended: asyncio.Future[dict[str, str]] = loop.create_future()  # a batch's closing status
+
+    async def take(msg: Msg) -> None:
+        if ended.done():
+            return
+        headers = msg.headers or {}
+        try:
+            if _STATUS in headers:
+                ended.set_result(headers)
+            else:
                 found.append(
                     StoredMessage(
                         int(headers["Nats-Sequence"]),
@@ -100,9 +91,41 @@ async def read_session_messages(
                         headers.get(_MSG_ID),
                     )
                 )
+        except (KeyError, ValueError) as exc:  # a malformed answer fails the read, named
+            ended.set_exception(
+                EventLogUnavailable(f"reading {where}: an answer without its headers: {exc!r}")
+            )
+
+    seq = 1
+    try:
+        sub = await nc.subscribe(nc.new_inbox(), cb=take)
+    except (nats.errors.Error, OSError) as exc:
+        raise EventLogUnavailable(f"reading {where}: {exc}") from exc
+    try:
+        while True:
+            # max_bytes: the batch arrives as one burst; past the server's slow-consumer limit
+            # it would cut the connection.
+            request = {"seq": seq, "next_by_subj": subject, "batch": batch, "max_bytes": max_bytes}
+            await nc.publish(api, json.dumps(request).encode(), reply=sub.subject)
+            taken = -1
+            while not ended.done():
+                if len(found) == taken:  # nothing came for timeout_s
+                    raise TimeoutError(f"no answer within {timeout_s} s")
+                taken = len(found)
+                await asyncio.wait((ended,), timeout=timeout_s)
+            headers = ended.result()
+            status = headers[_STATUS]
+            if status == _NOT_FOUND:
+                return found
+            if status != _END_OF_BATCH:
+                raise EventLogUnavailable(
+                    f"reading {where} at seq {seq}: JetStream answered {status} "
+                    f"{headers.get('Description', '')}"
+                )
             if not found or int(headers.get("Nats-Num-Pending", 0)) == 0:
                 return found
             seq = found[-1].seq + 1
+            ended = loop.create_future()
     except (TimeoutError, nats.errors.Error, OSError) as exc:
         raise EventLogUnavailable(
             f"reading {where} at seq {seq}: {type(exc).__name__}: {exc}"
