@@ -40,7 +40,7 @@ typecheck: setup
 
 # Test files run on TEST_WORKERS pytest-xdist workers (one file stays on one worker: its module
 # fixtures, a nats-server or a gateway, are started once), the longest files first
-# (tests/conftest.py, LONGEST_FIRST): 892 s with 2 on the 2-core VM (fresh-clone CI, 2026-11-26;
+# (tests/conftest.py, LONGEST_FIRST): 842 s with 2 on the 2-core VM (fresh-clone CI, 2026-11-26;
 # 1363 s serial on 2026-11-25); 3 gave 881 s once (a Ray test starved into its timeout) and
 # 985 s another time (all passed): no steady gain on 2 cores. mypy run beside the tests instead
 # of before them: 930 s for both against 892 + 43 s, no gain measurable on this VM (the suite

@@ -45,7 +45,10 @@ CPU per 1k tokens over the phase: worker 196-322 us, shard writer 145-211 us, na
 140-205 us (480-740 us in all) against 58-97 us for the raw read itself: the pipeline is
 CPU-bound at ~0.13-0.2 of raw on 2 cores. TRAJ carries 9.06 bytes per token (17.05 before the
 compact TrajectoryReady). Runs on a VM loaded by other jobs (2026-11-25, load 11-15) gave
-0.103-0.119 (docs/PERFORMANCE.md, issue 16, section 1).
+0.103-0.119 (docs/PERFORMANCE.md, issue 16, section 1). Later the same day, with the session
+read-back taking its answers in a callback (rehydrate 330-349 -> 457-513 sessions/s, paired):
+0.193, 0.175, 0.204 (before it, in the same alternation: 0.192, 0.212); worker 262-278, writer
+207-218, nats-server 194-207 us per 1k tokens.
 """
 
 from __future__ import annotations
