@@ -183,6 +183,19 @@ def local_backend_class() -> type[LocalBackend]:
     return LocalBackend
 
 
+def import_gateway_modules(settings: GatewaySettings) -> None:
+    """Import what building a gateway needs (transformers; torch and the local backend for
+    ``--backend local``) before connecting to the log: seconds of imports on the event loop
+    just after connecting leave the new connection unserved, and a nats-server restart in that
+    window timed out the gateway's first requests (restarted gateways of the chaos soak exited
+    on it). Not in the ``--workers`` supervisor, which builds no gateway."""
+    from transformers import GenerationConfig, TokenizersBackend
+
+    del GenerationConfig, TokenizersBackend  # imported now; build_gateway uses them
+    if settings.backend == "local":
+        local_backend_class()
+
+
 def require_local_backend() -> None:
     """Before anything starts, a missing torch is an error naming the extra to install. Looked
     up, not imported: the ``--workers`` supervisor never loads it, and a second ``up`` on a
@@ -396,6 +409,7 @@ class GatewayCommand(GatewaySettings):
             runner.run(self._serve())
 
     async def _serve(self) -> None:
+        import_gateway_modules(self)
         stop = stop_on_signals()
         async with (
             open_log(self, name="turnstream-gateway", stop=stop) as event_log,

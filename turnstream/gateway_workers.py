@@ -273,9 +273,15 @@ async def serve_workers(settings: GatewaySettings) -> None:
 
 async def _serve_worker(spec: WorkerSpec) -> None:
     from gateway.handoff import owner_routed
-    from turnstream.gateway_service import build_gateway, http_server, serve_until
+    from turnstream.gateway_service import (
+        build_gateway,
+        http_server,
+        import_gateway_modules,
+        serve_until,
+    )
 
     settings = spec.settings
+    import_gateway_modules(settings)
     own_new_session_ids(spec.index, spec.workers)
     stop = stop_on_signals()
     loop = asyncio.get_running_loop()

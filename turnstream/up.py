@@ -27,6 +27,7 @@ from turnstream.gateway_service import (
     GatewaySettings,
     build_gateway,
     http_server,
+    import_gateway_modules,
     require_local_backend,
 )
 from turnstream.shard_writer_service import shard_writer
@@ -79,6 +80,8 @@ async def embedded_stack(
     The embedded nats-server is restarted when it dies; if it keeps dying, ``stop`` is set and
     ``ServerCrashLoop`` is raised on exit.
     """
+    if settings.workers == 1:
+        import_gateway_modules(settings)  # before connecting: its gateway is built here
     async with contextlib.AsyncExitStack() as exits:
         event_log = await exits.enter_async_context(
             open_log(settings, name="turnstream-up", stop=stop)
