@@ -14,7 +14,7 @@ import gc
 import importlib.util
 import logging
 import socket
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -37,7 +37,7 @@ from gateway.tools import get_parser
 from gateway.turns import Kept
 from schemas.errors import TurnstreamError
 from turnstream.settings import PublishingSettings
-from turnstream.stack import EventLog, open_log, stop_on_signals
+from turnstream.stack import EventLog, open_log, run_service, stop_on_signals
 
 if TYPE_CHECKING:
     from gateway.backends.local import LocalBackend
@@ -366,17 +366,6 @@ def http_server(app: FastAPI, host: str, port: int) -> uvicorn.Server:
     return _HttpServer(config)
 
 
-def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """uvloop's event loop where uvloop is installed (libuv: fewer Python frames per socket
-    event than asyncio's selector loop), else None: asyncio's own."""
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
-    return factory
-
-
 async def serve_until(
     server: uvicorn.Server, stop: asyncio.Event, sockets: list[socket.socket] | None = None
 ) -> None:
@@ -405,8 +394,7 @@ class GatewayCommand(GatewaySettings):
 
             asyncio.run(serve_workers(self))  # the supervisor; each worker runs ``_serve``'s
             return
-        with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
-            runner.run(self._serve())
+        run_service(self._serve())
 
     async def _serve(self) -> None:
         import_gateway_modules(self)

@@ -48,7 +48,7 @@ from eventlog import ensure_log_security
 from gateway.handoff import Handoff
 from schemas.errors import TurnstreamError
 from schemas.ids import own_new_session_ids
-from turnstream.stack import EventLog, open_log, stop_on_signals
+from turnstream.stack import EventLog, open_log, run_service, stop_on_signals
 
 if TYPE_CHECKING:
     from turnstream.gateway_service import GatewaySettings
@@ -364,12 +364,10 @@ def _worker_main() -> int:
     (size,) = struct.unpack("!Q", stdin.read(8))
     spec: WorkerSpec = pickle.loads(stdin.read(size))
     from turnstream.cli import configure_logging
-    from turnstream.gateway_service import event_loop_factory
 
     configure_logging(f"[worker {spec.index}] %(message)s")
     try:
-        with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
-            runner.run(_serve_worker(spec))
+        run_service(_serve_worker(spec))
     except TurnstreamError as exc:
         log.error("%s", exc)
         return 1

@@ -8,7 +8,6 @@ nothing either: the unacked trajectories are redelivered to the next writer afte
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 from pydantic import Field
@@ -21,7 +20,7 @@ from eventlog.metrics import ConsumerMetrics
 from eventlog.shard_store import FileShardStore
 from schemas.codec import Codec
 from turnstream.settings import PublishingSettings
-from turnstream.stack import EventLog, open_log, require_log_url, stop_on_signals
+from turnstream.stack import EventLog, open_log, require_log_url, run_service, stop_on_signals
 
 __all__ = ["ShardWriterCommand", "shard_writer"]
 
@@ -60,7 +59,7 @@ class ShardWriterCommand(PublishingSettings):
 
     def cli_cmd(self) -> None:
         require_log_url(self, "shard-writer")
-        asyncio.run(self._run())
+        run_service(self._run())
 
     async def _run(self) -> None:
         stop = stop_on_signals()

@@ -6,8 +6,9 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
@@ -24,9 +25,18 @@ from eventlog.connection import close_connection
 from schemas.errors import TurnstreamError
 from turnstream.settings import ServiceSettings
 
-__all__ = ["EventLog", "open_log", "require_log_url", "stop_on_signals"]
+__all__ = [
+    "EventLog",
+    "event_loop_factory",
+    "open_log",
+    "require_log_url",
+    "run_service",
+    "stop_on_signals",
+]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -36,6 +46,24 @@ class EventLog:
     url: str
     server: NatsServer | None  # None when connected to an external server
     provisioned: list[ProvisionAction]
+
+
+def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's event loop where uvloop is installed (libuv: fewer Python frames per socket
+    event than asyncio's selector loop), else None: asyncio's own."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    return factory
+
+
+def run_service(main: Coroutine[Any, Any, T]) -> T:
+    """Run a long-lived service's ``main`` to its end on ``event_loop_factory``'s loop: the
+    gateway, its ``--workers``, ``up``, the fold worker and the shard writer all run on it."""
+    with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+        return runner.run(main)
 
 
 def stop_on_signals() -> asyncio.Event:

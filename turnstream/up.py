@@ -31,7 +31,7 @@ from turnstream.gateway_service import (
     require_local_backend,
 )
 from turnstream.shard_writer_service import shard_writer
-from turnstream.stack import EventLog, open_log, stop_on_signals
+from turnstream.stack import EventLog, open_log, run_service, stop_on_signals
 from turnstream.stack_file import (
     new_stack_file,
     remove_stack_file,
@@ -145,7 +145,7 @@ class UpCommand(UpSettings):
     def cli_cmd(self) -> None:
         if self.backend == "local":
             require_local_backend()
-        asyncio.run(self._run())
+        run_service(self._run())
 
     async def _run(self) -> None:
         stop = stop_on_signals()

@@ -19,7 +19,7 @@ from consumers import FoldWorker, FoldWorkerSettings, Reaper, ReaperSettings
 from eventlog import JetStreamPublisher, LogSettings
 from eventlog.metrics import ConsumerMetrics
 from turnstream.settings import PublishingSettings
-from turnstream.stack import EventLog, open_log, require_log_url, stop_on_signals
+from turnstream.stack import EventLog, open_log, require_log_url, run_service, stop_on_signals
 
 __all__ = ["WorkerCommand", "WorkerSettings", "fold_workers", "run_workers"]
 
@@ -103,7 +103,7 @@ class WorkerCommand(WorkerSettings):
 
     def cli_cmd(self) -> None:
         require_log_url(self, "worker")
-        asyncio.run(self._run())
+        run_service(self._run())
 
     async def _run(self) -> None:
         stop = stop_on_signals()
