@@ -1,7 +1,7 @@
 """The event log runtime: embedded nats-server, connection, provisioning, publisher, outbox."""
 
 from eventlog.config import LogSettings, PublisherSettings, StreamNames, check_retry_horizon
-from eventlog.connection import connect
+from eventlog.connection import answered, connect
 from eventlog.errors import LogSecurityError, PublishForbidden, ServerCrashLoop, StoreInUse
 from eventlog.loop import ACK, HOLD, BatchHandler, Delivery, Handler, Outcome, PullLoop, Reject
 from eventlog.outbox import Outbox, OutboxRecord
@@ -44,6 +44,7 @@ __all__ = [
     "StoreInUse",
     "StoredMessage",
     "StreamNames",
+    "answered",
     "check_retry_horizon",
     "connect",
     "ensure_log_security",

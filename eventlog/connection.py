@@ -15,21 +15,27 @@ import contextlib
 import logging
 import ssl
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import nats.errors
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
+from nats.js import errors as js_errors
 
 from eventlog.config import LogSettings
 from schemas.errors import EventLogUnavailable
 
-__all__ = ["close_connection", "connect", "reconnects"]
+__all__ = ["ANSWER_TRIES", "answered", "close_connection", "connect", "reconnects"]
 
 log = logging.getLogger(__name__)
 
 _RECONNECT_WAIT_S = 0.25
 _PERMISSIONS = "permissions violation"
+
+T = TypeVar("T")
+
+ANSWER_TRIES = 3
+"""How many times ``answered`` sends an idempotent request whose answer was lost."""
 
 
 def _credentials(settings: LogSettings) -> dict[str, Any]:
@@ -224,3 +230,31 @@ async def close_connection(nc: NATS) -> None:
 def reconnects(js: JetStreamContext) -> int:
     """How often the connection under ``js`` has reconnected (a reaper's outage clock)."""
     return int(js._nc.stats["reconnects"])
+
+
+async def answered(request: Callable[[], Awaitable[T]], what: str, tries: int = ANSWER_TRIES) -> T:
+    """``request()`` (idempotent: provisioning, opening a bucket), sent again when its answer
+    is lost or JetStream is not serving yet: a timeout, no responders, a 503, as while
+    nats-server restarts (killed mid-request, or down longer than the request's timeout; the
+    connection reconnects meanwhile). JetStream's other refusals are answers and raised at once,
+    as is the last try's loss.
+
+    A service starting up sends a few such requests right after it connects; without this, a
+    nats-server restart in that window made it exit (a restarted gateway in the chaos soak).
+    """
+    transient = (TimeoutError, nats.errors.NoRespondersError, js_errors.ServiceUnavailableError)
+    for attempt in range(1, tries + 1):
+        try:
+            return await request()
+        except transient as exc:  # nats.errors.TimeoutError is a TimeoutError
+            if attempt == tries:
+                raise
+            log.warning(
+                "%s: no answer from the log (%s); asking again (%d of %d)",
+                what,
+                type(exc).__name__,
+                attempt + 1,
+                tries,
+            )
+            await asyncio.sleep(_RECONNECT_WAIT_S)
+    raise AssertionError("unreachable")

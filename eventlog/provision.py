@@ -17,6 +17,7 @@ from nats.js import api as js_api
 from nats.js import errors as js_errors
 
 from eventlog.config import LogSettings
+from eventlog.connection import answered
 from schemas.errors import EventLogUnavailable, ProvisioningError
 from schemas.ids import DLQ_SUBJECT_PREFIX, EVENT_SUBJECT_PREFIX, TRAJ_SUBJECT_PREFIX
 
@@ -180,13 +181,17 @@ async def _ensure_bucket(js: JetStreamContext, want: js_api.KeyValueConfig) -> P
 
 
 async def provision(js: JetStreamContext, settings: LogSettings) -> list[ProvisionAction]:
-    """Make the live streams and buckets match ``settings``; returns what was done to each."""
-    actions: list[ProvisionAction] = []
+    """Make the live streams and buckets match ``settings``; returns what was done to each.
+
+    Every step is idempotent, so a lost answer (nats-server restarting) provisions again
+    (``answered``); a step whose answer was lost may then be reported ``unchanged``."""
+
+    async def each() -> list[ProvisionAction]:
+        actions = [await _ensure_stream(js, stream) for stream in desired_streams(settings)]
+        return actions + [await _ensure_bucket(js, b) for b in desired_buckets(settings)]
+
     try:
-        for stream in desired_streams(settings):
-            actions.append(await _ensure_stream(js, stream))
-        for bucket in desired_buckets(settings):
-            actions.append(await _ensure_bucket(js, bucket))
+        actions = await answered(each, "provisioning streams and buckets")
     except js_errors.APIError as exc:
         raise ProvisioningError(
             f"JetStream refused the stream/bucket configuration: {exc}"

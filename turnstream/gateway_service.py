@@ -24,7 +24,7 @@ from fastapi import FastAPI
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from eventlog import JetStreamPublisher, Outbox, read_session
+from eventlog import JetStreamPublisher, Outbox, answered, read_session
 from gateway.app import create_app
 from gateway.backends.base import Backend
 from gateway.backends.policy_watch import PolicyTarget, PolicyVersion, watch_policy
@@ -282,7 +282,8 @@ async def build_gateway(settings: GatewaySettings, event_log: EventLog) -> Async
     )
     publisher = await JetStreamPublisher(event_log.nc, settings.publisher, outbox=outbox).start()
     metrics = GatewayMetrics()
-    kv = await event_log.js.key_value(settings.log.names.policy_bucket)
+    bucket = settings.log.names.policy_bucket
+    kv = await answered(lambda: event_log.js.key_value(bucket), f"opening bucket {bucket}")
     # The local backend loads each new checkpoint itself; remote ones are updated by the
     # trainer, and the gateway only follows the version to record it on every turn.
     policy: PolicyTarget = backend if isinstance(backend, PolicyTarget) else PolicyVersion()

@@ -71,6 +71,22 @@ async def test_provisioning_twice_changes_nothing(log: Log) -> None:
     assert (await log.js.stream_info("EVENTS")).state.messages == 1  # data untouched
 
 
+async def test_provisioning_rides_out_a_server_restart_longer_than_its_timeout(log: Log) -> None:
+    # A service starting while nats-server restarts: its first requests time out (1 s here)
+    # while the server is down; provisioning asks again once the connection is back.
+    impatient = log.nc.jetstream(timeout=1.0)
+    log.server.kill()
+    provisioning = asyncio.create_task(provision(impatient, log.settings))
+    await asyncio.sleep(1.5)  # the first try's request has timed out by now
+    assert not provisioning.done()
+    log.server.restart()
+
+    actions = await asyncio.wait_for(provisioning, 30)
+
+    assert {a.action for a in actions} == {"unchanged"}
+    assert len(actions) == 7
+
+
 async def test_provisioning_applies_changed_settings(log: Log) -> None:
     changed = log.settings.model_copy(update={"events_max_age_s": 3600.0})
 

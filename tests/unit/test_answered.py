@@ -1,0 +1,58 @@
+"""``eventlog.answered``: which failures of an idempotent log request are asked again."""
+
+from __future__ import annotations
+
+import nats.errors
+import pytest
+from nats.js import errors as js_errors
+
+from eventlog import answered
+from eventlog.connection import ANSWER_TRIES
+
+
+def failing(*errors: Exception) -> tuple[list[int], object]:
+    """A request that raises ``errors`` in turn, then answers with the number of calls."""
+    calls: list[int] = []
+
+    async def request() -> int:
+        calls.append(1)
+        if len(calls) <= len(errors):
+            raise errors[len(calls) - 1]
+        return len(calls)
+
+    return calls, request
+
+
+@pytest.mark.parametrize(
+    "lost",
+    [
+        TimeoutError(),
+        nats.errors.TimeoutError(),
+        nats.errors.NoRespondersError(),
+        js_errors.ServiceUnavailableError(),  # 503: JetStream not serving yet
+    ],
+    ids=["timeout", "nats-timeout", "no-responders", "503"],
+)
+async def test_a_lost_answer_is_asked_again_until_one_comes(lost: Exception) -> None:
+    calls, request = failing(lost, lost)
+    assert await answered(request, "test") == 3  # type: ignore[arg-type]
+    assert len(calls) == 3
+
+
+async def test_the_last_tries_loss_is_raised() -> None:
+    calls, request = failing(*[TimeoutError()] * ANSWER_TRIES)
+    with pytest.raises(TimeoutError):
+        await answered(request, "test")  # type: ignore[arg-type]
+    assert len(calls) == ANSWER_TRIES
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [js_errors.NotFoundError(), js_errors.BadRequestError(), js_errors.APIError()],
+    ids=["not-found", "bad-request", "api-error"],
+)
+async def test_a_refusal_is_an_answer_and_raised_at_once(answer: Exception) -> None:
+    calls, request = failing(answer)
+    with pytest.raises(type(answer)):
+        await answered(request, "test")  # type: ignore[arg-type]
+    assert calls == [1]
