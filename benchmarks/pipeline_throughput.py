@@ -48,7 +48,10 @@ compact TrajectoryReady). Runs on a VM loaded by other jobs (2026-11-25, load 11
 0.103-0.119 (docs/PERFORMANCE.md, issue 16, section 1). Later the same day, with the session
 read-back taking its answers in a callback (rehydrate 330-349 -> 457-513 sessions/s, paired):
 0.193, 0.175, 0.204 (before it, in the same alternation: 0.192, 0.212); worker 262-278, writer
-207-218, nats-server 194-207 us per 1k tokens.
+207-218, nats-server 194-207 us per 1k tokens. On a faster VM (raw read 28-34 M tokens/s, its
+own CPU 38-47 us per 1k tokens), with the consumers on uvloop: 0.174, 0.164, 0.158; worker
+87-96, writer 107-120, nats-server 113-122 us per 1k tokens (330-400 in all): CPU-bound, 1.7 of
+the 2 cores busy over the phase (docs/PERFORMANCE.md, issue 16, section 1, sixth round).
 """
 
 from __future__ import annotations
