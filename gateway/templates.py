@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -67,13 +68,15 @@ class ChatTemplate:
         *,
         max_context: int | None = None,
     ) -> None:
-        """``max_context``: the served context length, which becomes the tokenizer's own limit
-        (transformers warns about any longer encoding, e.g. 30994 > 4096, though the model
-        served takes it)."""
+        """``max_context``: the served context length. The serving code refuses longer prompts
+        itself (413, ``ContextLengthExceeded``), so the tokenizer's own limit is lifted: with it
+        transformers warned about any longer encoding ("30994 > 4096" where the model served
+        takes 32k, or a refused over-context prompt: "running this sequence through the model
+        will result in indexing errors", though nothing ran)."""
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat_template; serve a chat model")
         if max_context is not None:
-            tokenizer.model_max_length = max_context
+            tokenizer.model_max_length = sys.maxsize
         self.tokenizer = tokenizer
         self.hash = hashlib.sha256(str(tokenizer.chat_template).encode()).hexdigest()[:16]
         eos = tokenizer.eos_token_id
