@@ -188,10 +188,15 @@ def import_gateway_modules(settings: GatewaySettings) -> None:
     ``--backend local``) before connecting to the log: seconds of imports on the event loop
     just after connecting leave the new connection unserved, and a nats-server restart in that
     window timed out the gateway's first requests (restarted gateways of the chaos soak exited
-    on it). Not in the ``--workers`` supervisor, which builds no gateway."""
+    on it). Not in the ``--workers`` supervisor, which builds no gateway.
+
+    Also turns transformers' progress bars off: a gateway's log is lines, and each model load
+    (at start, and per policy version the local backend loads) drew a "Loading weights" bar."""
     from transformers import GenerationConfig, TokenizersBackend
+    from transformers.utils import logging as transformers_logging
 
     del GenerationConfig, TokenizersBackend  # imported now; build_gateway uses them
+    transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # untyped
     if settings.backend == "local":
         local_backend_class()
 

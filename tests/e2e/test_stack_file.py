@@ -157,6 +157,8 @@ def test_up_writes_stack_json_that_status_and_inspect_join_and_removes_it(
 
         assert up.stop() == 0, up.output()[-4000:]
         assert not (data / "stack.json").exists()  # removed on exit
+        # A service's log is lines: no progress bar of transformers' model loading.
+        assert "Loading weights" not in up.output()
     finally:
         up.cleanup()
 
