@@ -14,6 +14,7 @@ from nats.js import JetStreamContext
 from nats.js import errors as js_errors
 from nats.js.kv import KeyValue
 
+from eventlog.connection import answered
 from schemas.errors import EventLogUnavailable
 
 __all__ = ["Bucket", "Entry"]
@@ -39,8 +40,9 @@ class Bucket:
 
     @classmethod
     async def open(cls, js: JetStreamContext, name: str) -> Bucket:
-        try:
-            return cls(js, await js.key_value(name), name)
+        try:  # a service opens its buckets as it starts: a lost answer is asked again
+            kv = await answered(lambda: js.key_value(name), f"opening bucket {name}")
+            return cls(js, kv, name)
         except _UNAVAILABLE as exc:
             raise EventLogUnavailable(
                 f"cannot open bucket {name}: {exc}; is the log provisioned?"

@@ -87,6 +87,19 @@ async def test_provisioning_rides_out_a_server_restart_longer_than_its_timeout(l
     assert len(actions) == 7
 
 
+async def test_a_bucket_opens_through_a_server_restart_longer_than_its_timeout(log: Log) -> None:
+    impatient = log.nc.jetstream(timeout=1.0)
+    log.server.kill()
+    opening = asyncio.create_task(Bucket.open(impatient, "ts_policy"))
+    await asyncio.sleep(1.5)  # the first try's request has timed out by now
+    assert not opening.done()
+    log.server.restart()
+
+    bucket = await asyncio.wait_for(opening, 30)
+
+    assert await bucket.get("no-such-key") is None  # a working bucket
+
+
 async def test_provisioning_applies_changed_settings(log: Log) -> None:
     changed = log.settings.model_copy(update={"events_max_age_s": 3600.0})
 
