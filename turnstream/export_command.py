@@ -240,15 +240,16 @@ def load_renderer(model_dir: Path) -> TemplateRenderer:
             f"--tokenizer {model_dir}: no tokenizer could be loaded there ({exc}); name the "
             f"model directory the gateway served (its --model), or pass --no-fidelity"
         ) from exc
-    # Samples are checked whole, whatever their length: no "longer than the maximum" warning.
-    tokenizer.model_max_length = sys.maxsize
     try:  # every end token the model may sample closes its turn, as in the gateway
         eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
     except OSError:
         eos = None
     stop_ids = [eos] if isinstance(eos, int) else list(eos or [])
     try:
-        return TemplateRenderer(ChatTemplate(tokenizer, stop_token_ids=stop_ids))
+        # Samples are checked whole, whatever their length: the template lifts the tokenizer's
+        # own limit, so no "longer than the maximum" warning.
+        template = ChatTemplate(tokenizer, stop_token_ids=stop_ids, max_context=sys.maxsize)
+        return TemplateRenderer(template)
     except ValueError as exc:
         raise TurnstreamError(f"--tokenizer {model_dir}: {exc}") from exc
 
