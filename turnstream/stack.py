@@ -27,7 +27,6 @@ from turnstream.settings import ServiceSettings
 
 __all__ = [
     "EventLog",
-    "event_loop_factory",
     "open_log",
     "require_log_url",
     "run_service",
@@ -48,7 +47,7 @@ class EventLog:
     provisioned: list[ProvisionAction]
 
 
-def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+def _event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     """uvloop's event loop where uvloop is installed (libuv: fewer Python frames per socket
     event than asyncio's selector loop), else None: asyncio's own."""
     try:
@@ -60,9 +59,9 @@ def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 
 def run_service(main: Coroutine[Any, Any, T]) -> T:
-    """Run a long-lived service's ``main`` to its end on ``event_loop_factory``'s loop: the
+    """Run a long-lived service's ``main`` to its end on ``_event_loop_factory``'s loop: the
     gateway, its ``--workers``, ``up``, the fold worker and the shard writer all run on it."""
-    with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+    with asyncio.Runner(loop_factory=_event_loop_factory()) as runner:
         return runner.run(main)
 
 
