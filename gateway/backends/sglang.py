@@ -91,7 +91,7 @@ class SGLangBackend(GuardedLogprobs, RemoteBackend):
         *,
         backend_id: str,
         max_context: int,
-        client: httpx.AsyncClient | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
         incremental_streaming: bool = False,
         timeout_s: float = 600.0,
         connect_timeout_s: float = 5.0,
@@ -105,7 +105,7 @@ class SGLangBackend(GuardedLogprobs, RemoteBackend):
             "SGLang",
             backend_id=backend_id,
             max_context=max_context,
-            client=client,
+            transport=transport,
             timeout_s=timeout_s,
             connect_timeout_s=connect_timeout_s,
         )

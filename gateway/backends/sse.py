@@ -1,4 +1,12 @@
-"""Server-sent JSON events from a remote inference server, over httpx.
+"""Server-sent JSON events from a remote inference server, over an httpx transport.
+
+Requests go straight to the transport (``httpx.AsyncBaseTransport.handle_async_request``: the
+gateway's ``StreamingTransport``, or ``httpx.MockTransport`` in tests), not through an
+``httpx.AsyncClient``: the client's layer (cookie jar, auth and redirect hooks, merging default
+headers, a timer around the body) cost ~20% of the gateway's CPU per request at the short shape
+(benchmarks/gateway_overhead.py), the cookie jar alone ~8%, and a backend has no use for any of
+it: the gateway sends one POST, never follows a redirect, and must not carry one backend's
+cookies into another request.
 
 The one place where httpx errors become gateway errors (STYLE: translate at the adapter
 boundary): a server that cannot be reached is ``BackendUnavailable`` (the router may try another
@@ -39,14 +47,14 @@ _JSON = msgspec.json.Decoder()  # 3-4x json.loads on these events; the same dict
 # Request bodies: msgspec copies a prompt's JSON text (msgspec.Raw) as it is, and encodes the
 # rest ~10x faster than json.dumps (which httpx's json= uses).
 _BODY = msgspec.json.Encoder()
-_BODY_HEADERS = httpx.Headers({"content-type": "application/json"})
+_BODY_HEADERS = httpx.Headers({"content-type": "application/json", "user-agent": "turnstream"})
 
 
 class RemoteBackend:
-    """What the HTTP backends (vLLM, SGLang) share: endpoint, identity, client, timeouts.
+    """What the HTTP backends (vLLM, SGLang) share: endpoint, identity, transport, timeouts.
 
-    A client passed in (tests, a shared pool) is the caller's to close; one made here is ours.
-    ``timeout_s`` bounds the wait for each next event, not the whole generation."""
+    A transport passed in (tests, a shared pool) is the caller's to close; one made here is
+    ours. ``timeout_s`` bounds the wait for each next event, not the whole generation."""
 
     def __init__(
         self,
@@ -55,7 +63,7 @@ class RemoteBackend:
         *,
         backend_id: str,
         max_context: int,
-        client: httpx.AsyncClient | None,
+        transport: httpx.AsyncBaseTransport | None,
         timeout_s: float,
         connect_timeout_s: float,
     ) -> None:
@@ -64,10 +72,8 @@ class RemoteBackend:
         self._server = server
         self._id = backend_id
         self._max_context = max_context
-        self._owns_client = client is None
-        self._client = (
-            client if client is not None else httpx.AsyncClient(transport=StreamingTransport())
-        )
+        self._owns_transport = transport is None
+        self._transport = transport if transport is not None else StreamingTransport()
         self._timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
         self._where = f"{server} at {url}"
 
@@ -81,12 +87,12 @@ class RemoteBackend:
 
     def _events(self, body: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
         return post_event_stream(
-            self._client, self._target, body, server=self._server, http_timeout=self._timeout
+            self._transport, self._target, body, server=self._server, http_timeout=self._timeout
         )
 
     def _event_batches(self, body: dict[str, Any]) -> AsyncGenerator[list[bytes], None]:
         return post_event_batches(
-            self._client, self._target, body, server=self._server, http_timeout=self._timeout
+            self._transport, self._target, body, server=self._server, http_timeout=self._timeout
         )
 
     async def _whole(self, body: dict[str, Any], max_tokens: int) -> bytes:
@@ -96,7 +102,7 @@ class RemoteBackend:
         read = self._timeout.read or 0.0
         timeout = self._timeout.as_dict() | {"read": read + max_tokens / _SLOWEST_TOKENS_PER_S}
         return await post_whole(
-            self._client,
+            self._transport,
             self._target,
             body,
             server=self._server,
@@ -104,12 +110,12 @@ class RemoteBackend:
         )
 
     async def close(self) -> None:
-        if self._owns_client:
-            await self._client.aclose()
+        if self._owns_transport:
+            await self._transport.aclose()
 
 
 async def post_event_stream(
-    client: httpx.AsyncClient,
+    transport: httpx.AsyncBaseTransport,
     url: str | httpx.URL,
     body: dict[str, Any],
     *,
@@ -121,7 +127,7 @@ async def post_event_stream(
     Close the iterator (``contextlib.aclosing``) to stop early: that closes the connection, which
     is how vLLM and SGLang learn to abort the request.
     """
-    batches = post_event_batches(client, url, body, server=server, http_timeout=http_timeout)
+    batches = post_event_batches(transport, url, body, server=server, http_timeout=http_timeout)
     async with aclosing(batches):
         async for batch in batches:
             for payload in batch:
@@ -129,7 +135,7 @@ async def post_event_stream(
 
 
 async def post_whole(
-    client: httpx.AsyncClient,
+    transport: httpx.AsyncBaseTransport,
     url: str | httpx.URL,
     body: dict[str, Any],
     *,
@@ -138,12 +144,31 @@ async def post_whole(
 ) -> bytes:
     """POST ``body`` as JSON and return the body of the (non-streamed) response."""
     with _translated(url, server):
-        response = await client.post(
-            url, content=_BODY.encode(body), headers=_BODY_HEADERS, timeout=http_timeout
-        )
-        if response.status_code != httpx.codes.OK:
-            raise await _status_error(response, url, server)
-        return response.content
+        response = await _post(transport, url, body, http_timeout)
+        try:
+            if response.status_code != httpx.codes.OK:
+                raise await _status_error(response, url, server)
+            return await response.aread()
+        finally:
+            await response.aclose()
+
+
+async def _post(
+    transport: httpx.AsyncBaseTransport,
+    url: str | httpx.URL,
+    body: dict[str, Any],
+    http_timeout: httpx.Timeout,
+) -> httpx.Response:
+    """The response's head; the caller reads the body and closes the response (which hands
+    the connection back, or closes it when the body was not read to its end)."""
+    request = httpx.Request(
+        "POST",
+        url,
+        content=_BODY.encode(body),
+        headers=_BODY_HEADERS,
+        extensions={"timeout": http_timeout.as_dict()},
+    )
+    return await transport.handle_async_request(request)
 
 
 @contextmanager
@@ -162,7 +187,7 @@ def _translated(url: str | httpx.URL, server: str) -> Iterator[None]:
 
 
 async def post_event_batches(
-    client: httpx.AsyncClient,
+    transport: httpx.AsyncBaseTransport,
     url: str | httpx.URL,
     body: dict[str, Any],
     *,
@@ -176,9 +201,8 @@ async def post_event_batches(
     is how vLLM and SGLang learn to abort the request.
     """
     with _translated(url, server):
-        async with client.stream(
-            "POST", url, content=_BODY.encode(body), headers=_BODY_HEADERS, timeout=http_timeout
-        ) as response:
+        response = await _post(transport, url, body, http_timeout)
+        try:
             if response.status_code != httpx.codes.OK:
                 raise await _status_error(response, url, server)
             batches = _data_batches(response.aiter_bytes())
@@ -193,6 +217,8 @@ async def post_event_batches(
                         pass
                     return
                 yield batch
+        finally:
+            await response.aclose()
 
 
 async def _status_error(

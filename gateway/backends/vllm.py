@@ -93,7 +93,7 @@ class VLLMBackend(GuardedLogprobs, RemoteBackend):
         *,
         backend_id: str,
         max_context: int,
-        client: httpx.AsyncClient | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
         timeout_s: float = 600.0,
         connect_timeout_s: float = 5.0,
         logprobs_kind: LogprobsKind | None = None,
@@ -108,7 +108,7 @@ class VLLMBackend(GuardedLogprobs, RemoteBackend):
             "vLLM",
             backend_id=backend_id,
             max_context=max_context,
-            client=client,
+            transport=transport,
             timeout_s=timeout_s,
             connect_timeout_s=connect_timeout_s,
         )

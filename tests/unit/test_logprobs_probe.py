@@ -181,15 +181,17 @@ class StandInSGLang(StandIn):
 
 
 def vllm(server: StandIn, replica: str = "vllm-0") -> VLLMBackend:
-    client = httpx.AsyncClient(transport=httpx.MockTransport(server))
+    transport = httpx.MockTransport(server)
     return VLLMBackend(
-        f"http://{replica}:8000", "m", backend_id=replica, max_context=4096, client=client
+        f"http://{replica}:8000", "m", backend_id=replica, max_context=4096, transport=transport
     )
 
 
 def sglang(server: StandIn) -> SGLangBackend:
-    client = httpx.AsyncClient(transport=httpx.MockTransport(server))
-    return SGLangBackend("http://sgl:30000", backend_id="sglang-0", max_context=4096, client=client)
+    transport = httpx.MockTransport(server)
+    return SGLangBackend(
+        "http://sgl:30000", backend_id="sglang-0", max_context=4096, transport=transport
+    )
 
 
 def sampling(temperature: float = 1.0, top_p: float = 1.0, **more: Any) -> SamplingParams:

@@ -80,24 +80,24 @@ class Recorder:
 def vllm(handler: Handler, base_url: str = "http://gpu-1:8000") -> VLLMBackend:
     # Known to be in processed mode: these tests pin the translation, not the log-prob probe
     # (tests/unit/test_logprobs_probe.py), which would send requests of its own first.
-    client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    transport = httpx.MockTransport(handler)
     return VLLMBackend(
         base_url,
         "Qwen/Qwen2.5-7B-Instruct",
         backend_id="vllm-1",
         max_context=32768,
-        client=client,
+        transport=transport,
         logprobs_kind="processed",
     )
 
 
 def sglang(handler: Handler, *, incremental: bool = False) -> SGLangBackend:
-    client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    transport = httpx.MockTransport(handler)
     return SGLangBackend(
         "http://gpu-2:30000/",
         backend_id="sglang-1",
         max_context=32768,
-        client=client,
+        transport=transport,
         incremental_streaming=incremental,
         logprobs_kind="processed",
     )
@@ -837,17 +837,38 @@ async def test_transport_errors_are_translated(
     assert isinstance(caught.value.__cause__, httpx.HTTPError | type(None))
 
 
-@pytest.mark.parametrize("make", BACKENDS)
-async def test_protocol_and_client_ownership(make: Callable[[Handler], Backend]) -> None:
-    backend = make(answer(b""))
+class ClosedTransport(httpx.MockTransport):
+    """A MockTransport that says whether it was closed."""
+
+    def __init__(self, handler: Handler) -> None:
+        super().__init__(handler)
+        self.closed = False
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+@pytest.mark.parametrize("kind", ["vllm", "sglang"])
+async def test_protocol_and_transport_ownership(kind: str) -> None:
+    transport = ClosedTransport(answer(b""))
+    backend: Backend = (
+        VLLMBackend(
+            "http://gpu-1:8000", "m", backend_id="v", max_context=32768, transport=transport
+        )
+        if kind == "vllm"
+        else SGLangBackend(
+            "http://gpu-2:30000", backend_id="s", max_context=32768, transport=transport
+        )
+    )
     assert isinstance(backend, Backend)
     assert backend.max_context == 32768
     await backend.close()
-    # An injected client belongs to the caller: close() leaves it open.
-    assert not backend._client.is_closed  # type: ignore[attr-defined]
+    # An injected transport belongs to the caller: close() leaves it open.
+    assert not transport.closed
 
 
-async def test_own_client_is_closed() -> None:
+async def test_own_transport_is_closed() -> None:
     backend = SGLangBackend("http://gpu-3:30000", backend_id="sglang-3", max_context=4096)
     await backend.close()
-    assert backend._client.is_closed
+    with pytest.raises(RuntimeError, match="the transport is closed"):
+        await collect(backend)
