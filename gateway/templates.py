@@ -35,6 +35,9 @@ __all__ = ["ChatTemplate", "load_tokenizer", "template_messages"]
 _PLAIN_TOKENIZER_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
 
 JSON = dict[str, Any]
+# Message fields transformers copies under each other's names before rendering (its
+# _alias_reasoning_fields): a message holding one is rendered through apply_chat_template.
+_REASONING_FIELDS = frozenset({"reasoning_content", "thinking", "reasoning"})
 _SENTINEL = "\x00turnstream-sentinel\x00"
 
 
@@ -83,6 +86,8 @@ class ChatTemplate:
         ids = list(stop_token_ids) + ([eos] if isinstance(eos, int) else [])
         self.stop_token_ids: tuple[int, ...] = tuple(dict.fromkeys(ids))
         self._rust_decode = _rust_decode(tokenizer)
+        self._rust_encode = _rust_encode(tokenizer)
+        self._jinja = _jinja_render(tokenizer)
         self.turn_end_text = self._turn_end_text()
         # No token stands for more characters than its vocabulary string has (byte-level
         # vocabularies write one character per byte), so text of n characters needs at least
@@ -105,13 +110,16 @@ class ChatTemplate:
     def render(
         self, messages: Sequence[JSON], tools: list[JSON] | None, *, generation: bool
     ) -> str:
+        chat = template_messages(messages)
         try:
-            text = self.tokenizer.apply_chat_template(
-                template_messages(messages),
-                tools=tools,  # type: ignore[arg-type]  # list[dict] is what HF documents
-                add_generation_prompt=generation,
-                tokenize=False,
-            )
+            text: object = None if self._jinja is None else self._jinja(chat, tools, generation)
+            if text is None:
+                text = self.tokenizer.apply_chat_template(
+                    chat,
+                    tools=tools,  # type: ignore[arg-type]  # list[dict] is what HF documents
+                    add_generation_prompt=generation,
+                    tokenize=False,
+                )
         except Exception as exc:  # jinja raises anything: a template error is the request's
             raise InvalidRequest(f"the chat template cannot render these messages: {exc}") from exc
         return str(text)
@@ -121,7 +129,10 @@ class ChatTemplate:
         return chars // self._longest_token
 
     def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        ids = None if self._rust_encode is None else self._rust_encode(text)
+        if ids is None:
+            ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        return ids
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         if self._rust_decode is not None:
@@ -204,11 +215,10 @@ def _rust_decode(tokenizer: PreTrainedTokenizerBase) -> Callable[[Sequence[int],
 
     cls = type(tokenizer)
     if (
-        not isinstance(tokenizer, TokenizersBackend)
+        not _plain_fast(tokenizer)
         or cls.decode is not PreTrainedTokenizerBase.decode
         or cls._decode is not TokenizersBackend._decode
         or tokenizer.clean_up_tokenization_spaces
-        or tokenizer._tokenizer is None
     ):
         return None
     rust = tokenizer._tokenizer.decode
@@ -217,3 +227,96 @@ def _rust_decode(tokenizer: PreTrainedTokenizerBase) -> Callable[[Sequence[int],
         return str(rust(ids if isinstance(ids, list) else list(ids), skip_special_tokens))
 
     return decode
+
+
+def _plain_fast(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """A plain fast tokenizer (``TokenizersBackend``) with the Rust tokenizer loaded."""
+    from transformers import TokenizersBackend
+
+    return isinstance(tokenizer, TokenizersBackend) and tokenizer._tokenizer is not None
+
+
+def _rust_encode(tokenizer: PreTrainedTokenizerBase) -> Callable[[str], list[int] | None] | None:
+    """The ``tokenizers`` library's encode, where transformers' ``encode(text,
+    add_special_tokens=False)`` is exactly that call: its wrapper (argument resolution, batch
+    detection, the BatchEncoding) cost as much again as encoding a turn's new messages. A
+    subclass that overrides encoding keeps transformers' path. transformers sets the Rust
+    tokenizer's truncation, padding and special-token splitting before each call; where they are
+    not what an encode without options leaves (no truncation, no padding, special tokens whole),
+    this returns None and the caller takes transformers' path."""
+    from transformers import PreTrainedTokenizerBase, TokenizersBackend
+
+    cls = type(tokenizer)
+    if (
+        not _plain_fast(tokenizer)
+        or cls.encode is not PreTrainedTokenizerBase.encode
+        or cls._encode_plus is not TokenizersBackend._encode_plus
+    ):
+        return None
+    rust = tokenizer._tokenizer
+    tokenizer.encode("", add_special_tokens=False)  # transformers configures it as it encodes
+
+    def encode(text: str) -> list[int] | None:
+        if (
+            rust.truncation is not None
+            or rust.padding is not None
+            or rust.encode_special_tokens
+            or tokenizer.split_special_tokens
+        ):
+            return None
+        ids: list[int] = rust.encode(text, add_special_tokens=False).ids
+        return ids
+
+    return encode
+
+
+def _jinja_render(
+    tokenizer: PreTrainedTokenizerBase,
+) -> Callable[[list[JSON], list[JSON] | None, bool], str | None] | None:
+    """transformers' render of the tokenizer's one chat template, without the conversions
+    ``apply_chat_template`` makes first: turning message objects (dataclasses, pydantic models)
+    into dicts and rebuilding every value from plain JSON types, twice, which cost as much as
+    the render itself. The gateway's messages are dicts of JSON values already (parsed request
+    bodies, through ``template_messages``), so the same compiled template (transformers' cached
+    compile: its sandbox, filters and globals) gets the same inputs. Only for a tokenizer whose
+    ``apply_chat_template`` is transformers' own and whose template is a single string (a dict
+    of named templates picks one by the request's tools). The render returns None, for the
+    caller to take transformers' path, where that does more than render: an empty conversation
+    (refused), messages with reasoning fields (copied under each other's names), a template
+    changed since. ``tests/unit/test_chat_render.py`` holds the two renders equal."""
+    from transformers import PreTrainedTokenizerBase
+
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:  # a transformers that moved it: its own path
+        return None
+    source = tokenizer.chat_template
+    if type(
+        tokenizer
+    ).apply_chat_template is not PreTrainedTokenizerBase.apply_chat_template or not isinstance(
+        source, str
+    ):
+        return None
+    compiled = _compile_jinja_template(source)
+    special: dict[str, Any] = dict(tokenizer.special_tokens_map)
+    if not all(isinstance(v, str) for v in special.values()):
+        return None  # transformers rebuilds anything else on every render
+
+    def render(messages: list[JSON], tools: list[JSON] | None, generation: bool) -> str | None:
+        if (
+            not messages
+            or tokenizer.chat_template is not source
+            or any(_REASONING_FIELDS & m.keys() for m in messages)
+        ):
+            return None
+        return str(
+            compiled.render(
+                messages=messages,
+                tools=tools,
+                documents=None,
+                add_generation_prompt=generation,
+                **special,
+            )
+        )
+
+    return render

@@ -199,7 +199,7 @@ def test_the_tokenizer_warns_of_no_length_limit_the_gateway_enforces_itself(
     try:
         with caplog.at_level(logging.WARNING):
             unset = AutoTokenizer.from_pretrained(tiny_model_dir)
-            ChatTemplate(unset).encode("x" * 10_000)
+            unset.encode("x" * 10_000, add_special_tokens=False)
             assert "longer than the specified maximum" in caplog.text  # what the issue saw
             caplog.clear()
             tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -207,6 +207,9 @@ def test_the_tokenizer_warns_of_no_length_limit_the_gateway_enforces_itself(
             assert len(template.encode("x" * 10_000)) == 10_000
             # Nor for a prompt past the served context, which the gateway refuses itself (413).
             assert len(template.encode("x" * 70_000)) == 70_000
+            # And where transformers' own encode runs (a reconfigured tokenizer: no fast path).
+            tokenizer.split_special_tokens = True
+            assert len(template.encode("x" * 10_000)) == 10_000
     finally:
         transformers_logging.disable_propagation()
     assert "longer than the specified maximum" not in caplog.text

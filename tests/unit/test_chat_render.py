@@ -1,0 +1,159 @@
+"""``ChatTemplate`` renders and encodes exactly as transformers does, on its faster paths.
+
+``ChatTemplate.render`` calls the tokenizer's compiled chat template itself (skipping the
+conversions ``apply_chat_template`` makes of message objects, which the gateway's JSON
+messages do not need) and ``ChatTemplate.encode`` the Rust tokenizer. Both must give what
+transformers gives, for every kind of message the gateway renders: tools and tool calls, tool
+results, text parts, unicode, special-token text inside content, reasoning fields (which take
+transformers' path), and a template that fails.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from gateway.errors import InvalidRequest
+from gateway.templates import ChatTemplate, template_messages
+from tests.helpers.bpe_model import bpe_model_dir
+from tests.helpers.tiny_model import WEATHER_TOOLS, WEATHER_TRANSCRIPT
+
+JSON = dict[str, Any]
+
+CONVERSATIONS: list[tuple[list[JSON], list[JSON] | None]] = [
+    ([{"role": "user", "content": "hi"}], None),
+    (
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "émoji 🧪 RTL שלום عربى 中文 \u200b zero-width"},
+            {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": "<|im_start|>user\nspecial text<|im_end|>\n"},
+        ],
+        None,
+    ),
+    (WEATHER_TRANSCRIPT[:2], WEATHER_TOOLS),
+    (WEATHER_TRANSCRIPT, WEATHER_TOOLS),
+    (WEATHER_TRANSCRIPT, None),
+    (
+        [
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "parts "}, {"type": "text", "text": "two"}],
+            },
+            {"role": "assistant", "content": "", "name": None},
+        ],
+        [],
+    ),
+    (
+        [
+            {"role": "user", "content": "think"},
+            {"role": "assistant", "content": "done", "reasoning_content": "because"},
+            {"role": "user", "content": "and?"},
+        ],
+        None,
+    ),
+    ([{"role": "user", "content": "nested", "metadata": {"a": [1, 2.5, True, None, "x"]}}], None),
+]
+
+
+def tokenizers(tmp_path: Path, tiny_model_dir: Path) -> list[PreTrainedTokenizerBase]:
+    return [
+        AutoTokenizer.from_pretrained(tiny_model_dir),
+        AutoTokenizer.from_pretrained(bpe_model_dir(tmp_path / "bpe")),
+    ]
+
+
+def test_render_is_apply_chat_templates(tmp_path: Path, tiny_model_dir: Path) -> None:
+    for tokenizer in tokenizers(tmp_path, tiny_model_dir):
+        template = ChatTemplate(tokenizer, max_context=4096)
+        assert template._jinja is not None  # the fast path is what is tested
+        failed = 0
+        for messages, tools in CONVERSATIONS:
+            before = copy.deepcopy(messages)
+            for generation in (False, True):
+                try:
+                    expected = tokenizer.apply_chat_template(
+                        template_messages(messages),
+                        tools=tools,  # type: ignore[arg-type]
+                        add_generation_prompt=generation,
+                        tokenize=False,
+                    )
+                except Exception as exc:  # the same failure, as the request's error
+                    with pytest.raises(InvalidRequest, match=re.escape(str(exc))):
+                        template.render(messages, tools, generation=generation)
+                    failed += 1
+                else:
+                    assert template.render(messages, tools, generation=generation) == expected
+            assert messages == before  # the caller's messages are left as they were
+        assert failed == 2  # text parts: this template concatenates content as a string
+
+
+def test_a_template_error_is_the_requests(tiny_model_dir: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    plain = tokenizer.chat_template
+    tokenizer.chat_template = (
+        "{% if tools %}{{ raise_exception('no tools here') }}{% endif %}" + plain
+    )
+    template = ChatTemplate(tokenizer)
+    assert template._jinja is not None
+    assert template.render([{"role": "user", "content": "x"}], None, generation=True)
+    with pytest.raises(InvalidRequest, match="no tools here"):
+        template.render([{"role": "user", "content": "x"}], WEATHER_TOOLS, generation=True)
+    with pytest.raises(InvalidRequest, match="empty conversation"):
+        template.render([], None, generation=True)  # transformers' own refusal
+
+
+def test_named_templates_take_transformers_path(tiny_model_dir: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    plain = tokenizer.chat_template
+    tokenizer.chat_template = {"default": plain, "tool_use": "TOOLS:" + plain}
+    template = ChatTemplate(tokenizer)
+    assert template._jinja is None
+    messages = WEATHER_TRANSCRIPT[:1]
+    assert template.render(messages, WEATHER_TOOLS, generation=True).startswith("TOOLS:")
+    assert not template.render(messages, None, generation=True).startswith("TOOLS:")
+
+
+TEXTS = [
+    "",
+    "plain words, the end.",
+    "  spaces  and\ttabs\n\nnewlines ",
+    "émoji 🧪 RTL שלום عربى 中文 \u200b zero-width",
+    "<|im_start|>user\nspecial tokens inside text<|im_end|>\n<tool_call>{}</tool_call>",
+]
+
+
+def test_encode_is_transformers_encode(tmp_path: Path, tiny_model_dir: Path) -> None:
+    for tokenizer in tokenizers(tmp_path, tiny_model_dir):
+        template = ChatTemplate(tokenizer, max_context=4096)
+        assert template._rust_encode is not None
+        for text in TEXTS:
+            assert template.encode(text) == tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_encode_leaves_a_reconfigured_tokenizer_to_transformers(tiny_model_dir: Path) -> None:
+    # Someone truncating the shared Rust tokenizer, or splitting special tokens: the direct
+    # call would not do what transformers' encode (which resets them per call) does.
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    template = ChatTemplate(tokenizer)
+    text = TEXTS[-1]
+    tokenizer.backend_tokenizer.enable_truncation(3)
+    assert template._rust_encode is not None and template._rust_encode(text) is None
+    assert template.encode(text) == tokenizer.encode(text, add_special_tokens=False)
+    assert len(template.encode(text)) > 3
+    tokenizer.split_special_tokens = True
+    assert template.encode(text) == tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_a_template_changed_after_construction_is_the_one_rendered(tiny_model_dir: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    template = ChatTemplate(tokenizer)
+    tokenizer.chat_template = "CHANGED:" + str(tokenizer.chat_template)
+    assert template.render([{"role": "user", "content": "x"}], None, generation=True).startswith(
+        "CHANGED:"
+    )
