@@ -54,7 +54,6 @@ from contextlib import aclosing
 from dataclasses import replace
 from typing import Any
 
-import httpx
 import msgspec
 
 from gateway.backends.base import (
@@ -68,6 +67,7 @@ from gateway.backends.base import (
 from gateway.backends.payload import as_float, as_int, as_int_list, as_list, member
 from gateway.backends.probe import PROBE_PROMPT, GuardedLogprobs, LogprobsGuard, LogprobsKind
 from gateway.backends.sse import RemoteBackend, decode_event, merge_chunks
+from gateway.backends.transport import Transport
 from gateway.errors import BackendError
 
 __all__ = ["SGLangBackend", "SGLangStreamReader", "generate_request"]
@@ -91,7 +91,7 @@ class SGLangBackend(GuardedLogprobs, RemoteBackend):
         *,
         backend_id: str,
         max_context: int,
-        transport: httpx.AsyncBaseTransport | None = None,
+        transport: Transport | None = None,
         incremental_streaming: bool = False,
         timeout_s: float = 600.0,
         connect_timeout_s: float = 5.0,

@@ -1,24 +1,16 @@
-"""Server-sent JSON events from a remote inference server, over an httpx transport.
+"""Server-sent JSON events from a remote inference server, through the backend transport.
 
-Requests go straight to the transport (``httpx.AsyncBaseTransport.handle_async_request``: the
-gateway's ``StreamingTransport``, or ``httpx.MockTransport`` in tests), not through an
-``httpx.AsyncClient``: the client's layer (cookie jar, auth and redirect hooks, merging default
-headers, a timer around the body) cost ~20% of the gateway's CPU per request at the short shape
-(benchmarks/gateway_overhead.py), the cookie jar alone ~8%, and a backend has no use for any of
-it: the gateway sends one POST, never follows a redirect, and must not carry one backend's
-cookies into another request.
-
-The one place where httpx errors become gateway errors (STYLE: translate at the adapter
-boundary): a server that cannot be reached is ``BackendUnavailable`` (the router may try another
-replica); anything else that goes wrong (an HTTP error status, a timeout, a broken stream, an
-event that is not JSON, an ``{"error": ...}`` event) is ``BackendError``. Every message names the
-server and its URL.
+The one place where transport errors (httpx's exception classes: ``gateway.backends.transport``)
+become gateway errors (STYLE: translate at the adapter boundary): a server that cannot be
+reached is ``BackendUnavailable`` (the router may try another replica); anything else that goes
+wrong (an HTTP error status, a timeout, a broken stream, an event that is not JSON, an
+``{"error": ...}`` event) is ``BackendError``. Every message names the server and its URL.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Iterator, Sequence
 from contextlib import aclosing, contextmanager
 from dataclasses import replace
 from typing import Any
@@ -27,7 +19,7 @@ import httpx
 import msgspec
 
 from gateway.backends.base import GenerationChunk
-from gateway.backends.transport import StreamingTransport
+from gateway.backends.transport import Response, StreamingTransport, Target, Transport
 from gateway.errors import BackendError, BackendUnavailable
 
 __all__ = [
@@ -45,9 +37,9 @@ _BODY_EXCERPT = 500  # characters of an error body worth putting in a message
 _SLOWEST_TOKENS_PER_S = 10.0
 _JSON = msgspec.json.Decoder()  # 3-4x json.loads on these events; the same dicts and lists
 # Request bodies: msgspec copies a prompt's JSON text (msgspec.Raw) as it is, and encodes the
-# rest ~10x faster than json.dumps (which httpx's json= uses).
+# rest ~10x faster than json.dumps.
 _BODY = msgspec.json.Encoder()
-_BODY_HEADERS = httpx.Headers({"content-type": "application/json", "user-agent": "turnstream"})
+_BODY_HEADERS = ((b"content-type", b"application/json"), (b"user-agent", b"turnstream"))
 
 
 class RemoteBackend:
@@ -63,17 +55,17 @@ class RemoteBackend:
         *,
         backend_id: str,
         max_context: int,
-        transport: httpx.AsyncBaseTransport | None,
+        transport: Transport | None,
         timeout_s: float,
         connect_timeout_s: float,
     ) -> None:
         self._url = url
-        self._target = httpx.URL(url)  # parsed once, not on every request
+        self._target = Target(url)  # parsed once, not on every request
         self._server = server
         self._id = backend_id
         self._max_context = max_context
         self._owns_transport = transport is None
-        self._transport = transport if transport is not None else StreamingTransport()
+        self._transport: Transport = transport if transport is not None else StreamingTransport()
         self._timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
         self._where = f"{server} at {url}"
 
@@ -115,8 +107,8 @@ class RemoteBackend:
 
 
 async def post_event_stream(
-    transport: httpx.AsyncBaseTransport,
-    url: str | httpx.URL,
+    transport: Transport,
+    url: Target,
     body: dict[str, Any],
     *,
     server: str,
@@ -135,8 +127,8 @@ async def post_event_stream(
 
 
 async def post_whole(
-    transport: httpx.AsyncBaseTransport,
-    url: str | httpx.URL,
+    transport: Transport,
+    url: Target,
     body: dict[str, Any],
     *,
     server: str,
@@ -145,34 +137,23 @@ async def post_whole(
     """POST ``body`` as JSON and return the body of the (non-streamed) response."""
     with _translated(url, server):
         response = await _post(transport, url, body, http_timeout)
-        try:
-            if response.status_code != httpx.codes.OK:
-                raise await _status_error(response, url, server)
-            return await response.aread()
-        finally:
-            await response.aclose()
+        if response.status != 200:
+            raise await _status_error(response, url, server)
+        return await response.read()
 
 
 async def _post(
-    transport: httpx.AsyncBaseTransport,
-    url: str | httpx.URL,
-    body: dict[str, Any],
-    http_timeout: httpx.Timeout,
-) -> httpx.Response:
+    transport: Transport, url: Target, body: dict[str, Any], http_timeout: httpx.Timeout
+) -> Response:
     """The response's head; the caller reads the body and closes the response (which hands
     the connection back, or closes it when the body was not read to its end)."""
-    request = httpx.Request(
-        "POST",
-        url,
-        content=_BODY.encode(body),
-        headers=_BODY_HEADERS,
-        extensions={"timeout": http_timeout.as_dict()},
+    return await transport.request(
+        b"POST", url, body=_BODY.encode(body), headers=_BODY_HEADERS, timeouts=http_timeout
     )
-    return await transport.handle_async_request(request)
 
 
 @contextmanager
-def _translated(url: str | httpx.URL, server: str) -> Iterator[None]:
+def _translated(url: Target, server: str) -> Iterator[None]:
     """httpx's errors as the gateway's (see the module's docstring)."""
     try:
         yield
@@ -187,8 +168,8 @@ def _translated(url: str | httpx.URL, server: str) -> Iterator[None]:
 
 
 async def post_event_batches(
-    transport: httpx.AsyncBaseTransport,
-    url: str | httpx.URL,
+    transport: Transport,
+    url: Target,
     body: dict[str, Any],
     *,
     server: str,
@@ -203,9 +184,9 @@ async def post_event_batches(
     with _translated(url, server):
         response = await _post(transport, url, body, http_timeout)
         try:
-            if response.status_code != httpx.codes.OK:
+            if response.status != 200:
                 raise await _status_error(response, url, server)
-            batches = _data_batches(response.aiter_bytes())
+            batches = _data_batches(response)
             async for batch in batches:
                 if b"[DONE]" in batch:
                     done = batch.index(b"[DONE]")
@@ -221,23 +202,21 @@ async def post_event_batches(
             await response.aclose()
 
 
-async def _status_error(
-    response: httpx.Response, url: str | httpx.URL, server: str
-) -> BackendError:
-    detail = (await response.aread()).decode("utf-8", errors="replace")[:_BODY_EXCERPT]
-    message = f"{server} at {url} answered HTTP {response.status_code}: {detail}"
+async def _status_error(response: Response, url: Target, server: str) -> BackendError:
+    detail = (await response.read()).decode("utf-8", errors="replace")[:_BODY_EXCERPT]
+    message = f"{server} at {url} answered HTTP {response.status}: {detail}"
     # 503: starting up, overloaded or shutting down; another replica may take the request.
-    if response.status_code == httpx.codes.SERVICE_UNAVAILABLE:
+    if response.status == 503:
         return BackendUnavailable(message)
     return BackendError(message)
 
 
-async def _data_batches(body: AsyncIterator[bytes]) -> AsyncIterator[list[bytes]]:
+async def _data_batches(body: AsyncIterable[bytes]) -> AsyncIterator[list[bytes]]:
     """The payloads of the ``data:`` lines, a list per body part that completed any.
 
     Only single-line ``data:`` events are used by these servers; comments (``: ping``) and
     blank separators are skipped. A body part holds as many events as one network read got,
-    so they are split here in one pass rather than line by line through httpx's decoders."""
+    so they are split here in one pass rather than line by line."""
     pending = b""
     async for part in body:
         lines = (pending + part).splitlines() if pending else part.splitlines()
@@ -251,7 +230,7 @@ async def _data_batches(body: AsyncIterator[bytes]) -> AsyncIterator[list[bytes]
         yield [pending[5:].strip()]
 
 
-def decode_event(payload: bytes, url: str | httpx.URL, server: str) -> dict[str, Any]:
+def decode_event(payload: bytes, url: Target | str, server: str) -> dict[str, Any]:
     """One event's JSON object; an ``{"error": ...}`` event or one that is not a JSON object is
     a BackendError naming the server."""
     try:

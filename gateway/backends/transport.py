@@ -1,23 +1,26 @@
-"""An httpx transport for many concurrent streamed responses from a few inference servers.
+"""The HTTP client the remote backends speak to their inference servers through.
 
-httpx's default transport (httpcore) cost ~0.9 ms of the gateway's ~2.6 ms of CPU per
-streamed backend request (benchmarks/gateway_overhead.py): pool bookkeeping that grows with
-the pool, anyio and sniffio wrappers, trace hooks and a cancellation scope around every read.
-This one does the least that keeps HTTP/1.1 correct: a stack of idle keep-alive connections
-per server over asyncio streams, httptools (llhttp, the C parser uvicorn serves the gateway
-with) for the response's framing (chunked and Content-Length bodies, keep-alive rules), and one
-body part per network read (every piece parsed from it, joined), so the SSE events that arrived
-together are split and parsed together. (It used h11, pure Python: ~10% of the gateway's CPU
-per request at the benchmark's short shape.) The request's head is written here: method,
-target, the headers httpx built (a name or value with a control character is refused), and the
-body as httpx framed it (Content-Length, or chunked for a body of unknown length).
+httpx cost most of the gateway's CPU per backend request: its default transport (httpcore:
+pool bookkeeping, anyio and sniffio wrappers, trace hooks, a cancellation scope around every
+read) ~0.9 of ~2.6 ms per streamed request, then, on this module's transport, its client layer
+(cookie jar, auth and redirect hooks, header merging) ~10% of the gateway's CPU per request and
+its Request and Response models (header objects, URL copies, encoding lookups, byte-stream
+wrappers) ~6% more (benchmarks/gateway_overhead.py, short shape). The backends send one kind of
+request (a POST of a JSON body to a URL parsed once) and read one kind of answer, so this does
+the least that keeps HTTP/1.1 correct: a stack of idle keep-alive connections per server over
+asyncio streams; the request's head written here (request line, Host, the caller's headers,
+Content-Length; a name or value with a control character is refused); httptools (llhttp, the C
+parser uvicorn serves the gateway with) for the response's framing (chunked and Content-Length
+bodies, keep-alive rules); and one body part per network read (every piece parsed from it,
+joined), so the SSE events that arrived together are split and parsed together.
 
-It plugs in under ``httpx.AsyncClient(transport=...)`` (httpx's one-method
-``AsyncBaseTransport`` port), so the adapter code, timeouts and error classes stay httpx's, and
-the adapter's tests can keep ``httpx.MockTransport``. Failures are raised as the httpx
-exceptions httpcore would raise (``ConnectError``, ``ReadTimeout``, ``RemoteProtocolError``,
-...). Not supported, because the backends do not need them: HTTP/2, proxies, client
-certificates, upgrades.
+Failures are raised as the httpx exceptions httpcore would raise (``ConnectError``,
+``ReadTimeout``, ``RemoteProtocolError``, ...), and timeouts are an ``httpx.Timeout``, so the
+adapters translate one family of errors (``gateway.backends.sse``). Not supported, because the
+backends do not need them: HTTP/2, proxies, client certificates, upgrades, request bodies of
+unknown length, compressed responses (none is asked for: one that comes anyway is refused).
+Tests stand in for a server with ``tests/helpers/backend_transport.py``, which runs an
+``httpx.MockTransport`` handler behind the same ``Transport`` interface.
 """
 
 from __future__ import annotations
@@ -25,17 +28,98 @@ from __future__ import annotations
 import asyncio
 import re
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Protocol
 
 import httptools
 import httpx
 
-__all__ = ["StreamingTransport"]
+__all__ = ["Response", "StreamingTransport", "Target", "Transport"]
 
 _READ_SIZE = 64 * 1024
 _DEFAULT_PORTS = {b"http": 80, b"https": 443}
 _CONTROL = re.compile(rb"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")  # but tab, CR and LF
 Origin = tuple[bytes, str, int]
+Headers = Sequence[tuple[bytes, bytes]]
+
+
+class Target:
+    """A URL parsed once (a backend's endpoint): where to connect, the request line's target
+    and the Host header. ``str()`` gives the URL as it was written, for messages."""
+
+    __slots__ = ("host", "origin", "path", "url")
+
+    def __init__(self, url: str) -> None:
+        parsed = httpx.URL(url)
+        scheme = parsed.raw_scheme
+        if scheme not in _DEFAULT_PORTS:
+            raise httpx.UnsupportedProtocol(f"unsupported URL scheme {parsed.scheme!r} in {url}")
+        self.url = url
+        self.origin: Origin = (scheme, parsed.host, parsed.port or _DEFAULT_PORTS[scheme])
+        self.path: bytes = parsed.raw_path
+        self.host: bytes = parsed.netloc
+
+    def __str__(self) -> str:
+        return self.url
+
+    def __repr__(self) -> str:
+        return f"Target({self.url!r})"
+
+
+class Response:
+    """A response's status and headers, then its body: iterate it for the parts as they
+    arrive, or ``read()`` it whole. Close it (``read`` does) to hand the connection back; closed
+    before the body's end, it closes the connection, which is how a streaming server learns
+    that the client went away."""
+
+    __slots__ = ("_close", "_closed", "_parts", "headers", "reason", "status")
+
+    def __init__(
+        self,
+        status: int,
+        headers: list[tuple[bytes, bytes]],
+        parts: AsyncIterator[bytes],
+        close: Callable[[], Awaitable[None]],
+        reason: bytes = b"",
+    ) -> None:
+        self.status = status
+        self.reason = reason
+        self.headers = headers
+        self._parts = parts
+        self._close = close
+        self._closed = False
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self._parts
+
+    async def read(self) -> bytes:
+        try:
+            return b"".join([part async for part in self._parts])
+        finally:
+            await self.aclose()
+
+    async def aclose(self) -> None:
+        if not self._closed:
+            self._closed = True
+            await self._close()
+
+
+class Transport(Protocol):
+    """What the backends send requests through (``StreamingTransport``; a stand-in in tests)."""
+
+    async def request(
+        self,
+        method: bytes,
+        target: Target,
+        *,
+        body: bytes,
+        headers: Headers,
+        timeouts: httpx.Timeout,
+    ) -> Response:
+        """The response once its head has arrived; the caller reads and closes it."""
+        ...
+
+    async def aclose(self) -> None: ...
 
 
 class _Connection:
@@ -101,39 +185,44 @@ class _Connection:
     def close(self) -> None:
         self.writer.close()
 
-    async def receive(self, read_timeout_s: float | None, request: httpx.Request) -> None:
+    async def receive(self, read_timeout_s: float | None) -> None:
         """Read what arrives next and parse it."""
-        data = await self.read(read_timeout_s, request)
+        data = await self.read(read_timeout_s)
         if not data:
             if self.status and self._ends_at_close():
                 self.complete = True
                 return
             where = "mid-response" if self.status else "without sending a response"
-            raise httpx.RemoteProtocolError(
-                f"the server closed the connection {where}", request=request
-            )
+            raise httpx.RemoteProtocolError(f"the server closed the connection {where}")
         try:
             self.parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
-            raise httpx.RemoteProtocolError(f"malformed response: {exc}", request=request) from exc
+            raise httpx.RemoteProtocolError(f"malformed response: {exc}") from exc
 
     def _ends_at_close(self) -> bool:
         """A body without Content-Length or chunked framing: it ends when the server closes."""
         names = {name.lower() for name, _ in self.headers}
         return b"content-length" not in names and b"transfer-encoding" not in names
 
-    async def read(self, read_timeout_s: float | None, request: httpx.Request) -> bytes:
+    def encoded(self) -> bytes | None:
+        """The response's content coding, where it is not the identity."""
+        for name, value in self.headers:
+            if name.lower() == b"content-encoding" and value.strip().lower() != b"identity":
+                return value
+        return None
+
+    async def read(self, read_timeout_s: float | None) -> bytes:
         try:
             async with asyncio.timeout(read_timeout_s):
                 return await self.reader.read(_READ_SIZE)
         except TimeoutError as exc:
-            raise httpx.ReadTimeout("timed out reading the response", request=request) from exc
+            raise httpx.ReadTimeout("timed out reading the response") from exc
         except OSError as exc:
-            raise httpx.ReadError(str(exc) or repr(exc), request=request) from exc
+            raise httpx.ReadError(str(exc) or repr(exc)) from exc
 
 
-class StreamingTransport(httpx.AsyncBaseTransport):
-    """HTTP/1.1 keep-alive connections over asyncio streams, parsed by h11.
+class StreamingTransport:
+    """HTTP/1.1 keep-alive connections over asyncio streams, parsed by httptools.
 
     ``max_idle_per_server`` bounds the connections kept open between requests; there is no
     bound on connections in use (the router bounds requests in flight per replica)."""
@@ -146,32 +235,60 @@ class StreamingTransport(httpx.AsyncBaseTransport):
         self._idle: dict[Origin, list[_Connection]] = {}
         self._closed = False
 
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+    async def request(
+        self,
+        method: bytes,
+        target: Target,
+        *,
+        body: bytes,
+        headers: Headers = (),
+        timeouts: httpx.Timeout,
+    ) -> Response:
         if self._closed:
             raise RuntimeError("the transport is closed")
-        url = request.url
-        scheme = url.raw_scheme
-        if scheme not in _DEFAULT_PORTS:
-            raise httpx.UnsupportedProtocol(f"unsupported URL scheme {url.scheme!r}")
-        origin: Origin = (scheme, url.host, url.port or _DEFAULT_PORTS[scheme])
-        timeouts: dict[str, float | None] = request.extensions.get("timeout", {})
+        head = self._head(method, target, headers, len(body))
+        origin = target.origin
         connection = self._idle_connection(origin)
         if connection is None:
-            connection = await self._connect(origin, timeouts.get("connect"), request)
+            connection = await self._connect(origin, timeouts.connect)
+        read_timeout = timeouts.read
         try:
-            await self._send(connection, request, timeouts.get("write"))
-            read_timeout = timeouts.get("read")
+            await self._send(connection, head, body, timeouts.write)
             while not connection.status:
-                await connection.receive(read_timeout, request)
+                await connection.receive(read_timeout)
+            coding = connection.encoded()
+            if coding is not None:
+                raise httpx.RemoteProtocolError(
+                    f"the server sent a {coding.decode('latin-1')}-encoded body, which was not "
+                    "asked for"
+                )
         except BaseException:
             connection.close()
             raise
-        return httpx.Response(
+
+        async def close() -> None:
+            self._release(origin, connection)
+
+        return Response(
             connection.status,
-            headers=connection.headers,
-            stream=_ResponseBody(self, origin, connection, read_timeout, request),
-            extensions={"http_version": b"HTTP/1.1", "reason_phrase": connection.reason},
+            connection.headers,
+            _BodyParts(connection, read_timeout),
+            close,
+            connection.reason,
         )
+
+    @staticmethod
+    def _head(method: bytes, target: Target, headers: Headers, length: int) -> bytes:
+        lines = [b"%s %s HTTP/1.1" % (method, target.path), b"host: " + target.host]
+        lines += [b"%s: %s" % field for field in headers]
+        lines.append(b"content-length: %d" % length)
+        head = b"\r\n".join(lines)
+        # A line break or another control character (but tab) in a name or value would end
+        # its line early: refused.
+        breaks = len(lines) - 1
+        if head.count(b"\n") != breaks or head.count(b"\r") != breaks or _CONTROL.search(head):
+            raise httpx.LocalProtocolError("a header name or value holds a control character")
+        return head + b"\r\n\r\n"
 
     def _idle_connection(self, origin: Origin) -> _Connection | None:
         idle = self._idle.get(origin)
@@ -190,9 +307,7 @@ class StreamingTransport(httpx.AsyncBaseTransport):
             connection.start()
             idle.append(connection)
 
-    async def _connect(
-        self, origin: Origin, connect_timeout_s: float | None, request: httpx.Request
-    ) -> _Connection:
+    async def _connect(self, origin: Origin, connect_timeout_s: float | None) -> _Connection:
         scheme, host, port = origin
         tls: ssl.SSLContext | None = None
         if scheme == b"https":
@@ -205,43 +320,23 @@ class StreamingTransport(httpx.AsyncBaseTransport):
                     host, port, ssl=tls, limit=_READ_SIZE
                 )
         except TimeoutError as exc:
-            raise httpx.ConnectTimeout(
-                f"connecting to {host}:{port} timed out", request=request
-            ) from exc
+            raise httpx.ConnectTimeout(f"connecting to {host}:{port} timed out") from exc
         except OSError as exc:
-            raise httpx.ConnectError(str(exc) or repr(exc), request=request) from exc
+            raise httpx.ConnectError(str(exc) or repr(exc)) from exc
         return _Connection(reader, writer)
 
+    @staticmethod
     async def _send(
-        self, connection: _Connection, request: httpx.Request, write_timeout_s: float | None
+        connection: _Connection, head: bytes, body: bytes, write_timeout_s: float | None
     ) -> None:
-        lines = [b"%s %s HTTP/1.1" % (request.method.encode("ascii"), request.url.raw_path)]
-        lines += [b"%s: %s" % field for field in request.headers.raw]
-        head = b"\r\n".join(lines)
-        # A line break or another control character (but tab) in a name or value would end
-        # its line early: refused.
-        breaks = len(lines) - 1
-        if head.count(b"\n") != breaks or head.count(b"\r") != breaks or _CONTROL.search(head):
-            raise httpx.LocalProtocolError(
-                "a header name or value holds a control character", request=request
-            )
-        parts = [head, b"\r\n\r\n"]
-        chunked = b"\r\ntransfer-encoding: chunked\r\n" in head.lower() + b"\r\n"
-        async for data in request.stream:  # type: ignore[union-attr]  # an async request
-            if not chunked:
-                parts.append(data)
-            elif data:
-                parts.append(b"%x\r\n%b\r\n" % (len(data), data))
-        if chunked:
-            parts.append(b"0\r\n\r\n")
         try:
-            connection.writer.write(b"".join(parts))
+            connection.writer.write(head + body)
             async with asyncio.timeout(write_timeout_s):
                 await connection.writer.drain()
         except TimeoutError as exc:
-            raise httpx.WriteTimeout("timed out sending the request", request=request) from exc
+            raise httpx.WriteTimeout("timed out sending the request") from exc
         except OSError as exc:
-            raise httpx.WriteError(str(exc) or repr(exc), request=request) from exc
+            raise httpx.WriteError(str(exc) or repr(exc)) from exc
 
     async def aclose(self) -> None:
         self._closed = True
@@ -251,38 +346,25 @@ class StreamingTransport(httpx.AsyncBaseTransport):
         self._idle.clear()
 
 
-class _ResponseBody(httpx.AsyncByteStream):
-    """The body, one part per network read; closing it before its end closes the connection
-    (which is how a streaming server learns that the client went away)."""
+class _BodyParts:
+    """A response's body, one part per network read (what arrived together, joined)."""
 
-    def __init__(
-        self,
-        transport: StreamingTransport,
-        origin: Origin,
-        connection: _Connection,
-        timeout: float | None,
-        request: httpx.Request,
-    ) -> None:
-        self._transport = transport
-        self._origin = origin
+    __slots__ = ("_connection", "_timeout")
+
+    def __init__(self, connection: _Connection, timeout: float | None) -> None:
         self._connection = connection
         self._timeout = timeout
-        self._request = request
-        self._closed = False
 
-    async def __aiter__(self) -> AsyncIterator[bytes]:
+    def __aiter__(self) -> _BodyParts:
+        return self
+
+    async def __anext__(self) -> bytes:
         connection = self._connection
         while True:
             body = connection.body
             if body:
                 connection.body = []
-                yield body[0] if len(body) == 1 else b"".join(body)
+                return body[0] if len(body) == 1 else b"".join(body)
             if connection.complete:
-                return
-            await connection.receive(self._timeout, self._request)
-
-    async def aclose(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._transport._release(self._origin, self._connection)
+                raise StopAsyncIteration
+            await connection.receive(self._timeout)

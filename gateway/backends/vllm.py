@@ -56,7 +56,6 @@ from contextlib import aclosing
 from dataclasses import replace
 from typing import Any, NamedTuple
 
-import httpx
 import msgspec
 
 from gateway.backends.base import (
@@ -69,6 +68,7 @@ from gateway.backends.base import (
 )
 from gateway.backends.probe import PROBE_PROMPT, GuardedLogprobs, LogprobsGuard, LogprobsKind
 from gateway.backends.sse import RemoteBackend, decode_event
+from gateway.backends.transport import Transport
 from gateway.errors import BackendError
 
 __all__ = ["CompletionReader", "VLLMBackend", "completion_request"]
@@ -93,7 +93,7 @@ class VLLMBackend(GuardedLogprobs, RemoteBackend):
         *,
         backend_id: str,
         max_context: int,
-        transport: httpx.AsyncBaseTransport | None = None,
+        transport: Transport | None = None,
         timeout_s: float = 600.0,
         connect_timeout_s: float = 5.0,
         logprobs_kind: LogprobsKind | None = None,

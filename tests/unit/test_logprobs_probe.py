@@ -1,8 +1,9 @@
 """The log-prob probe: what a vLLM or SGLang replica's log-probs are, and the turns refused for it.
 
 No vLLM or SGLang server runs in unit tests (tests/deploy runs the real vLLM), so each stands in
-as an ``httpx.MockTransport`` handler that answers as that server does, in its wire format,
-computing its log-probs the way its sampler does from one fixed set of logits:
+as an ``httpx.MockTransport`` handler (tests/helpers/backend_transport.py) that answers as that
+server does, in its wire format, computing its log-probs the way its sampler does from one fixed
+set of logits:
 
 - vLLM's ``--logprobs-mode raw_logprobs`` (its default): ``log_softmax(logits)``, whatever the
   sampling; ``processed_logprobs``: after temperature and top-p (vllm/v1/sample/sampler.py);
@@ -34,6 +35,7 @@ from gateway.backends.router import ReplicaRouter
 from gateway.backends.sglang import SGLangBackend
 from gateway.backends.vllm import VLLMBackend
 from gateway.errors import BackendUnavailable, InvalidRequest
+from tests.helpers.backend_transport import HandlerTransport
 
 LOGITS = {72: 3.0, 73: 2.2, 74: 1.5, 75: 0.3, 76: -1.0, 77: -2.5}  # the model, next token
 ANSWER = [72, 73, 74]  # what the stand-ins sample, whatever the distribution
@@ -181,14 +183,14 @@ class StandInSGLang(StandIn):
 
 
 def vllm(server: StandIn, replica: str = "vllm-0") -> VLLMBackend:
-    transport = httpx.MockTransport(server)
+    transport = HandlerTransport(server)
     return VLLMBackend(
         f"http://{replica}:8000", "m", backend_id=replica, max_context=4096, transport=transport
     )
 
 
 def sglang(server: StandIn) -> SGLangBackend:
-    transport = httpx.MockTransport(server)
+    transport = HandlerTransport(server)
     return SGLangBackend(
         "http://sgl:30000", backend_id="sglang-0", max_context=4096, transport=transport
     )

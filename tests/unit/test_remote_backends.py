@@ -1,8 +1,9 @@
 """vLLM and SGLang backends: request and response translation.
 
 Neither server can run here (no GPU), so these tests stand in for them with ``httpx.MockTransport``
-handlers that answer with SSE bodies shaped as the projects document and emit them, one event per
-network read unless a test says otherwise (vLLM >= 0.10.2 ``/v1/completions`` with
+handlers (behind the backends' transport interface: tests/helpers/backend_transport.py) that
+answer with SSE bodies shaped as the projects document and emit them, one event per network read
+unless a test says otherwise (vLLM >= 0.10.2 ``/v1/completions`` with
 ``return_tokens_as_token_ids``, and servers that send ``token_ids`` too; SGLang's native
 ``/generate`` with ``return_logprob``, cumulative and ``--incremental-streaming-output`` modes),
 or with one JSON response to a request not streamed.
@@ -24,6 +25,7 @@ from gateway.backends.base import Backend, GenerationChunk, Prompt, SamplingPara
 from gateway.backends.sglang import SGLangBackend
 from gateway.backends.vllm import VLLMBackend
 from gateway.errors import BackendError, BackendUnavailable
+from tests.helpers.backend_transport import HandlerTransport
 
 PROMPT = [151644, 872, 198, 9707, 151645, 198, 151644, 77091, 198]
 IM_END = 151645
@@ -80,7 +82,7 @@ class Recorder:
 def vllm(handler: Handler, base_url: str = "http://gpu-1:8000") -> VLLMBackend:
     # Known to be in processed mode: these tests pin the translation, not the log-prob probe
     # (tests/unit/test_logprobs_probe.py), which would send requests of its own first.
-    transport = httpx.MockTransport(handler)
+    transport = HandlerTransport(handler)
     return VLLMBackend(
         base_url,
         "Qwen/Qwen2.5-7B-Instruct",
@@ -92,7 +94,7 @@ def vllm(handler: Handler, base_url: str = "http://gpu-1:8000") -> VLLMBackend:
 
 
 def sglang(handler: Handler, *, incremental: bool = False) -> SGLangBackend:
-    transport = httpx.MockTransport(handler)
+    transport = HandlerTransport(handler)
     return SGLangBackend(
         "http://gpu-2:30000/",
         backend_id="sglang-1",
@@ -837,20 +839,9 @@ async def test_transport_errors_are_translated(
     assert isinstance(caught.value.__cause__, httpx.HTTPError | type(None))
 
 
-class ClosedTransport(httpx.MockTransport):
-    """A MockTransport that says whether it was closed."""
-
-    def __init__(self, handler: Handler) -> None:
-        super().__init__(handler)
-        self.closed = False
-
-    async def aclose(self) -> None:
-        self.closed = True
-
-
 @pytest.mark.parametrize("kind", ["vllm", "sglang"])
 async def test_protocol_and_transport_ownership(kind: str) -> None:
-    transport = ClosedTransport(answer(b""))
+    transport = HandlerTransport(answer(b""))
     backend: Backend = (
         VLLMBackend(
             "http://gpu-1:8000", "m", backend_id="v", max_context=32768, transport=transport

@@ -3,21 +3,22 @@
 The server is a few lines of asyncio so that each test controls the bytes on the wire: chunked
 and Content-Length bodies, keep-alive and ``Connection: close``, a server that stalls, drops
 the connection mid-body or closes an idle one. The remote-backend tests cover the SSE
-translation with httpx.MockTransport; these cover what that cannot: the connections.
+translation with tests/helpers/backend_transport.py; these cover what that cannot: the
+connections.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 
 import httpx
 import pytest
 
 from gateway.backends.base import Prompt, SamplingParams
-from gateway.backends.transport import StreamingTransport
+from gateway.backends.transport import Response, StreamingTransport, Target
 from gateway.backends.vllm import VLLMBackend
 from gateway.errors import BackendError, BackendUnavailable
 
@@ -93,15 +94,33 @@ def reply(data: bytes) -> Answer:
     return answer
 
 
+TIMEOUTS = httpx.Timeout(5.0)
+
+
+async def post(
+    transport: StreamingTransport,
+    url: str,
+    body: bytes = b"x",
+    headers: Sequence[tuple[bytes, bytes]] = (),
+    timeouts: httpx.Timeout = TIMEOUTS,
+) -> Response:
+    return await transport.request(
+        b"POST", Target(url), body=body, headers=headers, timeouts=timeouts
+    )
+
+
 async def test_chunked_bodies_on_one_kept_alive_connection() -> None:
     server = Server(reply(SSE_HEAD + chunked(b"data: 1\n\n", b"data: 2\n\n", b"data: [DONE]\n\n")))
-    async with server.running() as url, httpx.AsyncClient(transport=StreamingTransport()) as client:
+    transport = StreamingTransport()
+    async with server.running() as url:
         for _ in range(3):
-            async with client.stream("POST", f"{url}/v1/completions", json={"a": [1, 2]}) as r:
-                assert r.status_code == 200
-                assert r.headers["content-type"] == "text/event-stream"
-                body = b"".join([part async for part in r.aiter_bytes()])
+            r = await post(transport, f"{url}/v1/completions", b'{"a":[1,2]}')
+            assert r.status == 200
+            assert (b"content-type", b"text/event-stream") in r.headers
+            body = b"".join([part async for part in r])
+            await r.aclose()
             assert body == b"data: 1\n\ndata: 2\n\ndata: [DONE]\n\n"
+    await transport.aclose()
     assert server.connections == 1
     head, _, sent = server.requests[0].partition(b"\r\n\r\n")
     assert head.startswith(b"POST /v1/completions HTTP/1.1\r\n")
@@ -111,10 +130,10 @@ async def test_chunked_bodies_on_one_kept_alive_connection() -> None:
 async def test_connection_close_and_content_length_are_honoured() -> None:
     answer = b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\nconnection: close\r\n\r\nhello"
     server = Server(reply(answer))
-    async with server.running() as url, httpx.AsyncClient(transport=StreamingTransport()) as client:
+    transport = StreamingTransport()
+    async with server.running() as url:
         for _ in range(2):
-            response = await client.post(url, content=b"x")
-            assert response.content == b"hello"
+            assert await (await post(transport, url)).read() == b"hello"
     assert server.connections == 2
 
 
@@ -127,11 +146,12 @@ async def test_a_response_closed_before_its_end_closes_the_connection() -> None:
         return False
 
     server = Server(stall)
-    async with server.running() as url, httpx.AsyncClient(transport=StreamingTransport()) as client:
-        async with client.stream("POST", url, json={}) as response:
-            async for part in response.aiter_bytes():
-                assert part == b"data: 1\n\n"
-                break
+    async with server.running() as url:
+        response = await post(StreamingTransport(), url, b"{}")
+        async for part in response:
+            assert part == b"data: 1\n\n"
+            break
+        await response.aclose()
         # What tells vLLM to abort the generation: the connection goes away.
         await asyncio.wait_for(server.closed_by_client.wait(), 5)
 
@@ -147,10 +167,11 @@ async def test_an_idle_connection_the_server_closed_is_not_reused() -> None:
         return False  # keep-alive announced, then closed: a server's idle timeout
 
     server = Server(once)
-    async with server.running() as url, httpx.AsyncClient(transport=StreamingTransport()) as client:
-        assert (await client.post(url, content=b"1")).content == b"ok"
+    transport = StreamingTransport()
+    async with server.running() as url:
+        assert await (await post(transport, url, b"1")).read() == b"ok"
         await asyncio.sleep(0.05)  # the EOF reaches the idle connection
-        assert (await client.post(url, content=b"2")).content == b"ok"
+        assert await (await post(transport, url, b"2")).read() == b"ok"
     assert (served, server.connections) == (2, 2)
 
 
@@ -164,62 +185,69 @@ async def test_transport_failures_are_httpx_errors() -> None:
         await writer.drain()
         return False
 
-    async with httpx.AsyncClient(transport=StreamingTransport()) as client:
-        async with Server(stall).running() as url:
-            with pytest.raises(httpx.ReadTimeout):
-                await client.post(url, content=b"x", timeout=0.2)
-        async with Server(drop).running() as url:
-            with pytest.raises(httpx.RemoteProtocolError):
-                await client.post(url, content=b"x")
-        refused = Server(stall)
-        async with refused.running() as url:
-            pass  # the port is free again: nothing listens there
-        with pytest.raises(httpx.ConnectError):
-            await client.post(url, content=b"x")
+    transport = StreamingTransport()
+    async with Server(stall).running() as url:
+        with pytest.raises(httpx.ReadTimeout):
+            await post(transport, url, timeouts=httpx.Timeout(0.2))
+    async with Server(drop).running() as url:
+        with pytest.raises(httpx.RemoteProtocolError):
+            await (await post(transport, url)).read()
+    refused = Server(stall)
+    async with refused.running() as url:
+        pass  # the port is free again: nothing listens there
+    with pytest.raises(httpx.ConnectError):
+        await post(transport, url)
+    with pytest.raises(httpx.UnsupportedProtocol):
+        Target("ftp://127.0.0.1/x")
+    await transport.aclose()
+    with pytest.raises(RuntimeError, match="the transport is closed"):
+        await post(transport, url)
 
 
 async def test_informational_close_delimited_and_malformed_responses() -> None:
     """A 100 Continue before the response is skipped; a body framed by neither Content-Length
-    nor chunked ends when the server closes; bytes that are not HTTP are a protocol error."""
+    nor chunked ends when the server closes; bytes that are not HTTP are a protocol error; a
+    compressed body (never asked for) is refused."""
     informational = Server(
         reply(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 201 Created\r\ncontent-length: 2\r\n\r\nok")
     )
     until_close = Server(reply(b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\nto the end"))
     garbage = Server(reply(b"HTTP/1.1 2x0 OK\r\n\r\n"))
-    async with httpx.AsyncClient(transport=StreamingTransport()) as client:
-        async with informational.running() as url:
-            response = await client.post(url, content=b"x")
-            assert (response.status_code, response.reason_phrase) == (201, "Created")
-            assert response.content == b"ok"
-            assert (await client.post(url, content=b"y")).content == b"ok"
-        assert informational.connections == 1
-        async with until_close.running() as url:
-            assert (await client.post(url, content=b"x")).content == b"to the end"
-        async with garbage.running() as url:
-            with pytest.raises(httpx.RemoteProtocolError, match="malformed response"):
-                await client.post(url, content=b"x")
+    gzipped = Server(
+        reply(b"HTTP/1.1 200 OK\r\ncontent-encoding: gzip\r\ncontent-length: 2\r\n\r\n\x1f\x8b")
+    )
+    transport = StreamingTransport()
+    async with informational.running() as url:
+        response = await post(transport, url)
+        assert (response.status, response.reason) == (201, b"Created")
+        assert await response.read() == b"ok"
+        assert await (await post(transport, url, b"y")).read() == b"ok"
+    assert informational.connections == 1
+    async with until_close.running() as url:
+        assert await (await post(transport, url)).read() == b"to the end"
+    async with garbage.running() as url:
+        with pytest.raises(httpx.RemoteProtocolError, match="malformed response"):
+            await post(transport, url)
+    async with gzipped.running() as url:
+        with pytest.raises(httpx.RemoteProtocolError, match="gzip-encoded body"):
+            await post(transport, url)
 
 
-async def test_the_request_head_and_a_body_of_unknown_length() -> None:
-    """The head carries httpx's headers; a streamed body goes chunked; a header value with a
+async def test_the_request_head() -> None:
+    """The request line, Host, the caller's headers and Content-Length; a header value with a
     line break is refused before anything is sent."""
     server = Server(reply(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"))
-
-    async def parts() -> AsyncIterator[bytes]:
-        yield b"ab"
-        yield b""
-        yield b"cde"
-
-    async with server.running() as url, httpx.AsyncClient(transport=StreamingTransport()) as client:
-        await client.post(f"{url}/v1/x?q=1", content=b"{}", headers={"x-a": "1"})
+    transport = StreamingTransport()
+    async with server.running() as url:
+        await (await post(transport, f"{url}/v1/x?q=1", b"{}", [(b"x-a", b"1")])).read()
         lines = server.requests[0].partition(b"\r\n\r\n")[0].split(b"\r\n")
         assert lines[0] == b"POST /v1/x?q=1 HTTP/1.1"
-        assert b"x-a: 1" in lines and b"content-length: 2" in [h.lower() for h in lines]
+        assert lines[1] == b"host: " + url.removeprefix("http://").encode()
+        assert lines[2:] == [b"x-a: 1", b"content-length: 2"]
         with pytest.raises(httpx.LocalProtocolError, match="control character"):
-            await client.post(url, content=b"{}", headers={"x-a": "1\r\nx-b: 2"})
-        await client.post(url, content=parts())
-        head, _, body = server.requests[1].partition(b"\r\n\r\n")
-        assert b"transfer-encoding: chunked" in head.lower() and body == b"abcde"
+            await post(transport, url, b"{}", [(b"x-a", b"1\r\nx-b: 2")])
+        await (await post(transport, url, "é 🧪".encode())).read()
+        assert server.requests[1].endswith(b"\r\n\r\n" + "é 🧪".encode())
     assert len(server.requests) == 2
 
 
