@@ -107,21 +107,36 @@ def decode_json(body: bytes, max_depth: int) -> Any:
             f"the body is not valid JSON ({exc}); strings must be valid Unicode "
             "(no lone surrogates such as \\ud800) and numbers finite"
         ) from exc
-    # Fewer brackets than the depth limit cannot nest past it; then the tree is walked only
-    # if the body holds a run of digits long enough to be an integer outside int64.
-    if body.count(b"{") + body.count(b"[") > max_depth or _LONG_DIGITS in body.translate(_DIGITS):
-        _check_tree(value, max_depth)
+    # The walk is exact; the byte scans only tell when it can be skipped (fewer brackets than
+    # the depth limit cannot nest past it; no run of digits long enough to be an integer
+    # outside int64). Each costs what it reads: the walk ~0.15 us an item, the scans ~1.5 ns
+    # a byte. So the walk goes first, within a budget of an item per 64 bytes (a chat body at
+    # 100k tokens: ~100 items in 400 KB, walked in ~15 us where the scans took ~480); past it
+    # (a prompt of token ids: an item every few bytes; a short body) the scans decide.
+    if not _check_tree(value, max_depth, budget=len(body) // 64) and (
+        body.count(b"{") + body.count(b"[") > max_depth or _LONG_DIGITS in body.translate(_DIGITS)
+    ):
+        _check_tree(value, max_depth, budget=None)
     return value
 
 
-def _check_tree(root: Any, max_depth: int) -> None:
+def _check_tree(root: Any, max_depth: int, *, budget: int | None) -> bool:
+    """Raise on nesting past ``max_depth`` or an integer outside int64; False where more than
+    ``budget`` items were left unvisited (None: no bound)."""
+    if not isinstance(root, _CONTAINERS):
+        root = [root]  # a bare value: checked as an item
     stack: list[tuple[Any, int, str]] = [(root, 1, "$")]
+    visited = 0
     while stack:
         node, depth, path = stack.pop()
         if depth > max_depth:
             raise InvalidRequest(
                 f"the JSON body is nested deeper than {max_depth} levels at {path}"
             )
+        if budget is not None:
+            visited += len(node)
+            if visited > budget:
+                return False
         items = node.items() if isinstance(node, dict) else enumerate(node)
         for key, child in items:
             if isinstance(child, _CONTAINERS):
@@ -130,6 +145,7 @@ def _check_tree(root: Any, max_depth: int) -> None:
                 raise InvalidRequest(
                     f"integer at {path}.{key} is outside the 64-bit range", param=str(key)
                 )
+    return True
 
 
 class RequestGuard:
