@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import uvicorn
 from fastapi import FastAPI
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from eventlog import JetStreamPublisher, Outbox, answered, read_session
@@ -127,6 +127,18 @@ class GatewaySettings(PublishingSettings):
         description="gateway processes on the one port, each session served by the one that "
         "holds it (connections move to it, no proxy hop); --max-open-sessions is their total",
     )
+
+    @field_validator("backend_urls")
+    @classmethod
+    def _http_urls(cls, urls: list[str]) -> list[str]:
+        for url in urls:
+            scheme, _, rest = url.partition("://")
+            if scheme.lower() not in ("http", "https") or not rest.partition("/")[0]:
+                raise ValueError(
+                    f"{url!r} is not an http:// or https:// URL of a vLLM or SGLang server "
+                    "(e.g. http://127.0.0.1:8001)"
+                )
+        return urls
 
     async def served(self) -> GatewaySettings:
         """These settings with ``model_name`` and ``max_context`` asked of a remote backend

@@ -78,3 +78,14 @@ async def test_a_backend_that_never_answers_says_what_to_do() -> None:
     async with client(refuse) as http:
         with pytest.raises(TurnstreamError, match="pass --model-name and --max-context"):
             await served_model(["http://a"], client=http, wait_s=0)
+
+
+@pytest.mark.parametrize("url", ["ftp://gpu-1:8000", "gpu-1:8000", "http://", "http:///v1"])
+def test_a_backend_url_that_is_not_http_is_a_settings_error(url: str) -> None:
+    from pydantic import ValidationError
+
+    from turnstream.gateway_service import GatewaySettings
+
+    with pytest.raises(ValidationError, match="is not an http:// or https:// URL"):
+        GatewaySettings(backend="vllm", backend_urls=["http://gpu-0:8000", url])
+    assert GatewaySettings(backend="vllm", backend_urls=["HTTPS://gpu-0/v1"]).backend_urls
