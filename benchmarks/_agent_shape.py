@@ -31,10 +31,12 @@ token trained here (``bpe_model``), so that costs proportional to bytes of text 
 * Checked at the end, from EVENTS: every later turn has its previous turn as ``parent_turn`` and
   that turn's whole context as ``prefix_len`` (continued token-exact, no fork).
 
-Today (2-core VM, busy; two full runs): CPU per later turn 9.8-10.6 / 10.0-11.2 / 11.7-14.1 ms
-at 1k / 32k / 100k (tiny tokenizer, ratio 1.24-1.28), 9.2-10.4 / 12.3-13.5 / 15.5-15.7 ms (BPE,
-ratio 1.45-1.84); first turn at 100k 211-268 ms (tiny), 517-539 ms (BPE); before (HEAD df68412,
-quick): 20.5 / 27.3 / 51.1 ms (2.54) and 20.2 / 40.1 / 57.9 ms (2.87).
+Today (2026-11-28, the 2-core VM with nothing else running, commit 723f501; two full runs
+alternating with two of the session's starting code 4b59d60): CPU per later turn 3.1-3.2 /
+3.4-3.7 / 4.2-4.4 ms at 1k / 32k / 100k (tiny tokenizer, ratio 1.39), 3.1-3.7 / 3.9-4.4 /
+5.2-5.4 ms (BPE, ratio 1.68, 1.55); first turn at 100k 77-78 ms (tiny), 193-197 ms (BPE). The
+starting code in the same runs: BPE 100k 6.4-7.3 ms, ratio 1.96, 1.59 (1.33-1.38 on the VM of
+2026-11-26). docs/PERFORMANCE.md, section 4, has the history.
 
 Keys: ``cpu_ms_per_later_turn_ctx_{1k,32k,100k}``, ``cpu_ms_first_turn_ctx_{1k,32k,100k}``,
 ``later_turn_ratio_100k_to_1k``, the same with ``_bpe`` for the BPE tokenizer, and

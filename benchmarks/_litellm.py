@@ -22,10 +22,11 @@ phase, divided by the requests it answered in that phase::
 
 plus p50 / p99 latency and throughput of each.
 
-Today's figures (2026-11-26, the 2-core VM with nothing else running, commit c9adbd5): two full
-runs, gateway 3.08 and 3.22 ms, LiteLLM 24.1 and 23.5 ms, ratio 0.135 and 0.135; two more on
-77ee468, 3.25 / 2.54 against 21.8 / 18.2 ms, ratio 0.143 and 0.145 (the issue's day: 1.71-1.84
-against 7.6-8.2; this VM was 2.2-3.2x slower today for both).
+Today's figures (2026-11-28, the 2-core VM with nothing else running, commit 723f501): two full
+runs, gateway 1.107 and 1.254 ms, LiteLLM 10.83 and 11.61 ms, ratio 0.102 and 0.107 (the
+issue's day: 1.71-1.84 against 7.6-8.2; this VM ran LiteLLM 1.3-1.5x slower than that day, and
+the same VM earlier this session, at LiteLLM's 7.7-8.5 ms, ran the session's starting code at
+1.16-1.23 ms, which the paired ``--compare-with 4b59d60`` puts at 0.78x now: ~0.9-0.96 ms).
 """
 
 from __future__ import annotations

@@ -16,9 +16,10 @@ With ``--itl-ms 0`` (the default) the backend writes all its events at once, so 
 many in one network read; ``--itl-ms 1`` spaces them out as a real server's decode steps do (one
 read per event): run both to see what reading events one by one costs.
 
-Today's figures (2026-11-26, the 2-core VM with nothing else running, commit 77ee468): full runs
-0.56 and 0.38 us not streamed, 3.43 and 3.80 us streamed (targets 2 and 6; the gateway before
-issue 16, on a loaded VM: 33.8 and 94.5). docs/PERFORMANCE.md, section 3, has the history.
+Today's figures (2026-11-28, the 2-core VM with nothing else running, the backend transport of
+31763df): full runs 0.94 and 0.61 us not streamed, 3.61 and 2.11 us streamed (targets 2 and 6;
+2026-11-26: 0.56 / 0.38 and 3.43 / 3.80; the gateway before issue 16, on a loaded VM: 33.8 and
+94.5). docs/PERFORMANCE.md, section 3, has the history.
 """
 
 from __future__ import annotations
