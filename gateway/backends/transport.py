@@ -90,13 +90,20 @@ class Response:
         self._closed = False
 
     def __aiter__(self) -> AsyncIterator[bytes]:
+        self._check_open()
         return self._parts
 
     async def read(self) -> bytes:
+        self._check_open()
         try:
             return b"".join([part async for part in self._parts])
         finally:
             await self.aclose()
+
+    def _check_open(self) -> None:
+        # Closed, its connection may carry another request's response already.
+        if self._closed:
+            raise RuntimeError("the response is closed; its body can no longer be read")
 
     async def aclose(self) -> None:
         if not self._closed:

@@ -330,3 +330,16 @@ async def test_vllm_backend_errors_over_the_transport() -> None:
             [c async for c in backend.generate(Prompt([1]), SamplingParams(8))]
         assert not isinstance(caught.value, BackendUnavailable)
         await backend.close()
+
+
+async def test_a_closed_response_is_not_read() -> None:
+    """Once closed, a response's connection may carry the next request: reading it is refused."""
+    server = Server(reply(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"))
+    transport = StreamingTransport()
+    async with server.running() as url:
+        response = await post(transport, url)
+        assert await response.read() == b"ok"
+        for read in (response.read, lambda: anext(aiter(response))):
+            with pytest.raises(RuntimeError, match="the response is closed"):
+                await read()
+    await transport.aclose()
