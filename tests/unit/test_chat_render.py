@@ -22,6 +22,7 @@ from gateway.errors import InvalidRequest
 from gateway.templates import ChatTemplate, template_messages
 from tests.helpers.bpe_model import bpe_model_dir
 from tests.helpers.tiny_model import WEATHER_TOOLS, WEATHER_TRANSCRIPT
+from tests.unit.test_load_tokenizer import TEXTS
 
 JSON = dict[str, Any]
 
@@ -117,15 +118,6 @@ def test_named_templates_take_transformers_path(tiny_model_dir: Path) -> None:
     messages = WEATHER_TRANSCRIPT[:1]
     assert template.render(messages, WEATHER_TOOLS, generation=True).startswith("TOOLS:")
     assert not template.render(messages, None, generation=True).startswith("TOOLS:")
-
-
-TEXTS = [
-    "",
-    "plain words, the end.",
-    "  spaces  and\ttabs\n\nnewlines ",
-    "émoji 🧪 RTL שלום عربى 中文 \u200b zero-width",
-    "<|im_start|>user\nspecial tokens inside text<|im_end|>\n<tool_call>{}</tool_call>",
-]
 
 
 def test_encode_is_transformers_encode(tmp_path: Path, tiny_model_dir: Path) -> None:
