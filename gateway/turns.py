@@ -64,7 +64,6 @@ from schemas.events import SessionClosed, SessionEvent, SessionOpened, TurnCompl
 __all__ = [
     "ContextCache",
     "Kept",
-    "MessageKey",
     "SessionState",
     "TurnDraft",
     "TurnNode",
@@ -226,7 +225,6 @@ class TurnDraft:
     # Where known, the tokens prompt_ids shares with parent_turn's context: a prompt that
     # continues the parent holds its whole context (not compared again, token by token).
     prefix_len: int | None = None
-    keys: Sequence[MessageKey] | None = None  # message_key of each of messages, where known
 
 
 # -- the delta base of a turn that continues none ------------------------------------------
@@ -273,9 +271,8 @@ def turn_event(state: SessionState, draft: TurnDraft) -> TurnCompleted:
     else:
         prefix_len = common_prefix_len(context, prompt)
     message_prefix_len = 0
-    keys = draft.keys if draft.keys is not None else map(message_key, draft.messages)
-    for kept, key in zip(node.keys if node else (), keys, strict=False):
-        if kept != key:
+    for key, message in zip(node.keys if node else (), draft.messages, strict=False):
+        if key != message_key(message):
             break
         message_prefix_len += 1
     return TurnCompleted(

@@ -30,16 +30,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.sessions import Session
 from gateway.templates import ChatTemplate
 from gateway.tools import ToolCallParser
-from gateway.turns import (
-    MessageKey,
-    SessionState,
-    TurnDraft,
-    apply,
-    fold,
-    message_keys,
-    prefix_parent,
-    turn_event,
-)
+from gateway.turns import SessionState, TurnDraft, apply, fold, prefix_parent, turn_event
 from schemas.events import SessionEvent, TurnCompleted
 
 __all__ = ["ChatPrompt", "Turn", "TurnEngine", "TurnResult", "derived_seed", "sampling_record"]
@@ -62,7 +53,6 @@ class ChatPrompt(NamedTuple):
     parent: int  # the kept turn it continues, else the one sharing the longest prefix (-1: none)
     prefix_len: int | None  # a continued turn's: the parent's whole context; None: not known
     text: str | None  # what the prompt's ids stand for (the render), where it is that exactly
-    keys: tuple[MessageKey, ...]  # the messages' message_key, once per request
 
 
 @dataclass
@@ -93,7 +83,6 @@ class Turn:
     logprobs_kind: str = "sampled"  # "raw" when the backend said so (TurnCompleted.logprobs_kind)
     prefix_len: int | None = None  # ChatPrompt.prefix_len
     prompt_text: str | None = None  # ChatPrompt.text (the forced_text follows it)
-    message_keys: tuple[MessageKey, ...] | None = None  # ChatPrompt.keys
 
     @property
     def index(self) -> int:
@@ -175,8 +164,7 @@ class TurnEngine:
     def _chat_prompt(
         self, state: SessionState, messages: list[JSON], tools: list[JSON] | None
     ) -> ChatPrompt:
-        keys = message_keys(messages)
-        node = continued_turn(state, messages, tools, keys)
+        node = continued_turn(state, messages, tools)
         full: str | None = None
         if node is not None:
             # Taken: this turn's context will hold the next turn's cache (one per chain).
@@ -194,11 +182,11 @@ class TurnEngine:
                 context = node.context_ids
                 ids = np.concatenate([context, np.asarray(suffix, dtype=np.int32)])
                 prompt = Prompt(ids, head=head, head_len=len(context) if head else 0)
-                return ChatPrompt(prompt, node.turn, len(context), full if rendered else None, keys)
+                return ChatPrompt(prompt, node.turn, len(context), full if rendered else None)
         if full is None:
             full = self.template.render(messages, tools, generation=True)
         prompt = Prompt(self.template.encode(full))
-        return ChatPrompt(prompt, prefix_parent(state, prompt.ids), None, full, keys)
+        return ChatPrompt(prompt, prefix_parent(state, prompt.ids), None, full)
 
     def params(
         self,
@@ -330,7 +318,6 @@ class TurnEngine:
             logprobs_kind=turn.logprobs_kind,
             parent_turn=turn.parent,
             prefix_len=turn.prefix_len,
-            keys=turn.message_keys,
         )
         event = turn_event(session.state, draft)
         with self.metrics.publish_latency.time():

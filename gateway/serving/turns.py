@@ -141,7 +141,6 @@ class TurnServing:
             parent=chat.parent,
             prefix_len=chat.prefix_len,
             prompt_text=chat.text,
-            message_keys=chat.keys,
         )
 
     def _resent(self, session: Session, req: TurnRequest) -> TurnResult | None:
