@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+import httpx
 import uvicorn
 from fastapi import FastAPI
 from pydantic import Field, field_validator
@@ -28,6 +29,7 @@ from eventlog import JetStreamPublisher, Outbox, answered, read_session
 from gateway.app import create_app
 from gateway.backends.base import Backend
 from gateway.backends.policy_watch import PolicyTarget, PolicyVersion, watch_policy
+from gateway.backends.transport import Target
 from gateway.guard import BodyLimits
 from gateway.metrics import GatewayMetrics
 from gateway.serving import SessionService, TurnEngine
@@ -132,12 +134,13 @@ class GatewaySettings(PublishingSettings):
     @classmethod
     def _http_urls(cls, urls: list[str]) -> list[str]:
         for url in urls:
-            scheme, _, rest = url.partition("://")
-            if scheme.lower() not in ("http", "https") or not rest.partition("/")[0]:
+            try:
+                Target(url)  # what the backends parse it with
+            except (httpx.InvalidURL, httpx.UnsupportedProtocol) as exc:
                 raise ValueError(
                     f"{url!r} is not an http:// or https:// URL of a vLLM or SGLang server "
-                    "(e.g. http://127.0.0.1:8001)"
-                )
+                    f"(e.g. http://127.0.0.1:8001): {exc}"
+                ) from None
         return urls
 
     async def served(self) -> GatewaySettings:

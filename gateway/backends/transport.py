@@ -45,7 +45,8 @@ Headers = Sequence[tuple[bytes, bytes]]
 
 class Target:
     """A URL parsed once (a backend's endpoint): where to connect, the request line's target
-    and the Host header. ``str()`` gives the URL as it was written, for messages."""
+    and the Host header. ``str()`` gives the URL as it was written, for messages. Anything but
+    an http(s) URL with a host is refused (``httpx.UnsupportedProtocol``, ``httpx.InvalidURL``)."""
 
     __slots__ = ("host", "origin", "path", "url")
 
@@ -54,6 +55,8 @@ class Target:
         scheme = parsed.raw_scheme
         if scheme not in _DEFAULT_PORTS:
             raise httpx.UnsupportedProtocol(f"unsupported URL scheme {parsed.scheme!r} in {url}")
+        if not parsed.host:
+            raise httpx.InvalidURL(f"no host in {url}")
         self.url = url
         self.origin: Origin = (scheme, parsed.host, parsed.port or _DEFAULT_PORTS[scheme])
         self.path: bytes = parsed.raw_path
