@@ -291,11 +291,8 @@ def _jinja_render(
     except ImportError:  # a transformers that moved it: its own path
         return None
     source = tokenizer.chat_template
-    if type(
-        tokenizer
-    ).apply_chat_template is not PreTrainedTokenizerBase.apply_chat_template or not isinstance(
-        source, str
-    ):
+    own = type(tokenizer).apply_chat_template is PreTrainedTokenizerBase.apply_chat_template
+    if not own or not isinstance(source, str):
         return None
     compiled = _compile_jinja_template(source)
     special: dict[str, Any] = dict(tokenizer.special_tokens_map)
