@@ -3,7 +3,7 @@
 Run it from the repository root (nats-server on PATH, or in the venv's bin)::
 
     .venv/bin/python benchmarks/pipeline_throughput.py           # 2,000 sessions x 10 turns
-    .venv/bin/python benchmarks/pipeline_throughput.py --quick   # 500 sessions, ~1 min
+    .venv/bin/python benchmarks/pipeline_throughput.py --quick   # 1,000 sessions, ~15 s
 
 What it measures
 ----------------
@@ -34,9 +34,13 @@ events to a nats-server started here (file store). Then, in one run:
 The LAST line is one JSON object: ``tokens_per_s`` (per worker), ``ratio_to_raw``, the CPU per
 stage, ``traj_bytes_per_token`` (TRAJ stream bytes / tokens), ``close_to_shard_ms_p50/p99``,
 ``close_to_traj_ms_p50/p99``, the rehydrate rates, the machine. ``--quick`` reports the same
-keys at 500 sessions: at 120 the phase lasted ~2.4 s, of which the fixed tail (the last shard
-waiting out its 1 s rotation age) was a large share, and the ratio came out well under the full
-run's (0.075).
+keys at 1,000 sessions (the full run: 2,000, ~30 s in all). The clock stops when the last
+shard is committed, and the writer commits it only at its rotation age (1 s here), so each run
+ends with up to a second that is no work: at 120 sessions that tail was a large share of a
+~2.4 s phase (quick 0.075), at 500 still ~20% of ~2.5 s, with the shard writer's first shards
+faulting in fresh memory on top (quick 0.09-0.165 against full 0.158-0.185, 2026-11-28); at
+1,000 sessions (a ~4-5 s phase) quick reads 0.155 and 0.159 against full 0.168 and 0.166,
+alternating minutes apart.
 
 Today's figures (2026-11-26, the quiet 2-core VM, nothing else running; its speed moved 3x
 between runs, the raw read 6.9-20.4 M tokens/s): full runs ``ratio_to_raw`` 0.128, 0.236,
@@ -100,7 +104,7 @@ class Plan:
 
 
 FULL = Plan(sessions=2_000, latency_sessions=300)
-QUICK = Plan(sessions=500, latency_sessions=40)
+QUICK = Plan(sessions=1_000, latency_sessions=40)
 
 
 def make_session(
