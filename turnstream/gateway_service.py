@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import gc
 import importlib.util
 import logging
 import socket
@@ -39,7 +38,7 @@ from gateway.tools import get_parser
 from gateway.turns import Kept
 from schemas.errors import TurnstreamError
 from turnstream.settings import PublishingSettings
-from turnstream.stack import EventLog, open_log, run_service, stop_on_signals
+from turnstream.stack import EventLog, open_log, run_service, settle_heap, stop_on_signals
 
 if TYPE_CHECKING:
     from gateway.backends.local import LocalBackend
@@ -425,10 +424,7 @@ class GatewayCommand(GatewaySettings):
             build_gateway(self, event_log) as gateway,
         ):
             server = http_server(gateway.app, self.host, self.port)
-            # torch, transformers and the tokenizer leave ~400k long-lived objects; every full
-            # collection walked them all (120-290 ms pauses under load). Freeze them.
-            gc.collect()
-            gc.freeze()
+            settle_heap()
             log.info(
                 "gateway on http://%s:%d (backend %s, log %s, run %s)",
                 self.host,

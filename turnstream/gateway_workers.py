@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import math
 import os
@@ -48,7 +47,7 @@ from eventlog import ensure_log_security
 from gateway.handoff import Handoff
 from schemas.errors import TurnstreamError
 from schemas.ids import own_new_session_ids
-from turnstream.stack import EventLog, open_log, run_service, stop_on_signals
+from turnstream.stack import EventLog, open_log, run_service, settle_heap, stop_on_signals
 
 if TYPE_CHECKING:
     from turnstream.gateway_service import GatewaySettings
@@ -316,8 +315,7 @@ async def _serve_worker(spec: WorkerSpec) -> None:
             adopting.add(task)
             task.add_done_callback(_adopted(adopting, conn))
 
-        gc.collect()
-        gc.freeze()  # see GatewayCommand
+        settle_heap()
         serving = asyncio.create_task(serve_until(server, stop, sockets=[listener]))
         while not server.started:
             if serving.done():

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -31,7 +30,7 @@ from turnstream.gateway_service import (
     require_local_backend,
 )
 from turnstream.shard_writer_service import shard_writer
-from turnstream.stack import EventLog, open_log, run_service, stop_on_signals
+from turnstream.stack import EventLog, open_log, run_service, settle_heap, stop_on_signals
 from turnstream.stack_file import (
     new_stack_file,
     remove_stack_file,
@@ -108,8 +107,7 @@ async def embedded_stack(
             event_log, publisher, settings.shards, settings.log, settings.shard_target
         )
         done = asyncio.Event()
-        gc.collect()
-        gc.freeze()  # see GatewayCommand: torch's long-lived objects made full GCs slow
+        settle_heap()
         tasks = [
             asyncio.create_task(worker.run(done), name="fold-worker"),
             asyncio.create_task(writer.run(done), name="shard-writer"),
