@@ -42,7 +42,11 @@ faulting in fresh memory on top (quick 0.09-0.165 against full 0.158-0.185, 2026
 1,000 sessions (a ~4-5 s phase) quick reads 0.155 and 0.159 against full 0.168 and 0.166,
 alternating minutes apart.
 
-Today's figures (2026-11-26, the quiet 2-core VM, nothing else running; its speed moved 3x
+Today's figures (2026-11-28, the quiet 2-core VM, nothing else running; raw read 25-31 M
+tokens/s): full runs ``ratio_to_raw`` 0.158, 0.185, 0.171, 0.168, 0.166, 0.156; worker 116-142,
+shard writer 104-152, nats-server 114-154 us per 1k tokens (334-448 in all) against 46-56 for
+the raw read: CPU-bound on 2 cores, as before (docs/PERFORMANCE.md, issue 16, section 1, seventh
+round). Earlier (2026-11-26, the quiet 2-core VM, nothing else running; its speed moved 3x
 between runs, the raw read 6.9-20.4 M tokens/s): full runs ``ratio_to_raw`` 0.128, 0.236,
 0.176 and 0.172 (the last two minutes apart agree, as do their CPU ratios), ``--quick`` 0.161.
 CPU per 1k tokens over the phase: worker 196-322 us, shard writer 145-211 us, nats-server
