@@ -1,8 +1,10 @@
 """``turnstream up``: the whole stack in one process (DESIGN §9).
 
 A nats-server of its own (unless ``--log.url``), the gateway on ``--host``/``--port``, a fold
-worker with its reaper, and a shard writer, until Ctrl-C. Once all of it runs, ``up`` writes
-``<data_dir>/stack.json`` (``turnstream.stack_file``: URLs, run, pids) and removes it on exit.
+worker with its reaper, and a shard writer, until Ctrl-C. Once the log, the fold worker and the
+shard writer run, and before the gateway answers (so a script that waits for ``/health`` finds
+it), ``up`` writes ``<data_dir>/stack.json`` (``turnstream.stack_file``: URLs, run, pids) and
+removes it on exit.
 ``embedded_stack`` is what ``turnstream demo`` runs its agents and trainer against.
 """
 
@@ -12,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from pydantic import Field
@@ -72,10 +74,15 @@ class Stack:
 
 @contextlib.asynccontextmanager
 async def embedded_stack(
-    settings: UpSettings, *, stop: asyncio.Event | None = None
+    settings: UpSettings,
+    *,
+    stop: asyncio.Event | None = None,
+    ready: Callable[[Stack], object] | None = None,
 ) -> AsyncIterator[Stack]:
     """Start the stack; on exit stop taking work, finish what was taken, and close.
 
+    ``ready`` is called with the stack once the log, the fold worker and the shard writer run,
+    before the gateway serves (with ``--workers N`` the gateway processes are up already).
     The embedded nats-server is restarted when it dies; if it keeps dying, ``stop`` is set and
     ``ServerCrashLoop`` is raised on exit.
     """
@@ -114,6 +121,9 @@ async def embedded_stack(
         ]
         if reaper is not None:
             tasks.append(asyncio.create_task(reaper.run(done), name="reaper"))
+        stack = Stack(event_log, gateway, url, worker, reaper, writer, settings.shard_target)
+        if ready is not None:
+            ready(stack)
         if server is not None:
             serving = asyncio.create_task(server.serve(), name="gateway")
             tasks.append(serving)
@@ -122,7 +132,7 @@ async def embedded_stack(
                     serving.result()  # the gateway could not start (port taken): say why
                 await asyncio.sleep(0.02)
         try:
-            yield Stack(event_log, gateway, url, worker, reaper, writer, settings.shard_target)
+            yield stack
         finally:
             if server is not None:
                 server.should_exit = True
@@ -147,27 +157,36 @@ class UpCommand(UpSettings):
 
     async def _run(self) -> None:
         stop = stop_on_signals()
-        async with embedded_stack(self, stop=stop) as stack:
+        written = False
+
+        def announce(stack: Stack) -> None:
+            nonlocal written
             written = self._write_stack_file(stack)
-            try:
-                log.info(
-                    "turnstream up: gateway %s (OpenAI API at %s/v1, run %s), log %s, shards "
-                    "%s%s; Ctrl-C stops",
-                    stack.url,
-                    stack.url,
-                    self.run,
-                    stack.event_log.url,
-                    stack.shard_target,
-                    f"; other processes join through {stack_file_path(self.data_dir)}"
-                    if written
-                    else "",
-                )
-                await stop.wait()
-            finally:
-                # First thing on the way out, error or not: nobody should join a stack that is
-                # shutting down. Only our own file: another stack's stays.
-                if written:
-                    remove_stack_file(self.data_dir, os.getpid())
+
+        try:
+            async with embedded_stack(self, stop=stop, ready=announce) as stack:
+                try:
+                    log.info(
+                        "turnstream up: gateway %s (OpenAI API at %s/v1, run %s), log %s, "
+                        "shards %s%s; Ctrl-C stops",
+                        stack.url,
+                        stack.url,
+                        self.run,
+                        stack.event_log.url,
+                        stack.shard_target,
+                        f"; other processes join through {stack_file_path(self.data_dir)}"
+                        if written
+                        else "",
+                    )
+                    await stop.wait()
+                finally:
+                    # First thing on the way out, error or not: nobody should join a stack that
+                    # is shutting down. Only our own file: another stack's stays.
+                    if written:
+                        remove_stack_file(self.data_dir, os.getpid())
+        finally:
+            if written:  # the gateway could not start after the file was written
+                remove_stack_file(self.data_dir, os.getpid())
         log.info("stopped: fold %s, shards %s", stack.worker.stats, stack.writer.stats)
 
     def _write_stack_file(self, stack: Stack) -> bool:

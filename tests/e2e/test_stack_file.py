@@ -49,6 +49,13 @@ def sessions_rows(output: str) -> dict[str, list[str]]:
     return rows
 
 
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def wait_for_file(path: Path, up: UpProcess, timeout: float = 60) -> dict[str, object]:
     deadline = time.monotonic() + timeout
     while not path.exists():
@@ -120,6 +127,13 @@ def test_up_writes_stack_json_that_status_and_inspect_join_and_removes_it(
     data = tmp_path / "data"
     up = UpProcess(data, tiny_model_dir)
     try:
+        deadline = time.monotonic() + 120
+        while not _answers(f"{up.url}/health"):
+            assert up.proc.poll() is None, up.output()[-4000:]
+            assert time.monotonic() < deadline, f"up never answered:\n{up.output()[-4000:]}"
+            time.sleep(0.02)
+        # Written before the gateway answers: a script that waits for /health finds it.
+        assert (data / "stack.json").exists(), up.output()[-4000:]
         up.wait_healthy()
         stack = wait_for_file(data / "stack.json", up)
 
