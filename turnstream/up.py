@@ -3,8 +3,8 @@
 A nats-server of its own (unless ``--log.url``), the gateway on ``--host``/``--port``, a fold
 worker with its reaper, and a shard writer, until Ctrl-C. Once the log, the fold worker and the
 shard writer run, and before the gateway answers (so a script that waits for ``/health`` finds
-it), ``up`` writes ``<data_dir>/stack.json`` (``turnstream.stack_file``: URLs, run, pids) and
-removes it on exit.
+it; with ``--workers N``, N > 1, the gateway processes start first), ``up`` writes
+``<data_dir>/stack.json`` (``turnstream.stack_file``: URLs, run, pids) and removes it on exit.
 ``embedded_stack`` is what ``turnstream demo`` runs its agents and trainer against.
 """
 
