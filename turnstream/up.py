@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 from collections.abc import AsyncIterator, Callable
@@ -77,14 +78,16 @@ async def embedded_stack(
     settings: UpSettings,
     *,
     stop: asyncio.Event | None = None,
-    ready: Callable[[Stack], object] | None = None,
+    announce: Callable[[Stack], Callable[[], object] | None] | None = None,
 ) -> AsyncIterator[Stack]:
-    """Start the stack; on exit stop taking work, finish what was taken, and close.
+    """Start the stack; on exit (a gateway that could not start included) stop taking work,
+    finish what was taken, and close.
 
-    ``ready`` is called with the stack once the log, the fold worker and the shard writer run,
-    before the gateway serves (with ``--workers N`` the gateway processes are up already).
-    The embedded nats-server is restarted when it dies; if it keeps dying, ``stop`` is set and
-    ``ServerCrashLoop`` is raised on exit.
+    ``announce`` is called with the stack once the log, the fold worker and the shard writer
+    run, before the gateway serves (with ``--workers N`` the gateway processes are up already);
+    what it returns, if anything, is called first on the way out. The embedded nats-server is
+    restarted when it dies; if it keeps dying, ``stop`` is set and ``ServerCrashLoop`` is raised
+    on exit.
     """
     if settings.workers == 1:
         import_gateway_modules(settings)  # before connecting: its gateway is built here
@@ -122,18 +125,19 @@ async def embedded_stack(
         if reaper is not None:
             tasks.append(asyncio.create_task(reaper.run(done), name="reaper"))
         stack = Stack(event_log, gateway, url, worker, reaper, writer, settings.shard_target)
-        if ready is not None:
-            ready(stack)
-        if server is not None:
-            serving = asyncio.create_task(server.serve(), name="gateway")
-            tasks.append(serving)
-            while not server.started:
-                if serving.done():
-                    serving.result()  # the gateway could not start (port taken): say why
-                await asyncio.sleep(0.02)
+        withdraw = announce(stack) if announce is not None else None
         try:
+            if server is not None:
+                serving = asyncio.create_task(server.serve(), name="gateway")
+                tasks.append(serving)
+                while not server.started:
+                    if serving.done():
+                        serving.result()  # the gateway could not start (port taken): say why
+                    await asyncio.sleep(0.02)
             yield stack
         finally:
+            if withdraw is not None:
+                withdraw()  # first thing, error or not: nobody should join a stack that stops
             if server is not None:
                 server.should_exit = True
             done.set()
@@ -159,34 +163,30 @@ class UpCommand(UpSettings):
         stop = stop_on_signals()
         written = False
 
-        def announce(stack: Stack) -> None:
+        def announce(stack: Stack) -> Callable[[], object] | None:
             nonlocal written
             written = self._write_stack_file(stack)
+            # Removed on the way out; only our own file: another stack's stays.
+            return (
+                functools.partial(remove_stack_file, self.data_dir, os.getpid())
+                if written
+                else None
+            )
 
-        try:
-            async with embedded_stack(self, stop=stop, ready=announce) as stack:
-                try:
-                    log.info(
-                        "turnstream up: gateway %s (OpenAI API at %s/v1, run %s), log %s, "
-                        "shards %s%s; Ctrl-C stops",
-                        stack.url,
-                        stack.url,
-                        self.run,
-                        stack.event_log.url,
-                        stack.shard_target,
-                        f"; other processes join through {stack_file_path(self.data_dir)}"
-                        if written
-                        else "",
-                    )
-                    await stop.wait()
-                finally:
-                    # First thing on the way out, error or not: nobody should join a stack that
-                    # is shutting down. Only our own file: another stack's stays.
-                    if written:
-                        remove_stack_file(self.data_dir, os.getpid())
-        finally:
-            if written:  # the gateway could not start after the file was written
-                remove_stack_file(self.data_dir, os.getpid())
+        async with embedded_stack(self, stop=stop, announce=announce) as stack:
+            log.info(
+                "turnstream up: gateway %s (OpenAI API at %s/v1, run %s), log %s, shards "
+                "%s%s; Ctrl-C stops",
+                stack.url,
+                stack.url,
+                self.run,
+                stack.event_log.url,
+                stack.shard_target,
+                f"; other processes join through {stack_file_path(self.data_dir)}"
+                if written
+                else "",
+            )
+            await stop.wait()
         log.info("stopped: fold %s, shards %s", stack.worker.stats, stack.writer.stats)
 
     def _write_stack_file(self, stack: Stack) -> bool:

@@ -25,6 +25,7 @@ from tests.conftest import FAST_LOG, Log
 from tests.helpers.sessions import append_only, session_events
 from tests.helpers.streams import publish_events
 from tests.helpers.up_process import UpProcess
+from tests.helpers.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -49,11 +50,17 @@ def sessions_rows(output: str) -> dict[str, list[str]]:
     return rows
 
 
-def _answers(url: str) -> bool:
+def _answered_after_stack_file(up: UpProcess, stack_file: Path) -> bool:
+    """Whether up's gateway answers /health; when it does, stack.json existed before it was
+    asked (a script that waits for /health finds the file)."""
+    assert up.proc.poll() is None, up.output()[-4000:]
+    existed = stack_file.exists()
     try:
-        return httpx.get(url, timeout=1).status_code == 200
+        answered = httpx.get(f"{up.url}/health", timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
+    assert existed or not answered, f"/health answered before stack.json:\n{up.output()[-4000:]}"
+    return answered
 
 
 def wait_for_file(path: Path, up: UpProcess, timeout: float = 60) -> dict[str, object]:
@@ -127,13 +134,7 @@ def test_up_writes_stack_json_that_status_and_inspect_join_and_removes_it(
     data = tmp_path / "data"
     up = UpProcess(data, tiny_model_dir)
     try:
-        deadline = time.monotonic() + 120
-        while not _answers(f"{up.url}/health"):
-            assert up.proc.poll() is None, up.output()[-4000:]
-            assert time.monotonic() < deadline, f"up never answered:\n{up.output()[-4000:]}"
-            time.sleep(0.02)
-        # Written before the gateway answers: a script that waits for /health finds it.
-        assert (data / "stack.json").exists(), up.output()[-4000:]
+        wait_for(lambda: _answered_after_stack_file(up, data / "stack.json"), 120, "up answering")
         up.wait_healthy()
         stack = wait_for_file(data / "stack.json", up)
 
