@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
 import importlib.util
 import logging
@@ -43,7 +44,14 @@ from turnstream.stack import EventLog, open_log, run_service, settle_heap, stop_
 if TYPE_CHECKING:
     from gateway.backends.local import LocalBackend
 
-__all__ = ["GatewayCommand", "GatewaySettings", "build_gateway", "http_server", "serve_until"]
+__all__ = [
+    "GatewayCommand",
+    "GatewaySettings",
+    "build_gateway",
+    "http_server",
+    "listening_socket",
+    "serve_until",
+]
 
 log = logging.getLogger(__name__)
 
@@ -375,6 +383,28 @@ class _HttpServer(uvicorn.Server):
         yield
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host``:``port`` (0: a free port), as uvicorn binds one
+    (SO_REUSEADDR, IPv6 for an address with a colon, inheritable by worker processes), bound
+    before anything slow starts; a TurnstreamError naming the address and what to pass instead
+    when it cannot be (uvicorn logs the OSError and calls ``sys.exit`` from inside the event
+    loop, which left ``turnstream up`` printing tracebacks)."""
+    sock = socket.socket(family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            what = "pass another --port (0: a free one), or stop what listens there"
+        else:
+            what = "pass --host with an address of this machine (127.0.0.1, 0.0.0.0)"
+        reason = exc.strerror or str(exc)
+        raise TurnstreamError(f"cannot listen on {host}:{port}: {reason}; {what}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def http_server(app: FastAPI, host: str, port: int) -> uvicorn.Server:
     """A uvicorn server for ``app`` that leaves SIGINT/SIGTERM to its caller; its HTTP parser
     is httptools (C; h11 is pure Python: it was ~9% of the gateway's CPU per request at the
@@ -387,10 +417,9 @@ def http_server(app: FastAPI, host: str, port: int) -> uvicorn.Server:
 
 
 async def serve_until(
-    server: uvicorn.Server, stop: asyncio.Event, sockets: list[socket.socket] | None = None
+    server: uvicorn.Server, stop: asyncio.Event, sockets: list[socket.socket]
 ) -> None:
-    """Serve until ``stop`` is set (or uvicorn gives up by itself: a port already taken);
-    on ``sockets`` (already listening) where given, else on the config's host and port."""
+    """Serve on ``sockets`` (``listening_socket``'s) until ``stop`` is set."""
 
     async def stop_serving() -> None:
         await stop.wait()
@@ -417,20 +446,22 @@ class GatewayCommand(GatewaySettings):
         run_service(self._serve())
 
     async def _serve(self) -> None:
-        import_gateway_modules(self)
         stop = stop_on_signals()
-        async with (
-            open_log(self, name="turnstream-gateway", stop=stop) as event_log,
-            build_gateway(self, event_log) as gateway,
-        ):
-            server = http_server(gateway.app, self.host, self.port)
-            settle_heap()
-            log.info(
-                "gateway on http://%s:%d (backend %s, log %s, run %s)",
-                self.host,
-                self.port,
-                gateway.backend.id,
-                event_log.url,
-                self.run,
-            )
-            await serve_until(server, stop)
+        # Bound first: a port in use is said before the model loads and the log starts.
+        with listening_socket(self.host, self.port) as listener:
+            import_gateway_modules(self)
+            async with (
+                open_log(self, name="turnstream-gateway", stop=stop) as event_log,
+                build_gateway(self, event_log) as gateway,
+            ):
+                server = http_server(gateway.app, self.host, self.port)
+                settle_heap()
+                log.info(
+                    "gateway on http://%s:%d (backend %s, log %s, run %s)",
+                    self.host,
+                    listener.getsockname()[1],
+                    gateway.backend.id,
+                    event_log.url,
+                    self.run,
+                )
+                await serve_until(server, stop, [listener])

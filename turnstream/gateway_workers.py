@@ -176,11 +176,10 @@ async def gateway_workers(
     """Run ``settings.workers`` gateway worker processes on ``settings.host``/``port``
     (0: a free one), restarting any that dies, until the block ends; then drain and stop them.
     A worker dying again and again sets ``stop`` and raises TurnstreamError at the end."""
-    config = uvicorn.Config(
-        "unused:app", host=settings.host, port=settings.port, log_config=None, log_level="warning"
-    )
-    listener = config.bind_socket()  # uvicorn's own binding: IPv4/6, SO_REUSEADDR, inheritable
-    listener.listen(config.backlog)
+    from turnstream.gateway_service import listening_socket
+
+    listener = listening_socket(settings.host, settings.port)  # inherited by the workers
+    listener.listen(uvicorn.Config("unused:app").backlog)
     port = listener.getsockname()[1]
     with tempfile.TemporaryDirectory(prefix="turnstream-gw-") as handoff_dir:
         workers = [
@@ -316,7 +315,7 @@ async def _serve_worker(spec: WorkerSpec) -> None:
             task.add_done_callback(_adopted(adopting, conn))
 
         settle_heap()
-        serving = asyncio.create_task(serve_until(server, stop, sockets=[listener]))
+        serving = asyncio.create_task(serve_until(server, stop, [listener]))
         while not server.started:
             if serving.done():
                 break  # it could not start: ``await serving`` says why

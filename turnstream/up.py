@@ -23,13 +23,14 @@ from pydantic_settings import SettingsConfigDict
 
 from consumers import FoldWorker, FoldWorkerSettings, Reaper, ReaperSettings, ShardWriterSettings
 from consumers.shard_writer import ShardWriter
-from eventlog import JetStreamPublisher, free_port
+from eventlog import JetStreamPublisher
 from turnstream.gateway_service import (
     Gateway,
     GatewaySettings,
     build_gateway,
     http_server,
     import_gateway_modules,
+    listening_socket,
     require_local_backend,
 )
 from turnstream.shard_writer_service import shard_writer
@@ -89,15 +90,18 @@ async def embedded_stack(
     restarted when it dies; if it keeps dying, ``stop`` is set and ``ServerCrashLoop`` is raised
     on exit.
     """
-    if settings.workers == 1:
-        import_gateway_modules(settings)  # before connecting: its gateway is built here
     async with contextlib.AsyncExitStack() as exits:
+        listener = None
+        if settings.workers == 1:
+            # Bound first: a port in use is said before the log starts and the model loads.
+            listener = exits.enter_context(listening_socket(settings.host, settings.port))
+            import_gateway_modules(settings)  # before connecting: its gateway is built here
         event_log = await exits.enter_async_context(
             open_log(settings, name="turnstream-up", stop=stop)
         )
         gateway: Gateway | None = None
         server = None
-        if settings.workers > 1:  # gateway worker processes (turnstream.gateway_workers)
+        if listener is None:  # gateway worker processes (turnstream.gateway_workers)
             from turnstream.gateway_workers import gateway_workers
 
             pool = await exits.enter_async_context(
@@ -106,9 +110,8 @@ async def embedded_stack(
             url = pool.url
         else:
             gateway = await exits.enter_async_context(build_gateway(settings, event_log))
-            port = settings.port or free_port()
-            server = http_server(gateway.app, settings.host, port)
-            url = f"http://{settings.host}:{port}"
+            server = http_server(gateway.app, settings.host, settings.port)
+            url = f"http://{settings.host}:{listener.getsockname()[1]}"
         publisher = await JetStreamPublisher(event_log.nc, settings.publisher).start()
         worker, reaper = fold_workers(
             event_log, publisher, settings.fold, settings.reaper, settings.log
@@ -127,12 +130,12 @@ async def embedded_stack(
         stack = Stack(event_log, gateway, url, worker, reaper, writer, settings.shard_target)
         withdraw = announce(stack) if announce is not None else None
         try:
-            if server is not None:
-                serving = asyncio.create_task(server.serve(), name="gateway")
+            if server is not None and listener is not None:
+                serving = asyncio.create_task(server.serve([listener]), name="gateway")
                 tasks.append(serving)
                 while not server.started:
                     if serving.done():
-                        serving.result()  # the gateway could not start (port taken): say why
+                        serving.result()  # the gateway could not start: say why
                     await asyncio.sleep(0.02)
             yield stack
         finally:

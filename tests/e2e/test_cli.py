@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -106,6 +107,31 @@ def test_an_unreachable_log_is_one_clear_error() -> None:
     result = turnstream("status", "--log.url", "nats://127.0.0.1:1", "--log.connect-wait-s", "0.5")
     assert result.returncode == 1
     assert "cannot connect to NATS at nats://127.0.0.1:1" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["up"], ["gateway"], ["gateway", "--workers", "2"], ["up", "--workers", "2"]],
+    ids=["up", "gateway", "gateway-workers", "up-workers"],
+)
+def test_a_port_in_use_is_one_clear_error(command: list[str], tmp_path: Path) -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        result = turnstream(*command, "--port", str(port), "--data-dir", str(tmp_path))
+    assert result.returncode == 1, result.stderr
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in result.stderr
+    assert "pass another --port (0: a free one)" in result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    assert not (tmp_path / "stack.json").exists()
+
+
+def test_a_host_not_of_this_machine_is_one_clear_error(tmp_path: Path) -> None:
+    result = turnstream("gateway", "--host", "192.0.2.1", "--data-dir", str(tmp_path))
+    assert result.returncode == 1, result.stderr
+    assert "cannot listen on 192.0.2.1:8000" in result.stderr
+    assert "pass --host with an address of this machine" in result.stderr
 
 
 @pytest.mark.integration
