@@ -13,8 +13,9 @@ processes on a real nats-server: one in front of the processed pair, two in fron
   again by the third gateway once it had served requests.
 * **processed mode**: at temperature 0.5, at top_p 0.9 and at both (0.7 and 0.9), streamed and
   not (more turns while they total 24 tokens or fewer: each session's derived seed is new, and
-  the tiny model sometimes draws its end token within a few tokens), every recorded log-prob equals the fp32 transformers recomputation of the distribution
-  sampled from (``logits / T`` masked to vLLM's top-p nucleus and renormalized:
+  the tiny model sometimes draws its end token within a few tokens), every recorded log-prob
+  equals the fp32 transformers recomputation of the distribution sampled from (``logits / T``
+  masked to vLLM's top-p nucleus and renormalized:
   ``gateway.backends.local.processed_log_probs``) on the recorded prefix within 1e-4. Measured
   max |Δ| (two runs, 64-96 tokens each): 7.2e-07 and 9.5e-07 at temperature 0.5, 4.8e-07 and
   9.5e-07 at top_p 0.9, 4.8e-07 for both; the raw log-probs are off by up to 1.6, 0.105 and
