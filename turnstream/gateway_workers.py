@@ -171,15 +171,13 @@ class WorkerPool:
 
 @contextlib.asynccontextmanager
 async def gateway_workers(
-    settings: GatewaySettings, event_log: EventLog, stop: asyncio.Event
+    settings: GatewaySettings, event_log: EventLog, stop: asyncio.Event, listener: socket.socket
 ) -> AsyncIterator[WorkerPool]:
-    """Run ``settings.workers`` gateway worker processes on ``settings.host``/``port``
-    (0: a free one), restarting any that dies, until the block ends; then drain and stop them.
-    A worker dying again and again sets ``stop`` and raises TurnstreamError at the end."""
-    from turnstream.gateway_service import listening_socket
-
-    listener = listening_socket(settings.host, settings.port)  # inherited by the workers
-    listener.listen(uvicorn.Config("unused:app").backlog)
+    """Run ``settings.workers`` gateway worker processes on ``listener`` (bound by the caller
+    before anything slow starts: ``gateway_service.listening_socket``), restarting any that
+    dies, until the block ends; then drain and stop them. A worker dying again and again sets
+    ``stop`` and raises TurnstreamError at the end."""
+    listener.listen(uvicorn.Config("unused:app").backlog)  # inherited by the workers
     port = listener.getsockname()[1]
     with tempfile.TemporaryDirectory(prefix="turnstream-gw-") as handoff_dir:
         workers = [
@@ -251,11 +249,16 @@ async def gateway_workers(
 
 async def serve_workers(settings: GatewaySettings) -> None:
     """``turnstream gateway --workers N`` (N > 1): the supervisor, until SIGINT/SIGTERM."""
+    from turnstream.gateway_service import listening_socket
+
     stop = stop_on_signals()
-    async with (
-        open_log(settings, name="turnstream-gateway", stop=stop) as event_log,
-        gateway_workers(settings, event_log, stop) as pool,
-    ):
+    async with contextlib.AsyncExitStack() as exits:
+        # Bound first: a port in use is said before the log starts.
+        listener = exits.enter_context(listening_socket(settings.host, settings.port))
+        event_log = await exits.enter_async_context(
+            open_log(settings, name="turnstream-gateway", stop=stop)
+        )
+        pool = await exits.enter_async_context(gateway_workers(settings, event_log, stop, listener))
         log.info(
             "gateway on %s: %d workers, sessions sticky to their owner (log %s, run %s)",
             pool.url,

@@ -91,21 +91,20 @@ async def embedded_stack(
     on exit.
     """
     async with contextlib.AsyncExitStack() as exits:
-        listener = None
+        # Bound first: a port in use is said before the log starts and the model loads.
+        listener = exits.enter_context(listening_socket(settings.host, settings.port))
         if settings.workers == 1:
-            # Bound first: a port in use is said before the log starts and the model loads.
-            listener = exits.enter_context(listening_socket(settings.host, settings.port))
             import_gateway_modules(settings)  # before connecting: its gateway is built here
         event_log = await exits.enter_async_context(
             open_log(settings, name="turnstream-up", stop=stop)
         )
         gateway: Gateway | None = None
         server = None
-        if listener is None:  # gateway worker processes (turnstream.gateway_workers)
+        if settings.workers > 1:  # gateway worker processes (turnstream.gateway_workers)
             from turnstream.gateway_workers import gateway_workers
 
             pool = await exits.enter_async_context(
-                gateway_workers(settings, event_log, stop or asyncio.Event())
+                gateway_workers(settings, event_log, stop or asyncio.Event(), listener)
             )
             url = pool.url
         else:
@@ -130,7 +129,7 @@ async def embedded_stack(
         stack = Stack(event_log, gateway, url, worker, reaper, writer, settings.shard_target)
         withdraw = announce(stack) if announce is not None else None
         try:
-            if server is not None and listener is not None:
+            if server is not None:
                 serving = asyncio.create_task(server.serve([listener]), name="gateway")
                 tasks.append(serving)
                 while not server.started:

@@ -124,6 +124,7 @@ def test_a_port_in_use_is_one_clear_error(command: list[str], tmp_path: Path) ->
     assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in result.stderr
     assert "pass another --port (0: a free one)" in result.stderr
     assert "Traceback" not in result.stderr, result.stderr
+    assert "nats-server" not in result.stderr, "bound after the log started"
     assert not (tmp_path / "stack.json").exists()
 
 
