@@ -49,6 +49,7 @@ __all__ = [
     "GatewaySettings",
     "build_gateway",
     "http_server",
+    "http_url",
     "listening_socket",
     "serve_until",
 ]
@@ -405,6 +406,15 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def http_url(host: str, port: int) -> str:
+    """The URL of an HTTP server on ``host``:``port`` (an IPv6 address in brackets).
+
+    >>> http_url("127.0.0.1", 8000), http_url("::1", 8000)
+    ('http://127.0.0.1:8000', 'http://[::1]:8000')
+    """
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def http_server(app: FastAPI, host: str, port: int) -> uvicorn.Server:
     """A uvicorn server for ``app`` that leaves SIGINT/SIGTERM to its caller; its HTTP parser
     is httptools (C; h11 is pure Python: it was ~9% of the gateway's CPU per request at the
@@ -457,9 +467,8 @@ class GatewayCommand(GatewaySettings):
                 server = http_server(gateway.app, self.host, self.port)
                 settle_heap()
                 log.info(
-                    "gateway on http://%s:%d (backend %s, log %s, run %s)",
-                    self.host,
-                    listener.getsockname()[1],
+                    "gateway on %s (backend %s, log %s, run %s)",
+                    http_url(self.host, listener.getsockname()[1]),
                     gateway.backend.id,
                     event_log.url,
                     self.run,

@@ -177,6 +177,8 @@ async def gateway_workers(
     before anything slow starts: ``gateway_service.listening_socket``), restarting any that
     dies, until the block ends; then drain and stop them. A worker dying again and again sets
     ``stop`` and raises TurnstreamError at the end."""
+    from turnstream.gateway_service import http_url
+
     listener.listen(uvicorn.Config("unused:app").backlog)  # inherited by the workers
     port = listener.getsockname()[1]
     with tempfile.TemporaryDirectory(prefix="turnstream-gw-") as handoff_dir:
@@ -192,7 +194,7 @@ async def gateway_workers(
             )
             for i in range(settings.workers)
         ]
-        pool = WorkerPool(f"http://{settings.host}:{port}", port, workers)
+        pool = WorkerPool(http_url(settings.host, port), port, workers)
         failure: list[str] = []
 
         async def keep(worker: _Worker) -> None:

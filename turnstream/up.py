@@ -29,6 +29,7 @@ from turnstream.gateway_service import (
     GatewaySettings,
     build_gateway,
     http_server,
+    http_url,
     import_gateway_modules,
     listening_socket,
     require_local_backend,
@@ -110,7 +111,7 @@ async def embedded_stack(
         else:
             gateway = await exits.enter_async_context(build_gateway(settings, event_log))
             server = http_server(gateway.app, settings.host, settings.port)
-            url = f"http://{settings.host}:{listener.getsockname()[1]}"
+            url = http_url(settings.host, listener.getsockname()[1])
         publisher = await JetStreamPublisher(event_log.nc, settings.publisher).start()
         worker, reaper = fold_workers(
             event_log, publisher, settings.fold, settings.reaper, settings.log

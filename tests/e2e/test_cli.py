@@ -16,6 +16,7 @@ import pytest
 from eventlog import NatsServer, free_port
 from eventlog.shard_store import open_shards_dataset
 from tests.conftest import Log
+from tests.helpers.gateway_process import GatewayProcess
 
 
 def turnstream(
@@ -133,6 +134,20 @@ def test_a_host_not_of_this_machine_is_one_clear_error(tmp_path: Path) -> None:
     assert result.returncode == 1, result.stderr
     assert "cannot listen on 192.0.2.1:8000" in result.stderr
     assert "pass --host with an address of this machine" in result.stderr
+
+
+@pytest.mark.integration
+def test_the_gateway_serves_on_an_ipv6_address_and_says_its_url(
+    nats_server: NatsServer, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    gateway = GatewayProcess(nats_server.url, tiny_model_dir, tmp_path, host="::1")
+    try:
+        assert gateway.url == f"http://[::1]:{gateway.port}"
+        assert httpx.get(f"{gateway.url}/health", timeout=10).status_code == 200
+        log = " ".join(gateway.log_path.read_text().split())  # rich wraps long lines
+        assert f"gateway on {gateway.url} (backend" in log, log
+    finally:
+        gateway.stop()
 
 
 @pytest.mark.integration

@@ -12,6 +12,7 @@ import httpx
 
 from eventlog import free_port
 from tests.helpers.services import LAUNCHER
+from turnstream.gateway_service import http_url
 
 
 class GatewayProcess:
@@ -22,14 +23,17 @@ class GatewayProcess:
         data_dir: Path,
         *extra: str,
         launcher: Sequence[str] = LAUNCHER,
+        host: str = "127.0.0.1",
     ) -> None:
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = http_url(host, self.port)
         self.log_path = data_dir / "gateway.log"
         data_dir.mkdir(parents=True, exist_ok=True)
         args = [
             *launcher,
             "gateway",
+            "--host",
+            host,
             "--port",
             str(self.port),
             "--log.url",
