@@ -398,7 +398,9 @@ def listening_socket(host: str, port: int) -> socket.socket:
         sock.close()
         if exc.errno == errno.EADDRINUSE:
             what = "pass another --port (0: a free one), or stop what listens there"
-        else:
+        elif exc.errno == errno.EACCES:
+            what = "ports below 1024 need root or CAP_NET_BIND_SERVICE: pass --port 1024 or above"
+        else:  # EADDRNOTAVAIL, a name that does not resolve (socket.gaierror)
             what = "pass --host with an address of this machine (127.0.0.1, 0.0.0.0)"
         reason = exc.strerror or str(exc)
         raise TurnstreamError(f"cannot listen on {host}:{port}: {reason}; {what}") from None

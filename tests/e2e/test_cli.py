@@ -129,13 +129,6 @@ def test_a_port_in_use_is_one_clear_error(command: list[str], tmp_path: Path) ->
     assert not (tmp_path / "stack.json").exists()
 
 
-def test_a_host_not_of_this_machine_is_one_clear_error(tmp_path: Path) -> None:
-    result = turnstream("gateway", "--host", "192.0.2.1", "--data-dir", str(tmp_path))
-    assert result.returncode == 1, result.stderr
-    assert "cannot listen on 192.0.2.1:8000" in result.stderr
-    assert "pass --host with an address of this machine" in result.stderr
-
-
 @pytest.mark.integration
 def test_the_gateway_serves_on_an_ipv6_address_and_says_its_url(
     nats_server: NatsServer, tiny_model_dir: Path, tmp_path: Path
