@@ -144,20 +144,24 @@ class ChatTemplate:
         return self.encode(self.render(messages, tools, generation=True))
 
     def extension_ids(
-        self, context_text: str, messages: Sequence[JSON], tools: list[JSON] | None
+        self, context_text: Sequence[str], messages: Sequence[JSON], tools: list[JSON] | None
     ) -> tuple[list[int] | None, str]:
         """The render of ``messages`` (ready for the reply), and the ids to append after a
-        context whose ids stand for ``context_text`` so that the prompt's text is exactly that
-        render: where the render starts with ``context_text`` (the template renders the kept
-        turns, the model's replies included, as they are), the ids of the rest; else None.
+        context whose ids stand for the text ``context_text`` (in parts, not joined) so that the
+        prompt's text is exactly that render: where the render starts with that text (the
+        template renders the kept turns, the model's replies included, as they are), the ids of
+        the rest; else None.
 
         One render, where ``continuation_ids`` needs two; when both apply they give the same
         ids (the rest of the render is the end of turn the model did not sample + the new
         messages' text)."""
         full = self.render(messages, tools, generation=True)
-        if not full.startswith(context_text):
-            return None, full
-        return self.encode(full[len(context_text) :]), full
+        at = 0
+        for part in context_text:
+            if not full.startswith(part, at):
+                return None, full
+            at += len(part)
+        return self.encode(full[at:]), full
 
     def continuation_ids(
         self,

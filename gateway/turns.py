@@ -103,24 +103,24 @@ class Kept:
 class ContextCache:
     """What the turn that continues a kept turn reuses of it, built when that turn ran:
 
-    * ``text``: the text its context ids stand for (its prompt's render, any forced tool-call
-      opening, its completion decoded with special tokens), so that the next turn renders its
-      conversation once and keeps the ids of this text where the render starts with it
-      (``ChatTemplate.extension_ids``);
+    * ``text``: the text its context ids stand for, in parts (its prompt's render, any forced
+      tool-call opening, its completion decoded with special tokens: not joined, a copy of the
+      whole context saved), so that the next turn renders its conversation once and keeps the
+      ids of this text where the render starts with it (``ChatTemplate.extension_ids``);
     * ``json_head``: the JSON text of its context ids without the closing bracket
-      (``b"[1,2,3"``), built when its prompt went to an HTTP backend
+      (``b"[1,2,3"``), in parts, built when its prompt went to an HTTP backend
       (``gateway.backends.base.Prompt``), so the next turn encodes only its new ids.
 
     A cache, not state: empty after recovery, and handed on (``take``) to the turn that
     continues it, so a chain of turns holds one (a second continuation of a turn finds it
     empty and renders and encodes in full)."""
 
-    text: str | None = None
-    json_head: bytes = b""
+    text: tuple[str, ...] | None = None
+    json_head: tuple[bytes | memoryview, ...] = ()  # gateway.backends.base.JsonHead
 
-    def take(self) -> tuple[str | None, bytes]:
+    def take(self) -> tuple[tuple[str, ...] | None, tuple[bytes | memoryview, ...]]:
         taken = self.text, self.json_head
-        self.text, self.json_head = None, b""
+        self.text, self.json_head = None, ()
         return taken
 
 

@@ -17,6 +17,7 @@ import numpy as np
 __all__ = [
     "Backend",
     "GenerationChunk",
+    "JsonHead",
     "Prompt",
     "SamplingParams",
     "TopLogprob",
@@ -24,6 +25,9 @@ __all__ = [
 ]
 
 FinishReason = Literal["stop", "length"]
+# The JSON text of a prompt's first ids without the closing bracket, in parts: a view of the
+# kept turn's prompt JSON and the text of its completion ids (nothing copied until it is sent).
+JsonHead = tuple[bytes | memoryview, ...]
 
 
 _JSON = msgspec.json.Encoder()
@@ -34,12 +38,13 @@ class Prompt:
     first use, once) the JSON array text the HTTP backends put in their request bodies.
 
     A turn that continues a kept turn passes that turn's context as ``head``: the JSON text of
-    ``ids[:head_len]`` without its closing bracket, which the kept turn cached when its own
-    prompt was sent (``extended_json_head``). Then ``json()`` encodes only the new ids, and a
-    turn's cost does not grow with its context.
+    ``ids[:head_len]`` without its closing bracket, in parts, which the kept turn cached when
+    its own prompt was sent (``extended_json_head``: a view of that prompt's JSON and its
+    completion's text). Then ``json()`` encodes only the new ids and copies the head once, into
+    the text sent, and a turn's cost does not grow with its context.
 
     >>> p = Prompt([1, 2, 3])
-    >>> len(p), p.json(), p.extended_json_head([4, 5])
+    >>> len(p), p.json(), b"".join(p.extended_json_head([4, 5]))
     (3, b'[1,2,3]', b'[1,2,3,4,5')
     >>> q = Prompt([1, 2, 3, 4, 5, 6], head=p.extended_json_head([4, 5]), head_len=5)
     >>> q.json(), q.same_ids([1, 2, 3, 4, 5, 6]), q.same_ids([1, 2, 3])
@@ -49,7 +54,7 @@ class Prompt:
     __slots__ = ("_head", "_head_len", "_json", "_list", "ids")
 
     def __init__(
-        self, ids: Sequence[int] | np.ndarray, *, head: bytes = b"", head_len: int = 0
+        self, ids: Sequence[int] | np.ndarray, *, head: JsonHead = (), head_len: int = 0
     ) -> None:
         self.ids: np.ndarray = np.asarray(ids, dtype=np.int32)
         # A list given is kept: encoding it needs no conversion from the array.
@@ -87,20 +92,21 @@ class Prompt:
             if not self._head_len:
                 self._json = _JSON.encode(self.tolist())
             elif self._head_len == len(self.ids):
-                self._json = self._head + b"]"
+                self._json = b"".join((*self._head, b"]"))
             else:  # one copy of the head, however long
                 tail = _JSON.encode(self.ids[self._head_len :].tolist())
-                self._json = b"".join((self._head, b",", memoryview(tail)[1:]))
+                self._json = b"".join((*self._head, b",", memoryview(tail)[1:]))
         return self._json
 
-    def extended_json_head(self, more: Sequence[int]) -> bytes:
+    def extended_json_head(self, more: Sequence[int]) -> JsonHead:
         """The JSON head (no closing bracket) of these ids followed by ``more``: what the
-        kept turn of this prompt and its completion caches for the turn that continues it."""
-        text = memoryview(self.json())[:-1]  # one copy of the text, however long
+        kept turn of this prompt and its completion caches for the turn that continues it. No
+        copy of this prompt's JSON: a view of it (which it keeps alive)."""
+        text = memoryview(self.json())[:-1]
         if not more:
-            return bytes(text)
+            return (text,)
         tail = memoryview(_JSON.encode(more if isinstance(more, list) else list(more)))[1:-1]
-        return b"".join((text, b"," if len(self.ids) else b"", tail))
+        return (text, b"," if len(self.ids) else b"", tail)
 
     def same_ids(self, ids: Sequence[int]) -> bool:
         """Whether ``ids`` (e.g. a backend's echo of the prompt) are exactly these ids."""

@@ -336,7 +336,7 @@ class TurnEngine:
         if node is not None:  # its context: this prompt + the completion (ContextCache)
             if turn.prompt_text is not None:
                 sampled = self.template.decode(detok.ids, skip_special_tokens=False)
-                node.cache.text = "".join((turn.prompt_text, turn.forced_text, sampled))
+                node.cache.text = (turn.prompt_text, turn.forced_text, sampled)
             if turn.prompt.encoded:
                 node.cache.json_head = turn.prompt.extended_json_head(detok.ids)
         self.metrics.tokens_in.inc(len(turn.prompt))

@@ -134,8 +134,10 @@ async def test_a_linear_session_sends_each_turn_its_whole_prompt_and_caches_one_
     assert [bool(n.cache.json_head) for n in nodes.values()] == [False, False, False, True]
     assert [n.cache.text is not None for n in nodes.values()] == [False, False, False, True]
     tip = nodes[3]
-    assert json.loads(tip.cache.json_head + b"]") == tip.context_ids.tolist()
-    assert tip.cache.text == setup.template.decode(tip.context_ids, skip_special_tokens=False)
+    assert json.loads(b"".join(tip.cache.json_head) + b"]") == tip.context_ids.tolist()
+    assert tip.cache.text is not None
+    text = "".join(tip.cache.text)
+    assert text == setup.template.decode(tip.context_ids, skip_special_tokens=False)
 
 
 async def test_two_continuations_of_one_turn_are_both_exact(tiny_model_dir: Path) -> None:
@@ -184,7 +186,8 @@ def test_the_prompt_json_of_a_head_and_new_ids() -> None:
     prompt = Prompt(np.array([5, 6, 7, 8, 9], dtype=np.int32), head=head, head_len=3)
     assert prompt.json() == b"[5,6,7,8,9]" and prompt.tolist() == [5, 6, 7, 8, 9]
     assert Prompt([5, 6, 7], head=head, head_len=3).json() == b"[5,6,7]"
-    assert Prompt([]).json() == b"[]" and Prompt([]).extended_json_head([1]) == b"[1"
+    assert Prompt([]).json() == b"[]" and b"".join(Prompt([]).extended_json_head([1])) == b"[1"
+    assert b"".join(Prompt([5]).extended_json_head([])) == b"[5"
     assert prompt.extended([10]).json() == b"[5,6,7,8,9,10]"
     with pytest.raises(ValueError):
         Prompt([1], head=head, head_len=3)
