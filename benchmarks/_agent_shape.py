@@ -8,8 +8,8 @@ and ~100k tokens, with the first turn's cost beside it (target: 100k <= 1.5x 1k)
 tiny model's byte-level tokenizer (a token per byte) and once with a BPE tokenizer of ~4 bytes a
 token trained here (``bpe_model``), so that costs proportional to bytes of text show::
 
-    .venv/bin/python benchmarks/gateway_overhead.py --agent-shape           # ~6 min
-    .venv/bin/python benchmarks/gateway_overhead.py --agent-shape --quick   # ~3 min
+    .venv/bin/python benchmarks/gateway_overhead.py --agent-shape           # ~30 s
+    .venv/bin/python benchmarks/gateway_overhead.py --agent-shape --quick   # ~20 s
 
 * Per tokenizer, one stack (``_api_surfaces.fixed_latency_stack``: nats-server, the fixed-latency
   backend, one gateway; ``--max-context`` 262144). The backend answers every request with ~460
@@ -31,12 +31,11 @@ token trained here (``bpe_model``), so that costs proportional to bytes of text 
 * Checked at the end, from EVENTS: every later turn has its previous turn as ``parent_turn`` and
   that turn's whole context as ``prefix_len`` (continued token-exact, no fork).
 
-Today (2026-11-28, the 2-core VM with nothing else running, commit 723f501; two full runs
-alternating with two of the session's starting code 4b59d60): CPU per later turn 3.1-3.2 /
-3.4-3.7 / 4.2-4.4 ms at 1k / 32k / 100k (tiny tokenizer, ratio 1.39), 3.1-3.7 / 3.9-4.4 /
-5.2-5.4 ms (BPE, ratio 1.68, 1.55); first turn at 100k 77-78 ms (tiny), 193-197 ms (BPE). The
-starting code in the same runs: BPE 100k 6.4-7.3 ms, ratio 1.96, 1.59 (1.33-1.38 on the VM of
-2026-11-26). docs/PERFORMANCE.md, section 4, has the history.
+Today (2026-11-28 09:57, the 2-core VM with nothing else running, commit b81fe0c, full): CPU per
+later turn 4.39 / 4.71 / 6.17 ms at 1k / 32k / 100k (tiny tokenizer, ratio 1.41), 4.83 / 5.99 /
+7.42 ms (BPE, ratio 1.54); first turn at 100k 123 ms (tiny), 272 ms (BPE). Three full runs
+alternating with the code before b81fe0c: BPE ratio 1.53-1.57 against 1.58-1.63 (1.33-1.38 on
+the VM of 2026-11-26). docs/PERFORMANCE.md, section 4, has the history.
 
 Keys: ``cpu_ms_per_later_turn_ctx_{1k,32k,100k}``, ``cpu_ms_first_turn_ctx_{1k,32k,100k}``,
 ``later_turn_ratio_100k_to_1k``, the same with ``_bpe`` for the BPE tokenizer, and
