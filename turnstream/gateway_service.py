@@ -417,14 +417,13 @@ def http_url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def http_server(app: FastAPI, host: str, port: int) -> uvicorn.Server:
-    """A uvicorn server for ``app`` that leaves SIGINT/SIGTERM to its caller; its HTTP parser
-    is httptools (C; h11 is pure Python: it was ~9% of the gateway's CPU per request at the
-    benchmark's short shape), or h11 where httptools is not installed."""
+def http_server(app: FastAPI) -> uvicorn.Server:
+    """A uvicorn server for ``app`` (on the sockets ``serve_until`` gives it) that leaves
+    SIGINT/SIGTERM to its caller; its HTTP parser is httptools (C; h11 is pure Python: it was
+    ~9% of the gateway's CPU per request at the benchmark's short shape), or h11 where
+    httptools is not installed."""
     http = "httptools" if importlib.util.find_spec("httptools") is not None else "h11"
-    config = uvicorn.Config(
-        app, host=host, port=port, log_level="warning", lifespan="off", http=http
-    )
+    config = uvicorn.Config(app, log_level="warning", lifespan="off", http=http)
     return _HttpServer(config)
 
 
@@ -466,7 +465,7 @@ class GatewayCommand(GatewaySettings):
                 open_log(self, name="turnstream-gateway", stop=stop) as event_log,
                 build_gateway(self, event_log) as gateway,
             ):
-                server = http_server(gateway.app, self.host, self.port)
+                server = http_server(gateway.app)
                 settle_heap()
                 log.info(
                     "gateway on %s (backend %s, log %s, run %s)",

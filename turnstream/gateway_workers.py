@@ -296,7 +296,7 @@ async def _serve_worker(spec: WorkerSpec) -> None:
         open_log(settings, name=f"turnstream-gateway-{spec.index}", stop=stop) as event_log,
         build_gateway(settings, event_log) as gateway,
     ):
-        server = http_server(gateway.app, settings.host, settings.port)
+        server = http_server(gateway.app)
         config = server.config
         config.load()
         routed = owner_routed(config.http_protocol_class, handoff)

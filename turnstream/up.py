@@ -110,7 +110,7 @@ async def embedded_stack(
             url = pool.url
         else:
             gateway = await exits.enter_async_context(build_gateway(settings, event_log))
-            server = http_server(gateway.app, settings.host, settings.port)
+            server = http_server(gateway.app)
             url = http_url(settings.host, listener.getsockname()[1])
         publisher = await JetStreamPublisher(event_log.nc, settings.publisher).start()
         worker, reaper = fold_workers(
