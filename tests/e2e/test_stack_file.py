@@ -51,15 +51,17 @@ def sessions_rows(output: str) -> dict[str, list[str]]:
 
 
 def _answered_after_stack_file(up: UpProcess, stack_file: Path) -> bool:
-    """Whether up's gateway answers /health; when it does, stack.json existed before it was
-    asked (a script that waits for /health finds the file)."""
+    """Whether up's gateway answers /health; when it does, stack.json is there once the answer
+    is in (a script that waits for /health finds the file). Looked for after the answer, not
+    before the request: up may write the file and start serving while the request is made."""
     assert up.proc.poll() is None, up.output()[-4000:]
-    existed = stack_file.exists()
     try:
         answered = httpx.get(f"{up.url}/health", timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
-    assert existed or not answered, f"/health answered before stack.json:\n{up.output()[-4000:]}"
+    assert not answered or stack_file.exists(), (
+        f"/health answered before stack.json:\n{up.output()[-4000:]}"
+    )
     return answered
 
 
