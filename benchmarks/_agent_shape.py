@@ -376,9 +376,12 @@ async def bench_tokenizer(
                         f" later {phase.later_ms():5.2f} ms"
                     )
                 say(f"  {tok.name} round {rnd + 1}/{plan.rounds}: " + " | ".join(line))
+            kept = await kept_bodies(client, stack.gateway_url)
         checked = await check(stack.js, load)
         say(f"  checked: {checked} later turns continue their previous turn token-exact")
+        say(f"  bodies of 64 KiB or more, by how the gateway decoded them: {kept}")
     out = report(tok, phases, checked)
+    out["kept_bodies"] = kept
     if args.profile_gateway:  # written when the gateway stopped, at the end of the stack
         profiled = [p for p in phases if p.round % 2 == 1]
         plain = [p for p in phases if p.round % 2 == 0]
@@ -389,6 +392,17 @@ async def bench_tokenizer(
             1000 * sum(p.later_cpu_s for p in plain) / sum(p.later_turns for p in plain),
         )
     return out
+
+
+async def kept_bodies(client: httpx.AsyncClient, url: str) -> dict[str, int]:
+    """The gateway's count of large bodies by how they were decoded: "reused" (only what
+    follows the messages they resend) or "full" (gateway.kept_bodies); {} before it."""
+    counts = {}
+    for line in (await client.get(f"{url}/metrics")).text.splitlines():
+        if line.startswith("turnstream_gateway_kept_bodies_total{"):
+            how = line.split('"')[1]
+            counts[how] = int(float(line.split()[-1]))
+    return counts
 
 
 def report(tok: Tokenized, phases: list[Phase], checked: int) -> JSON:

@@ -43,6 +43,7 @@ from gateway.guard import (
     decoded_json,
     parse_api_keys,
 )
+from gateway.kept_bodies import KeptBodies
 from gateway.metrics import GatewayMetrics
 from gateway.routers import openai_routes, responses_routes, session_routes
 from gateway.routers.anthropic import anthropic_routes
@@ -122,12 +123,15 @@ def create_app(
         app.add_exception_handler(kind, handle)
 
     open_paths = frozenset({"/health"} if metrics_auth else {"/health", "/metrics"})
+    limits = limits or BodyLimits()
+    kept = KeptBodies(limits.kept_bytes, metrics.kept_bodies, metrics.kept_body_bytes)
     guard_settings: JSON = {
         "keys": parse_api_keys(api_keys),
         "open_paths": open_paths,
-        "limits": limits or BodyLimits(),
+        "limits": limits,
         "reject": error_response,
         "metrics": metrics,
+        "kept": kept,  # one for both guards
     }
     app.add_middleware(RequestGuard, **guard_settings)
 

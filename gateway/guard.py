@@ -22,6 +22,7 @@ import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -32,6 +33,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.errors import InvalidRequest, RequestTimeout, RequestTooLarge, Unauthorized
+from gateway.kept_bodies import KeptBodies
 from gateway.metrics import GatewayMetrics
 from gateway.protocol.common import INT64_MAX, INT64_MIN
 from schemas.ids import ID_PATTERN
@@ -59,6 +61,18 @@ _LONG_DIGITS = b"0" * 19
 _OFF_LOOP_BYTES = 1024 * 1024
 _DECODER = msgspec.json.Decoder()
 _CONTAINERS = (dict, list)
+# What names a client session (``_client_session``): the key, the run, and the session
+# headers of routers.common.SESSION_HEADERS, as ASGI spells them.
+_CLIENT_HEADERS = frozenset(
+    {
+        b"authorization",
+        b"x-api-key",
+        b"x-run-id",
+        b"x-session-id",
+        b"x-claude-code-session-id",
+        b"session-id",
+    }
+)
 # What RequestGuard.admit raises: answered with the error's status before any route runs.
 GUARD_ERRORS = (Unauthorized, InvalidRequest, RequestTooLarge, RequestTimeout)
 
@@ -68,6 +82,9 @@ class BodyLimits:
     max_bytes: int = 8 * 1024 * 1024
     timeout_s: float = 30.0
     max_json_depth: int = 64
+    # The last large body of each client session, kept to decode only what its next request
+    # adds (``KeptBodies``); 0: off.
+    kept_bytes: int = 256 * 1024 * 1024
 
 
 def parse_api_keys(entries: Sequence[str]) -> dict[str, frozenset[str] | None]:
@@ -158,11 +175,13 @@ class RequestGuard:
         limits: BodyLimits,
         reject: Callable[[BaseException, str], JSONResponse],
         metrics: GatewayMetrics,
+        kept: KeptBodies,
     ) -> None:
         self.app = app
         self.keys = dict(keys)
         self.open_paths = open_paths
         self.limits = limits
+        self.kept = kept
         self.reject = reject
         self.metrics = metrics
         self._latency: dict[str, Histogram] = {}
@@ -235,10 +254,13 @@ class RequestGuard:
         body = b"".join(parts)
         if body and _is_json(_header(scope, b"content-type")):
             depth = self.limits.max_json_depth
+            decode: Callable[[bytes], Any] = partial(decode_json, max_depth=depth)
+            if self.kept.worth_keeping(body):
+                decode = partial(self.kept.decode, _client_session(scope), decode=decode)
             if len(body) > _OFF_LOOP_BYTES:
-                scope[_JSON_KEY] = await asyncio.to_thread(decode_json, body, depth)
+                scope[_JSON_KEY] = await asyncio.to_thread(decode, body)
             else:
-                scope[_JSON_KEY] = decode_json(body, depth)
+                scope[_JSON_KEY] = decode(body)
         return _replay(body, receive)
 
 
@@ -247,6 +269,13 @@ def decoded_json(scope: Scope) -> tuple[bool, Any]:
     if _JSON_KEY in scope:
         return True, scope[_JSON_KEY]
     return False, None
+
+
+def _client_session(scope: Scope) -> tuple[object, ...]:
+    """Whose conversation a body continues: its path and the headers that name the key, run
+    and session (so one client is never answered faster for another's bytes)."""
+    headers = sorted((k, bytes(v)) for k, v in scope["headers"] if k in _CLIENT_HEADERS)
+    return (scope["path"], *headers)
 
 
 def _too_large(size: int, limit: int, *, streamed: bool = False) -> str:

@@ -57,6 +57,19 @@ class GatewayMetrics:
             ["how"],
             registry=self.registry,
         )
+        self.kept_bodies = Counter(
+            "turnstream_gateway_kept_bodies",
+            "request bodies of 64 KiB or more by how they were decoded: reused (only what follows "
+            "the items they resend of their client session's previous body), full",
+            ["decoded"],
+            registry=self.registry,
+        )
+        self.kept_body_bytes = Gauge(
+            "turnstream_gateway_kept_body_bytes",
+            "bytes the kept request bodies and their decoded items hold (--kept-body-bytes)",
+            multiprocess_mode="livesum",  # --workers: their total
+            registry=self.registry,
+        )
         self.resent = Counter(
             "turnstream_gateway_resent_requests",
             "requests equal to a kept turn's (a conversation's tip), answered with the recorded "

@@ -88,6 +88,12 @@ class GatewaySettings(PublishingSettings):
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="request body limit")
     body_timeout_s: float = Field(30.0, gt=0, description="deadline to receive a request body")
     max_json_depth: int = Field(64, ge=4, le=512, description="deepest JSON nesting accepted")
+    kept_body_bytes: int = Field(
+        256 * 1024 * 1024,
+        ge=0,
+        description="bytes of request bodies kept, each client session's last of 64 KiB or more, "
+        "so that its next request decodes only what it adds to the conversation; 0: off",
+    )
     max_open_sessions: int = Field(
         10_000,
         ge=1,
@@ -353,7 +359,10 @@ async def build_gateway(settings: GatewaySettings, event_log: EventLog) -> Async
         api_keys=settings.api_keys,
         metrics_auth=settings.metrics_auth,
         limits=BodyLimits(
-            settings.max_body_bytes, settings.body_timeout_s, settings.max_json_depth
+            settings.max_body_bytes,
+            settings.body_timeout_s,
+            settings.max_json_depth,
+            settings.kept_body_bytes,
         ),
         health=health,
     )

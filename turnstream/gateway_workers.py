@@ -85,7 +85,7 @@ class WorkerSpec:
 
 def worker_settings(settings: GatewaySettings, event_log: EventLog, index: int) -> GatewaySettings:
     """``settings`` as worker ``index`` runs them: the supervisor's log, its own outbox file,
-    its share of the open sessions."""
+    its share of the open sessions and of the kept request bodies."""
     log_settings = settings.log.model_copy(update={"url": event_log.url})
     if settings.log.url is None and settings.log.secure:  # the supervisor's embedded server
         security = ensure_log_security(settings.nats_auth_dir)
@@ -101,6 +101,7 @@ def worker_settings(settings: GatewaySettings, event_log: EventLog, index: int) 
             "log": log_settings,
             "publisher": publisher,
             "max_open_sessions": max(1, math.ceil(settings.max_open_sessions / settings.workers)),
+            "kept_body_bytes": settings.kept_body_bytes // settings.workers,
         }
     )
 

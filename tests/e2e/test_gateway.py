@@ -570,3 +570,42 @@ def test_a_clients_own_session_header_names_the_session(
 def test_the_root_answers_a_probe(gateway: GatewayProcess) -> None:
     assert httpx.head(f"{gateway.url}/").status_code == 200
     assert httpx.get(f"{gateway.url}/").json()["service"] == "turnstream gateway"
+
+
+def test_a_long_body_resent_each_turn_is_decoded_once_and_recorded_as_sent(
+    gateway: GatewayProcess, nats_server: NatsServer
+) -> None:
+    """Bodies of 64 KiB or more: the messages a request resends of its client session's
+    previous body are not decoded again (the metric counts it); what is recorded is what was
+    sent, also when the client edits its history (a branch, not a stale kept message)."""
+
+    def reused() -> float:
+        for line in httpx.get(f"{gateway.url}/metrics").text.splitlines():
+            if line.startswith('turnstream_gateway_kept_bodies_total{decoded="reused"}'):
+                return float(line.split()[-1])
+        return 0.0
+
+    session = gateway.session()
+    client = client_for(session)
+    # An ignored field makes the body long while the conversation fits the tiny context.
+    pad = {"metadata": {"note": "é\n" * 40_000}}
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "hello — again"}]
+    before = reused()
+    for _ in range(3):
+        reply = client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=8, extra_body=pad
+        )
+        messages += [assistant_turn(reply.choices[0].message), {"role": "user", "content": "go"}]
+    assert reused() - before == 2
+    edited = [{"role": "user", "content": "hello — edited"}, *messages[1:]]
+    client.chat.completions.create(model="tiny", messages=edited, max_tokens=8, extra_body=pad)
+    turns = turns_of(events_of(nats_server, str(session["session_id"])))
+    assert [t.turn for t in turns] == [0, 1, 2, 3]
+    for t in (1, 2):
+        previous = turns[t - 1]
+        assert [m["content"] for m in turns[t].new_messages] == ["go"]
+        assert turns[t].prefix_len == (
+            previous.prefix_len + len(previous.prompt_ids) + len(previous.completion_ids)
+        )
+    assert turns[3].message_prefix_len == 0
+    assert turns[3].new_messages[0]["content"] == "hello — edited"

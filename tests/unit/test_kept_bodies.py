@@ -1,0 +1,159 @@
+"""Decoding a body that resends the previous one (gateway.kept_bodies): the same value, or the same
+error, as decoding it in full, whatever the client changes between two bodies."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.errors import InvalidRequest
+from gateway.guard import decode_json
+from gateway.kept_bodies import KeptBodies
+
+
+def decode(body: bytes) -> Any:
+    return decode_json(body, max_depth=8)
+
+
+def outcome(decoder: Any, body: bytes) -> tuple[str, Any]:
+    try:
+        return "value", decoder(body)
+    except InvalidRequest as exc:
+        return "error", str(exc)
+
+
+def body(value: Any, spaced: bool = True) -> bytes:
+    separators = (", ", ": ") if spaced else (",", ":")
+    return json.dumps(value, separators=separators, ensure_ascii=False).encode()
+
+
+text = st.text(st.characters(exclude_categories=("Cs",)), max_size=40)
+message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "assistant", "tool"]), "content": text},
+    optional={"meta": st.dictionaries(st.sampled_from("abc"), st.integers(-5, 5), max_size=2)},
+)
+# What a client does to its conversation between two requests.
+edit = st.sampled_from(
+    ["append", "append2", "same", "change-last", "truncate", "change-first", "model", "respace"]
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    first=st.lists(message, min_size=1, max_size=5),
+    edits=st.lists(st.tuples(edit, message), min_size=1, max_size=6),
+    member=st.sampled_from(["messages", "input"]),
+    model_first=st.booleans(),
+)
+def test_every_body_decodes_as_in_full(
+    first: list[Any], edits: list[tuple[str, Any]], member: str, model_first: bool
+) -> None:
+    bodies = KeptBodies(1 << 20, min_bytes=0)
+    items, model, spaced = list(first), "m", True
+    for kind, new in edits:
+        if kind == "append":
+            items = [*items, new]
+        elif kind == "append2":
+            items = [*items, new, new]
+        elif kind == "change-last":
+            items = [*items[:-1], new]
+        elif kind == "truncate":
+            items = items[:-1] or [new]
+        elif kind == "change-first":
+            items = [new, *items[1:]]
+        elif kind == "model":
+            model += "x"
+        elif kind == "respace":
+            spaced = not spaced
+        value = {"model": model, member: items} if model_first else {member: items, "n": 1}
+        raw = body(value, spaced)
+        assert outcome(lambda b: bodies.decode("s", b, decode), raw) == outcome(decode, raw)
+
+
+def test_a_continued_conversation_reuses_what_it_resends() -> None:
+    bodies = KeptBodies(1 << 20, min_bytes=0)
+    long = {"role": "user", "content": "a long task — with a dash\n" * 1000}
+    first = bodies.decode("s", body({"messages": [long]}), decode)
+    reply = {"role": "assistant", "content": "ok"}
+    second = bodies.decode("s", body({"messages": [long, reply], "stream": False}), decode)
+    assert second == {"messages": [long, reply], "stream": False}
+    assert second["messages"][0] is first["messages"][0]
+    # An agent that moves a marker on its last item: the items before it are still reused.
+    marked = {**reply, "cache_control": {"type": "ephemeral"}}
+    third = bodies.decode("s", body({"messages": [long, marked, reply]}), decode)
+    assert third["messages"] == [long, marked, reply]
+    assert third["messages"][0] is first["messages"][0]
+    assert bodies.hits == 2
+    # Another client session shares nothing.
+    other = bodies.decode("t", body({"messages": [long, reply]}), decode)
+    assert other["messages"][0] is not first["messages"][0] and bodies.hits == 2
+
+
+@pytest.mark.parametrize(
+    ("rest", "error"),
+    [
+        (b', {"role": "user", "content": "\\ud800"}]}', "lone surrogates"),
+        (b', {"role": "user", "n": 9223372036854775808}]}', r"\$\.messages\.2\.n is outside"),
+        (
+            b', {"a": ' + b'{"a": ' * 10 + b"1" + b"}" * 11 + b"]}",
+            r"deeper than 8 levels at \$\.messages\.2",
+        ),
+        (b', {"role": "user"', "not valid JSON"),
+        (b"}", "not valid JSON"),
+        (b"]}" + b"x", "not valid JSON"),
+    ],
+    ids=["surrogate", "int64", "depth", "truncated", "unclosed-array", "trailing"],
+)
+def test_an_error_in_what_follows_is_reported_against_the_whole_body(
+    rest: bytes, error: str
+) -> None:
+    """The error names the item by its place in the body sent (messages.2), not in the smaller
+    document decoded on the reuse path."""
+    bodies = KeptBodies(1 << 20, min_bytes=0)
+    prefix = b'{"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "y"}'
+    bodies.decode("s", prefix + b"]}", decode)
+    with pytest.raises(InvalidRequest, match=error):
+        bodies.decode("s", prefix + rest, decode)
+
+
+def test_a_body_of_many_small_objects_is_not_kept() -> None:
+    """Its decoded objects would take many times its bytes (an empty dict: 2 bytes of JSON,
+    64 in memory); a conversation holds about an object per 1,000 bytes."""
+    bodies = KeptBodies(1 << 30)
+    many = body({"messages": [{}] * 100_000})
+    for _ in range(2):
+        assert bodies.decode("s", many, decode) == {"messages": [{}] * 100_000}
+    assert bodies.hits == 0 and bodies.size_bytes == 0
+
+
+def test_a_duplicate_member_decodes_as_in_full() -> None:
+    """The last of two ``messages`` keys wins in a full decode; the reuse path must not put the
+    kept items in front of it."""
+    bodies = KeptBodies(1 << 20, min_bytes=0)
+    kept = b'{"messages": [{"role": "user", "content": "x"}'
+    bodies.decode("s", kept + b"]}", decode)
+    raw = kept + b', {"role": "user", "content": "y"}], "messages": [{"role": "tool"}]}'
+    assert bodies.decode("s", raw, decode) == {"messages": [{"role": "tool"}]}
+    assert bodies.hits == 0
+
+
+def test_the_budget_keeps_the_most_recent_bodies() -> None:
+    one = body({"messages": [{"role": "user", "content": "x" * 100}]})
+    measure = KeptBodies(1 << 20, min_bytes=0)
+    measure.decode("a", one, decode)
+    charge = measure.size_bytes  # the body and its decoded items
+    assert charge > len(one) + 100
+    bodies = KeptBodies(2 * charge + 1, min_bytes=0)
+    for session in ("a", "b", "c"):
+        bodies.decode(session, one, decode)
+    bodies.decode("a", one, decode)  # evicted: decoded in full
+    bodies.decode("c", one, decode)  # kept
+    assert bodies.hits == 1 and bodies.size_bytes == 2 * charge
+    small = KeptBodies(1 << 20)  # the default floor: small bodies pass through
+    small.decode("s", one, decode)
+    small.decode("s", one, decode)
+    assert small.hits == 0
