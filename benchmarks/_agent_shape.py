@@ -31,11 +31,13 @@ token trained here (``bpe_model``), so that costs proportional to bytes of text 
 * Checked at the end, from EVENTS: every later turn has its previous turn as ``parent_turn`` and
   that turn's whole context as ``prefix_len`` (continued token-exact, no fork).
 
-Today (2026-11-28 09:57, the 2-core VM with nothing else running, commit b81fe0c, full): CPU per
-later turn 4.39 / 4.71 / 6.17 ms at 1k / 32k / 100k (tiny tokenizer, ratio 1.41), 4.83 / 5.99 /
-7.42 ms (BPE, ratio 1.54); first turn at 100k 123 ms (tiny), 272 ms (BPE). Three full runs
-alternating with the code before b81fe0c: BPE ratio 1.53-1.57 against 1.58-1.63 (1.33-1.38 on
-the VM of 2026-11-26). docs/PERFORMANCE.md, section 4, has the history.
+Today (2026-11-28 11:59-12:01, the 2-core VM with nothing else running, commit 794ba96, full,
+three runs alternating with the code before it): CPU per later turn 4.39-4.77 / 4.51-4.96 /
+4.96-6.00 ms at 1k / 32k / 100k (tiny tokenizer, ratio 1.17-1.31), 4.73-5.33 / 5.29-5.96 /
+6.21-6.82 ms (BPE, ratio 1.29-1.42, against 1.54-1.62 before it); first turn at 100k 89-122 ms
+(tiny), 248-300 ms (BPE). ``kept_bodies``: the gateway's count of bodies of 64 KiB or more by how
+it decoded them (every later turn at 32k and 100k "reused"). docs/PERFORMANCE.md, section 4, has
+the history.
 
 Keys: ``cpu_ms_per_later_turn_ctx_{1k,32k,100k}``, ``cpu_ms_first_turn_ctx_{1k,32k,100k}``,
 ``later_turn_ratio_100k_to_1k``, the same with ``_bpe`` for the BPE tokenizer, and
