@@ -106,9 +106,16 @@ async def test_a_replay_into_a_fresh_stack_folds_the_same_trajectories_and_twice
     await publish_events(log.nc, conflicted[:-1])
     turn0 = next(e for e in conflicted if isinstance(e, TurnCompleted) and e.turn == 0)
     forged = msgspec.structs.replace(turn0, completion_ids=turn0.completion_ids[::-1].copy())
-    await asyncio.sleep(0.5)
     subject, msg_id = route(forged)
-    await log.js.publish(subject, CODEC.encode(forged), headers={"Nats-Msg-Id": msg_id})
+    # nats-server forgets a Msg-Id on a timer, late under load (CI once absorbed it after
+    # 0.5 s): publish until it is stored (a duplicate ack stores nothing).
+    for _ in range(100):
+        await asyncio.sleep(0.3)
+        ack = await log.js.publish(subject, CODEC.encode(forged), headers={"Nats-Msg-Id": msg_id})
+        if not ack.duplicate:
+            break
+    else:
+        raise AssertionError(f"Msg-Id {msg_id} still a duplicate 30 s past a 0.2 s window")
     # A message without a Msg-Id: no fold trusts it; the replay skips it.
     await log.js.publish(subject, CODEC.encode(forged))
     await publish_events(log.nc, conflicted[-1:])
