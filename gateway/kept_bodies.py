@@ -222,8 +222,10 @@ def _index(body: bytes, value: Any) -> _Kept | None:
     if not isinstance(items, list) or len(items) != len(raws):
         return None
     starts = [_offset(r, body) for r in raws]
+    if min(starts) < 0:
+        return None
     opening = body.rfind(b"[", 0, starts[0])
-    if min(starts) < 0 or opening < 0 or body[opening + 1 : starts[0]].strip():
+    if opening < 0 or body[opening + 1 : starts[0]].strip():
         return None
     sizes = _sizes(items, len(body))
     if sizes is None:
@@ -247,8 +249,8 @@ def _sizes(items: list[Any], body_bytes: int) -> tuple[int, ...] | None:
             elif type(node) is list:
                 stack.extend(node)
             budget -= 1
-        if budget < 0:
-            return None
+            if budget < 0:
+                return None
         sizes.append(size)
     return tuple(sizes)
 

@@ -125,8 +125,10 @@ def test_a_body_of_many_small_objects_is_not_kept() -> None:
     64 in memory); a conversation holds about an object per 1,000 bytes."""
     bodies = KeptBodies(1 << 30)
     many = body({"messages": [{}] * 100_000})
+    one = body({"messages": [{"role": "user", "content": [{}] * 100_000}]})  # the walk stops
     for _ in range(2):
         assert bodies.decode("s", many, decode) == {"messages": [{}] * 100_000}
+        assert bodies.decode("t", one, decode)["messages"][0]["content"] == [{}] * 100_000
     assert bodies.hits == 0 and bodies.size_bytes == 0
 
 
