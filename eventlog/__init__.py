@@ -11,7 +11,7 @@ from eventlog.publisher import JetStreamPublisher, Publisher, PublisherStats, Pu
 from eventlog.pull import FetchSizer, PullConsumer, fetch, release
 from eventlog.reader import StoredMessage, read_session, read_session_messages
 from eventlog.security import LogSecurity, ensure_log_security
-from eventlog.server import NatsServer, find_nats_server, free_port
+from eventlog.server import NatsServer, find_nats_server, free_port, free_ports
 from eventlog.supervisor import supervise, supervised
 
 __all__ = [
@@ -51,6 +51,7 @@ __all__ = [
     "fetch",
     "find_nats_server",
     "free_port",
+    "free_ports",
     "provision",
     "read_session",
     "read_session_messages",

@@ -24,6 +24,8 @@ running, and the store lock names it to whoever starts the next one.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import json
 import logging
 import os
@@ -44,7 +46,7 @@ from types import TracebackType
 from eventlog.store_lock import StoreLock
 from schemas.errors import EventLogUnavailable
 
-__all__ = ["NatsServer", "find_nats_server", "free_port"]
+__all__ = ["NatsServer", "find_nats_server", "free_port", "free_ports"]
 
 log = logging.getLogger(__name__)
 
@@ -145,9 +147,27 @@ def _wait_stopped(pid: int, within_s: float = 5.0) -> None:
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    return free_ports(1, host)[0]
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` distinct TCP ports that were free a moment ago, none of them one this process
+    was handed in its last 1,024: a port is often bound only later, by another process, so two
+    calls could hand out one port (CI once gave a gateway and nats-server's monitor the same)."""
+    with _RECENT_LOCK, contextlib.ExitStack() as held:
+        ports: list[int] = []
+        while len(ports) < count:
+            sock = held.enter_context(socket.socket())  # held: the OS picks another next
+            sock.bind((host, 0))
+            port = int(sock.getsockname()[1])
+            if port not in _RECENT_PORTS:
+                ports.append(port)
+        _RECENT_PORTS.extend(ports)
+        return ports
+
+
+_RECENT_PORTS: collections.deque[int] = collections.deque(maxlen=1024)
+_RECENT_LOCK = threading.Lock()
 
 
 class NatsServer:
@@ -170,8 +190,9 @@ class NatsServer:
     ) -> None:
         self.store_dir = Path(store_dir)
         self.host = host
-        self.port = port or free_port(host)
-        self.http_port = free_port(host)
+        picked = free_ports(2, host)
+        self.port = port or picked[0]
+        self.http_port = picked[1] if picked[1] != self.port else picked[0]
         self.max_payload = max_payload
         self.sync_always = sync_always
         self.binary = binary or find_nats_server()

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from eventlog import free_port
+from eventlog import free_ports
 from tests.deploy.containers import NatsContainer
 
 INFRA_NATS = Path(__file__).parents[2] / "infra" / "nats"
@@ -112,10 +112,11 @@ def container_nodes(image: str, root: Path, size: int = SIZE) -> list[NatsContai
     each runs its config rendered for this machine, its store a directory under ``root`` (at
     the same path inside, where the rendered config puts it). Created, not started."""
     shipped = [shipped_config(n) for n in range(1, size + 1)]
-    route_ports = {_server_name(path): free_port() for path in shipped}
+    ports = iter(free_ports(3 * len(shipped)))  # routes, clients, monitors: all distinct
+    route_ports = {_server_name(path): next(ports) for path in shipped}
     nodes = []
     for path, name in zip(shipped, route_ports, strict=True):
-        port, http_port, store = free_port(), free_port(), root / name
+        port, http_port, store = next(ports), next(ports), root / name
         store.mkdir(parents=True, exist_ok=True)
         config = root / f"{name}.conf"
         config.write_text(

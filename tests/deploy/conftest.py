@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from eventlog import free_port
+from eventlog import free_ports
 from tests.deploy.containers import NatsContainer, start_nats_container
 from tests.deploy.engine import (
     REPO,
@@ -62,11 +62,12 @@ def nats_image(docker_engine: str) -> str:
 @pytest.fixture
 def nats_container(nats_image: str) -> Iterator[NatsContainer]:
     """The shipped single-node config in the locally built NATS image, on free ports."""
+    client_port, monitor_port = free_ports(2)
     container = start_nats_container(
         nats_image,
         SINGLE_NODE_CONFIG,
-        client_port=free_port(),
-        monitor_port=free_port(),
+        client_port=client_port,
+        monitor_port=monitor_port,
         name=f"nats-{os.getpid()}",
     )
     yield container

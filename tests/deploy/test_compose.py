@@ -25,7 +25,7 @@ import openai
 import pytest
 import yaml
 
-from eventlog import free_port
+from eventlog import free_ports
 from tests.deploy.engine import REPO, DeployError, Images, docker_env, run
 from tests.helpers.services import shard_table_rows
 from tests.helpers.waiting import wait_for
@@ -81,7 +81,7 @@ def stack(images: Images, world_readable_model: Path, tmp_path: Path) -> Iterato
     shards = tmp_path / "shards"
     shards.mkdir()
     os.chown(shards, IMAGE_UID, IMAGE_UID)
-    nats_port, gateway_port = free_port(), free_port()
+    nats_port, gateway_port, nats_http_port = free_ports(3)
     env = {
         **docker_env(),
         # Creating a container copies its whole image under vfs: minutes for 4 at once.
@@ -89,7 +89,7 @@ def stack(images: Images, world_readable_model: Path, tmp_path: Path) -> Iterato
         "TURNSTREAM_IMAGE": images.turnstream,
         "NATS_IMAGE": images.nats,
         "NATS_PORT": str(nats_port),
-        "NATS_HTTP_PORT": str(free_port()),
+        "NATS_HTTP_PORT": str(nats_http_port),
         "TURNSTREAM_PORT": str(gateway_port),
         "TURNSTREAM_LOG__URL": f"nats://127.0.0.1:{nats_port}",
         "TURNSTREAM_RUN": RUN,

@@ -38,7 +38,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from eventlog import connect, free_port, read_session
+from eventlog import connect, free_ports, read_session
 from eventlog.shard_store import open_shards_dataset
 from schemas import TurnCompleted
 from schemas.events import TrajectoryReady
@@ -101,11 +101,12 @@ def stack(nats_image: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     servers = [
         VLLMServer(python, model_dir, tmp / "logs", name=f"vllm-{i}") for i in range(REPLICAS)
     ]
+    client_port, monitor_port, port = free_ports(3)
     nats = NatsContainer(
         nats_image,
         SINGLE_NODE_CONFIG,
-        client_port=free_port(),
-        monitor_port=free_port(),
+        client_port=client_port,
+        monitor_port=monitor_port,
         name="nats-vllm",
     )
     services: list[Service] = []
@@ -116,7 +117,6 @@ def stack(nats_image: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
             server.wait_ready()
         print(f"vLLM replicas ready in {[round(s.ready_s or 0) for s in servers]} s")
         nats.start()
-        port = free_port()
         gateway = Service(
             "gateway",
             nats.url,

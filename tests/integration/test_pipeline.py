@@ -246,7 +246,7 @@ def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 
 async def test_worker_and_shard_writer_serve_prometheus_metrics(log: Log, tmp_path: Path) -> None:
-    from eventlog import free_port
+    from eventlog import free_ports
 
     planned = plan_sessions(30, seed=5)
     want = expected_by_id(planned)
@@ -254,7 +254,7 @@ async def test_worker_and_shard_writer_serve_prometheus_metrics(log: Log, tmp_pa
     await log.js.publish(  # bytes that are no close: one dead letter, reason undecodable
         "ts.ev.run-1.junk.close", b"\xc1", headers={"Nats-Msg-Id": "junk"}
     )
-    worker_port, writer_port = free_port(), free_port()
+    worker_port, writer_port = free_ports(2)
     data = tmp_path / "data"
     procs = [
         Service("worker", log.server.url, data, *WORKER_FLAGS, "--metrics-port", str(worker_port)),
