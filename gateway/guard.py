@@ -40,6 +40,7 @@ from schemas.ids import ID_PATTERN
 
 __all__ = [
     "GUARD_ERRORS",
+    "SESSION_HEADERS",
     "BodyLimits",
     "GuardedRoute",
     "RequestGuard",
@@ -61,17 +62,14 @@ _LONG_DIGITS = b"0" * 19
 _OFF_LOOP_BYTES = 1024 * 1024
 _DECODER = msgspec.json.Decoder()
 _CONTAINERS = (dict, list)
-# What names a client session (``_client_session``): the key, the run, and the session
-# headers of routers.common.SESSION_HEADERS, as ASGI spells them.
+# Where a /v1 turn route finds its session (routers.common.header_session): ours, then the
+# session headers of the clients that send their own (Claude Code, Codex CLI); the first
+# present wins. Same rules for all.
+SESSION_HEADERS = ("X-Session-Id", "X-Claude-Code-Session-Id", "session-id")
+# What names a client session (``_client_session``): the key, the run and the session
+# headers, as ASGI spells them.
 _CLIENT_HEADERS = frozenset(
-    {
-        b"authorization",
-        b"x-api-key",
-        b"x-run-id",
-        b"x-session-id",
-        b"x-claude-code-session-id",
-        b"session-id",
-    }
+    {b"authorization", b"x-api-key", b"x-run-id", *(h.lower().encode() for h in SESSION_HEADERS)}
 )
 # What RequestGuard.admit raises: answered with the error's status before any route runs.
 GUARD_ERRORS = (Unauthorized, InvalidRequest, RequestTooLarge, RequestTimeout)

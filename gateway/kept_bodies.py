@@ -173,14 +173,10 @@ def _extend(kept: _Kept, body: bytes, decode: Callable[[bytes], Any]) -> tuple[A
         return None
     items = value.get(kept.member) if isinstance(value, dict) else None
     raws = _RAWS.decode(array)
-    if not isinstance(items, list) or len(items) != len(raws):
+    placed = _placed(raws, smaller, items)
+    if placed is None:
         return None
-    starts = [_offset(r, smaller) for r in raws]
-    if starts and min(starts) < 0:
-        return None
-    sizes = _sizes(items, len(smaller))
-    if sizes is None:
-        return None
+    items, starts, sizes = placed
     shift = len(body) - len(smaller)
     ends = kept.ends[:k] + tuple(s + len(r) + shift for s, r in zip(starts, raws, strict=True))
     values = kept.values[:k] + tuple(items)
@@ -219,19 +215,30 @@ def _index(body: bytes, value: Any) -> _Kept | None:
     else:
         return None
     items = value.get(member) if isinstance(value, dict) else None
-    if not isinstance(items, list) or len(items) != len(raws):
+    placed = _placed(raws, body, items)
+    if placed is None:
         return None
-    starts = [_offset(r, body) for r in raws]
-    if min(starts) < 0:
-        return None
+    items, starts, sizes = placed
     opening = body.rfind(b"[", 0, starts[0])
     if opening < 0 or body[opening + 1 : starts[0]].strip():
         return None
-    sizes = _sizes(items, len(body))
-    if sizes is None:
-        return None
     ends = tuple(start + len(r) for start, r in zip(starts, raws, strict=True))
     return _Kept(body, member, opening, ends, tuple(items), sizes)
+
+
+def _placed(
+    raws: list[msgspec.Raw], within: bytes, items: Any
+) -> tuple[list[Any], list[int], tuple[int, ...]] | None:
+    """The decoded ``items``, where each starts in ``within`` and each one's size; None where
+    they are not those ``raws``, a raw is not a view into ``within``, or the items are too many
+    objects to keep."""
+    if not isinstance(items, list) or len(items) != len(raws):
+        return None
+    starts = [_offset(r, within) for r in raws]
+    if starts and min(starts) < 0:
+        return None
+    sizes = _sizes(items, len(within))
+    return None if sizes is None else (items, starts, sizes)
 
 
 def _sizes(items: list[Any], body_bytes: int) -> tuple[int, ...] | None:

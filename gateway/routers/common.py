@@ -10,7 +10,7 @@ from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
 from gateway.errors import InvalidRequest, RunNotAllowed
-from gateway.guard import allowed_runs
+from gateway.guard import SESSION_HEADERS, allowed_runs
 from gateway.protocol.common import ErrorResponse, Wire
 from schemas.ids import ID_PATTERN
 
@@ -84,11 +84,6 @@ def checked_run(request: Request, run: str | None, default_run: str) -> str:
             param="X-Run-Id",
         )
     return run
-
-
-# Where a /v1 turn route finds its session: ours, then the session headers of the clients that
-# send their own (Claude Code, Codex CLI); the first present wins. Same rules for all.
-SESSION_HEADERS = ("X-Session-Id", "X-Claude-Code-Session-Id", "session-id")
 
 
 def header_session(
