@@ -42,24 +42,28 @@ faulting in fresh memory on top (quick 0.09-0.165 against full 0.158-0.185, 2026
 1,000 sessions (a ~4-5 s phase) quick reads 0.155 and 0.159 against full 0.168 and 0.166,
 alternating minutes apart.
 
-Today's figures (2026-11-28, the quiet 2-core VM, nothing else running; raw read 25-31 M
-tokens/s): full runs ``ratio_to_raw`` 0.158, 0.185, 0.171, 0.168, 0.166, 0.156; worker 116-142,
-shard writer 104-152, nats-server 114-154 us per 1k tokens (334-448 in all) against 46-56 for
-the raw read: CPU-bound on 2 cores, as before (docs/PERFORMANCE.md, issue 16, section 1, seventh
-round). Earlier (2026-11-26, the quiet 2-core VM, nothing else running; its speed moved 3x
-between runs, the raw read 6.9-20.4 M tokens/s): full runs ``ratio_to_raw`` 0.128, 0.236,
-0.176 and 0.172 (the last two minutes apart agree, as do their CPU ratios), ``--quick`` 0.161.
-CPU per 1k tokens over the phase: worker 196-322 us, shard writer 145-211 us, nats-server
-140-205 us (480-740 us in all) against 58-97 us for the raw read itself: the pipeline is
-CPU-bound at ~0.13-0.2 of raw on 2 cores. TRAJ carries 9.06 bytes per token (17.05 before the
-compact TrajectoryReady). Runs on a VM loaded by other jobs (2026-11-25, load 11-15) gave
-0.103-0.119 (docs/PERFORMANCE.md, issue 16, section 1). Later the same day, with the session
+Today's figures (2026-11-28 15:30, the quiet 2-core VM, nothing else running; raw read 34-37 M
+tokens/s; the worker folding 32 sessions at once, ``fold.concurrency``'s default since that round):
+full runs ``ratio_to_raw`` 0.187 and 0.190 (6.4 and 6.9 M tokens/s), against 0.159 and 0.173 with
+``TURNSTREAM_FOLD__CONCURRENCY=8`` alternating; worker 81-87, shard writer 90-107, nats-server
+74-81 us per 1k tokens (245-275 in all), ~1.7 of the 2 cores busy; quick 0.151 and 0.166
+(docs/PERFORMANCE.md, issue 16, section 1, tenth round). Earlier that day, with 8 sessions at once
+(raw read 25-31 M tokens/s): full runs 0.158, 0.185, 0.171, 0.168, 0.166, 0.156; worker 116-142,
+shard writer 104-152, nats-server 114-154 us per 1k tokens (334-448 in all) against 46-56 for the
+raw read: CPU-bound on 2 cores (seventh round). Earlier (2026-11-26, the quiet 2-core VM, nothing
+else running; its speed moved 3x between runs, the raw read 6.9-20.4 M tokens/s): full runs
+``ratio_to_raw`` 0.128, 0.236, 0.176 and 0.172 (the last two minutes apart agree, as do their CPU
+ratios), ``--quick`` 0.161. CPU per 1k tokens over the phase: worker 196-322 us, shard writer
+145-211 us, nats-server 140-205 us (480-740 us in all) against 58-97 us for the raw read itself:
+the pipeline is CPU-bound at ~0.13-0.2 of raw on 2 cores. TRAJ carries 9.06 bytes per token (17.05
+before the compact TrajectoryReady). Runs on a VM loaded by other jobs (2026-11-25, load 11-15)
+gave 0.103-0.119 (docs/PERFORMANCE.md, issue 16, section 1). Later the same day, with the session
 read-back taking its answers in a callback (rehydrate 330-349 -> 457-513 sessions/s, paired):
 0.193, 0.175, 0.204 (before it, in the same alternation: 0.192, 0.212); worker 262-278, writer
-207-218, nats-server 194-207 us per 1k tokens. On a faster VM (raw read 28-34 M tokens/s, its
-own CPU 38-47 us per 1k tokens), with the consumers on uvloop: 0.174, 0.164, 0.158; worker
-87-96, writer 107-120, nats-server 113-122 us per 1k tokens (330-400 in all): CPU-bound, 1.7 of
-the 2 cores busy over the phase (docs/PERFORMANCE.md, issue 16, section 1, sixth round).
+207-218, nats-server 194-207 us per 1k tokens. On a faster VM (raw read 28-34 M tokens/s, its own
+CPU 38-47 us per 1k tokens), with the consumers on uvloop: 0.174, 0.164, 0.158; worker 87-96,
+writer 107-120, nats-server 113-122 us per 1k tokens (330-400 in all): CPU-bound, 1.7 of the 2
+cores busy over the phase (docs/PERFORMANCE.md, issue 16, section 1, sixth round).
 """
 
 from __future__ import annotations

@@ -22,7 +22,11 @@ class FoldWorkerSettings(ConsumerSettings):
     """``turnstream worker``: closes in, trajectories out."""
 
     durable: str = "fold"
-    concurrency: int = Field(8, ge=1, description="sessions folded at once per process")
+    # 32, not 8: paired full runs of benchmarks/pipeline_throughput.py folded 7-32% more
+    # tokens per second with 32, for ~10% less CPU per token, most of it nats-server's
+    # (docs/PERFORMANCE.md, section 1, tenth round). Each session being folded holds its
+    # events and its samples' arrays: a few MB for a 128k-token session.
+    concurrency: int = Field(32, ge=1, description="sessions folded at once per process")
     per_turn: bool = Field(
         False,
         description="every turn its own sample (a session's metadata.fold.per_turn overrides)",
