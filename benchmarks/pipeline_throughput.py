@@ -31,6 +31,12 @@ events to a nats-server started here (file store). Then, in one run:
    its shard committed (the shard file's modification time; the writer rotates every
    ``--shard-age`` seconds, which bounds this latency from below).
 
+``--stages-apart`` runs, instead of 3 and 4, each stage with the machine to itself: the fold
+with the shard writer stopped (SIGSTOP) until TRAJ holds every trajectory, then the shard writer
+(SIGCONT) until the shards do. ``fold_stage_ratio_to_raw`` and ``write_stage_ratio_to_raw`` (and
+each process's CPU per 1k tokens and busy cores in each), and ``stages_apart_ratio_to_raw``, the
+slower of the two: about what the pipeline reaches where each stage has a core of its own.
+
 The LAST line is one JSON object: ``tokens_per_s`` (per worker), ``ratio_to_raw``, the CPU per
 stage, ``traj_bytes_per_token`` (TRAJ stream bytes / tokens), ``close_to_shard_ms_p50/p99``,
 ``close_to_traj_ms_p50/p99``, the rehydrate rates, the machine. ``--quick`` reports the same
@@ -322,7 +328,87 @@ def stop_services(procs: list[subprocess.Popen[bytes]]) -> None:
             p.kill()
 
 
-async def main(quick: bool, workers: int, shard_age: float) -> None:
+async def stages_apart(
+    js: JetStreamContext,
+    pub: JetStreamPublisher,
+    stages: dict[str, list[int]],
+    writer: subprocess.Popen[bytes],
+    closes: list[SessionClosed],
+    plan: Plan,
+    shard_root: Path,
+) -> dict[str, dict[str, float]]:
+    """Each stage with the machine to itself: the fold with the shard writer stopped
+    (SIGSTOP), then the shard writer (SIGCONT) on the whole TRAJ. Per stage: its seconds, and
+    each process's CPU over it. A machine with a core for each stage would run the pipeline at
+    about the slower stage's rate, if nats-server keeps up with both at once."""
+    phases: dict[str, dict[str, float]] = {}
+    before = cpu_of(stages)
+    writer.send_signal(signal.SIGSTOP)
+    try:
+        start = time.perf_counter()
+        await pub.publish_many(closes)
+
+        async def all_in_traj() -> bool:
+            return (await js.stream_info("TRAJ")).state.messages >= plan.sessions
+
+        await wait_for("every trajectory in TRAJ", all_in_traj, 1800, 0.05)
+        phases["fold"] = {"seconds": time.perf_counter() - start}
+    finally:
+        writer.send_signal(signal.SIGCONT)
+    middle = cpu_of(stages)
+    start = time.perf_counter()
+
+    async def all_in_shards() -> bool:
+        return count_rows(shard_root) >= plan.sessions
+
+    await wait_for("every trajectory in a shard", all_in_shards, 1800, 0.05)
+    phases["write"] = {"seconds": time.perf_counter() - start}
+    after = cpu_of(stages)
+    for phase, (a, b) in {"fold": (before, middle), "write": (middle, after)}.items():
+        phases[phase] |= {f"{stage}_cpu_s": b[stage] - a[stage] for stage in stages}
+    return phases
+
+
+def apart_figures(
+    phases: dict[str, dict[str, float]], plan: Plan, raw_rates: tuple[float, float]
+) -> dict[str, object]:
+    """The stages-apart run's lines and figures: each stage's rate and ratio to raw, the
+    slower one's (what a core per stage would give), and each process's CPU per 1k tokens and
+    busy cores in each phase."""
+    total = plan.sessions * tokens_of(plan)
+    raw = sum(raw_rates) / 2
+    say(f"raw again: {raw_rates[1] / 1e6:.2f} M tokens/s; mean of the two {raw / 1e6:.2f}")
+    figures: dict[str, object] = {}
+    ratios = {phase: total / got["seconds"] / raw for phase, got in phases.items()}
+    for phase, got in phases.items():
+        rate = total / got["seconds"]
+        figures[f"{phase}_stage_tokens_per_s"] = round(rate)
+        figures[f"{phase}_stage_ratio_to_raw"] = round(rate / raw, 3)
+        cpu = {k.removesuffix("_cpu_s"): v for k, v in got.items() if k.endswith("_cpu_s")}
+        for stage, seconds in cpu.items():
+            figures[f"{phase}_stage_{stage}_cpu_us_per_1k_tokens"] = round(
+                seconds * 1e6 / (total / 1000), 1
+            )
+            figures[f"{phase}_stage_{stage}_busy_cores"] = round(seconds / got["seconds"], 2)
+        say(
+            f"  {phase} alone: {got['seconds']:.1f} s, {rate / 1e6:.2f} M tokens/s, "
+            f"{rate / raw:.3f} of raw; busy cores "
+            + ", ".join(f"{stage} {seconds / got['seconds']:.2f}" for stage, seconds in cpu.items())
+        )
+    slower = round(min(ratios.values()), 3)
+    say(f"  the slower stage: {slower:.3f} of raw (a core per stage, nats-server keeping up)")
+    return {
+        **figures,
+        "stages_apart_ratio_to_raw": slower,
+        "raw_tokens_per_s": round(raw),
+        "raw_tokens_per_s_before_after": [round(r) for r in raw_rates],
+        "target_ratio": TARGET_RATIO,
+        "sessions": plan.sessions,
+        "turns": plan.turns,
+    }
+
+
+async def main(quick: bool, workers: int, shard_age: float, apart: bool) -> None:
     plan = QUICK if quick else FULL
     began = time.perf_counter()
     info = machine_info("nats-py", "msgspec", "numpy", "pyarrow")
@@ -384,6 +470,17 @@ async def main(quick: bool, workers: int, shard_age: float) -> None:
                 "nats": [server.pid],
                 "bench": [os.getpid()],
             }
+            if apart:
+                del stages["bench"]
+                phases = await stages_apart(js, pub, stages, procs[-1], closes, plan, shard_root)
+                raw2_s, _, _ = await raw_read(js)
+                raw_rates = (raw_tokens_per_s, plan.sessions * tokens_of(plan) / raw2_s)
+                figures = apart_figures(phases, plan, raw_rates)
+                await pub.close()
+                await nc.close()
+                figures |= {f"rehydrate_{k}_sessions_per_s": round(v, 1) for k, v in rates.items()}
+                finish(figures, quick=quick, duration_s=time.perf_counter() - began, info=info)
+                return
             cpu_before, sys_before = cpu_of(stages), cpu_of(stages, (12,))
             start = time.perf_counter()
             await pub.publish_many(closes)
@@ -522,5 +619,11 @@ if __name__ == "__main__":
     parser.add_argument("--quick", action="store_true", help="a small run, ~30 s")
     parser.add_argument("--workers", type=int, default=1, help="fold worker processes")
     parser.add_argument("--shard-age", type=float, default=1.0, help="shard rotation age, seconds")
+    parser.add_argument(
+        "--stages-apart",
+        action="store_true",
+        help="instead of the pipeline: the fold alone (the shard writer stopped), then the "
+        "shard writer alone on the whole TRAJ: each stage's rate with the machine to itself",
+    )
     args = parser.parse_args()
-    asyncio.run(main(args.quick, args.workers, args.shard_age))
+    asyncio.run(main(args.quick, args.workers, args.shard_age, args.stages_apart))
