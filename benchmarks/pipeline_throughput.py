@@ -478,6 +478,7 @@ async def main(quick: bool, workers: int, shard_age: float, apart: bool) -> None
                 figures = apart_figures(phases, plan, raw_rates)
                 await pub.close()
                 await nc.close()
+                figures |= {"workers": workers, "shard_age_s": shard_age}
                 figures |= {f"rehydrate_{k}_sessions_per_s": round(v, 1) for k, v in rates.items()}
                 finish(figures, quick=quick, duration_s=time.perf_counter() - began, info=info)
                 return
