@@ -67,6 +67,7 @@ from turnstream.demo_report import (
     summary_table,
     write_reward_png,
 )
+from turnstream.stack import without_progress_bars
 from turnstream.trainer import ReferenceTrainer, ReferenceTrainerSettings, StepReport
 from turnstream.up import Stack, UpSettings, embedded_stack
 
@@ -357,13 +358,11 @@ class DemoCommand(DemoSettings):
     __doc__ = DemoSettings.__doc__
 
     def cli_cmd(self) -> None:
-        from transformers.utils import logging as transformers_logging
-
         # The progress bar says what these would say a line each (shards cut, policies
         # loaded, weights read): the summary counts them.
         for chatty in ("consumers.shard_writer", "gateway.backends.policy_watch"):
             logging.getLogger(chatty).setLevel(logging.WARNING)
-        transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # untyped
+        without_progress_bars()
         summary = asyncio.run(run_demo(self, Console(stderr=True)))
         if self.json_output:
             print(json.dumps(summary.as_json()))

@@ -39,7 +39,14 @@ from gateway.tools import get_parser
 from gateway.turns import Kept
 from schemas.errors import TurnstreamError
 from turnstream.settings import PublishingSettings
-from turnstream.stack import EventLog, open_log, run_service, settle_heap, stop_on_signals
+from turnstream.stack import (
+    EventLog,
+    open_log,
+    run_service,
+    settle_heap,
+    stop_on_signals,
+    without_progress_bars,
+)
 
 if TYPE_CHECKING:
     from gateway.backends.local import LocalBackend
@@ -217,15 +224,12 @@ def import_gateway_modules(settings: GatewaySettings) -> None:
     ``--backend local``) before connecting to the log: seconds of imports on the event loop
     just after connecting leave the new connection unserved, and a nats-server restart in that
     window timed out the gateway's first requests (restarted gateways of the chaos soak exited
-    on it). Not in the ``--workers`` supervisor, which builds no gateway.
-
-    Also turns transformers' progress bars off: a gateway's log is lines, and each model load
-    (at start, and per policy version the local backend loads) drew a "Loading weights" bar."""
+    on it). Not in the ``--workers`` supervisor, which builds no gateway. Also turns
+    transformers' progress bars off (``without_progress_bars``)."""
     from transformers import GenerationConfig, TokenizersBackend
-    from transformers.utils import logging as transformers_logging
 
     del GenerationConfig, TokenizersBackend  # imported now; build_gateway uses them
-    transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # untyped
+    without_progress_bars()
     if settings.backend == "local":
         local_backend_class()
 

@@ -33,6 +33,7 @@ __all__ = [
     "run_service",
     "settle_heap",
     "stop_on_signals",
+    "without_progress_bars",
 ]
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,15 @@ def settle_heap() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(YOUNG_GC_THRESHOLD, *gc.get_threshold()[1:])
+
+
+def without_progress_bars() -> None:
+    """transformers' progress bars off: a service's log is lines, and each model load (a
+    gateway's at start and per policy version its local backend loads, a trainer's at start
+    and from a checkpoint) drew a "Loading weights" bar. Imports transformers."""
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # untyped
 
 
 def stop_on_signals() -> asyncio.Event:

@@ -41,7 +41,13 @@ from trainer_sink import (
     TrainerSink,
 )
 from turnstream.settings import PublishingSettings
-from turnstream.stack import EventLog, open_log, require_log_url, stop_on_signals
+from turnstream.stack import (
+    EventLog,
+    open_log,
+    require_log_url,
+    stop_on_signals,
+    without_progress_bars,
+)
 from turnstream.stack_file import join_stack
 from turnstream.trainer import (
     ReferenceTrainer,
@@ -204,6 +210,7 @@ class TrainCommand(TrainSettings):
 async def _serve(settings: TrainSettings, model: Path | None) -> None:
     from gateway.model import ensure_tiny_model  # torch: only when training
 
+    without_progress_bars()
     stop = stop_on_signals()
     model_dir = model or ensure_tiny_model(settings.data_dir / "models")
     async with open_log(settings, name="turnstream-train") as event_log:

@@ -127,6 +127,8 @@ def test_train_learns_live_publishes_policies_and_stops_cleanly(
     assert f"training run {RUN} from policy version 0 (grpo" in out
     assert "step 1: policy version 1, 2 samples, mean reward 0.500" in out
     assert "trainer stopped after 1 steps at policy version 1" in out
+    # A service's log is lines: no progress bar of transformers' model loading.
+    assert "Loading weights" not in out
     wait_served(up, 1)  # the gateway loaded the trainer's checkpoint through ts_policy
 
     # One with neither: it joins the stack in data/stack.json (its log and run), resumes at the
@@ -144,6 +146,7 @@ def test_train_learns_live_publishes_policies_and_stops_cleanly(
     assert "step 1: policy version 2," in out and "step 2: policy version 3," in out
     steps = out.count(": policy version ")
     assert f"trainer stopped after {steps} steps at policy version {steps + 1}" in out
+    assert "Loading weights" not in out  # nor when it starts from a checkpoint
     wait_served(up, steps + 1)
     for version in range(1, steps + 2):
         assert (up.data_dir / "checkpoints" / RUN / f"v{version}" / "model.safetensors").is_file()
