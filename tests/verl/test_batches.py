@@ -60,7 +60,11 @@ def epochs_of_two_runs() -> list[list[SessionEvent]]:
 async def test_grpo_advantages_are_zero_mean_per_sink_group_across_runs_and_epochs(
     log: Log,
 ) -> None:
-    await fold_into_traj(log, epochs_of_two_runs())
+    planned = epochs_of_two_runs()
+    # r1's second epoch of g0 comes after its first (a fold worker folds many sessions at once:
+    # published together, the two epochs' trajectories would reach TRAJ interleaved).
+    await fold_into_traj(log, planned[:16])
+    await fold_into_traj(log, planned[16:])
     batching = BatchingSettings(policy="groups", group_size=4, batch_size=5)
     async with live_sink(log, batching) as sink:
         [batch] = await take(sink, 1, commit=True)
