@@ -379,9 +379,10 @@ def apart_figures(
     raw = sum(raw_rates) / 2
     say(f"raw again: {raw_rates[1] / 1e6:.2f} M tokens/s; mean of the two {raw / 1e6:.2f}")
     figures: dict[str, object] = {}
-    ratios = {phase: total / got["seconds"] / raw for phase, got in phases.items()}
+    ratios: dict[str, float] = {}
     for phase, got in phases.items():
         rate = total / got["seconds"]
+        ratios[phase] = rate / raw
         figures[f"{phase}_stage_tokens_per_s"] = round(rate)
         figures[f"{phase}_stage_ratio_to_raw"] = round(rate / raw, 3)
         cpu = {k.removesuffix("_cpu_s"): v for k, v in got.items() if k.endswith("_cpu_s")}
