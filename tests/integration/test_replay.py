@@ -96,19 +96,21 @@ async def fold_all(log: Log, n: int) -> dict[str, bytes]:
 async def test_a_replay_into_a_fresh_stack_folds_the_same_trajectories_and_twice_adds_nothing(
     log: Log, fresh: Log, tmp_path: Path
 ) -> None:
-    events, n = workload()
-    await publish_events(log.nc, events)
     # A different turn 0 stored under the same Msg-Id past the (here shortened) duplicate
     # window: the first one stored is folded, conflicting_turns counted; the replay keeps both.
+    # The window is shortened before any Msg-Id is stored: nats-server forgets Msg-Ids on a timer
+    # armed with the window in force at the first one (shortened later, CI once waited past 30 s).
     info = await log.js.stream_info("EVENTS")
     await log.js.update_stream(info.config.evolve(duplicate_window=0.2))
+    events, n = workload()
+    await publish_events(log.nc, events)
     conflicted = session_events(append_only(2), session="conflicted")
     await publish_events(log.nc, conflicted[:-1])
     turn0 = next(e for e in conflicted if isinstance(e, TurnCompleted) and e.turn == 0)
     forged = msgspec.structs.replace(turn0, completion_ids=turn0.completion_ids[::-1].copy())
     subject, msg_id = route(forged)
-    # nats-server forgets a Msg-Id on a timer, late under load (CI once absorbed it after
-    # 0.5 s): publish until it is stored (a duplicate ack stores nothing).
+    # The timer fires late under load (CI once absorbed it after 0.5 s): publish until it is
+    # stored (a duplicate ack stores nothing).
     for _ in range(100):
         await asyncio.sleep(0.3)
         ack = await log.js.publish(subject, CODEC.encode(forged), headers={"Nats-Msg-Id": msg_id})
