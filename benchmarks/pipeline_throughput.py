@@ -48,7 +48,15 @@ faulting in fresh memory on top (quick 0.09-0.165 against full 0.158-0.185, 2026
 1,000 sessions (a ~4-5 s phase) quick reads 0.155 and 0.159 against full 0.168 and 0.166,
 alternating minutes apart.
 
-Today's figures (2026-11-28 15:30, the quiet 2-core VM, nothing else running; raw read 34-37 M
+Today's figures on 16 cores (2026-11-28 17:40, the device machine, a 16-core Xeon, raw read
+33-46 M tokens/s): full runs ``ratio_to_raw`` 0.239, 0.194, 0.187, 0.186 (8.0-8.6 M tokens/s;
+worker 87-98, shard writer 96-117, nats-server 97-106 us per 1k tokens, ~2.5 cores busy);
+``--workers 2`` 0.229, 0.221; ``--stages-apart`` the fold 0.272 and 0.236 (the worker 0.97 of a
+core), the shard writer 0.292 and 0.264 (1.04 cores): each stage is one Python process at one
+core, so more cores do not lift the pipeline past its slower stage (docs/PERFORMANCE.md, issue
+16, section 1, "16 cores").
+
+On 2 cores (2026-11-28 15:30, the quiet 2-core VM, nothing else running; raw read 34-37 M
 tokens/s; the worker folding 32 sessions at once, ``fold.concurrency``'s default since that round):
 full runs ``ratio_to_raw`` 0.187 and 0.190 (6.4 and 6.9 M tokens/s), against 0.159 and 0.173 with
 ``TURNSTREAM_FOLD__CONCURRENCY=8`` alternating; worker 81-87, shard writer 90-107, nats-server
