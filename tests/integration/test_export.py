@@ -442,6 +442,8 @@ def _sft_two_steps(model_dir: Path, out: Path, format: str, work: Path) -> dict[
     config = SFTConfig(
         output_dir=str(work), max_steps=2, per_device_train_batch_size=2, max_length=None,
         report_to=[], save_strategy="no", use_cpu=True, logging_steps=1, dataset_num_proc=None,
+        # TRL sets the deprecated gradient_checkpointing (transformers warns); the new name, off.
+        activation_checkpointing=False,
     )  # fmt: skip
     trainer = SFTTrainer(model=str(model_dir), args=config, train_dataset=loaded,
                          processing_class=AutoTokenizer.from_pretrained(model_dir))  # fmt: skip
