@@ -37,9 +37,10 @@ over rounds), ``gateway_cpu_ms_per_request_c{C}_workers_{N}``, ``handoffs_per_re
 ``handoff_cpu_us``. Today (2026-11-26, docs/PERFORMANCE.md): on this 2-core VM at c=64, 1 worker
 0.556 of direct, 2 workers 0.535 (2026-11-28, quick, after the backend transport and template
 changes: 0.786 and 0.714; a second process has no core of its own: the load generator,
-the backend and nats-server share the cores with the gateway); on 16 cores at c=256, 1 / 4 / 8
-workers ~540 / ~1,800 / ~3,300 requests/s, 8 workers 0.93-0.98 of a direct path bound by 4 load
-processes and 0.56 of one on 8 (~6,100/s), ~2.1 ms of CPU per request.
+the backend and nats-server share the cores with the gateway); on 16 cores at c=256
+(2026-11-28, the device machine), 1 / 4 / 8 workers ~1,000 / ~2,700 / ~4,400 requests/s (1.0 /
+1.4 / 1.6 ms of CPU per request), 8 workers 0.923 of a direct path bound by 4 load processes and
+0.708 of one on 8 (~6,100/s); on 2026-11-26 ~540 / ~1,800 / ~3,300, 0.93-0.98 and 0.56.
 """
 
 from __future__ import annotations
