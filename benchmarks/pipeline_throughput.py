@@ -300,6 +300,26 @@ async def wait_for(what: str, condition, timeout_s: float, poll_s: float = 0.1) 
         await asyncio.sleep(poll_s)
 
 
+async def until_in_shards(
+    what: str, root: Path, rows: int, poll_s: float, timeout_s: float = 1800
+) -> None:
+    """Wait until the committed shards under ``root`` hold ``rows`` trajectories."""
+
+    async def held() -> bool:
+        return count_rows(root) >= rows
+
+    await wait_for(what, held, timeout_s, poll_s)
+
+
+async def raw_again(js: JetStreamContext, first: float, tokens: int) -> tuple[float, float]:
+    """The raw read again, right after a phase: the rates (tokens/s) before and after it. A
+    ratio takes their mean, so a machine whose load changes meanwhile skews it less."""
+    raw2_s, _, _ = await raw_read(js)
+    rates = (first, tokens / raw2_s)
+    say(f"raw again: {rates[1] / 1e6:.2f} M tokens/s; mean of the two {sum(rates) / 2e6:.2f}")
+    return rates
+
+
 async def consumers_idle(js: JetStreamContext, names: list[str]) -> bool:
     for name in names:
         try:
@@ -365,11 +385,7 @@ async def stages_apart(
         writer.send_signal(signal.SIGCONT)
     middle = cpu_of(stages)
     start = time.perf_counter()
-
-    async def all_in_shards() -> bool:
-        return count_rows(shard_root) >= plan.sessions
-
-    await wait_for("every trajectory in a shard", all_in_shards, 1800, 0.05)
+    await until_in_shards("every trajectory in a shard", shard_root, plan.sessions, 0.05)
     phases["write"] = {"seconds": time.perf_counter() - start}
     after = cpu_of(stages)
     for phase, (a, b) in {"fold": (before, middle), "write": (middle, after)}.items():
@@ -385,7 +401,6 @@ def apart_figures(
     busy cores in each phase."""
     total = plan.sessions * tokens_of(plan)
     raw = sum(raw_rates) / 2
-    say(f"raw again: {raw_rates[1] / 1e6:.2f} M tokens/s; mean of the two {raw / 1e6:.2f}")
     figures: dict[str, object] = {}
     ratios: dict[str, float] = {}
     for phase, got in phases.items():
@@ -482,8 +497,8 @@ async def main(quick: bool, workers: int, shard_age: float, apart: bool) -> None
             if apart:
                 del stages["bench"]
                 phases = await stages_apart(js, pub, stages, procs[-1], closes, plan, shard_root)
-                raw2_s, _, _ = await raw_read(js)
-                raw_rates = (raw_tokens_per_s, plan.sessions * tokens_of(plan) / raw2_s)
+                total = plan.sessions * tokens_of(plan)
+                raw_rates = await raw_again(js, raw_tokens_per_s, total)
                 figures = apart_figures(phases, plan, raw_rates)
                 await pub.close()
                 await nc.close()
@@ -494,11 +509,7 @@ async def main(quick: bool, workers: int, shard_age: float, apart: bool) -> None
             cpu_before, sys_before = cpu_of(stages), cpu_of(stages, (12,))
             start = time.perf_counter()
             await pub.publish_many(closes)
-
-            async def all_in_shards() -> bool:
-                return count_rows(shard_root) >= plan.sessions
-
-            await wait_for("every trajectory in a shard", all_in_shards, 1800, 0.1)
+            await until_in_shards("every trajectory in a shard", shard_root, plan.sessions, 0.1)
             elapsed = time.perf_counter() - start
             cpu_after, sys_after = cpu_of(stages), cpu_of(stages, (12,))
             # How much of each stage's CPU is the kernel's (socket copies, loopback TCP, disk).
@@ -515,15 +526,8 @@ async def main(quick: bool, workers: int, shard_age: float, apart: bool) -> None
                 for stage in stages
             }
             traj_bytes = (await js.stream_info("TRAJ")).state.bytes
-            # The raw read again, right after: the ratio takes the mean of the two reads
-            # around the phase, so a machine whose load changes meanwhile skews it less.
-            raw2_s, _, _ = await raw_read(js)
-            raw_rates = (raw_tokens_per_s, total_tokens / raw2_s)
+            raw_rates = await raw_again(js, raw_tokens_per_s, total_tokens)
             raw_tokens_per_s = sum(raw_rates) / 2
-            say(
-                f"raw again: {raw_rates[1] / 1e6:.2f} M tokens/s; mean of the two "
-                f"{raw_tokens_per_s / 1e6:.2f}"
-            )
             say(
                 f"  {plan.sessions} sessions, {total_tokens / 1e6:.1f} M tokens in "
                 f"{elapsed:.1f} s: {tokens_per_s / 1e6:.2f} M tokens/s "
@@ -551,11 +555,13 @@ async def main(quick: bool, workers: int, shard_age: float, apart: bool) -> None
                 await pub.publish(close_of(events, plan))
                 close_at[f"{RUN}/{events[0].session}/0"] = time.time()
                 await asyncio.sleep(interval)
-
-            async def latency_done() -> bool:
-                return count_rows(shard_root) >= plan.sessions + plan.latency_sessions
-
-            await wait_for("latency sessions in shards", latency_done, 600, 0.2)
+            await until_in_shards(
+                "latency sessions in shards",
+                shard_root,
+                plan.sessions + plan.latency_sessions,
+                0.2,
+                timeout_s=600,
+            )
             committed = shard_rows(shard_root)
             to_shard = [(committed[tid] - at) * 1000 for tid, at in close_at.items()]
             to_traj = []
