@@ -1,5 +1,7 @@
 """Batch assembly (DESIGN §7): trajectories in, one TensorDict out. Pure: no I/O, no clock
 (the padded layout may write into a ``BatchBuffers`` pool it is given: ``assemble``).
+Over ~450 lines only through this docstring: it is the batch's key contract, kept beside the
+code that writes each key (the code is ~360 lines).
 
 Every key a batch carries is listed here (the sink adds none). B samples; padded: P prompt and
 R response columns; integer tensors int64::
