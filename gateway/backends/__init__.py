@@ -1,6 +1,6 @@
 """Inference backends behind one small interface (``Backend``): local torch, vLLM, SGLang."""
 
-from gateway.backends.base import Backend, GenerationChunk, SamplingParams, TopLogprob
+from gateway.backends.interface import Backend, GenerationChunk, SamplingParams, TopLogprob
 from gateway.backends.router import ReplicaRouter, ReplicaStatus, RoutedStream
 from gateway.backends.sglang import SGLangBackend
 from gateway.backends.vllm import VLLMBackend

@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
-from gateway.backends.base import (
+from gateway.backends.interface import (
     FinishReason,
     GenerationChunk,
     Prompt,

@@ -56,7 +56,7 @@ from typing import Any
 
 import msgspec
 
-from gateway.backends.base import (
+from gateway.backends.interface import (
     FinishReason,
     GenerationChunk,
     Prompt,
@@ -66,7 +66,7 @@ from gateway.backends.base import (
 )
 from gateway.backends.payload import as_float, as_int, as_int_list, as_list, member
 from gateway.backends.probe import PROBE_PROMPT, GuardedLogprobs, LogprobsGuard, LogprobsKind
-from gateway.backends.sse import RemoteBackend, decode_event, merge_chunks
+from gateway.backends.remote import RemoteBackend, decode_event, merge_chunks
 from gateway.backends.transport import Transport
 from gateway.errors import BackendError
 
@@ -147,7 +147,7 @@ class SGLangBackend(GuardedLogprobs, RemoteBackend):
             else:
                 async with aclosing(self._event_batches(body)) as batches:
                     async for batch in batches:
-                        # The events of one network read as one chunk (sse.merge_chunks).
+                        # The events of one network read as one chunk (remote.merge_chunks).
                         read = [
                             chunk
                             for payload in batch

@@ -30,7 +30,7 @@ sampled token as a k+1-th entry; the k most likely are kept).
 A caller that reads the completion whole (``SamplingParams.stream`` False: a client that does
 not stream) gets it from one non-streamed request (``"stream": false``, the same choice with
 every token, and ``usage``) as one chunk. Streamed, the events of one network read are passed
-on as one chunk (``gateway.backends.sse.merge_chunks``). Either way the JSON is decoded straight
+on as one chunk (``gateway.backends.remote.merge_chunks``). Either way the JSON is decoded straight
 into typed structs (msgspec), the ids of several events in one pass; a read's plain events (the
 tokens in the middle of a generation, nearly all of them) are checked by the decoder and read
 in bulk, without a Python step per event.
@@ -58,7 +58,7 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from gateway.backends.base import (
+from gateway.backends.interface import (
     FinishReason,
     GenerationChunk,
     Prompt,
@@ -67,7 +67,7 @@ from gateway.backends.base import (
     needs_processed_logprobs,
 )
 from gateway.backends.probe import PROBE_PROMPT, GuardedLogprobs, LogprobsGuard, LogprobsKind
-from gateway.backends.sse import RemoteBackend, decode_event
+from gateway.backends.remote import RemoteBackend, decode_event
 from gateway.backends.transport import Transport
 from gateway.errors import BackendError
 
@@ -302,7 +302,7 @@ class CompletionReader:
         return self._chunk([self._decode(payload)])
 
     def read_batch(self, payloads: list[bytes]) -> GenerationChunk | None:
-        """The events of one network read as one chunk (``sse.merge_chunks`` says why): the
+        """The events of one network read as one chunk (``remote.merge_chunks`` says why): the
         plain token events before the stream's last ones decoded and read in bulk, the rest
         (or all, if any of them is not plain) in one call, their ids and alternatives in bulk."""
         if len(payloads) == 1:

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import msgspec
 
-from gateway.backends.base import GenerationChunk
+from gateway.backends.interface import GenerationChunk
 from gateway.backends.transport import Response, StreamingTransport, Target, Transport
 from gateway.errors import BackendError, BackendUnavailable
 
