@@ -774,7 +774,11 @@ PROFILE_CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
     ("prompt: chat template + tokenizer", ("/gateway/templates.py",)),
     (
         "backend stream parsing (sse, vllm)",
-        ("/gateway/backends/remote.py", "/gateway/backends/vllm.py"),
+        (
+            "/gateway/backends/remote.py",
+            "/gateway/backends/vllm.py",
+            "/gateway/backends/vllm_reader.py",
+        ),
     ),
     ("backend stream parsing (sse, vllm)", ("/gateway/backends/payload.py",)),
     ("replica router", ("/gateway/backends/router.py",)),
