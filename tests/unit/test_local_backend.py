@@ -18,7 +18,8 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from gateway.backends.interface import Backend, GenerationChunk, Prompt, SamplingParams
-from gateway.backends.local import LocalBackend, processed_log_probs, sample_token
+from gateway.backends.local import LocalBackend
+from gateway.backends.sampler import processed_log_probs, sample_token
 from gateway.errors import (
     BackendError,
     BackendUnavailable,
