@@ -473,7 +473,7 @@ class Direct(LoadPath):
     def __init__(
         self, clients: list[httpx.AsyncClient], per: int, url: str, model: str, conv: Conversation
     ):
-        from gateway.backends.base import Prompt, SamplingParams
+        from gateway.backends.interface import Prompt, SamplingParams
         from gateway.backends.vllm import completion_request
 
         self.clients, self.per = clients, per
@@ -774,7 +774,11 @@ PROFILE_CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
     ("prompt: chat template + tokenizer", ("/gateway/templates.py",)),
     (
         "backend stream parsing (sse, vllm)",
-        ("/gateway/backends/sse.py", "/gateway/backends/vllm.py"),
+        (
+            "/gateway/backends/remote.py",
+            "/gateway/backends/vllm.py",
+            "/gateway/backends/vllm_reader.py",
+        ),
     ),
     ("backend stream parsing (sse, vllm)", ("/gateway/backends/payload.py",)),
     ("replica router", ("/gateway/backends/router.py",)),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from gateway.backends.base import TopLogprob
+from gateway.backends.interface import TopLogprob
 
 __all__ = ["Detokenizer"]
 

@@ -109,14 +109,14 @@ class ContextCache:
       ids of this text where the render starts with it (``ChatTemplate.extension_ids``);
     * ``json_head``: the JSON text of its context ids without the closing bracket
       (``b"[1,2,3"``), in parts, built when its prompt went to an HTTP backend
-      (``gateway.backends.base.Prompt``), so the next turn encodes only its new ids.
+      (``gateway.backends.interface.Prompt``), so the next turn encodes only its new ids.
 
     A cache, not state: empty after recovery, and handed on (``take``) to the turn that
     continues it, so a chain of turns holds one (a second continuation of a turn finds it
     empty and renders and encodes in full)."""
 
     text: tuple[str, ...] | None = None
-    json_head: tuple[bytes | memoryview, ...] = ()  # gateway.backends.base.JsonHead
+    json_head: tuple[bytes | memoryview, ...] = ()  # gateway.backends.interface.JsonHead
 
     def take(self) -> tuple[tuple[str, ...] | None, tuple[bytes | memoryview, ...]]:
         taken = self.text, self.json_head

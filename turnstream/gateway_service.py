@@ -27,7 +27,7 @@ from pydantic_settings import SettingsConfigDict
 
 from eventlog import JetStreamPublisher, Outbox, answered, read_session
 from gateway.app import create_app
-from gateway.backends.base import Backend
+from gateway.backends.interface import Backend
 from gateway.backends.policy_watch import PolicyTarget, PolicyVersion, watch_policy
 from gateway.backends.transport import Target
 from gateway.guard import BodyLimits

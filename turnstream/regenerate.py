@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 
 from consumers.recording import Recording, read_recording
-from gateway.backends.base import Backend, GenerationChunk, Prompt, SamplingParams
+from gateway.backends.interface import Backend, GenerationChunk, Prompt, SamplingParams
 from schemas.codec import Codec
 from schemas.errors import SchemaError, TurnstreamError
 from schemas.events import SessionEvent, TurnCompleted

@@ -44,7 +44,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Literal
 
-from gateway.backends.base import (
+from gateway.backends.interface import (
     GenerationChunk,
     SamplingParams,
     TopLogprob,

@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.backends.base import (
+from gateway.backends.interface import (
     Backend,
     GenerationChunk,
     Prompt,

@@ -49,25 +49,20 @@ test_remote_backends.py checks the translation against payloads shaped as SGLang
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from contextlib import aclosing
-from dataclasses import replace
-from typing import Any
+from typing import Any, Unpack
 
 import msgspec
 
-from gateway.backends.base import (
+from gateway.backends.interface import (
     FinishReason,
     GenerationChunk,
     Prompt,
     SamplingParams,
     TopLogprob,
-    needs_processed_logprobs,
 )
 from gateway.backends.payload import as_float, as_int, as_int_list, as_list, member
-from gateway.backends.probe import PROBE_PROMPT, GuardedLogprobs, LogprobsGuard, LogprobsKind
-from gateway.backends.sse import RemoteBackend, decode_event, merge_chunks
-from gateway.backends.transport import Transport
+from gateway.backends.probe import LogprobsKind
+from gateway.backends.remote import RemoteBackend, RemoteOptions, decode_event, merge_chunks
 from gateway.errors import BackendError
 
 __all__ = ["SGLangBackend", "SGLangStreamReader", "generate_request"]
@@ -84,84 +79,27 @@ _ADVICE: dict[LogprobsKind, str] = {
 }
 
 
-class SGLangBackend(GuardedLogprobs, RemoteBackend):
+class SGLangBackend(RemoteBackend):
     def __init__(
         self,
         base_url: str,
         *,
-        backend_id: str,
-        max_context: int,
-        transport: Transport | None = None,
         incremental_streaming: bool = False,
-        timeout_s: float = 600.0,
-        connect_timeout_s: float = 5.0,
-        logprobs_kind: LogprobsKind | None = None,
-        probe_prompt: Sequence[int] = PROBE_PROMPT,
+        **options: Unpack[RemoteOptions],
     ) -> None:
-        """``logprobs_kind``: known already (not probed); ``probe_prompt``: token ids of the
-        log-prob probe (``gateway.backends.probe``), valid for the served model."""
-        super().__init__(
-            f"{base_url.rstrip('/')}/generate",
-            "SGLang",
-            backend_id=backend_id,
-            max_context=max_context,
-            transport=transport,
-            timeout_s=timeout_s,
-            connect_timeout_s=connect_timeout_s,
-        )
+        super().__init__(f"{base_url.rstrip('/')}/generate", "SGLang", _ADVICE, **options)
         self._incremental = incremental_streaming
-        self._logprobs = LogprobsGuard(
-            replica=backend_id,
-            where=self._where,
-            sample=lambda prompt, params: self._stream(Prompt(prompt), params, checked=False),
-            advice=_ADVICE,
-            prompt=probe_prompt,
-            kind=logprobs_kind,
-        )
 
-    def generate(
-        self, prompt: Prompt, params: SamplingParams, *, session: str | None = None
-    ) -> AsyncIterator[GenerationChunk]:
-        return self._stream(prompt, params, checked=True)
+    def _request(self, prompt: Prompt, params: SamplingParams) -> dict[str, Any]:
+        return generate_request(prompt, params)
 
-    async def _stream(
-        self, prompt: Prompt, params: SamplingParams, *, checked: bool
-    ) -> AsyncGenerator[GenerationChunk, None]:
-        # Checked before anything is sent: a refusal (InvalidRequest) or the "raw" mark.
-        mark = None
-        if checked and needs_processed_logprobs(params):
-            mark = await self._logprobs.admit(params)
-        body = generate_request(prompt, params)
-        reader = SGLangStreamReader(
+    def _reader(self, prompt: Prompt, params: SamplingParams) -> SGLangStreamReader:
+        return SGLangStreamReader(
             prompt_len=len(prompt),
             top_logprobs=params.top_logprobs,
             incremental=self._incremental,
-            where=self._where,
+            url=self._url,
         )
-        try:
-            if not params.stream:  # one response, one chunk
-                whole = await self._whole(body, params.max_tokens)
-                chunk = reader.read(decode_event(whole, self._url, "SGLang"))
-                if chunk is not None:
-                    yield chunk if mark is None else replace(chunk, logprobs_kind=mark)
-            else:
-                async with aclosing(self._event_batches(body)) as batches:
-                    async for batch in batches:
-                        # The events of one network read as one chunk (sse.merge_chunks).
-                        read = [
-                            chunk
-                            for payload in batch
-                            if (chunk := reader.read(decode_event(payload, self._url, "SGLang")))
-                            is not None
-                        ]
-                        if read:
-                            chunk = merge_chunks(read)
-                            yield chunk if mark is None else replace(chunk, logprobs_kind=mark)
-        except BackendError:
-            self._logprobs.forget()  # restarted, maybe with another environment or version
-            raise
-        if not reader.finished:
-            raise BackendError(f"{self._where}: the stream ended without a finish_reason")
 
 
 def generate_request(prompt: Prompt, params: SamplingParams) -> dict[str, Any]:
@@ -186,17 +124,36 @@ def generate_request(prompt: Prompt, params: SamplingParams) -> dict[str, Any]:
 
 
 class SGLangStreamReader:
-    """Turns the events of one stream into chunks of new tokens; remembers how many were seen."""
+    """Turns the events of one stream (or its one non-streamed response) into chunks of new
+    tokens, each passed on as it is read; remembers how many were seen."""
 
-    def __init__(self, *, prompt_len: int, top_logprobs: int, incremental: bool, where: str):
+    def __init__(self, *, prompt_len: int, top_logprobs: int, incremental: bool, url: str):
         self._prompt_len = prompt_len
         self._top_logprobs = top_logprobs
         self._incremental = incremental
-        self._where = where
+        self._url = url
+        self._where = f"SGLang at {url}"
         self._emitted: list[int] = []  # output tokens already passed on
         self.finished = False
 
+    def read_whole(self, payload: bytes) -> GenerationChunk | None:
+        return self.read(decode_event(payload, self._url, "SGLang"))
+
+    def read_batch(self, payloads: list[bytes]) -> GenerationChunk | None:
+        """The events of one network read as one chunk (``remote.merge_chunks``)."""
+        url = self._url
+        read = [
+            chunk
+            for payload in payloads
+            if (chunk := self.read(decode_event(payload, url, "SGLang"))) is not None
+        ]
+        return merge_chunks(read) if read else None
+
+    def last(self) -> None:
+        """Nothing held back: every chunk went out as it was read."""
+
     def read(self, event: dict[str, Any]) -> GenerationChunk | None:
+        """One event (or the response), decoded; None when it holds no new token and no finish."""
         where = self._where
         if self.finished:
             raise BackendError(f"{where} sent an event after finish_reason")

@@ -16,7 +16,7 @@ joined), so the SSE events that arrived together are split and parsed together.
 
 Failures are raised as the httpx exceptions httpcore would raise (``ConnectError``,
 ``ReadTimeout``, ``RemoteProtocolError``, ...), and timeouts are an ``httpx.Timeout``, so the
-adapters translate one family of errors (``gateway.backends.sse``). Not supported, because the
+adapters translate one family of errors (``gateway.backends.remote``). Not supported, because the
 backends do not need them: HTTP/2, proxies, client certificates, upgrades, request bodies of
 unknown length, compressed responses (none is asked for: one that comes anyway is refused).
 Tests stand in for a server with ``tests/helpers/backend_transport.py``, which runs an

@@ -6,7 +6,7 @@ import time
 
 import numpy as np
 
-from gateway.backends.base import Prompt
+from gateway.backends.interface import Prompt
 from gateway.errors import InvalidRequest
 from gateway.protocol.completions import (
     Completion,

@@ -22,7 +22,7 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 
 from eventlog import Publisher
-from gateway.backends.base import Backend, GenerationChunk, Prompt, SamplingParams
+from gateway.backends.interface import Backend, GenerationChunk, Prompt, SamplingParams
 from gateway.branches import attachment, continued_turn
 from gateway.decoding import Detokenizer
 from gateway.errors import ContextLengthExceeded, ModelNotFound

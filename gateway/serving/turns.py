@@ -17,7 +17,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
-from gateway.backends.base import needs_processed_logprobs
+from gateway.backends.interface import needs_processed_logprobs
 from gateway.branches import resent_turn
 from gateway.conversation import TurnRequest
 from gateway.decoding import Detokenizer

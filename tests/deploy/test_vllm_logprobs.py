@@ -16,7 +16,7 @@ processes on a real nats-server: one in front of the processed pair, two in fron
   the tiny model sometimes draws its end token within a few tokens), every recorded log-prob
   equals the fp32 transformers recomputation of the distribution sampled from (``logits / T``
   masked to vLLM's top-p nucleus and renormalized:
-  ``gateway.backends.local.processed_log_probs``) on the recorded prefix within 1e-4. Measured
+  ``gateway.backends.sampler.processed_log_probs``) on the recorded prefix within 1e-4. Measured
   max |Δ| (two runs, 64-96 tokens each): 7.2e-07 and 9.5e-07 at temperature 0.5, 4.8e-07 and
   9.5e-07 at top_p 0.9, 4.8e-07 for both; the raw log-probs are off by up to 1.6, 0.105 and
   0.6-0.8 nats there, which the test also checks (the bound tells the two apart).

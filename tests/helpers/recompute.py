@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from gateway.backends.local import processed_log_probs
+from gateway.backends.sampler import processed_log_probs
 from schemas import TurnCompleted
 
 __all__ = ["TurnLogprobs", "recompute", "turn_prompts"]

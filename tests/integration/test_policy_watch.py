@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.backends.base import Prompt, SamplingParams
+from gateway.backends.interface import Prompt, SamplingParams
 from gateway.backends.local import LocalBackend
 from gateway.backends.policy_watch import watch_policy
 from gateway.model import ensure_tiny_model

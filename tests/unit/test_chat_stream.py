@@ -10,7 +10,7 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
-from gateway.backends.base import GenerationChunk, SamplingParams
+from gateway.backends.interface import GenerationChunk, SamplingParams
 from gateway.errors import BackendError
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import ChatCompletionRequest

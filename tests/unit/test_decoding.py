@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.backends.base import TopLogprob
+from gateway.backends.interface import TopLogprob
 from gateway.decoding import Detokenizer
 
 

@@ -17,8 +17,9 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from gateway.backends.base import Backend, GenerationChunk, Prompt, SamplingParams
-from gateway.backends.local import LocalBackend, processed_log_probs, sample_token
+from gateway.backends.interface import Backend, GenerationChunk, Prompt, SamplingParams
+from gateway.backends.local import LocalBackend
+from gateway.backends.sampler import processed_log_probs, sample_token
 from gateway.errors import (
     BackendError,
     BackendUnavailable,

@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.backends.base import Prompt, SamplingParams, TopLogprob
+from gateway.backends.interface import Prompt, SamplingParams, TopLogprob
 from gateway.backends.probe import (
     PROBE_PROMPT,
     LogprobsGuard,

@@ -1,6 +1,6 @@
 """A turn that continues a kept turn reuses what that turn built: its context ids as an array,
-its prefix length, the JSON text of its ids (``gateway.backends.base.Prompt``); what reaches the
-backend and the log is exactly what a full render and encode would give."""
+its prefix length, the JSON text of its ids (``gateway.backends.interface.Prompt``); what
+reaches the backend and the log is exactly what a full render and encode would give."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 from transformers import AutoTokenizer
 from transformers.utils import logging as transformers_logging
 
-from gateway.backends.base import GenerationChunk, Prompt, SamplingParams
+from gateway.backends.interface import GenerationChunk, Prompt, SamplingParams
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import ChatCompletionRequest
 from gateway.serving import ChatServing, TurnEngine, TurnServing

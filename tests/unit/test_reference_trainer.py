@@ -13,7 +13,7 @@ import torch
 from tensordict import TensorDict
 
 from consumers import fold
-from gateway.backends.base import Prompt, SamplingParams
+from gateway.backends.interface import Prompt, SamplingParams
 from gateway.backends.local import LocalBackend
 from schemas.events import TrajectoryReady, TurnCompleted
 from tests.helpers.grpo_sessions import SESSION_ADVANTAGE, WON_SEGMENTS, segmented_group

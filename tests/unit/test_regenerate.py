@@ -12,7 +12,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from gateway.backends.base import Prompt, SamplingParams
+from gateway.backends.interface import Prompt, SamplingParams
 from gateway.backends.local import LocalBackend
 from gateway.serving.engine import derived_seed
 from schemas.delta import replay_context

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.backends.base import Backend, GenerationChunk, Prompt, SamplingParams, TopLogprob
+from gateway.backends.interface import Backend, GenerationChunk, Prompt, SamplingParams, TopLogprob
 from gateway.backends.sglang import SGLangBackend
 from gateway.backends.vllm import VLLMBackend
 from gateway.errors import BackendError, BackendUnavailable

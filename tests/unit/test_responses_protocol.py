@@ -22,7 +22,7 @@ from openai.types.responses import ResponseStreamEvent
 from pydantic import TypeAdapter, ValidationError
 from transformers import AutoTokenizer
 
-from gateway.backends.base import GenerationChunk, SamplingParams
+from gateway.backends.interface import GenerationChunk, SamplingParams
 from gateway.conversation import TurnRequest, message_key
 from gateway.errors import BackendError, InvalidRequest
 from gateway.metrics import GatewayMetrics

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import pytest
 
-from gateway.backends.base import Backend, GenerationChunk, Prompt, SamplingParams
+from gateway.backends.interface import Backend, GenerationChunk, Prompt, SamplingParams
 from gateway.backends.router import ReplicaRouter, ReplicaStatus
 from gateway.errors import BackendError, BackendUnavailable
 

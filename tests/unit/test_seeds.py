@@ -10,7 +10,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.backends.base import SamplingParams
+from gateway.backends.interface import SamplingParams
 from gateway.serving.engine import derived_seed, sampling_record
 
 ids = st.from_regex(r"[A-Za-z0-9_-]{1,64}", fullmatch=True)

@@ -17,7 +17,7 @@ from contextlib import asynccontextmanager
 import httpx
 import pytest
 
-from gateway.backends.base import Prompt, SamplingParams
+from gateway.backends.interface import Prompt, SamplingParams
 from gateway.backends.transport import Response, StreamingTransport, Target
 from gateway.backends.vllm import VLLMBackend
 from gateway.errors import BackendError, BackendUnavailable

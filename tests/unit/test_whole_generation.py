@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from gateway.backends.base import GenerationChunk, SamplingParams
+from gateway.backends.interface import GenerationChunk, SamplingParams
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import ChatCompletionRequest
 from gateway.protocol.chat import ChatCompletionChunk, ChunkChoice, Delta

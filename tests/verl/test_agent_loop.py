@@ -53,7 +53,7 @@ from verl.utils.dataset.rl_dataset import RLHFDataset
 from verl.workers.config import ActorConfig, PolicyLossConfig
 
 from consumers import ShardWriterSettings
-from gateway.backends.base import GenerationChunk, Prompt, SamplingParams
+from gateway.backends.interface import GenerationChunk, Prompt, SamplingParams
 from gateway.backends.local import LocalBackend
 from tests.helpers.services import shard_table_rows
 from tests.helpers.waiting import eventually

@@ -1,29 +1,53 @@
-"""Server-sent JSON events from a remote inference server, through the backend transport.
+"""A remote inference server (vLLM, SGLang) as a Backend: the request/stream skeleton they share.
 
-The one place where transport errors (httpx's exception classes: ``gateway.backends.transport``)
-become gateway errors (STYLE: translate at the adapter boundary): a server that cannot be
-reached is ``BackendUnavailable`` (the router may try another replica); anything else that goes
-wrong (an HTTP error status, a timeout, a broken stream, an event that is not JSON, an
-``{"error": ...}`` event) is ``BackendError``. Every message names the server and its URL.
+``RemoteBackend.generate`` checks a turn's sampling against the replica's log-prob kind
+(``gateway.backends.probe``), POSTs the server's request body through the backend transport,
+reads the answer (one JSON response when the caller reads the completion whole, else the
+server-sent events, a network read's worth at a time) with the server's ``PayloadReader``, and
+yields its chunks. A subclass supplies only its request body (``_request``) and its reader
+(``_reader``): ``gateway.backends.vllm`` and ``gateway.backends.sglang``.
+
+This module is also the one place where transport errors (httpx's exception classes:
+``gateway.backends.transport``) become gateway errors (STYLE: translate at the adapter
+boundary): a server that cannot be reached is ``BackendUnavailable`` (the router may try another
+replica); anything else that goes wrong (an HTTP error status, a timeout, a broken stream, an
+event that is not JSON, an ``{"error": ...}`` event) is ``BackendError``. Every message names
+the server and its URL.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Iterator, Sequence
+from abc import ABC, abstractmethod
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterable,
+    AsyncIterator,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from contextlib import aclosing, contextmanager
 from dataclasses import replace
-from typing import Any
+from typing import Any, NotRequired, Protocol, TypedDict
 
 import httpx
 import msgspec
 
-from gateway.backends.base import GenerationChunk
+from gateway.backends.interface import (
+    GenerationChunk,
+    Prompt,
+    SamplingParams,
+    needs_processed_logprobs,
+)
+from gateway.backends.probe import PROBE_PROMPT, GuardedLogprobs, LogprobsGuard, LogprobsKind
 from gateway.backends.transport import Response, StreamingTransport, Target, Transport
 from gateway.errors import BackendError, BackendUnavailable
 
 __all__ = [
+    "PayloadReader",
     "RemoteBackend",
+    "RemoteOptions",
     "decode_event",
     "merge_chunks",
     "post_event_batches",
@@ -42,22 +66,63 @@ _BODY = msgspec.json.Encoder()
 _BODY_HEADERS = ((b"content-type", b"application/json"), (b"user-agent", b"turnstream"))
 
 
-class RemoteBackend:
-    """What the HTTP backends (vLLM, SGLang) share: endpoint, identity, transport, timeouts.
+class PayloadReader(Protocol):
+    """Reads one generation's payloads from its server into GenerationChunks (a new reader per
+    generation). Each method returns the chunk to pass on now, or None; a reader may hold a
+    chunk back (vLLM's last one waits for the usage event after it) and give it from ``last``."""
 
-    A transport passed in (tests, a shared pool) is the caller's to close; one made here is
-    ours. ``timeout_s`` bounds the wait for each next event, not the whole generation."""
+    finished: bool  # a finish_reason was read
+
+    def read_whole(self, payload: bytes) -> GenerationChunk | None:
+        """The body of a non-streamed response."""
+        ...
+
+    def read_batch(self, payloads: list[bytes]) -> GenerationChunk | None:
+        """The ``data:`` payloads of one network read, as one chunk (``merge_chunks`` says why)."""
+        ...
+
+    def last(self) -> GenerationChunk | None:
+        """After the last payload, once ``finished``: a chunk held back, or None."""
+        ...
+
+
+class RemoteOptions(TypedDict):
+    """How a remote backend is set up, whichever server it talks to (the keyword arguments of
+    ``VLLMBackend`` and ``SGLangBackend``)."""
+
+    backend_id: str  # the replica's name, recorded in every TurnCompleted
+    max_context: int  # the served model's context length
+    # A transport passed in (tests, a shared pool) is the caller's to close; one made here is
+    # the backend's.
+    transport: NotRequired[Transport | None]
+    timeout_s: NotRequired[float]  # the wait for each next event, not the whole generation
+    connect_timeout_s: NotRequired[float]
+    logprobs_kind: NotRequired[LogprobsKind | None]  # known already: not probed
+    # Token ids of the log-prob probe (``gateway.backends.probe``), valid for the served model.
+    probe_prompt: NotRequired[Sequence[int]]
+
+
+class RemoteBackend(GuardedLogprobs, ABC):
+    """What the HTTP backends (vLLM, SGLang) share: endpoint, identity, transport, timeouts,
+    the log-prob guard, and ``generate``; a subclass supplies ``_request`` and ``_reader``.
+
+    ``url``: the endpoint generations are POSTed to; ``server``: its kind, in messages;
+    ``advice``: per log-prob kind, how to start that server so that it records the sampled
+    distribution (quoted when a turn is refused)."""
 
     def __init__(
         self,
         url: str,
         server: str,
+        advice: Mapping[LogprobsKind, str],
         *,
         backend_id: str,
         max_context: int,
-        transport: Transport | None,
-        timeout_s: float,
-        connect_timeout_s: float,
+        transport: Transport | None = None,
+        timeout_s: float = 600.0,
+        connect_timeout_s: float = 5.0,
+        logprobs_kind: LogprobsKind | None = None,
+        probe_prompt: Sequence[int] = PROBE_PROMPT,
     ) -> None:
         self._url = url
         self._target = Target(url)  # parsed once, not on every request
@@ -68,6 +133,14 @@ class RemoteBackend:
         self._transport: Transport = transport if transport is not None else StreamingTransport()
         self._timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
         self._where = f"{server} at {url}"
+        self._logprobs = LogprobsGuard(
+            replica=backend_id,
+            where=self._where,
+            sample=lambda prompt, params: self._stream(Prompt(prompt), params, checked=False),
+            advice=advice,
+            prompt=probe_prompt,
+            kind=logprobs_kind,
+        )
 
     @property
     def id(self) -> str:
@@ -77,10 +150,47 @@ class RemoteBackend:
     def max_context(self) -> int:
         return self._max_context
 
-    def _events(self, body: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
-        return post_event_stream(
-            self._transport, self._target, body, server=self._server, http_timeout=self._timeout
-        )
+    @abstractmethod
+    def _request(self, prompt: Prompt, params: SamplingParams) -> dict[str, Any]:
+        """The JSON body of the server's request for one generation."""
+
+    @abstractmethod
+    def _reader(self, prompt: Prompt, params: SamplingParams) -> PayloadReader:
+        """A reader of one generation's payloads from the server."""
+
+    def generate(
+        self, prompt: Prompt, params: SamplingParams, *, session: str | None = None
+    ) -> AsyncIterator[GenerationChunk]:
+        return self._stream(prompt, params, checked=True)
+
+    async def _stream(
+        self, prompt: Prompt, params: SamplingParams, *, checked: bool
+    ) -> AsyncGenerator[GenerationChunk, None]:
+        # Checked before anything is sent: a refusal (InvalidRequest) or the "raw" mark.
+        mark = None
+        if checked and needs_processed_logprobs(params):
+            mark = await self._logprobs.admit(params)
+        body = self._request(prompt, params)
+        reader = self._reader(prompt, params)
+        try:
+            if not params.stream:  # one response, one chunk
+                chunk = reader.read_whole(await self._whole(body, params.max_tokens))
+                if chunk is not None:
+                    yield chunk if mark is None else replace(chunk, logprobs_kind=mark)
+            else:
+                async with aclosing(self._event_batches(body)) as batches:
+                    async for batch in batches:
+                        chunk = reader.read_batch(batch)  # one network read's events
+                        if chunk is not None:
+                            yield chunk if mark is None else replace(chunk, logprobs_kind=mark)
+        except BackendError:
+            self._logprobs.forget()  # restarted, maybe with other flags, environment or version
+            raise
+        if not reader.finished:
+            raise BackendError(f"{self._where}: the stream ended without a finish_reason")
+        chunk = reader.last()
+        if chunk is not None:
+            yield chunk if mark is None else replace(chunk, logprobs_kind=mark)
 
     def _event_batches(self, body: dict[str, Any]) -> AsyncGenerator[list[bytes], None]:
         return post_event_batches(
