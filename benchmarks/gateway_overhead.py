@@ -7,7 +7,7 @@ Run it from the repository root::
 
 Setup (all on this machine, started and stopped by this script)
 ---------------------------------------------------------------
-* **Backend**: ``benchmarks/_fixed_latency_backend.py`` in its own process, a bare-asyncio
+* **Backend**: ``benchmarks/harness/fixed_latency_backend.py`` in its own process, a bare-asyncio
   stand-in for vLLM's ``/v1/completions`` that answers every request with the same 16 tokens
   (``"The answer: 42."`` + ``<|im_end|>``, one SSE event per token, with logprobs, a usage
   event and ``[DONE]``) after a fixed ``--ttft-ms`` (20 ms). The same process answers the same
@@ -15,11 +15,12 @@ Setup (all on this machine, started and stopped by this script)
 * **Gateway**: ``turnstream gateway --backend vllm`` in its own process (uvicorn), on the tiny
   ChatML model's tokenizer and template (``gateway.model.ensure_tiny_model``), publishing to a
   nats-server (file store, ``eventlog.NatsServer``) that this script starts. It is started
-  through ``benchmarks/_gateway_launcher.py``, which runs ``turnstream.cli.main`` unchanged and
-  records the garbage collector's full collections (and, on request, the gc.freeze experiment and
-  the profiler described below). Logging as shipped unless ``--gateway-log-level`` says
-  otherwise. ``--max-inflight-per-replica`` is the highest concurrency (64; the product default
-  is 32), so that the router's queue does not hold requests back.
+  through ``benchmarks/harness/gateway_launcher.py``, which runs ``turnstream.cli.main``
+  unchanged and records the garbage collector's full collections (and, on request, the gc.freeze
+  experiment and the profiler described below). Logging as shipped unless
+  ``--gateway-log-level`` says otherwise. ``--max-inflight-per-replica`` is the highest
+  concurrency (64; the product default is 32), so that the router's queue does not hold
+  requests back.
 * **Load generator**: this process, closed loop: ``c`` workers, each sending its next request as
   soon as the previous one is answered, over ``httpx.AsyncClient`` s (HTTP/1.1 keep-alive), one
   per 8 workers: httpcore 1.0's pool does O(connections) work per connection on every request,
@@ -106,8 +107,8 @@ What a change does to the gateway's CPU per request, measured so that the machin
   ``git worktree add --detach`` into the temporary directory (removed with ``git worktree
   remove --force`` at the end), and **after**, the checkout ``--after-tree`` (default: this
   repository's work tree, uncommitted changes included). Both are started as above, through
-  ``_gateway_launcher.py --source-tree TREE`` (cwd and ``PYTHONPATH`` = TREE too): the launcher
-  puts TREE first on ``sys.path`` and drops the editable install's import hook, checks that
+  ``harness/gateway_launcher.py --source-tree TREE`` (cwd and ``PYTHONPATH`` = TREE too): the
+  launcher puts TREE first on ``sys.path`` and drops the editable install's import hook, checks that
   ``gateway``, ``schemas``, ``turnstream``, ``consumers`` and ``trainer_sink`` resolve inside
   TREE, and prints where they came from (repeated in the progress lines). One backend and one
   nats-server serve both; the tiny model is made with the before tree's code in a child
@@ -139,7 +140,7 @@ machine info and date.
 Per-API CPU: ``--api-surfaces [APIS]``
 --------------------------------------
 Issue 17: the gateway's CPU per request for one Claude-Code-shaped session sent on each API
-surface (``benchmarks/_api_surfaces.py``)::
+surface (``benchmarks/api_surfaces.py``)::
 
     .venv/bin/python benchmarks/gateway_overhead.py --api-surfaces           # ~6.5 min
     .venv/bin/python benchmarks/gateway_overhead.py --api-surfaces --quick   # ~70 s
@@ -198,7 +199,7 @@ Issue 16: the gateway's CPU per output token, for a client that does not stream
 (``cpu_us_per_output_token``, target <= 2 us) and one that does
 (``cpu_us_per_output_token_streamed``, <= 6 us): 460- vs 16-token replies of the fixed-latency
 backend, first turns of new sessions with the same ~1k-token prompt, phases alternating
-(``benchmarks/_per_token.py`` says how)::
+(``benchmarks/per_token.py`` says how)::
 
     .venv/bin/python benchmarks/gateway_overhead.py --per-token            # ~5 min
     .venv/bin/python benchmarks/gateway_overhead.py --per-token --quick    # 2 rounds
@@ -207,7 +208,7 @@ backend, first turns of new sessions with the same ~1k-token prompt, phases alte
 Interleaved conversations: ``--interleaved``
 --------------------------------------------
 Issue 18: sub-agents share their caller's session and take turns with it, so the gateway matches
-each request against every turn the session keeps (``benchmarks/_interleaved.py``)::
+each request against every turn the session keeps (``benchmarks/interleaved.py``)::
 
     .venv/bin/python benchmarks/gateway_overhead.py --interleaved           # ~2 min
     .venv/bin/python benchmarks/gateway_overhead.py --interleaved --quick   # 2 rounds
@@ -233,7 +234,7 @@ Agent-shaped sessions: ``--agent-shape``
 ----------------------------------------
 Issue 16: gateway CPU per later turn at ~1k, ~32k and ~100k tokens of context, 460 output tokens
 and a tool result a turn, the first turn's cost beside it, with the tiny tokenizer and a BPE
-tokenizer of ~4 bytes a token trained here (``benchmarks/_agent_shape.py`` describes what is
+tokenizer of ~4 bytes a token trained here (``benchmarks/agent_shape.py`` describes what is
 sent, measured and checked); part of the default run too (its keys on the last line)::
 
     .venv/bin/python benchmarks/gateway_overhead.py --agent-shape           # ~6 min
@@ -266,14 +267,14 @@ from typing import Any, Protocol
 
 import httpx
 import msgspec
-from _common import arguments, banner, finish, say
-from _common import machine_info as common_machine_info
+from harness.reporting import arguments, banner, finish, say
+from harness.reporting import machine_info as common_machine_info
 
 from eventlog import LogSettings, NatsServer, connect, free_port
 
 REPO = Path(__file__).resolve().parent.parent
-BACKEND_SCRIPT = Path(__file__).resolve().parent / "_fixed_latency_backend.py"
-LAUNCHER_SCRIPT = Path(__file__).resolve().parent / "_gateway_launcher.py"
+BACKEND_SCRIPT = Path(__file__).resolve().parent / "harness" / "fixed_latency_backend.py"
+LAUNCHER_SCRIPT = Path(__file__).resolve().parent / "harness" / "gateway_launcher.py"
 RUN = "bench"
 STREAM = LogSettings().names.events
 REPLY = "The answer: 42."  # what the fixed backend says (its tokens are these bytes + <|im_end|>)
@@ -357,7 +358,7 @@ class Procs:
     backend_tree: bool = False  # count the backend's child processes too (vLLM's engine)
 
     def toggle_profile(self) -> None:
-        self.gateway.send_signal(signal.SIGUSR1)  # see _gateway_launcher.py
+        self.gateway.send_signal(signal.SIGUSR1)  # see harness/gateway_launcher.py
 
     def cpu(self) -> dict[str, float]:
         assert self.nats.pid is not None
@@ -896,7 +897,8 @@ def backend_command(
 
 
 class FixedLatencyBackend:
-    """``_fixed_latency_backend.py`` in its own process: the same tokens after ``--ttft-ms``."""
+    """``harness/fixed_latency_backend.py`` in its own process: the same tokens after
+    ``--ttft-ms``."""
 
     name = "fixed-latency backend"
 
@@ -1659,32 +1661,32 @@ async def main() -> None:
     )
     args = parser.parse_args()
     if args.litellm:
-        from _litellm import litellm_main
+        from litellm_compare import litellm_main
 
         await litellm_main(parser, args)
         return
     if args.scaleout:
-        from _scaleout import scaleout_main
+        from scaleout import scaleout_main
 
         await scaleout_main(parser, args)
         return
     if args.agent_shape:
-        from _agent_shape import agent_shape_main
+        from agent_shape import agent_shape_main
 
         await agent_shape_main(parser, args)
         return
     if args.per_token:
-        from _per_token import per_token_main
+        from per_token import per_token_main
 
         await per_token_main(parser, args)
         return
     if args.interleaved:
-        from _interleaved import interleaved_main
+        from interleaved import interleaved_main
 
         await interleaved_main(parser, args)
         return
     if args.api_surfaces is not None:
-        from _api_surfaces import api_surfaces_main
+        from api_surfaces import api_surfaces_main
 
         await api_surfaces_main(parser, args)
         return
@@ -1735,8 +1737,8 @@ async def main() -> None:
         result = await bench(args, plan, Path(tmp))
     out = report(result)
     per_token: dict[str, Any] = {}
-    if not vllm:  # issue 16: CPU per generated token (benchmarks/_per_token.py), unprofiled
-        from _per_token import measure_per_token
+    if not vllm:  # issue 16: CPU per generated token (benchmarks/per_token.py), unprofiled
+        from per_token import measure_per_token
 
         say("\nCPU per generated token (--per-token):")
         unprofiled = argparse.Namespace(**{**vars(args), "profile_gateway": None})
@@ -1796,20 +1798,20 @@ async def main() -> None:
         **({"gateway_profile": profile} if profile else {}),
     }
     if not vllm:  # issue 16's agent-shape keys (--agent-shape alone runs just these)
-        from _agent_shape import agent_shape_figures
+        from agent_shape import agent_shape_figures
 
         say("\nagent shape: gateway CPU per later turn at 1k, 32k and 100k tokens of context")
         unprofiled = argparse.Namespace(**{**vars(args), "profile_gateway": None})
         figures.update(await agent_shape_figures(unprofiled))
         duration = time.perf_counter() - started
     if not vllm:  # issue 16's scale-out keys (--scaleout alone runs just these)
-        from _scaleout import scaleout_figures
+        from scaleout import scaleout_figures
 
         say("\nscale-out: c=64 through 1 vs 2 gateway processes")
         figures.update(await scaleout_figures(args))
         duration = time.perf_counter() - started
     if not vllm:  # issue 16's LiteLLM keys (--litellm alone runs just these)
-        from _litellm import measure_litellm
+        from litellm_compare import measure_litellm
 
         say(f"\ngateway vs LiteLLM {'(quick) ' if args.quick else ''}at c=16, phases alternating")
         unprofiled = argparse.Namespace(**{**vars(args), "profile_gateway": None})

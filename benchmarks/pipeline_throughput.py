@@ -95,7 +95,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
-from _common import finish, machine_info, say
+from harness.reporting import finish, machine_info, say
 from nats.js import JetStreamContext
 from nats.js import api as js_api
 

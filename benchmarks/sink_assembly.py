@@ -71,7 +71,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from _common import arguments, banner, finish, machine_info, say
+from harness.reporting import arguments, banner, finish, machine_info, say
 from tensordict import TensorDict
 
 from schemas.events import TrajectoryReady

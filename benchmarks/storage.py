@@ -66,7 +66,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _common import arguments, banner, finish, machine_info, say
+from harness.reporting import arguments, banner, finish, machine_info, say
 from nats.js import JetStreamContext
 
 from consumers.fold import fold
@@ -526,7 +526,7 @@ async def main() -> int:
     )
     args = parser.parse_args()
     if args.subagents:
-        from _subagents import subagents_main
+        from subagents import subagents_main
 
         await subagents_main(parser, args)
         return 0

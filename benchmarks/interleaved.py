@@ -5,7 +5,7 @@ every request against every turn the session holds. This measures what that cost
 CPU per turn when each session holds N interleaved conversations of ~32k tokens, set beside N = 1
 (target: within 1.2x). What is sent, measured and checked is described in the docstring of
 ``gateway_overhead.py`` ("Interleaved conversations: --interleaved"); the processes, the CPU
-meter and the closing JSON line are that script's, the Chat request shape ``_api_surfaces``'.
+meter and the closing JSON line are that script's, the Chat request shape ``api_surfaces``'.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 
 import gateway_overhead as overhead
 import httpx
-from _api_surfaces import (
+from api_surfaces import (
     MAX_TOKENS,
     ChatSurface,
     ClaudeCodeShape,
@@ -30,7 +30,7 @@ from _api_surfaces import (
     fixed_latency_stack,
     tool_output,
 )
-from _common import banner, finish, say
+from harness.reporting import banner, finish, say
 
 from eventlog import read_session
 

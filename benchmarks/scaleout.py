@@ -13,7 +13,7 @@ run (4-turn sessions, 16 output tokens, the fixed-latency backend ~20 ms to firs
 
 * One nats-server, the fixed-latency backend (``--backend-processes K``: K of them on one port,
   SO_REUSEPORT, uvloop), one gateway per ``--scaleout-workers`` count (default 1 and 2), all
-  through ``_gateway_launcher.py``, as the default run starts its gateway.
+  through ``harness/gateway_launcher.py``, as the default run starts its gateway.
 * Per round one phase per path at c=``--concurrency`` (default 64; closed loop; 8 workers share
   each httpx pool, so one keep-alive connection carries many sessions, as an agent host's does):
   direct to the backend, then each gateway; the order rotates every round. ``--load-processes
@@ -62,8 +62,8 @@ from pathlib import Path
 from typing import Any
 
 import gateway_overhead as overhead
-from _common import banner, finish, say
-from _load_processes import LoadProcesses, LoadSpec, http_clients, load_paths
+from harness.load_processes import LoadProcesses, LoadSpec, http_clients, load_paths
+from harness.reporting import banner, finish, say
 
 from eventlog import NatsServer, connect, free_port
 

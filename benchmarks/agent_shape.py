@@ -11,7 +11,7 @@ token trained here (``bpe_model``), so that costs proportional to bytes of text 
     .venv/bin/python benchmarks/gateway_overhead.py --agent-shape           # ~30 s
     .venv/bin/python benchmarks/gateway_overhead.py --agent-shape --quick   # ~20 s
 
-* Per tokenizer, one stack (``_api_surfaces.fixed_latency_stack``: nats-server, the fixed-latency
+* Per tokenizer, one stack (``api_surfaces.fixed_latency_stack``: nats-server, the fixed-latency
   backend, one gateway; ``--max-context`` 262144). The backend answers every request with ~460
   tokens: a text of ~440 tokens, then on a line of its own (as the template writes a reply, so
   that its render is what was sampled) the Bash tool call of ``--api-surfaces``, then the end of
@@ -61,7 +61,7 @@ from typing import Any
 
 import gateway_overhead as overhead
 import httpx
-from _api_surfaces import (
+from api_surfaces import (
     REPLY_TEXT,
     ChatSurface,
     ClaudeCodeShape,
@@ -69,7 +69,7 @@ from _api_surfaces import (
     fixed_latency_stack,
     tool_output,
 )
-from _common import banner, finish, say
+from harness.reporting import banner, finish, say
 
 from eventlog import read_session
 

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _common import finish, machine_info, say
+from harness.reporting import finish, machine_info, say
 from nats.js import JetStreamContext
 from storage import (
     GENERATION_PROMPT_TOKENS,

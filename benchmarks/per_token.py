@@ -40,7 +40,7 @@ from typing import Any
 
 import gateway_overhead as overhead
 import httpx
-from _common import banner, finish, say
+from harness.reporting import banner, finish, say
 
 from eventlog import NatsServer, free_port
 

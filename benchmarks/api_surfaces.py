@@ -27,7 +27,7 @@ from typing import Any
 
 import gateway_overhead as overhead
 import httpx
-from _common import banner, finish, say
+from harness.reporting import banner, finish, say
 
 from eventlog import NatsServer, connect, free_port, read_session
 
@@ -573,7 +573,7 @@ async def fixed_latency_stack(
     """nats-server, the fixed-latency backend (its reply: ``completion``, by default the Bash
     tool call) and a gateway serving ``model_dir`` (default: the tiny model), all with
     ``max_context``; the logs' tails are printed when the body fails. ``source_tree``: the
-    checkout whose code the gateway runs (``_gateway_launcher.py --source-tree``)."""
+    checkout whose code the gateway runs (``harness/gateway_launcher.py --source-tree``)."""
     from gateway.model import ensure_tiny_model
 
     t0 = time.perf_counter()

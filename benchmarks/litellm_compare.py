@@ -48,8 +48,8 @@ from typing import Any
 
 import gateway_overhead as overhead
 import httpx
-from _api_surfaces import fixed_latency_stack
-from _common import banner, finish, say
+from api_surfaces import fixed_latency_stack
+from harness.reporting import banner, finish, say
 
 from eventlog import free_port
 

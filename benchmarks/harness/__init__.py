@@ -1,0 +1,1 @@
+"""The benchmarks' shared harness (imports nothing from the benchmark scripts)."""
