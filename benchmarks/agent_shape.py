@@ -48,11 +48,9 @@ Keys: ``cpu_ms_per_later_turn_ctx_{1k,32k,100k}``, ``cpu_ms_first_turn_ctx_{1k,3
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import gc
 import json
-import logging
 import os
 import shutil
 import statistics
@@ -72,7 +70,7 @@ from harness import (
     dumps,
     finish,
     fixed_latency_stack,
-    gateway_arguments,
+    run_gateway_mode,
     say,
     tool_output,
 )
@@ -518,12 +516,5 @@ async def agent_shape_main(parser: argparse.ArgumentParser, args: argparse.Names
     finish(figures, quick=args.quick, duration_s=time.perf_counter() - started, info=info)
 
 
-def main() -> None:
-    """The same run as ``gateway_overhead.py --agent-shape``, with the same flags."""
-    parser = gateway_arguments(__doc__)
-    asyncio.run(agent_shape_main(parser, parser.parse_args()))
-
-
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.ERROR)
-    main()
+    run_gateway_mode(__doc__, agent_shape_main)

@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import gc
 import json
-import logging
 import statistics
 import tempfile
 import time
@@ -38,7 +37,7 @@ from harness import (
     dumps,
     finish,
     fixed_latency_stack,
-    gateway_arguments,
+    run_gateway_mode,
     say,
     tool_output,
 )
@@ -549,13 +548,5 @@ async def api_surfaces_main(parser: argparse.ArgumentParser, args: argparse.Name
     finish(figures, quick=args.quick, duration_s=time.perf_counter() - started, info=info)
 
 
-def main() -> None:
-    """The same run as ``gateway_overhead.py --api-surfaces``, with the same flags."""
-    parser = gateway_arguments(__doc__)
-    parser.set_defaults(api_surfaces="chat,messages,responses")  # --api-surfaces APIS picks
-    asyncio.run(api_surfaces_main(parser, parser.parse_args()))
-
-
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.ERROR)
-    main()
+    run_gateway_mode(__doc__, api_surfaces_main, api_surfaces="chat,messages,responses")

@@ -12,9 +12,7 @@ meter, the closing JSON line and the Chat request shape come from ``harness``.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import gc
-import logging
 import statistics
 import tempfile
 import time
@@ -33,7 +31,7 @@ from harness import (
     dumps,
     finish,
     fixed_latency_stack,
-    gateway_arguments,
+    run_gateway_mode,
     say,
     tool_output,
 )
@@ -284,12 +282,5 @@ async def interleaved_main(parser: argparse.ArgumentParser, args: argparse.Names
     finish(figures, quick=args.quick, duration_s=time.perf_counter() - started, info=info)
 
 
-def main() -> None:
-    """The same run as ``gateway_overhead.py --interleaved``, with the same flags."""
-    parser = gateway_arguments(__doc__)
-    asyncio.run(interleaved_main(parser, parser.parse_args()))
-
-
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.ERROR)
-    main()
+    run_gateway_mode(__doc__, interleaved_main)

@@ -32,11 +32,9 @@ the same VM earlier this session, at LiteLLM's 7.7-8.5 ms, ran the session's sta
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import fcntl
 import json
-import logging
 import os
 import signal
 import statistics
@@ -50,7 +48,7 @@ from typing import Any
 
 import harness
 import httpx
-from harness import banner, finish, fixed_latency_stack, gateway_arguments, say
+from harness import banner, finish, fixed_latency_stack, run_gateway_mode, say
 from harness.phases import FULL, QUICK
 
 from eventlog import free_port
@@ -288,12 +286,5 @@ async def litellm_main(parser: argparse.ArgumentParser, args: argparse.Namespace
     finish(figures, quick=args.quick, duration_s=time.perf_counter() - started, info=info)
 
 
-def main() -> None:
-    """The same run as ``gateway_overhead.py --litellm``, with the same flags."""
-    parser = gateway_arguments(__doc__)
-    asyncio.run(litellm_main(parser, parser.parse_args()))
-
-
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.ERROR)
-    main()
+    run_gateway_mode(__doc__, litellm_main)

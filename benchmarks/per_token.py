@@ -30,7 +30,6 @@ import asyncio
 import contextlib
 import gc
 import json
-import logging
 import os
 import statistics
 import tempfile
@@ -42,7 +41,7 @@ from typing import Any
 
 import harness
 import httpx
-from harness import banner, finish, gateway_arguments, say
+from harness import banner, finish, run_gateway_mode, say
 
 from eventlog import NatsServer, free_port
 
@@ -282,12 +281,5 @@ async def per_token_main(parser: argparse.ArgumentParser, args: argparse.Namespa
     finish(figures, quick=args.quick, duration_s=time.perf_counter() - started, info=info)
 
 
-def main() -> None:
-    """The same run as ``gateway_overhead.py --per-token``, with the same flags."""
-    parser = gateway_arguments(__doc__)
-    asyncio.run(per_token_main(parser, parser.parse_args()))
-
-
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.ERROR)
-    main()
+    run_gateway_mode(__doc__, per_token_main)

@@ -50,7 +50,6 @@ import argparse
 import asyncio
 import contextlib
 import gc
-import logging
 import os
 import re
 import signal
@@ -69,9 +68,9 @@ from harness import (
     LoadSpec,
     banner,
     finish,
-    gateway_arguments,
     http_clients,
     load_paths,
+    run_gateway_mode,
     say,
 )
 
@@ -403,12 +402,5 @@ async def scaleout_main(parser: argparse.ArgumentParser, args: argparse.Namespac
     finish(figures, quick=args.quick, duration_s=time.perf_counter() - started, info=info)
 
 
-def main() -> None:
-    """The same run as ``gateway_overhead.py --scaleout``, with the same flags."""
-    parser = gateway_arguments(__doc__)
-    asyncio.run(scaleout_main(parser, parser.parse_args()))
-
-
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.ERROR)
-    main()
+    run_gateway_mode(__doc__, scaleout_main)

@@ -64,8 +64,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from harness.reporting import arguments, banner, finish, machine_info, say
-from harness.synthetic_sessions import TOOLS, TURNS, Session, SessionMaker
+from harness.reporting import banner, finish, machine_info, say
+from harness.synthetic_sessions import TOOLS, TURNS, Session, SessionMaker, session_arguments
 from nats.js import JetStreamContext
 from subagents import subagents_main
 
@@ -357,12 +357,7 @@ def figures_of(
 
 
 async def main() -> int:
-    parser = arguments(
-        __doc__,
-        "8 sessions instead of 128 (< 30 s)",
-        seed="seed of the synthetic sessions",
-        store_dir=True,
-    )
+    parser = session_arguments(__doc__)
     parser.add_argument(
         "--subagents",
         action="store_true",

@@ -38,8 +38,13 @@ from typing import Any
 
 import numpy as np
 from harness import STREAM
-from harness.reporting import arguments, finish, machine_info, say
-from harness.synthetic_sessions import GENERATION_PROMPT_TOKENS, TOOLS, SessionMaker
+from harness.reporting import finish, machine_info, say
+from harness.synthetic_sessions import (
+    GENERATION_PROMPT_TOKENS,
+    TOOLS,
+    SessionMaker,
+    session_arguments,
+)
 from nats.js import JetStreamContext
 
 from consumers.fold import fold
@@ -327,12 +332,7 @@ async def subagents_main(parser: argparse.ArgumentParser, args: argparse.Namespa
 
 def main() -> None:
     """The same run as ``storage.py --subagents``, with the same flags."""
-    parser = arguments(
-        __doc__,
-        "8 sessions instead of 128 (< 30 s)",
-        seed="seed of the synthetic sessions",
-        store_dir=True,
-    )
+    parser = session_arguments(__doc__)
     asyncio.run(subagents_main(parser, parser.parse_args()))
 
 

@@ -28,7 +28,7 @@ from harness.load import (
     conversation_messages,
 )
 from harness.load_processes import LoadProcesses, LoadSpec, http_clients, load_paths
-from harness.options import gateway_arguments
+from harness.options import gateway_arguments, run_gateway_mode
 from harness.phases import Phase, Plan, pct, run_phase, summarize
 from harness.processes import (
     REPO,
@@ -118,6 +118,7 @@ __all__ = [
     "print_profile",
     "profile_breakdown",
     "reply_ids",
+    "run_gateway_mode",
     "run_phase",
     "say",
     "spawn",

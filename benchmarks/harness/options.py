@@ -5,7 +5,10 @@ that a mode runs the same whether reached through ``gateway_overhead.py`` or its
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
 import tempfile
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from harness.processes import REPO
@@ -128,3 +131,16 @@ def gateway_arguments(doc: str | None) -> argparse.ArgumentParser:
         "alternating (installs LiteLLM once in its own venv; also part of the default run)",
     )
     return parser
+
+
+def run_gateway_mode(
+    doc: str | None,
+    mode_main: Callable[[argparse.ArgumentParser, argparse.Namespace], Awaitable[None]],
+    **defaults: object,
+) -> None:
+    """A mode of ``gateway_overhead.py`` run as its own script: the same flags (``defaults``
+    set, e.g. the APIs of ``--api-surfaces``), the same run, the same JSON line."""
+    logging.basicConfig(level=logging.ERROR)
+    parser = gateway_arguments(doc)
+    parser.set_defaults(**defaults)
+    asyncio.run(mode_main(parser, parser.parse_args()))

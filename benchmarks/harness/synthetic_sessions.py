@@ -4,12 +4,15 @@ tool calls (85% of turns) and their results or user replies, ``TURNS`` turns a s
 
 from __future__ import annotations
 
+import argparse
 import base64
 import json
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from harness.reporting import arguments
 
 JSON = dict[str, Any]
 
@@ -165,3 +168,13 @@ class SessionMaker:
             new_messages = [reply]
             new_ids = [self.tokens(1), reply_ids]  # the "\n" the template puts after <|im_end|>
         return Session(session_id, task["content"][:80], turns)
+
+
+def session_arguments(doc: str | None) -> argparse.ArgumentParser:
+    """``--quick``, ``--seed`` and ``--store-dir`` of the benchmarks on these sessions."""
+    return arguments(
+        doc,
+        "8 sessions instead of 128 (< 30 s)",
+        seed="seed of the synthetic sessions",
+        store_dir=True,
+    )
