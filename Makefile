@@ -65,9 +65,10 @@ unit: setup
 	$(BIN)/python -m pytest -q tests/unit
 
 # Every benchmark once: the top-level scripts of benchmarks/ (benchmarks/harness/ is their library),
-# less the four whose keys gateway_overhead.py's default run already reports on its last line.
+# less the four whose keys gateway_overhead.py's default run already reports on its last line and
+# gateway_compare.py (a paired before/after check of a change, not a figure of the code's own).
 bench: setup
-	@set -e; for b in $$(ls benchmarks/*.py | grep -vE '/(per_token|agent_shape|scaleout|litellm_compare)\.py$$'); do \
+	@set -e; for b in $$(ls benchmarks/*.py | grep -vE '/(per_token|agent_shape|scaleout|litellm_compare|gateway_compare)\.py$$'); do \
 		echo "== $$b"; PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python $$b $(BENCH_ARGS); \
 	done
 

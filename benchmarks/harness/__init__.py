@@ -28,7 +28,7 @@ from harness.load import (
     conversation_messages,
 )
 from harness.load_processes import LoadProcesses, LoadSpec, http_clients, load_paths
-from harness.options import gateway_arguments, run_gateway_mode
+from harness.options import gateway_arguments, plan_of, run_gateway_mode
 from harness.phases import Phase, Plan, pct, run_phase, summarize
 from harness.processes import (
     REPO,
@@ -115,6 +115,7 @@ __all__ = [
     "own_cpu_seconds",
     "parse_metrics",
     "pct",
+    "plan_of",
     "print_profile",
     "profile_breakdown",
     "reply_ids",

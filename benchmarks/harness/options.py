@@ -11,6 +11,7 @@ import tempfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from harness.phases import Plan
 from harness.processes import REPO
 from harness.reporting import arguments
 
@@ -144,3 +145,10 @@ def run_gateway_mode(
     parser = gateway_arguments(doc)
     parser.set_defaults(**defaults)
     asyncio.run(mode_main(parser, parser.parse_args()))
+
+
+def plan_of(args: argparse.Namespace, plan: Plan) -> Plan:
+    """``plan`` with ``--rounds`` and ``--measure-s`` applied."""
+    if args.rounds is None and args.measure_s is None:
+        return plan
+    return Plan(plan.warmup_s, args.measure_s or plan.measure_s, args.rounds or plan.rounds)
