@@ -74,7 +74,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _common import arguments, banner, finish, machine_info, say
+from harness.reporting import arguments, banner, finish, machine_info, say
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 

@@ -40,7 +40,7 @@ import sys
 import tempfile
 import time
 
-from _common import arguments, banner, finish, machine_info, say
+from harness.reporting import arguments, banner, finish, machine_info, say
 
 MODEL = "from pathlib import Path; model = Path({model!r}); "
 PHASES = {

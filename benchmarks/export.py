@@ -56,8 +56,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _common import arguments, banner, finish, machine_info, say
-from storage import TOOLS
+from harness.reporting import arguments, banner, finish, machine_info, say
+from harness.synthetic_sessions import TOOLS
 
 from eventlog.shard_store import FileShardStore
 from gateway.model import ensure_tiny_model

@@ -60,7 +60,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _common import arguments, banner, finish, machine_info, say
+from harness.reporting import arguments, banner, finish, machine_info, say
 
 from schemas.events import SessionClosed, SessionEvent, SessionOpened, TurnCompleted
 

@@ -90,12 +90,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
-from _common import finish, machine_info, say
+from harness.pipeline_load import Plan, close_of, consumers_idle, make_session, tokens_of, wait_for
+from harness.processes import RUN
+from harness.reporting import finish, machine_info, say
 from nats.js import JetStreamContext
 from nats.js import api as js_api
 
@@ -108,68 +109,13 @@ from eventlog import (
     provision,
     read_session_messages,
 )
-from schemas.events import SessionClosed, SessionEvent, SessionOpened, TurnCompleted
+from schemas.events import SessionClosed, SessionEvent
 
-RUN = "bench"
-VOCAB = 151_000
-CHARS_PER_TOKEN = 4
 TARGET_RATIO = 0.25  # issue 16 (0.5 before: out of reach on 2 cores)
-
-
-@dataclass(frozen=True)
-class Plan:
-    sessions: int
-    latency_sessions: int
-    turns: int = 10
-    prompt_tokens: int = 1_500
-    completion_tokens: int = 500
 
 
 FULL = Plan(sessions=2_000, latency_sessions=300)
 QUICK = Plan(sessions=1_000, latency_sessions=40)
-
-
-def make_session(
-    rng: np.random.Generator, corpus: str, index: int, plan: Plan
-) -> list[SessionEvent]:
-    """Open + turns of one append-only session (the close is published later)."""
-    session = f"s{index:06d}"
-    events: list[SessionEvent] = [
-        SessionOpened(run=RUN, session=session, group=f"g{index // 8}", created_at=time.time())
-    ]
-    context = 0
-    for t in range(plan.turns):
-        n_prompt, n_completion = plan.prompt_tokens, plan.completion_tokens
-        start = int(rng.integers(0, len(corpus) - n_prompt * CHARS_PER_TOKEN))
-        content = corpus[start : start + n_prompt * CHARS_PER_TOKEN]
-        events.append(
-            TurnCompleted(
-                run=RUN,
-                session=session,
-                turn=t,
-                prefix_len=context,
-                prompt_ids=rng.integers(0, VOCAB, n_prompt, dtype=np.int32),
-                completion_ids=rng.integers(0, VOCAB, n_completion, dtype=np.int32),
-                logprobs=-rng.random(n_completion, dtype=np.float32),
-                message_prefix_len=2 * t,
-                new_messages=[{"role": "tool" if t else "user", "content": content}],
-                text=corpus[start : start + n_completion * CHARS_PER_TOKEN],
-                weight_version=1,
-                created_at=time.time(),
-            )
-        )
-        context += n_prompt + n_completion
-    return events
-
-
-def close_of(events: list[SessionEvent], plan: Plan) -> SessionClosed:
-    return SessionClosed(
-        run=RUN, session=events[0].session, reward=1.0, num_turns=plan.turns, created_at=time.time()
-    )
-
-
-def tokens_of(plan: Plan) -> int:
-    return plan.turns * (plan.prompt_tokens + plan.completion_tokens)
 
 
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK")
@@ -292,14 +238,6 @@ def count_rows(root: Path) -> int:
     return sum(n for p, n in _ROWS.items() if p.is_relative_to(root))
 
 
-async def wait_for(what: str, condition, timeout_s: float, poll_s: float = 0.1) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while not await condition():
-        if time.monotonic() > deadline:
-            raise SystemExit(f"benchmark stuck: {what} not within {timeout_s:.0f}s")
-        await asyncio.sleep(poll_s)
-
-
 async def until_in_shards(
     what: str, root: Path, rows: int, poll_s: float, timeout_s: float = 1800
 ) -> None:
@@ -318,17 +256,6 @@ async def raw_again(js: JetStreamContext, first: float, tokens: int) -> tuple[fl
     rates = (first, tokens / raw2_s)
     say(f"raw again: {rates[1] / 1e6:.2f} M tokens/s; mean of the two {sum(rates) / 2e6:.2f}")
     return rates
-
-
-async def consumers_idle(js: JetStreamContext, names: list[str]) -> bool:
-    for name in names:
-        try:
-            info = await js.consumer_info("EVENTS", name)
-        except Exception:
-            return False
-        if info.num_pending or info.num_ack_pending:
-            return False
-    return True
 
 
 def start_services(

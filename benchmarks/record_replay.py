@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _common import arguments, banner, finish, machine_info, say
+from harness.reporting import arguments, banner, finish, machine_info, say
 from nats.js import JetStreamContext
 from nats.js import api as js_api
 

@@ -71,7 +71,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from _common import arguments, banner, finish, machine_info, say
+from harness.reporting import arguments, banner, finish, machine_info, say
 from tensordict import TensorDict
 
 from schemas.events import TrajectoryReady
@@ -235,7 +235,7 @@ async def pipeline_latency(sessions: int, interval_s: float) -> dict[str, Any]:
     import tempfile
     from pathlib import Path
 
-    from pipeline_throughput import Plan, close_of, consumers_idle, make_session, wait_for
+    from harness.pipeline_load import Plan, close_of, consumers_idle, make_session, wait_for
 
     from eventlog import JetStreamPublisher, LogSettings, NatsServer, connect, provision
     from trainer_sink import BatchingSettings, LiveSource, LiveSourceSettings, TrainerSink

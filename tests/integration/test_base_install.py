@@ -6,8 +6,8 @@ A fresh venv gets ``<this checkout>`` installed with no extras from the package 
 (``uv pip install``: the same dependency metadata pip reads; ~6-15 s here where pip took ~65 s,
 most of it unpacking and byte-compiling pyarrow, duckdb and transformers); its ``turnstream``
 console script runs the gateway (``--backend vllm``), a fold worker and a shard writer against a
-real nats-server. The backend is ``benchmarks/_fixed_latency_backend.py``, a stand-in for vLLM's
-``/v1/completions`` (no vLLM runs in ``make test``; ``tests/deploy`` runs the real one): it
+real nats-server. The backend is ``benchmarks/harness/fixed_latency_backend.py``, a stand-in for
+vLLM's ``/v1/completions`` (no vLLM runs in ``make test``; ``tests/deploy`` runs the real one): it
 answers every request with the same tokens and log-probs, which the shard row must hold exactly.
 """
 
@@ -31,7 +31,7 @@ from tests.helpers.services import WORKER_FLAGS, WRITER_FLAGS, Service, shard_ta
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
-STANDIN = ROOT / "benchmarks" / "_fixed_latency_backend.py"
+STANDIN = ROOT / "benchmarks" / "harness" / "fixed_latency_backend.py"
 ANSWER = "The answer: 42."  # the stand-in's completion: byte ids, then the stop id 258
 STOP_ID = 258
 

@@ -1,5 +1,5 @@
 """The benchmarks' fixed-latency backend answers ``POST /v1/chat/completions`` (not streamed)
-for a proxy in front of it (LiteLLM in ``benchmarks/_litellm.py``): the same text as its
+for a proxy in front of it (LiteLLM in ``benchmarks/litellm_compare.py``): the same text as its
 completions, after the same delay."""
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ import pytest
 
 from eventlog import free_port
 
-BACKEND = Path(__file__).resolve().parents[2] / "benchmarks" / "_fixed_latency_backend.py"
+BACKEND = (
+    Path(__file__).resolve().parents[2] / "benchmarks" / "harness" / "fixed_latency_backend.py"
+)
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""``gateway_overhead.py --per-token``: the gateway's CPU per generated token (issue 16 point 3).
+"""Benchmark: the gateway's CPU per generated token, issue 16 point 3 (also
+``gateway_overhead.py --per-token``, and part of its default run).
 
 One gateway on the fixed-latency backend, which answers every request with the same 460 tokens
 (one SSE event per token when streamed, as vLLM sends them) or, when ``max_tokens`` is 16, the
@@ -38,9 +39,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import gateway_overhead as overhead
+import harness
 import httpx
-from _common import banner, finish, say
+from harness import banner, finish, run_gateway_mode, say
 
 from eventlog import NatsServer, free_port
 
@@ -82,7 +83,7 @@ class Phase:
 @dataclass
 class Stack:
     url: str
-    procs: overhead.Procs
+    procs: harness.Procs
     model: str
 
 
@@ -93,36 +94,36 @@ async def per_token_stack(args: argparse.Namespace, tmp: Path) -> AsyncIterator[
 
     model_dir = ensure_tiny_model(Path(args.model_cache))
     completion = completion_ids(model_dir)
-    conv = overhead.Conversation([], [], (completion[-1],), completion, len(completion))
+    conv = harness.Conversation([], [], (completion[-1],), completion, len(completion))
     log_dir = tmp / "logs"
     log_dir.mkdir()
     nats = NatsServer(tmp / "nats").start()
     backend_port, gateway_port = free_port(), free_port()
     backend_url = f"http://127.0.0.1:{backend_port}"
-    backend = overhead.spawn(
-        overhead.backend_command(args, backend_port, conv, model_dir.name),
+    backend = harness.spawn(
+        harness.backend_command(args, backend_port, conv, model_dir.name),
         log_dir / "backend.log",
         os.environ,
     )
-    tree = None if args.after_tree == overhead.REPO else args.after_tree
-    gateway_cmd = overhead.gateway_command(
+    tree = None if args.after_tree == harness.REPO else args.after_tree
+    gateway_cmd = harness.gateway_command(
         args, model_dir, nats.url, backend_url, gateway_port, tmp / "data", tmp / "gc.json", tree
     )
     gateway: Any = None
     try:
-        await overhead.wait_http(f"{backend_url}/health", backend, "fixed-latency backend", 30)
-        gateway = overhead.spawn(gateway_cmd, log_dir / "gateway.log", overhead.gateway_env(args))
+        await harness.wait_http(f"{backend_url}/health", backend, "fixed-latency backend", 30)
+        gateway = harness.spawn(gateway_cmd, log_dir / "gateway.log", harness.gateway_env(args))
         url = f"http://127.0.0.1:{gateway_port}"
-        await overhead.wait_http(f"{url}/health", gateway, "gateway", 120)
-        yield Stack(url, overhead.Procs(backend, gateway, nats), model_dir.name)
+        await harness.wait_http(f"{url}/health", gateway, "gateway", 120)
+        yield Stack(url, harness.Procs(backend, gateway, nats), model_dir.name)
     except BaseException:
         for log_file in sorted(log_dir.iterdir()):
             say(f"--- {log_file.name} (tail)\n{log_file.read_text()[-3000:]}")
         raise
     finally:
         if gateway is not None:
-            overhead.stop_process(gateway)
-        overhead.stop_process(backend)
+            harness.stop_process(gateway)
+        harness.stop_process(backend)
         nats.stop()
 
 
@@ -244,7 +245,7 @@ async def measure_per_token(args: argparse.Namespace, tmp: Path) -> JSON:
         mode = "streamed" if args.per_token_profile == "streamed" else "whole"
         cpu_ms = figures[f"cpu_ms_per_turn_{LONG}_tokens_{mode}"]
         say(f"\nprofiled: the {LONG}-token phases, {mode} (cProfile slows them: shares only)")
-        overhead.print_profile(args.profile_gateway, args.profile_top, profiled_turns, cpu_ms)
+        harness.print_profile(args.profile_gateway, args.profile_top, profiled_turns, cpu_ms)
     say(
         f"CPU per generated token: {figures['cpu_us_per_output_token']:.2f} us not streamed "
         f"(target <= 2), {figures['cpu_us_per_output_token_streamed']:.2f} us streamed "
@@ -269,7 +270,7 @@ async def per_token_main(parser: argparse.ArgumentParser, args: argparse.Namespa
     if args.max_inflight_per_replica is None:
         args.max_inflight_per_replica = CONCURRENCY
     started = time.perf_counter()
-    info = overhead.machine_info()
+    info = harness.gateway_machine_info()
     banner("gateway CPU per generated token", args.quick, info)
     with tempfile.TemporaryDirectory(prefix="ts-gwpt-", dir=args.store_dir) as tmp:
         figures = await measure_per_token(args, Path(tmp))
@@ -278,3 +279,7 @@ async def per_token_main(parser: argparse.ArgumentParser, args: argparse.Namespa
         "met": all(figures[key] <= limit for key, limit in TARGETS.items()),
     }
     finish(figures, quick=args.quick, duration_s=time.perf_counter() - started, info=info)
+
+
+if __name__ == "__main__":
+    run_gateway_mode(__doc__, per_token_main)

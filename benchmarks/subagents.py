@@ -1,4 +1,5 @@
-"""``storage.py --subagents``: a session tree in the log, deltas against parents vs previous turns.
+"""Benchmark: a session tree in the log, deltas against parents vs previous turns (also
+``storage.py --subagents``).
 
 A main agent A has a 32k-token system prompt (the tools included) and a task, and takes
 ``MAIN_TURNS`` turns of tool calls. It then runs ``SUBAGENTS`` sub-agents that share its system
@@ -25,8 +26,10 @@ conversation's final context, and the sampled ids of every turn are where the mo
 from __future__ import annotations
 
 import argparse
+import asyncio
 import base64
 import json
+import logging
 import tempfile
 import time
 from dataclasses import dataclass
@@ -34,14 +37,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _common import finish, machine_info, say
-from nats.js import JetStreamContext
-from storage import (
+from harness import STREAM
+from harness.reporting import finish, machine_info, say
+from harness.synthetic_sessions import (
     GENERATION_PROMPT_TOKENS,
-    STREAM,
     TOOLS,
     SessionMaker,
+    session_arguments,
 )
+from nats.js import JetStreamContext
 
 from consumers.fold import fold
 from eventlog import JetStreamPublisher, LogSettings, NatsServer, connect, provision, read_session
@@ -324,3 +328,14 @@ async def subagents_main(parser: argparse.ArgumentParser, args: argparse.Namespa
         f"linear {figures['subagents_bytes_per_unique_token_linear']}"
     )
     finish(figures, quick=args.quick, duration_s=time.perf_counter() - started, info=info)
+
+
+def main() -> None:
+    """The same run as ``storage.py --subagents``, with the same flags."""
+    parser = session_arguments(__doc__)
+    asyncio.run(subagents_main(parser, parser.parse_args()))
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.ERROR)
+    main()

@@ -18,8 +18,11 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-import gateway_overhead as overhead
 import httpx
+
+from harness.cpu import CpuMeter
+from harness.load import Conversation, Direct, Gateway, LoadPath, PhaseCounts
+from harness.phases import Phase, Plan, run_phase
 
 
 class NoCpu:
@@ -36,18 +39,16 @@ class LoadSpec:
     urls: dict[str, str]  # gateway name -> its URL
     backend_url: str
     model: str
-    conv: overhead.Conversation
+    conv: Conversation
     per: int
 
 
-async def load_paths(
-    spec: LoadSpec, clients: list[httpx.AsyncClient]
-) -> dict[str, overhead.LoadPath]:
-    paths: dict[str, overhead.LoadPath] = {
-        "direct": overhead.Direct(clients, spec.per, spec.backend_url, spec.model, spec.conv)
+async def load_paths(spec: LoadSpec, clients: list[httpx.AsyncClient]) -> dict[str, LoadPath]:
+    paths: dict[str, LoadPath] = {
+        "direct": Direct(clients, spec.per, spec.backend_url, spec.model, spec.conv)
     }
     for name, url in spec.urls.items():
-        paths[name] = overhead.Gateway(clients, spec.per, url, spec.model, spec.conv, name=name)
+        paths[name] = Gateway(clients, spec.per, url, spec.model, spec.conv, name=name)
     return paths
 
 
@@ -75,12 +76,12 @@ def load_process_main(conn: Connection, spec: LoadSpec, concurrency: int, index:
             clients = await http_clients(stack, concurrency, spec.per)
             paths = await load_paths(spec, clients)
             for path in paths.values():
-                path.counts = overhead.PhaseCounts()
+                path.counts = PhaseCounts()
                 await path.worker(0, f"first-p{index}")()
             conn.send("ready")
             while (job := await asyncio.to_thread(conn.recv)) is not None:
                 name, plan, tag, rnd = job
-                phase = await overhead.run_phase(paths[name], concurrency, plan, tag, NoCpu(), rnd)
+                phase = await run_phase(paths[name], concurrency, plan, tag, NoCpu(), rnd)
                 conn.send(phase)
 
     try:
@@ -119,16 +120,14 @@ class LoadProcesses:
                 raise RuntimeError(answer)
         return answers
 
-    async def phase(
-        self, name: str, plan: overhead.Plan, tag: str, procs: overhead.CpuMeter, rnd: int
-    ) -> overhead.Phase:
+    async def phase(self, name: str, plan: Plan, tag: str, procs: CpuMeter, rnd: int) -> Phase:
         cpu0, wall0 = procs.cpu(), time.time()
         for index, pipe in enumerate(self.pipes):
             pipe.send((name, plan, f"{tag}-p{index}", rnd))
-        parts: list[overhead.Phase] = await self.receive()
+        parts: list[Phase] = await self.receive()
         cpu1 = procs.cpu()
         window = statistics.fmean(p.window_s for p in parts)
-        return overhead.Phase(
+        return Phase(
             path=name,
             concurrency=sum(p.concurrency for p in parts),
             round=rnd,

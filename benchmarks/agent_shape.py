@@ -1,4 +1,5 @@
-"""``gateway_overhead.py --agent-shape``: gateway CPU per turn as an agent's context grows.
+"""Benchmark: gateway CPU per turn as an agent's context grows (also
+``gateway_overhead.py --agent-shape``, and part of its default run).
 
 Issue 16, point 4: the cost of a turn should grow with its new tokens, not with its context.
 Coding agents' sessions (the trace set the issue cites: median ~99k input tokens, 31 turns,
@@ -11,7 +12,7 @@ token trained here (``bpe_model``), so that costs proportional to bytes of text 
     .venv/bin/python benchmarks/gateway_overhead.py --agent-shape           # ~30 s
     .venv/bin/python benchmarks/gateway_overhead.py --agent-shape --quick   # ~20 s
 
-* Per tokenizer, one stack (``_api_surfaces.fixed_latency_stack``: nats-server, the fixed-latency
+* Per tokenizer, one stack (``api_surfaces.fixed_latency_stack``: nats-server, the fixed-latency
   backend, one gateway; ``--max-context`` 262144). The backend answers every request with ~460
   tokens: a text of ~440 tokens, then on a line of its own (as the template writes a reply, so
   that its render is what was sampled) the Bash tool call of ``--api-surfaces``, then the end of
@@ -59,17 +60,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import gateway_overhead as overhead
+import harness
 import httpx
-from _api_surfaces import (
+from harness import (
     REPLY_TEXT,
     ChatSurface,
     ClaudeCodeShape,
+    banner,
     dumps,
+    finish,
     fixed_latency_stack,
+    run_gateway_mode,
+    say,
     tool_output,
 )
-from _common import banner, finish, say
 
 from eventlog import read_session
 
@@ -109,7 +113,7 @@ QUICK = AgentPlan(rounds=2, sessions=1, later=5)
 def source_text() -> str:
     """The repository's own Python source: what an agent reads into its context."""
     roots = ("gateway", "schemas", "eventlog", "turnstream", "consumers", "trainer_sink")
-    files = sorted(p for root in roots for p in (overhead.REPO / root).rglob("*.py"))
+    files = sorted(p for root in roots for p in (harness.REPO / root).rglob("*.py"))
     return "".join(p.read_text(errors="replace") for p in files)
 
 
@@ -291,7 +295,7 @@ def cpu_ns(pid: int) -> int:
 async def run_phase(
     load: AgentLoad,
     client: httpx.AsyncClient,
-    procs: overhead.Procs,
+    procs: harness.Procs,
     plan: AgentPlan,
     context: str,
     rnd: int,
@@ -328,7 +332,7 @@ async def check(js: Any, load: AgentLoad) -> int:
 
     checked = 0
     for session in load.sessions:
-        events = await read_session(js, overhead.RUN, session.sid, stream=overhead.STREAM)
+        events = await read_session(js, harness.RUN, session.sid, stream=harness.STREAM)
         turns = {e.turn: e for e in events if isinstance(e, TurnCompleted)}
         for previous, index in zip(session.turns, session.turns[1:], strict=False):
             event, parent = turns[index], turns[previous]
@@ -346,7 +350,7 @@ async def bench_tokenizer(
     args: argparse.Namespace, plan: AgentPlan, tok: Tokenized, tmp: Path
 ) -> JSON:
     name = f"gateway-bench-agent-{tok.name}"
-    tree = None if args.after_tree == overhead.REPO else args.after_tree
+    tree = None if args.after_tree == harness.REPO else args.after_tree
     async with fixed_latency_stack(
         args,
         tmp,
@@ -387,7 +391,7 @@ async def bench_tokenizer(
     if args.profile_gateway:  # written when the gateway stopped, at the end of the stack
         profiled = [p for p in phases if p.round % 2 == 1]
         plain = [p for p in phases if p.round % 2 == 0]
-        out["profile"] = overhead.print_profile(
+        out["profile"] = harness.print_profile(
             args.profile_gateway,
             args.profile_top,
             sum(p.later_turns for p in profiled),
@@ -502,7 +506,7 @@ async def agent_shape_main(parser: argparse.ArgumentParser, args: argparse.Names
     if args.compare_with is not None or args.backend_kind != "fixed-latency":
         parser.error("--agent-shape runs one gateway on the fixed-latency backend")
     started = time.perf_counter()
-    info = overhead.machine_info()
+    info = harness.gateway_machine_info()
     banner("gateway CPU per turn at agent contexts (1k, 32k, 100k tokens)", args.quick, info)
     if args.max_inflight_per_replica is None:
         args.max_inflight_per_replica = 1
@@ -510,3 +514,7 @@ async def agent_shape_main(parser: argparse.ArgumentParser, args: argparse.Names
         parser.error("--profile-gateway profiles odd rounds and needs at least 2")
     figures = await agent_shape_figures(args)
     finish(figures, quick=args.quick, duration_s=time.perf_counter() - started, info=info)
+
+
+if __name__ == "__main__":
+    run_gateway_mode(__doc__, agent_shape_main)

@@ -1,11 +1,12 @@
-"""``gateway_overhead.py --interleaved``: gateway CPU per turn, 1, 4 or 16 conversations a session.
+"""Benchmark: gateway CPU per turn, 1, 4 or 16 conversations a session (also
+``gateway_overhead.py --interleaved``).
 
 Issue 18: sub-agents share their caller's session and take turns with it, so the gateway matches
 every request against every turn the session holds. This measures what that costs: the gateway's
 CPU per turn when each session holds N interleaved conversations of ~32k tokens, set beside N = 1
 (target: within 1.2x). What is sent, measured and checked is described in the docstring of
 ``gateway_overhead.py`` ("Interleaved conversations: --interleaved"); the processes, the CPU
-meter and the closing JSON line are that script's, the Chat request shape ``_api_surfaces``'.
+meter, the closing JSON line and the Chat request shape come from ``harness``.
 """
 
 from __future__ import annotations
@@ -19,18 +20,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import gateway_overhead as overhead
+import harness
 import httpx
-from _api_surfaces import (
+from harness import (
     MAX_TOKENS,
     ChatSurface,
     ClaudeCodeShape,
+    banner,
     claude_code_shape,
     dumps,
+    finish,
     fixed_latency_stack,
+    run_gateway_mode,
+    say,
     tool_output,
 )
-from _common import banner, finish, say
 
 from eventlog import read_session
 
@@ -134,7 +138,7 @@ async def check(js: Any, load: InterleavedLoad) -> JSON:
 
     turns_checked = 0
     for sid, conversations in load.sessions.items():
-        events = await read_session(js, overhead.RUN, sid, stream=overhead.STREAM)
+        events = await read_session(js, harness.RUN, sid, stream=harness.STREAM)
         turns = {e.turn: e for e in events if isinstance(e, TurnCompleted)}
         context = {
             t: e.prefix_len + len(e.prompt_ids) + len(e.completion_ids) for t, e in turns.items()
@@ -178,7 +182,7 @@ async def bench(args: argparse.Namespace, rounds: int, tmp: Path) -> JSON:
 
 
 async def run_phase(
-    load: InterleavedLoad, client: httpx.AsyncClient, procs: overhead.Procs, level: int, rnd: int
+    load: InterleavedLoad, client: httpx.AsyncClient, procs: harness.Procs, level: int, rnd: int
 ) -> Phase:
     """CONVERSATIONS conversations in sessions of ``level``: warmed up to ~32k tokens each,
     then MEASURED_TURNS turns each under the CPU meter."""
@@ -232,7 +236,7 @@ async def interleaved_main(parser: argparse.ArgumentParser, args: argparse.Names
         args.max_inflight_per_replica = 1
     rounds = args.rounds or (2 if args.quick else 6)
     started = time.perf_counter()
-    info = overhead.machine_info()
+    info = harness.gateway_machine_info()
     banner("gateway CPU per turn, interleaved conversations", args.quick, info)
     say(
         f"sessions of N = {', '.join(map(str, LEVELS))} conversations, {CONVERSATIONS} "
@@ -276,3 +280,7 @@ async def interleaved_main(parser: argparse.ArgumentParser, args: argparse.Names
         },
     }
     finish(figures, quick=args.quick, duration_s=time.perf_counter() - started, info=info)
+
+
+if __name__ == "__main__":
+    run_gateway_mode(__doc__, interleaved_main)

@@ -1,4 +1,5 @@
-"""``gateway_overhead.py --scaleout``: throughput through 1 vs N gateway processes (issue 16.5).
+"""Benchmark: throughput through 1 vs N gateway processes, issue 16.5 (also
+``gateway_overhead.py --scaleout``, and part of its default run).
 
 ``turnstream gateway --workers N`` runs N processes on one port; each request is served by the
 worker that holds its session, its connection moved there when it landed elsewhere
@@ -13,7 +14,7 @@ run (4-turn sessions, 16 output tokens, the fixed-latency backend ~20 ms to firs
 
 * One nats-server, the fixed-latency backend (``--backend-processes K``: K of them on one port,
   SO_REUSEPORT, uvloop), one gateway per ``--scaleout-workers`` count (default 1 and 2), all
-  through ``_gateway_launcher.py``, as the default run starts its gateway.
+  through ``harness/gateway_launcher.py``, as the default run starts its gateway.
 * Per round one phase per path at c=``--concurrency`` (default 64; closed loop; 8 workers share
   each httpx pool, so one keep-alive connection carries many sessions, as an agent host's does):
   direct to the backend, then each gateway; the order rotates every round. ``--load-processes
@@ -61,17 +62,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import gateway_overhead as overhead
-from _common import banner, finish, say
-from _load_processes import LoadProcesses, LoadSpec, http_clients, load_paths
+import harness
+from harness import (
+    LoadProcesses,
+    LoadSpec,
+    banner,
+    finish,
+    http_clients,
+    load_paths,
+    run_gateway_mode,
+    say,
+)
 
 from eventlog import NatsServer, connect, free_port
 
 JSON = dict[str, Any]
 CONCURRENCY = 64
 WORKERS = (1, 2)
-FULL = overhead.Plan(warmup_s=1.0, measure_s=5.0, rounds=4)
-QUICK = overhead.Plan(warmup_s=0.5, measure_s=2.0, rounds=2)
+FULL = harness.Plan(warmup_s=1.0, measure_s=5.0, rounds=4)
+QUICK = harness.Plan(warmup_s=0.5, measure_s=2.0, rounds=2)
 _STOPPED = re.compile(r"stopped: (\d+) sessions held, (\d+) connections moved out, (\d+) in")
 
 
@@ -111,14 +120,14 @@ class ScaleProcs:
 
     def cpu(self) -> dict[str, float]:
         assert self.nats.pid is not None
-        out = {"backend": sum(overhead.cpu_seconds(p.pid) for p in self.backends)}
+        out = {"backend": sum(harness.cpu_seconds(p.pid) for p in self.backends)}
         for name, proc in self.gateways.items():
-            out[name] = overhead.tree_cpu_seconds(proc.pid)
-        out["nats"] = overhead.cpu_seconds(self.nats.pid)
-        load = overhead.own_cpu_seconds()
+            out[name] = harness.tree_cpu_seconds(proc.pid)
+        out["nats"] = harness.cpu_seconds(self.nats.pid)
+        load = harness.own_cpu_seconds()
         for pid in self.load_pids:
             with contextlib.suppress(OSError):
-                load += overhead.cpu_seconds(pid)
+                load += harness.cpu_seconds(pid)
         return {**out, "loadgen": load}
 
 
@@ -127,26 +136,24 @@ def gateway_name(workers: int) -> str:
 
 
 def start_backends(
-    args: argparse.Namespace, conv: overhead.Conversation, model: str, log_dir: Path, count: int
+    args: argparse.Namespace, conv: harness.Conversation, model: str, log_dir: Path, count: int
 ) -> tuple[str, list[subprocess.Popen[bytes]]]:
     """One fixed-latency backend, or ``count`` of them on one port (SO_REUSEPORT, uvloop)."""
     port = free_port()
-    command = overhead.backend_command(args, port, conv, model)
+    command = harness.backend_command(args, port, conv, model)
     if count > 1:
         command += ["--reuse-port", "--uvloop"]
-    procs = [
-        overhead.spawn(command, log_dir / f"backend-{i}.log", os.environ) for i in range(count)
-    ]
+    procs = [harness.spawn(command, log_dir / f"backend-{i}.log", os.environ) for i in range(count)]
     return f"http://127.0.0.1:{port}", procs
 
 
 async def measure_scaleout(
-    args: argparse.Namespace, plan: overhead.Plan, tmp: Path, shape: Shape
+    args: argparse.Namespace, plan: harness.Plan, tmp: Path, shape: Shape
 ) -> JSON:
     from gateway.model import ensure_tiny_model
 
     model_dir = ensure_tiny_model(Path(args.model_cache))
-    conv = overhead.build_conversation(model_dir, args.turns_per_session, "fixed-latency")
+    conv = harness.build_conversation(model_dir, args.turns_per_session, "fixed-latency")
     log_dir = tmp / "logs"
     log_dir.mkdir()
     nats = NatsServer(tmp / "nats").start()
@@ -159,24 +166,24 @@ async def measure_scaleout(
         **{**vars(args), "profile_gateway": None, "max_inflight_per_replica": shape.concurrency}
     )
     # rich wraps log lines at the terminal's width: the workers' counts must stay on one line.
-    env = {**overhead.gateway_env(args), "COLUMNS": "400", "TURNSTREAM_LOG_LEVEL": "INFO"}
+    env = {**harness.gateway_env(args), "COLUMNS": "400", "TURNSTREAM_LOG_LEVEL": "INFO"}
     nc = None
     load: LoadProcesses | None = None
     try:
         for proc in backends:
-            await overhead.wait_http(f"{backend_url}/health", proc, "fixed-latency backend", 30)
+            await harness.wait_http(f"{backend_url}/health", proc, "fixed-latency backend", 30)
         for workers in shape.workers:
             name = gateway_name(workers)
             port = free_port()
-            cmd = overhead.gateway_command(
+            cmd = harness.gateway_command(
                 unprofiled, model_dir, nats.url, backend_url, port, tmp / name, tmp / f"{name}.gc"
             )
-            gateways[name] = overhead.spawn(
+            gateways[name] = harness.spawn(
                 [*cmd, "--workers", str(workers)], log_dir / f"{name}.log", env
             )
             urls[name] = f"http://127.0.0.1:{port}"
         for name, proc in gateways.items():
-            await overhead.wait_http(f"{urls[name]}/health", proc, name, 300)
+            await harness.wait_http(f"{urls[name]}/health", proc, name, 300)
         spec = LoadSpec(urls, backend_url, model_dir.name, conv, args.workers_per_client)
         if shape.load_processes > 1:
             load = LoadProcesses(spec, shape.concurrency, shape.load_processes)
@@ -187,15 +194,15 @@ async def measure_scaleout(
         gc.collect()
         gc.freeze()
         async with contextlib.AsyncExitStack() as stack:
-            paths: dict[str, overhead.LoadPath] = {}
+            paths: dict[str, harness.LoadPath] = {}
             if load is None:
                 clients = await http_clients(stack, shape.concurrency, spec.per)
                 paths = await load_paths(spec, clients)
                 for path in paths.values():
-                    path.counts = overhead.PhaseCounts()
+                    path.counts = harness.PhaseCounts()
                     await path.worker(0, "first")()
             order = ["direct", *urls]
-            phases: list[overhead.Phase] = []
+            phases: list[harness.Phase] = []
             say(
                 f"\nc={shape.concurrency} ({shape.load_processes} load process(es), "
                 f"{shape.backend_processes} backend process(es)), {plan.rounds} rounds, each path "
@@ -206,16 +213,16 @@ async def measure_scaleout(
                 line = []
                 shift = rnd % len(order)
                 for name in order[shift:] + order[:shift]:
-                    before = await overhead.stream_messages(js)
+                    before = await harness.stream_messages(js)
                     tag = f"{name}-r{rnd}"
                     if load is not None:
                         phase = await load.phase(name, plan, tag, procs, rnd)
                     else:
-                        phase = await overhead.run_phase(
+                        phase = await harness.run_phase(
                             paths[name], shape.concurrency, plan, tag, procs, rnd
                         )
                     if name != "direct":
-                        grown = await overhead.stream_messages(js) - before
+                        grown = await harness.stream_messages(js) - before
                         if grown != phase.requests + phase.sessions:
                             raise RuntimeError(
                                 f"{name} round {rnd}: EVENTS grew by {grown}, expected "
@@ -234,9 +241,9 @@ async def measure_scaleout(
         if nc is not None:
             await nc.close()
         for proc in gateways.values():
-            overhead.stop_process(proc, signal.SIGINT, 60)
+            harness.stop_process(proc, signal.SIGINT, 60)
         for proc in backends:
-            overhead.stop_process(proc, signal.SIGTERM)
+            harness.stop_process(proc, signal.SIGTERM)
         nats.stop()
     moved = {
         workers: sum(
@@ -248,7 +255,7 @@ async def measure_scaleout(
     return report(phases, moved, shape)
 
 
-def report(phases: list[overhead.Phase], moved: dict[int, int], shape: Shape) -> JSON:
+def report(phases: list[harness.Phase], moved: dict[int, int], shape: Shape) -> JSON:
     rounds = sorted({p.round for p in phases})
     by = {(p.path, p.round): p for p in phases}
     c = shape.concurrency
@@ -311,7 +318,7 @@ def report(phases: list[overhead.Phase], moved: dict[int, int], shape: Shape) ->
     return figures
 
 
-def busy_cores(phases: list[overhead.Phase]) -> JSON:
+def busy_cores(phases: list[harness.Phase]) -> JSON:
     """Mean cores each process kept busy over the phases (CPU seconds / wall seconds): which
     one ran out of cores first."""
     wall = sum(p.wall[1] - p.wall[0] for p in phases)
@@ -373,7 +380,7 @@ async def scaleout_figures(args: argparse.Namespace, shape: Shape | None = None)
     """The scale-out keys; for the default run as well (``shape`` None: c=64, 1 vs 2)."""
     plan = QUICK if args.quick else FULL
     if args.rounds or args.measure_s:
-        plan = overhead.Plan(
+        plan = harness.Plan(
             plan.warmup_s, args.measure_s or plan.measure_s, args.rounds or plan.rounds
         )
     with tempfile.TemporaryDirectory(prefix="ts-gwscale-", dir=args.store_dir) as tmp:
@@ -387,9 +394,13 @@ async def scaleout_main(parser: argparse.ArgumentParser, args: argparse.Namespac
     if args.compare_with is not None or args.backend_kind != "fixed-latency":
         parser.error("--scaleout runs the fixed-latency backend, without --compare-with")
     started = time.perf_counter()
-    info = overhead.machine_info()
+    info = harness.gateway_machine_info()
     shape = Shape.from_args(args)
     workers = " vs ".join(str(n) for n in shape.workers)
     banner(f"gateway scale-out ({workers} processes)", args.quick, info)
     figures = await scaleout_figures(args, shape)
     finish(figures, quick=args.quick, duration_s=time.perf_counter() - started, info=info)
+
+
+if __name__ == "__main__":
+    run_gateway_mode(__doc__, scaleout_main)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import importlib.metadata
+import importlib.util
 import json
 import os
 import platform
@@ -82,3 +83,13 @@ def finish(
     }
     say(f"\ndone in {duration_s:.1f} s")
     say(json.dumps(figures))
+
+
+def gateway_machine_info() -> dict[str, Any]:
+    return {
+        **machine_info(
+            "fastapi", "starlette", "uvicorn", "h11", "httpx", "nats-py", "transformers"
+        ),
+        "uvloop": importlib.util.find_spec("uvloop") is not None,
+        "httptools": importlib.util.find_spec("httptools") is not None,
+    }

@@ -34,7 +34,7 @@ chunked responses): no framework, so what it costs is small next to what is meas
 ``--reuse-port`` lets several processes serve one port (the scale-out benchmark on many cores),
 ``--uvloop`` runs it on uvloop. Run::
 
-    .venv/bin/python benchmarks/_fixed_latency_backend.py --port 8100 --tokens 84,104,101,258
+    .venv/bin/python benchmarks/harness/fixed_latency_backend.py --port 8100 --tokens 84,104,101,258
 """
 
 from __future__ import annotations
@@ -271,7 +271,7 @@ class HTTPConnection(asyncio.Protocol):
 
     def _chat(self, body: bytes, close: bool) -> None:
         """``POST /v1/chat/completions``, not streamed (for a proxy in front of this backend,
-        as LiteLLM in ``benchmarks/_litellm.py``): the same text after the same delay."""
+        as LiteLLM in ``benchmarks/litellm_compare.py``): the same text after the same delay."""
         try:
             request = json.loads(body)
             if request.get("stream"):

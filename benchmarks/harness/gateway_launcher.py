@@ -22,7 +22,7 @@
 
 Usage::
 
-    python benchmarks/_gateway_launcher.py [--gc-log F] [--gc-freeze] [--profile F]
+    python benchmarks/harness/gateway_launcher.py [--gc-log F] [--gc-freeze] [--profile F]
         [--source-tree DIR] -- gateway --flags...
 """
 

@@ -1,59 +1,58 @@
-"""``gateway_overhead.py --api-surfaces``: the gateway's CPU per request on each API surface.
+"""Benchmark: the gateway's CPU per request on each API surface (also
+``gateway_overhead.py --api-surfaces``).
 
 Issue 17: the same Claude-Code-shaped session sent as Chat Completions, as Anthropic Messages
 and as OpenAI Responses; the gateway's CPU per request on each, set beside Chat Completions'
 (target: within 1.2x). What is sent, measured and checked is described in the docstring of
 ``gateway_overhead.py`` ("Per-API CPU: --api-surfaces"); the processes (backend, gateway,
-nats-server), the CPU meter, the profiler and the closing JSON line are that script's.
+nats-server), the CPU meter, the request bodies per API (``harness.surfaces``), the profiler and
+the closing JSON line come from ``harness``.
 """
 
 from __future__ import annotations
 
-import abc
 import argparse
 import asyncio
 import contextlib
 import gc
 import json
-import os
-import signal
 import statistics
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import gateway_overhead as overhead
+import harness
 import httpx
-from _common import banner, finish, say
+from harness import (
+    MAX_TOKENS,
+    REPLY_TEXT,
+    SURFACES,
+    Reply,
+    Surface,
+    banner,
+    claude_code_shape,
+    dumps,
+    finish,
+    fixed_latency_stack,
+    run_gateway_mode,
+    say,
+    tool_output,
+)
+from harness.surfaces import SYSTEM_CHARS
 
-from eventlog import NatsServer, connect, free_port, read_session
+from eventlog import read_session
 
 JSON = dict[str, Any]
 
 APIS = ("chat", "messages", "responses")
 RECORDED_API = {"chat": "chat.completions", "messages": "messages", "responses": "responses"}
-FIXTURE = overhead.REPO / "tests" / "fixtures" / "agents" / "claude_code" / "request_1.json"
 TURNS = 20  # requests per session
-SYSTEM_CHARS = 17_000  # Claude Code's system text: its system blocks + its environment message
-MAX_TOKENS = 64_000  # what Claude Code asks for; the gateway lowers it to the context's room
 MAX_CONTEXT = 262_144  # byte-level tokenizer: a 20-turn session is ~90k tokens
-CALL_NAME, CALL_ARGUMENTS = "Bash", {"command": "ls"}
-# Every reply is this tool call, so every next request carries a tool result.
-REPLY_TEXT = (
-    f'<tool_call>\n{{"name": "{CALL_NAME}", "arguments": {json.dumps(CALL_ARGUMENTS)}}}\n'
-    "</tool_call>"
-)
 TARGET_RATIO = 1.2
 WARMUP_TURNS = 3
-
-
-def tool_output(turn: int) -> str:
-    """What ``ls`` printed (~300 characters), a little different each turn."""
-    names = [f"module_{turn:02d}_{i}.py" for i in range(17)]
-    return f"total {4 * len(names)}\n" + "\n".join(["README.md", "pyproject.toml", *names]) + "\n"
 
 
 @dataclass(frozen=True)
@@ -63,251 +62,6 @@ class SurfacePlan:
     rounds: int  # even: the API order is reversed in every other round
     sessions_per_worker: int  # each of c workers runs this many whole sessions per phase
     variants: tuple[tuple[int, bool], ...]
-
-
-# -- the session --------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ClaudeCodeShape:
-    """What every API sends, from Claude Code's first captured request."""
-
-    system: tuple[str, ...]  # text blocks, SYSTEM_CHARS together
-    tools: tuple[JSON, ...]  # {name, description, input_schema}
-    user: tuple[str, ...]  # the first user message's text blocks
-
-
-def claude_code_shape() -> ClaudeCodeShape:
-    """Its ``system`` blocks and its environment message (``role: system`` inside
-    ``messages``) as one system text, padded to SYSTEM_CHARS with its own text; its 12 tools
-    (~32 KB) and the same again as ``mcp__mirror__<name>`` (~64 KB); its first user message."""
-    body = json.loads(FIXTURE.read_text())["body"]
-    blocks = [b["text"] for b in body["system"]]
-    user, environment = body["messages"][0], body["messages"][1]
-    assert environment["role"] == "system", "request_1.json: messages[1] is the environment"
-    blocks += [b["text"] for b in environment["content"]]
-    missing = SYSTEM_CHARS - sum(len(b) for b in blocks)
-    longest = max(blocks, key=len)
-    if missing > 0:
-        blocks.append((longest * (missing // len(longest) + 1))[:missing])
-    else:
-        blocks[-1] = blocks[-1][: len(blocks[-1]) + missing]
-    tools = [
-        {"name": t["name"], "description": t["description"], "input_schema": t["input_schema"]}
-        for t in body["tools"]
-    ]
-    tools += [{**t, "name": f"mcp__mirror__{t['name']}"} for t in tools]
-    return ClaudeCodeShape(
-        system=tuple(blocks),
-        tools=tuple(tools),
-        user=tuple(b["text"] for b in user["content"]),
-    )
-
-
-def dumps(value: Any) -> bytes:
-    return json.dumps(value, separators=(",", ":")).encode()
-
-
-def body_head(fields: JSON, history: str) -> bytes:
-    """A request body up to its history list (``{...,"<history>":``), which follows."""
-    return dumps({**fields, history: []})[: -len(b"[]}")]
-
-
-def function(tool: JSON) -> JSON:
-    """A Messages tool as the OpenAI APIs' function definition."""
-    return {
-        "name": tool["name"],
-        "description": tool["description"],
-        "parameters": tool["input_schema"],
-    }
-
-
-@dataclass
-class Reply:
-    """An answer: what the client sends back of it, and the tool call's id."""
-
-    echo: list[JSON]
-    call_id: str
-
-
-class Surface(abc.ABC):
-    """One API: the body of a request, the reply read back (from JSON or SSE events) and
-    checked to be the tool call, and the history items a turn appends."""
-
-    name: str
-    path: str
-
-    def __init__(self, shape: ClaudeCodeShape, model: str) -> None:
-        self.shape = shape
-        self.model = model
-
-    @abc.abstractmethod
-    def head(self, stream: bool) -> bytes:
-        """The body up to the history list (``...,"messages":``); the history follows."""
-
-    @abc.abstractmethod
-    def opening(self) -> list[JSON]:
-        """The history's first items (before any reply)."""
-
-    @abc.abstractmethod
-    def reply(self, answer: JSON) -> Reply:
-        """The non-streamed answer's tool call (or an error)."""
-
-    @abc.abstractmethod
-    def streamed_reply(self, events: list[tuple[str | None, JSON]]) -> Reply:
-        """The same from the SSE events (``event:`` name or None, ``data:`` object)."""
-
-    @abc.abstractmethod
-    def tool_result(self, call_id: str, output: str) -> list[JSON]:
-        """The history items carrying the tool's output."""
-
-    def fail(self, what: str, answer: object) -> RuntimeError:
-        return RuntimeError(f"{self.name}: {what}: {json.dumps(answer)[:600]}")
-
-    def checked_call(self, name: object, arguments: object, answer: object) -> None:
-        if isinstance(arguments, str):
-            arguments = json.loads(arguments)
-        if name != CALL_NAME or arguments != CALL_ARGUMENTS:
-            raise self.fail(f"expected the tool call {CALL_NAME}({CALL_ARGUMENTS})", answer)
-
-
-class ChatSurface(Surface):
-    """System and user messages as text parts, function tools, ``max_tokens``."""
-
-    name, path = "chat", "/v1/chat/completions"
-
-    def head(self, stream: bool) -> bytes:
-        tools = [{"type": "function", "function": function(t)} for t in self.shape.tools]
-        fields = {"model": self.model, "max_tokens": MAX_TOKENS, "stream": stream, "tools": tools}
-        return body_head(fields, "messages")
-
-    def opening(self) -> list[JSON]:
-        return [
-            {"role": "system", "content": [{"type": "text", "text": t} for t in self.shape.system]},
-            {"role": "user", "content": [{"type": "text", "text": t} for t in self.shape.user]},
-        ]
-
-    def reply(self, answer: JSON) -> Reply:
-        choice = answer["choices"][0]
-        message = choice["message"]
-        calls = message.get("tool_calls") or []
-        if choice["finish_reason"] != "tool_calls" or len(calls) != 1:
-            raise self.fail("expected one tool call", answer)
-        self.checked_call(calls[0]["function"]["name"], calls[0]["function"]["arguments"], answer)
-        echo = {"role": "assistant", "content": message.get("content"), "tool_calls": calls}
-        return Reply([echo], calls[0]["id"])
-
-    def streamed_reply(self, events: list[tuple[str | None, JSON]]) -> Reply:
-        content, finish, calls = "", None, {}
-        for _, chunk in events:
-            for choice in chunk["choices"]:
-                delta = choice["delta"]
-                content += delta.get("content") or ""
-                for part in delta.get("tool_calls") or ():
-                    call = calls.setdefault(
-                        part["index"],
-                        {"id": "", "type": "function", "function": {"name": "", "arguments": ""}},
-                    )
-                    call["id"] += part.get("id") or ""
-                    function = part.get("function") or {}
-                    call["function"]["name"] += function.get("name") or ""
-                    call["function"]["arguments"] += function.get("arguments") or ""
-                finish = choice.get("finish_reason") or finish
-        message = {"content": content or None, "tool_calls": [calls[i] for i in sorted(calls)]}
-        return self.reply({"choices": [{"message": message, "finish_reason": finish}]})
-
-    def tool_result(self, call_id: str, output: str) -> list[JSON]:
-        return [{"role": "tool", "tool_call_id": call_id, "content": output}]
-
-
-class MessagesSurface(Surface):
-    """``system`` as text blocks, tools ``{name, description, input_schema}``, ``max_tokens``,
-    the reply echoed as its content blocks, tool results as ``tool_result`` blocks."""
-
-    name, path = "messages", "/v1/messages"
-
-    def head(self, stream: bool) -> bytes:
-        system = [{"type": "text", "text": t} for t in self.shape.system]
-        fields = {"model": self.model, "max_tokens": MAX_TOKENS, "stream": stream}
-        return body_head({**fields, "system": system, "tools": self.shape.tools}, "messages")
-
-    def opening(self) -> list[JSON]:
-        return [{"role": "user", "content": [{"type": "text", "text": t} for t in self.shape.user]}]
-
-    def reply(self, answer: JSON) -> Reply:
-        uses = [b for b in answer["content"] if b["type"] == "tool_use"]
-        if answer["stop_reason"] != "tool_use" or len(uses) != 1:
-            raise self.fail("expected one tool_use block", answer)
-        self.checked_call(uses[0]["name"], uses[0]["input"], answer)
-        return Reply([{"role": "assistant", "content": answer["content"]}], uses[0]["id"])
-
-    def streamed_reply(self, events: list[tuple[str | None, JSON]]) -> Reply:
-        """The message as the ``anthropic`` SDK accumulates it from the events."""
-        blocks: list[JSON] = []
-        partial: dict[int, str] = {}
-        stop = None
-        for name, data in events:
-            if name == "content_block_start":
-                blocks.append(dict(data["content_block"]))
-            elif name == "content_block_delta":
-                delta, index = data["delta"], data["index"]
-                if delta["type"] == "text_delta":
-                    blocks[index]["text"] += delta["text"]
-                elif delta["type"] == "input_json_delta":
-                    partial[index] = partial.get(index, "") + delta["partial_json"]
-            elif name == "message_delta":
-                stop = data["delta"].get("stop_reason")
-            elif name == "error":
-                raise self.fail("error event", data)
-        for index, text in partial.items():
-            blocks[index]["input"] = json.loads(text) if text else {}
-        return self.reply({"content": blocks, "stop_reason": stop})
-
-    def tool_result(self, call_id: str, output: str) -> list[JSON]:
-        block = {"type": "tool_result", "tool_use_id": call_id, "content": output}
-        return [{"role": "user", "content": [block]}]
-
-
-class ResponsesSurface(Surface):
-    """``input`` items (a system message first), flat function tools, ``max_output_tokens``,
-    the output items echoed, tool results as ``function_call_output`` items."""
-
-    name, path = "responses", "/v1/responses"
-
-    def head(self, stream: bool) -> bytes:
-        tools = [{"type": "function", **function(t)} for t in self.shape.tools]
-        fields = {"model": self.model, "max_output_tokens": MAX_TOKENS, "stream": stream}
-        return body_head({**fields, "tools": tools}, "input")
-
-    def opening(self) -> list[JSON]:
-        def message(role: str, texts: tuple[str, ...]) -> JSON:
-            parts = [{"type": "input_text", "text": t} for t in texts]
-            return {"type": "message", "role": role, "content": parts}
-
-        return [message("system", self.shape.system), message("user", self.shape.user)]
-
-    def reply(self, answer: JSON) -> Reply:
-        calls = [item for item in answer["output"] if item["type"] == "function_call"]
-        if answer.get("status") != "completed" or len(calls) != 1:
-            raise self.fail("expected one function_call item", answer)
-        self.checked_call(calls[0]["name"], calls[0]["arguments"], answer)
-        return Reply(list(answer["output"]), calls[0]["call_id"])
-
-    def streamed_reply(self, events: list[tuple[str | None, JSON]]) -> Reply:
-        for name, data in events:
-            if name == "response.completed":
-                return self.reply(data["response"])
-        raise self.fail("no response.completed event", [name for name, _ in events])
-
-    def tool_result(self, call_id: str, output: str) -> list[JSON]:
-        return [{"type": "function_call_output", "call_id": call_id, "output": output}]
-
-
-SURFACES: dict[str, type[Surface]] = {
-    "chat": ChatSurface,
-    "messages": MessagesSurface,
-    "responses": ResponsesSurface,
-}
 
 
 # -- load -----------------------------------------------------------------------------------
@@ -410,7 +164,7 @@ async def run_sessions(
     stream: bool,
     sessions_per_worker: int,
     tag: str,
-    procs: overhead.Procs,
+    procs: harness.Procs,
     on_edge: Callable[[], None] | None,
 ) -> tuple[list[float], int, float, dict[str, float]]:
     """``c`` closed-loop workers, each running ``sessions_per_worker`` whole sessions: every
@@ -457,7 +211,7 @@ async def check_sessions(js: Any, sent: SentSessions) -> dict[str, Any]:
 
     sessions: dict[str, JSON] = {}
     for sid, n in sent.requests.items():
-        events = await read_session(js, overhead.RUN, sid, stream=overhead.STREAM)
+        events = await read_session(js, harness.RUN, sid, stream=harness.STREAM)
         opened = [e for e in events if isinstance(e, SessionOpened)]
         turns = sorted((e for e in events if isinstance(e, TurnCompleted)), key=lambda e: e.turn)
         where = f"session {sid} ({sent.api[sid]}, {n} requests answered)"
@@ -541,93 +295,6 @@ def compare_canonical(sessions: dict[str, JSON]) -> dict[str, bool]:
 # -- the run --------------------------------------------------------------------------------
 
 
-def reply_ids(model_dir: Path) -> list[int]:
-    """The tool call's tokens and the end of turn, as the tiny model's tokenizer makes them."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return [*tokenizer.encode(REPLY_TEXT, add_special_tokens=False), int(tokenizer.eos_token_id)]
-
-
-@dataclass
-class BenchStack:
-    """The processes a gateway benchmark runs against, up and healthy."""
-
-    model_dir: Path
-    gateway_url: str
-    procs: overhead.Procs
-    js: Any  # a JetStream context on the stack's nats-server
-
-
-@contextlib.asynccontextmanager
-async def fixed_latency_stack(
-    args: argparse.Namespace,
-    tmp: Path,
-    max_context: int,
-    name: str,
-    *,
-    model_dir: Path | None = None,
-    completion: list[int] | None = None,
-    source_tree: Path | None = None,
-) -> AsyncIterator[BenchStack]:
-    """nats-server, the fixed-latency backend (its reply: ``completion``, by default the Bash
-    tool call) and a gateway serving ``model_dir`` (default: the tiny model), all with
-    ``max_context``; the logs' tails are printed when the body fails. ``source_tree``: the
-    checkout whose code the gateway runs (``_gateway_launcher.py --source-tree``)."""
-    from gateway.model import ensure_tiny_model
-
-    t0 = time.perf_counter()
-    model_dir = model_dir or ensure_tiny_model(Path(args.model_cache))
-    completion = completion or reply_ids(model_dir)
-    conv = overhead.Conversation([], [], (completion[-1],), completion, len(completion))
-    say(f"tiny model ready in {time.perf_counter() - t0:.1f} s; reply: {len(completion)} tokens")
-    log_dir = tmp / "logs"
-    log_dir.mkdir()
-    nats = NatsServer(tmp / "nats").start()
-    backend_port, gateway_port = free_port(), free_port()
-    backend_url = f"http://127.0.0.1:{backend_port}"
-    gateway_url = f"http://127.0.0.1:{gateway_port}"
-    backend_cmd = overhead.backend_command(args, backend_port, conv, model_dir.name)
-    backend = overhead.spawn(
-        [*backend_cmd, "--max-model-len", str(max_context)], log_dir / "backend.log", os.environ
-    )
-    gateway_cmd = overhead.gateway_command(
-        args,
-        model_dir,
-        nats.url,
-        backend_url,
-        gateway_port,
-        tmp / "data",
-        tmp / "gc.json",
-        source_tree,
-    )
-    gateway_cmd[gateway_cmd.index("--max-context") + 1] = str(max_context)
-    gateway: Any = None
-    nc = None
-    try:
-        await overhead.wait_http(f"{backend_url}/health", backend, "fixed-latency backend", 30)
-        gateway = overhead.spawn(gateway_cmd, log_dir / "gateway.log", overhead.gateway_env(args))
-        procs = overhead.Procs(backend, gateway, nats)
-        await overhead.wait_http(f"{gateway_url}/health", gateway, "gateway", 120)
-        say(
-            f"backend (pid {backend.pid}), gateway (pid {gateway.pid}), nats-server "
-            f"(pid {nats.pid}) up in {time.perf_counter() - t0:.1f} s"
-        )
-        nc = await connect(nats.url, name=name)
-        yield BenchStack(model_dir, gateway_url, procs, nc.jetstream())
-    except BaseException:
-        for log_file in sorted(log_dir.iterdir()):
-            say(f"--- {log_file.name} (tail) ---\n{log_file.read_text(errors='replace')[-4000:]}")
-        raise
-    finally:
-        if nc is not None:
-            await nc.close()
-        if gateway is not None:
-            overhead.stop_process(gateway, signal.SIGINT, 60 if args.profile_gateway else 20)
-        overhead.stop_process(backend, signal.SIGTERM)
-        nats.stop()
-
-
 async def bench(args: argparse.Namespace, plan: SurfacePlan, apis: list[str], tmp: Path) -> JSON:
     shape = claude_code_shape()
     say(
@@ -674,7 +341,7 @@ async def run_rounds(
     apis: list[str],
     loads: dict[str, SessionLoad],
     clients: list[httpx.AsyncClient],
-    procs: overhead.Procs,
+    procs: harness.Procs,
     js: Any,
 ) -> list[SurfacePhase]:
     say(
@@ -689,7 +356,7 @@ async def run_rounds(
             line = []
             for api in order:
                 tag = f"c{c}{'s' if stream else 'n'}r{rnd}"
-                before = await overhead.stream_messages(js)
+                before = await harness.stream_messages(js)
                 # Profiled: every phase of the odd rounds; the even rounds give unprofiled CPU.
                 profiled = args.profile_gateway and rnd % 2 == 1
                 edge = procs.toggle_profile if profiled else None
@@ -707,7 +374,7 @@ async def run_rounds(
                 phase = SurfacePhase(
                     api, c, stream, rnd, samples, len(samples), sessions, wall, cpu
                 )
-                grown = await overhead.stream_messages(js) - before
+                grown = await harness.stream_messages(js) - before
                 if grown != phase.requests + phase.sessions:
                     raise RuntimeError(
                         f"{api} c={c} stream={stream} round {rnd}: EVENTS grew by {grown}; "
@@ -716,7 +383,7 @@ async def run_rounds(
                 phases.append(phase)
                 line.append(
                     f"{api} {phase.cpu_ms_per_request():6.2f} ms CPU/req, "
-                    f"p50 {overhead.pct(samples, 50) * 1000:6.1f} ms"
+                    f"p50 {harness.pct(samples, 50) * 1000:6.1f} ms"
                 )
             say(
                 f"  round {rnd + 1}/{plan.rounds} c={c} "
@@ -768,8 +435,8 @@ def report(phases: list[SurfacePhase], plan: SurfacePlan, apis: list[str]) -> JS
                 ),
                 "round_ratios_vs_chat": [round(r, 3) for r in ratios] if ratios else None,
                 "round_cpu_ms_per_request": [round(p.cpu_ms_per_request(), 3) for p in ps],
-                "p50_ms": round(overhead.pct(latencies, 50), 2),
-                "p90_ms": round(overhead.pct(latencies, 90), 2),
+                "p50_ms": round(harness.pct(latencies, 50), 2),
+                "p90_ms": round(harness.pct(latencies, 90), 2),
                 "requests": requests,
                 "requests_per_s": round(requests / sum(p.wall_s for p in ps), 1),
                 "cpu_ms_per_request_other": {
@@ -815,7 +482,7 @@ async def api_surfaces_main(parser: argparse.ArgumentParser, args: argparse.Name
     if args.max_inflight_per_replica is None:
         args.max_inflight_per_replica = max(c for c, _ in plan.variants)
     started = time.perf_counter()
-    info = overhead.machine_info()
+    info = harness.gateway_machine_info()
     banner("gateway CPU per API surface", args.quick, info)
     say(
         f"APIs: {', '.join(apis)}; Claude-Code-shaped sessions of {TURNS} turns, every reply a "
@@ -832,7 +499,7 @@ async def api_surfaces_main(parser: argparse.ArgumentParser, args: argparse.Name
         plain = [p for p in phases if p.round % 2 == 0]
         cpu_ms = 1000 * sum(p.cpu_s["gateway"] for p in plain) / sum(p.requests for p in plain)
         profiled = sum(p.requests for p in phases if p.round % 2 == 1)
-        profile = overhead.print_profile(args.profile_gateway, args.profile_top, profiled, cpu_ms)
+        profile = harness.print_profile(args.profile_gateway, args.profile_top, profiled, cpu_ms)
     ratios = {
         f"{r['api']}_c{r['concurrency']}{'_stream' if r['streamed'] else ''}": r["ratio_vs_chat"]
         for r in out["rows"]
@@ -879,3 +546,7 @@ async def api_surfaces_main(parser: argparse.ArgumentParser, args: argparse.Name
         **({"gateway_profile": profile} if profile else {}),
     }
     finish(figures, quick=args.quick, duration_s=time.perf_counter() - started, info=info)
+
+
+if __name__ == "__main__":
+    run_gateway_mode(__doc__, api_surfaces_main, api_surfaces="chat,messages,responses")

@@ -1,6 +1,6 @@
-"""``gateway_overhead.py --litellm`` (also part of the default run): the gateway's CPU per
-request against LiteLLM's, the proxy a user would otherwise put in front of vLLM (issue 16
-point 2).
+"""Benchmark: the gateway's CPU per request against LiteLLM's, the proxy a user would otherwise
+put in front of vLLM, issue 16 point 2 (also ``gateway_overhead.py --litellm``, and part of its
+default run).
 
 LiteLLM proxy 1.106.2 (``litellm[proxy]``) is installed once in its own venv under the deploy
 cache (``${TURNSTREAM_DEPLOY_CACHE:-~/.cache/turnstream/deploy}/litellm-1.106.2``; pip from
@@ -46,10 +46,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import gateway_overhead as overhead
+import harness
 import httpx
-from _api_surfaces import fixed_latency_stack
-from _common import banner, finish, say
+from harness import banner, finish, fixed_latency_stack, run_gateway_mode, say
+from harness.phases import FULL, QUICK
 
 from eventlog import free_port
 
@@ -72,8 +72,8 @@ JSON = dict[str, Any]
 def ensure_litellm() -> Path:
     """The ``litellm`` command of a venv holding ``litellm[proxy]==LITELLM_VERSION``, made once
     (under a lock: benchmarks may run side by side)."""
-    if str(overhead.REPO) not in sys.path:  # tests are no package of the install
-        sys.path.insert(0, str(overhead.REPO))
+    if str(harness.REPO) not in sys.path:  # tests are no package of the install
+        sys.path.insert(0, str(harness.REPO))
     from tests.deploy.cache import cache_dir
 
     root = cache_dir(f"litellm-{LITELLM_VERSION}")
@@ -148,28 +148,28 @@ def litellm_proxy(
     log_config.write_text(json.dumps(_LOGGING))
     cmd = [str(command), "--config", str(config), "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--num_workers", "1", "--log_config", str(log_config)]
-    proc = overhead.spawn(cmd, workdir / "litellm.log", env)
+    proc = harness.spawn(cmd, workdir / "litellm.log", env)
     try:
         yield proc
     finally:
-        overhead.stop_process(proc, signal.SIGTERM)
+        harness.stop_process(proc, signal.SIGTERM)
 
 
 async def measure_litellm(args: argparse.Namespace, tmp: Path) -> JSON:
     """The gateway and LiteLLM phases, alternating; returns the figures (``args.quick``: fewer,
     shorter rounds)."""
-    plan = overhead.QUICK if args.quick else overhead.FULL
+    plan = QUICK if args.quick else FULL
     if args.rounds is not None or args.measure_s is not None:
-        plan = overhead.Plan(
+        plan = harness.Plan(
             plan.warmup_s, args.measure_s or plan.measure_s, args.rounds or plan.rounds
         )
     ensure_litellm()  # before the stack starts: the first install takes minutes
     from gateway.model import ensure_tiny_model
 
     model_dir = ensure_tiny_model(Path(args.model_cache))
-    conv = overhead.build_conversation(model_dir, args.turns_per_session, "fixed-latency")
+    conv = harness.build_conversation(model_dir, args.turns_per_session, "fixed-latency")
     assert conv.completion_ids is not None
-    phases: list[overhead.Phase] = []
+    phases: list[harness.Phase] = []
     async with fixed_latency_stack(
         args, tmp, 4096, "litellm-bench", model_dir=model_dir, completion=conv.completion_ids
     ) as stack:
@@ -179,7 +179,7 @@ async def measure_litellm(args: argparse.Namespace, tmp: Path) -> JSON:
         litellm_url = f"http://127.0.0.1:{port}"
         t0 = time.perf_counter()
         with litellm_proxy(model_dir.name, backend_url, port, tmp) as proc:
-            await overhead.wait_http(f"{litellm_url}/health/liveliness", proc, "litellm", 180)
+            await harness.wait_http(f"{litellm_url}/health/liveliness", proc, "litellm", 180)
             say(
                 f"litellm {LITELLM_VERSION} (pid {proc.pid}) up in {time.perf_counter() - t0:.1f} s"
             )
@@ -187,11 +187,11 @@ async def measure_litellm(args: argparse.Namespace, tmp: Path) -> JSON:
             limits = httpx.Limits(max_connections=CONCURRENCY + 2)
             async with httpx.AsyncClient(limits=limits, timeout=60.0) as client:
                 clients = [client]
-                paths: dict[str, overhead.LoadPath] = {
-                    "gateway": overhead.Gateway(
+                paths: dict[str, harness.LoadPath] = {
+                    "gateway": harness.Gateway(
                         clients, CONCURRENCY, stack.gateway_url, model_dir.name, conv
                     ),
-                    "litellm": overhead.Gateway(
+                    "litellm": harness.Gateway(
                         clients,
                         CONCURRENCY,
                         litellm_url,
@@ -202,20 +202,20 @@ async def measure_litellm(args: argparse.Namespace, tmp: Path) -> JSON:
                     ),
                 }
                 for load in paths.values():  # connections, lazy imports, a first session
-                    load.counts = overhead.PhaseCounts()
+                    load.counts = harness.PhaseCounts()
                     await load.worker(0, "first")()
                 for rnd in range(plan.rounds):
                     order = ("gateway", "litellm") if rnd % 2 == 0 else ("litellm", "gateway")
                     line = []
                     for name in order:
                         tag = f"lt-c{CONCURRENCY}r{rnd}"
-                        phase = await overhead.run_phase(
+                        phase = await harness.run_phase(
                             paths[name], CONCURRENCY, plan, tag, meter, rnd
                         )
                         phases.append(phase)
                         line.append(
                             f"{name} {phase.throughput:>6,.0f} req/s p50 "
-                            f"{overhead.pct(phase.latencies_s, 50) * 1000:6.2f} ms, "
+                            f"{harness.pct(phase.latencies_s, 50) * 1000:6.2f} ms, "
                             f"{_cpu_ms(phase, name):.3f} ms CPU/req"
                         )
                     say(f"  c={CONCURRENCY} round {rnd + 1}/{plan.rounds}: " + " | ".join(line))
@@ -225,18 +225,18 @@ async def measure_litellm(args: argparse.Namespace, tmp: Path) -> JSON:
 class _Meter:
     """CPU seconds of the stack's processes and of LiteLLM's process tree."""
 
-    def __init__(self, procs: overhead.Procs, litellm_pid: int) -> None:
+    def __init__(self, procs: harness.Procs, litellm_pid: int) -> None:
         self.procs, self.litellm_pid = procs, litellm_pid
 
     def cpu(self) -> dict[str, float]:
-        return {**self.procs.cpu(), "litellm": overhead.tree_cpu_seconds(self.litellm_pid)}
+        return {**self.procs.cpu(), "litellm": harness.tree_cpu_seconds(self.litellm_pid)}
 
 
-def _cpu_ms(phase: overhead.Phase, name: str) -> float:
+def _cpu_ms(phase: harness.Phase, name: str) -> float:
     return 1000 * phase.cpu_s[name] / max(phase.requests, 1)
 
 
-def litellm_figures(phases: list[overhead.Phase]) -> JSON:
+def litellm_figures(phases: list[harness.Phase]) -> JSON:
     """The issue's keys from the alternating phases: CPU per request pooled over each path's
     phases, their ratio as the median of the per-round ratios, latency percentiles."""
     c = CONCURRENCY
@@ -257,7 +257,7 @@ def litellm_figures(phases: list[overhead.Phase]) -> JSON:
     for name, ps in by.items():
         latencies = [x for p in ps for x in p.latencies_s]
         for q in (50, 99):  # None: no request both started and ended inside a window
-            ms = round(overhead.pct(latencies, q) * 1000, 2) if latencies else None
+            ms = round(harness.pct(latencies, q) * 1000, 2) if latencies else None
             out[f"{name}_p{q}_ms_c{c}"] = ms
         window = sum(p.window_s for p in ps)
         out[f"{name}_throughput_rps_c{c}"] = round(
@@ -273,7 +273,7 @@ async def litellm_main(parser: argparse.ArgumentParser, args: argparse.Namespace
     started = time.perf_counter()
     if args.max_inflight_per_replica is None:
         args.max_inflight_per_replica = CONCURRENCY
-    info = overhead.machine_info()
+    info = harness.gateway_machine_info()
     banner("gateway vs LiteLLM", args.quick, info)
     with tempfile.TemporaryDirectory(prefix="ts-gwlt-", dir=args.store_dir) as tmp:
         figures = await measure_litellm(args, Path(tmp))
@@ -287,4 +287,4 @@ async def litellm_main(parser: argparse.ArgumentParser, args: argparse.Namespace
 
 
 if __name__ == "__main__":
-    sys.exit("run it through benchmarks/gateway_overhead.py --litellm")
+    run_gateway_mode(__doc__, litellm_main)
