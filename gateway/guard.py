@@ -117,6 +117,9 @@ def decode_json(body: bytes, max_depth: int) -> Any:
     except RecursionError as exc:
         raise InvalidRequest(f"the JSON body is nested deeper than {max_depth} levels") from exc
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        # msgspec >= 0.23 reports invalid UTF-8 as a DecodeError (before: UnicodeDecodeError).
+        if "UTF-8" in str(exc):
+            raise InvalidRequest(f"the body is not valid UTF-8: {exc}") from exc
         # msgspec reports a lone surrogate escape (\ud800) as truncated input.
         raise InvalidRequest(
             f"the body is not valid JSON ({exc}); strings must be valid Unicode "
