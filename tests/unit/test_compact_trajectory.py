@@ -19,8 +19,9 @@ from hypothesis.extra import numpy as hnp
 
 from schemas.codec import Codec
 from schemas.errors import UndecodableEvent
-from schemas.events import CompactTrajectory, TrajectoryReady, span_positions
+from schemas.events import CompactTrajectory, TrajectoryReady
 from schemas.shards import rows_to_table, shard_row, table_to_trajectories
+from schemas.spans import span_positions
 
 CODEC = Codec()
 PROPERTY = settings(max_examples=150, deadline=None)
