@@ -86,12 +86,13 @@ def token_arrays(
     """The per-token loss mask, logprobs and versions (int8, float32, int32) of ``n`` tokens
     whose generated ones are ``spans`` (start, end pairs; the spans of several samples laid end
     to end, each shifted by where its sample starts, give the arrays of all at once)."""
-    mask = np.zeros(n, dtype=np.int8)
-    logprobs = np.zeros(n, dtype=np.float32)
-    versions = np.full(n, -1, dtype=np.int32)
-    starts, ends = spans[0::2], spans[1::2]
+    pairs = spans.astype(np.int64).reshape(-1, 2)
+    starts, ends = pairs[:, 0].copy(), pairs[:, 1].copy()
     at = span_positions(starts, ends)
+    mask = np.zeros(n, dtype=np.int8)
     mask[at] = 1
+    logprobs = np.zeros(n, dtype=np.float32)
     logprobs[at] = gen_logprobs
-    versions[at] = np.repeat(span_versions, ends.astype(np.int64) - starts)
+    versions = np.full(n, -1, dtype=np.int32)
+    versions[at] = np.repeat(span_versions, ends - starts)
     return mask, logprobs, versions
