@@ -1,58 +1,42 @@
-"""Rebuilding a session's prompts from their deltas, its chains, and the token arrays of a sample.
+"""Rebuilding a session's turns from their deltas, its chains, and the token spans of a sample.
 
 Private to the fold: ``consumers.fold`` decides which turns are folded and what the samples are
 worth; this module does the token arithmetic, with numpy and no per-token Python loop.
 
 A session is a tree (DESIGN §5): each turn's delta is taken against its parent turn
-(``TurnCompleted.parent``; -1: none, an empty context). A turn's full context (its full prompt +
-its completion) is kept as array chunks linked to its parent's (``Linked``), not one array: in
-an append-only chain every prompt is "all of the parent's context + new tokens", so linking
-chunks rebuilds n turns in O(total tokens) time and memory instead of O(n * context length), and
-holds O(n) chunks, not a copy of every ancestor's per turn. The chunks are only joined where a
-delta cuts into its parent's context, and once per sample. A turn's conversation is linked to
-its parent's the same way.
+(``TurnCompleted.parent``; -1: none, an empty context), and decoded by ``schemas.delta``, the
+gateway's decoder, on contexts held as array chunks linked to the parent's (``Context``): in an
+append-only chain every prompt is "all of the parent's context + new tokens", so n turns are
+rebuilt in O(total tokens) time and memory instead of O(n * context length), holding O(n)
+chunks. The chunks are only joined where a delta cuts into its parent's context, and once per
+sample. A turn's conversation is linked to its parent's the same way.
+
+A sample comes out as the wire form stores it (``SampleSpans``: its ids once, the generated
+tokens as spans of one weight version each, their logprobs), straight from the turns'
+boundaries: no per-token mask is made to be scanned back into spans.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from dataclasses import dataclass
 
 import numpy as np
 
 from consumers.errors import FoldError
-from schemas.delta import common_prefix_len
-from schemas.events import JSON, Float32Array, Int8Array, Int32Array, TurnCompleted
+from schemas.delta import (
+    EMPTY_CONTEXT,
+    Context,
+    Linked,
+    common_prefix_len,
+    decode_context,
+    decode_conversation,
+)
+from schemas.events import JSON, Float32Array, Int32Array, TurnCompleted
+from schemas.spans import merge_spans
 
-_NO_TOKENS: Int32Array = np.empty(0, dtype=np.int32)
 _INT32_MIN, _INT32_MAX = int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).max)
-_T = TypeVar("_T")
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class Linked(Generic[_T]):
-    """A sequence as its own ``parts`` after those of the sequence it extends, which it shares:
-    extending one copies nothing, so n turns that each extend their parent hold O(n) parts.
-    Compared by identity (equality or a repr would walk every ancestor)."""
-
-    before: Linked[_T] | None = field(repr=False)
-    parts: tuple[_T, ...]
-    size: int = field(init=False)
-    """How many parts, the ancestors' included."""
-
-    def __post_init__(self) -> None:
-        inherited = self.before.size if self.before is not None else 0
-        object.__setattr__(self, "size", inherited + len(self.parts))
-
-    def all(self) -> list[_T]:
-        """Every part, the ancestors' first."""
-        links: list[Linked[_T]] = []
-        link: Linked[_T] | None = self
-        while link is not None:
-            links.append(link)
-            link = link.before
-        return [part for link in reversed(links) for part in link.parts]
+_NO_MESSAGES: Linked[JSON] = Linked(None, ())
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,18 +44,13 @@ class RebuiltTurn:
     """One turn with its delta decoded against its parent."""
 
     event: TurnCompleted
-    context: Linked[Int32Array]  # chunks of full prompt + completion
+    context: Context  # its full prompt + completion
     prompt_len: int  # tokens in the full prompt
     appended: int  # prompt tokens after the parent's full context (when ``extends``)
     extends: bool  # the full prompt starts with the parent's whole full context
     shared: int  # leading tokens of the full prompt equal to the parent's full context
     first_generated: int | None  # where the first token any turn generated lies in ``context``
-    messages: Linked[JSON]  # the messages the model answered, before its own reply
-
-    @property
-    def conversation(self) -> list[JSON]:
-        """The messages the model answered, before its own reply."""
-        return self.messages.all()
+    conversation: Linked[JSON]  # the messages the model answered and its own reply
 
     @property
     def inside_generated(self) -> bool:
@@ -90,16 +69,14 @@ class Chains:
 
 
 @dataclass(frozen=True, slots=True)
-class SampleArrays:
+class SampleSpans:
+    """A sample's tokens in ``CompactTrajectory``'s terms."""
+
     input_ids: Int32Array
-    loss_mask: Int8Array
-    logprobs: Float32Array
-    versions: Int32Array
+    spans: Int32Array  # (start, end) of each maximal run of generated tokens of one version
+    span_versions: Int32Array
+    gen_logprobs: Float32Array  # one per generated token, in order
     turn_ends: Int32Array
-
-
-def _join(chunks: Sequence[Int32Array]) -> Int32Array:
-    return np.concatenate(chunks) if chunks else _NO_TOKENS
 
 
 def _check(run: str, session: str, event: TurnCompleted, context_len: int, messages: int) -> None:
@@ -134,46 +111,36 @@ def rebuild(run: str, session: str, turns: Sequence[TurnCompleted]) -> list[Rebu
     rebuilt: list[RebuiltTurn] = []
     for event in turns:
         parent = rebuilt[event.parent] if event.parent >= 0 else None
-        context_len = parent.prompt_len + len(parent.event.completion_ids) if parent else 0
-        history_len = parent.messages.size + 1 if parent else 0  # its messages and its reply
-        _check(run, session, event, context_len, history_len)
+        before = parent.context if parent is not None else EMPTY_CONTEXT
+        history = parent.conversation if parent is not None else _NO_MESSAGES
+        context_len = before.length
+        _check(run, session, event, context_len, history.size)
         if event.prefix_len == context_len:
             extends, shared = True, context_len
-            before = parent.context if parent is not None else None
-            context = Linked(before, (event.prompt_ids, event.completion_ids))
         else:
-            assert parent is not None  # prefix_len > 0 = context_len is refused by _check
-            whole = _join(parent.context.all())
-            dropped = whole[event.prefix_len :]
+            whole = before.ids()
+            before = Context.of(whole)  # joined once
             # A client that resends history with a shorter prefix_len (no delta encoding) still
             # shares it, and extends the context when it resends all of it: decide on the
             # tokens, not on prefix_len alone.
-            shared = event.prefix_len + common_prefix_len(dropped, event.prompt_ids)
+            shared = event.prefix_len + common_prefix_len(
+                whole[event.prefix_len :], event.prompt_ids
+            )
             extends = shared == context_len
-            parts = (whole[: event.prefix_len], event.prompt_ids, event.completion_ids)
-            context = Linked(None, parts)
         prompt_len = event.prefix_len + len(event.prompt_ids)
         inherited = parent.first_generated if parent is not None else None
         if inherited is None or inherited >= shared:
             inherited = prompt_len if len(event.completion_ids) else None
-        new_messages = tuple(event.new_messages)
-        if parent is None:
-            messages = Linked(None, new_messages)
-        elif event.message_prefix_len == history_len:
-            messages = Linked(parent.messages, (parent.event.assistant_message, *new_messages))
-        else:
-            history = [*parent.conversation, parent.event.assistant_message]
-            messages = Linked(None, (*history[: event.message_prefix_len], *new_messages))
         rebuilt.append(
             RebuiltTurn(
                 event=event,
-                context=context,
+                context=decode_context(before, event),
                 prompt_len=prompt_len,
                 appended=prompt_len - context_len,
                 extends=extends,
                 shared=shared,
                 first_generated=inherited,
-                messages=messages,
+                conversation=decode_conversation(history, event),
             )
         )
     return rebuilt
@@ -215,31 +182,29 @@ def split(turns: Sequence[RebuiltTurn], per_turn: bool) -> Chains:
     return Chains(chains, tuple(chain_of), frozenset(starts), forks)
 
 
-def sample_arrays(sample: Sequence[RebuiltTurn]) -> SampleArrays:
-    """The token arrays of one sample whose turns each extend the one before (their parent).
+def sample_spans(sample: Sequence[RebuiltTurn]) -> SampleSpans:
+    """The tokens and generated spans of one sample whose turns each extend the one before
+    (their parent).
 
     The sample's tokens are then exactly the last turn's full context, read as alternating runs:
-    prompt tokens the model read (mask 0, logprob 0, version -1), then the completion it
-    generated (mask 1, its logprobs, its turn's weight_version).
+    prompt tokens the model read, then the completion it generated (its logprobs, its turn's
+    weight_version). Completions that touch and share a version are one span, as the wire
+    form's spans are maximal.
     """
     n = len(sample)
     runs = np.empty(2 * n, dtype=np.int64)
     runs[0] = sample[0].prompt_len
     runs[2::2] = [turn.appended for turn in sample[1:]]
     runs[1::2] = [len(turn.event.completion_ids) for turn in sample]
-    run_versions = np.full(2 * n, -1, dtype=np.int32)
-    run_versions[1::2] = [turn.event.weight_version for turn in sample]
-    logprobs = np.concatenate(
-        [
-            part
-            for turn, read in zip(sample, runs[0::2].tolist(), strict=True)
-            for part in (np.zeros(read, dtype=np.float32), turn.event.logprobs)
-        ]
-    )
-    return SampleArrays(
-        input_ids=_join(sample[-1].context.all()),
-        loss_mask=np.repeat(np.tile(np.array([0, 1], dtype=np.int8), n), runs),
-        logprobs=logprobs.astype(np.float32, copy=False),
-        versions=np.repeat(run_versions, runs),
-        turn_ends=np.cumsum(runs)[1::2].astype(np.int32),
+    bounds = np.cumsum(runs)
+    ends = bounds[1::2]
+    versions = np.array([turn.event.weight_version for turn in sample], dtype=np.int32)
+    spans, span_versions = merge_spans(bounds[0::2], ends, versions)
+    logprobs = [turn.event.logprobs for turn in sample]
+    return SampleSpans(
+        input_ids=sample[-1].context.ids(),
+        spans=spans,
+        span_versions=span_versions,
+        gen_logprobs=np.concatenate(logprobs).astype(np.float32, copy=False),
+        turn_ends=ends.astype(np.int32),
     )

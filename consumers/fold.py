@@ -55,15 +55,16 @@ import math
 import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from functools import reduce
+from functools import cached_property, reduce
 from itertools import islice
 from typing import Literal, TypeVar
 
-from consumers._segments import Chains, RebuiltTurn, rebuild, sample_arrays, split
+from consumers._segments import Chains, RebuiltTurn, rebuild, sample_spans, split
 from consumers.errors import FoldError, MissingTurns
 from schemas.codec import Codec
 from schemas.events import (
     JSON,
+    CompactTrajectory,
     RewardAssigned,
     SessionClosed,
     SessionEvent,
@@ -118,7 +119,9 @@ class FoldOptions:
 
 @dataclass(frozen=True)
 class FoldResult:
-    trajectories: list[TrajectoryReady]
+    compact_trajectories: list[CompactTrajectory]
+    """The samples in the form TRAJ carries them (generated spans, not per-token arrays): what
+    the fold worker publishes; ``trajectories`` has them per token."""
     forks: int
     """Chains whose first turn diverges inside generated history: it does not extend its
     parent, and the prefix it shares with the parent's context holds a token some turn
@@ -136,6 +139,11 @@ class FoldResult:
     """The index (segment) of the trajectory each folded turn went into, indexed by turn."""
     fork_turns: tuple[int, ...] = ()
     """The turns that begin a fork (``forks`` of them), in order."""
+
+    @cached_property
+    def trajectories(self) -> list[TrajectoryReady]:
+        """The samples with their per-token arrays, made from the spans on first reading."""
+        return [t.expand() for t in self.compact_trajectories]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -369,7 +377,7 @@ def finish(state: SessionState, options: FoldOptions = FoldOptions()) -> FoldRes
     """
     kept = _resolve(state.log)
     if state.run is None or state.session is None:
-        return FoldResult(trajectories=[], forks=0, late_events=0, duplicates=kept.duplicates)
+        return FoldResult([], forks=0, late_events=0, duplicates=kept.duplicates)
     run, session, closed = state.run, state.session, kept.closed
     turns, late_turns = _turns_to_fold(run, session, kept.turns, closed)
     rewards = [r for r in kept.rewards.values() if not _is_late(r, closed, len(turns))]
@@ -391,11 +399,11 @@ def finish(state: SessionState, options: FoldOptions = FoldOptions()) -> FoldRes
     created_at = _created_at(kept, turns, rewards)
     tools = _tools_by_turn(turns)
 
-    def trajectory(index: int, sample: list[RebuiltTurn]) -> TrajectoryReady:
-        arrays = sample_arrays(sample)
+    def trajectory(index: int, sample: list[RebuiltTurn]) -> CompactTrajectory:
+        tokens = sample_spans(sample)
         last = sample[-1]
         is_last = index == len(samples) - 1
-        return TrajectoryReady(
+        return CompactTrajectory(
             run=run,
             session=session,
             created_at=created_at,
@@ -403,17 +411,17 @@ def finish(state: SessionState, options: FoldOptions = FoldOptions()) -> FoldRes
             group=opened.group if opened is not None and opened.group else session,
             segment=index,
             status=closed.status if closed is not None else "open",
-            input_ids=arrays.input_ids,
-            loss_mask=arrays.loss_mask,
-            logprobs=arrays.logprobs,
-            versions=arrays.versions,
+            input_ids=tokens.input_ids,
+            spans=tokens.spans,
+            span_versions=tokens.span_versions,
+            gen_logprobs=tokens.gen_logprobs,
             prompt_len=sample[0].prompt_len,
-            turn_ends=arrays.turn_ends,
+            turn_ends=tokens.turn_ends,
             turn_rewards=[turn_rewards.get(turn.event.turn) for turn in sample],
             reward=final_reward if is_last or options.final_reward_scope == "all" else None,
             num_turns=len(sample),
             finish_reason=last.event.finish_reason,
-            messages=[*last.conversation, last.event.assistant_message],
+            messages=last.conversation.all(),
             tools=tools[last.event.turn],
             metadata={
                 **base_metadata,
@@ -426,7 +434,7 @@ def finish(state: SessionState, options: FoldOptions = FoldOptions()) -> FoldRes
         )
 
     return FoldResult(
-        trajectories=[trajectory(index, sample) for index, sample in enumerate(samples)],
+        [trajectory(index, sample) for index, sample in enumerate(samples)],
         forks=forks,
         late_events=late_turns + late_rewards,
         duplicates=kept.duplicates,

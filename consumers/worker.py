@@ -57,7 +57,7 @@ from eventlog.pull import PullConsumer
 from eventlog.reader import stored_msg_ids
 from eventlog.streams import stream_facts
 from schemas.codec import Codec
-from schemas.events import SessionClosed, SessionOpened, TrajectoryReady
+from schemas.events import CompactTrajectory, SessionClosed, SessionOpened
 from schemas.ids import EVENT_SUBJECT_PREFIX, traj_subject
 from schemas.trust import PoisonEvent, VettedSession, check_stored, vet_session
 
@@ -142,9 +142,9 @@ def fold_session(
     count = {"conflicting_turns": vetted.conflicting_turns}
     return dataclasses.replace(
         result,
-        trajectories=[
+        compact_trajectories=[
             msgspec.structs.replace(t, metadata={**t.metadata, **count})
-            for t in result.trajectories
+            for t in result.compact_trajectories
         ],
     )
 
@@ -245,7 +245,7 @@ class FoldWorker:
             )
         await self._dead_letter_untrusted(delivery, vetted)
         result = fold_session(vetted, self.settings)
-        trajectories = result.trajectories
+        trajectories = result.compact_trajectories
         await self._publish_unstored(delivery, close, trajectories)
         marker = FoldMarker(
             trajectories=len(trajectories),
@@ -273,7 +273,7 @@ class FoldWorker:
         self.stats.untrusted_events += len(vetted.rejected)
 
     async def _publish_unstored(
-        self, delivery: Delivery, close: SessionClosed, trajectories: list[TrajectoryReady]
+        self, delivery: Delivery, close: SessionClosed, trajectories: list[CompactTrajectory]
     ) -> None:
         """Publish the trajectories that no earlier delivery of this close stored in TRAJ."""
         if not trajectories:
@@ -318,7 +318,7 @@ class FoldWorker:
     def _count(self, close: SessionClosed, result: FoldResult) -> None:
         st = self.stats
         st.sessions_folded += 1
-        st.trajectories += len(result.trajectories)
+        st.trajectories += len(result.compact_trajectories)
         st.forks += result.forks
         if result.late_events:
             st.late_events += result.late_events

@@ -58,7 +58,15 @@ from typing import Any
 import numpy as np
 
 from gateway.conversation import message_key
-from schemas.delta import common_prefix_len
+from schemas.delta import (
+    Context,
+    Linked,
+    common_prefix_len,
+    decode_context,
+    decode_conversation,
+    delta_fits,
+    encode_delta,
+)
 from schemas.events import SessionClosed, SessionEvent, SessionOpened, TurnCompleted
 
 __all__ = [
@@ -258,35 +266,26 @@ def turn_event(state: SessionState, draft: TurnDraft) -> TurnCompleted:
     if parent is None or (parent >= 0 and parent not in state.nodes):
         parent = prefix_parent(state, draft.prompt_ids)  # none chosen, or no longer kept
     node = state.nodes.get(parent)
-    context = _NO_IDS if node is None else node.context_ids
-    prompt = np.asarray(draft.prompt_ids, dtype=np.int32)  # once: a long prompt is a long list
-    whole = len(context)
-    if (
-        node is not None
-        and parent == draft.parent_turn
-        and draft.prefix_len == whole <= len(prompt)
-        and (not whole or prompt[whole - 1] == context[-1])  # a spot check, O(1)
-    ):
-        prefix_len = whole  # the prompt continues the parent's whole context
-    else:
-        prefix_len = common_prefix_len(context, prompt)
-    message_prefix_len = 0
-    for key, message in zip(node.keys if node else (), draft.messages, strict=False):
-        if key != message_key(message):
-            break
-        message_prefix_len += 1
+    delta = encode_delta(
+        _NO_IDS if node is None else node.context_ids,
+        () if node is None else node.keys,
+        draft.prompt_ids,
+        draft.messages,
+        message_keys=map(message_key, draft.messages),
+        shared=draft.prefix_len if parent == draft.parent_turn else None,
+    )
     return TurnCompleted(
         run=state.run,
         session=state.id,
         turn=state.turns,
         parent_turn=-1 if node is None else parent,
         created_at=draft.created_at,
-        prefix_len=prefix_len,
-        prompt_ids=prompt[prefix_len:].copy(),  # not a view: kept turns keep their events
+        prefix_len=delta.prefix_len,
+        prompt_ids=delta.prompt_ids,  # a copy, not a view: kept turns keep their events
         completion_ids=np.asarray(draft.completion_ids, dtype=np.int32),
         logprobs=np.asarray(draft.logprobs, dtype=np.float32),
-        message_prefix_len=message_prefix_len,
-        new_messages=list(draft.messages[message_prefix_len:]),
+        message_prefix_len=delta.message_prefix_len,
+        new_messages=delta.new_messages,
         # None: the same tools as the parent turn; []: none.
         tools=(draft.tools or []) if node is None or draft.tools != node.tools else None,
         sampling=draft.sampling,
@@ -381,23 +380,18 @@ def _node(
     the turn is counted but cannot be continued), and the parent as it is after it."""
     context = _NO_IDS if parent is None else parent.context_ids
     conversation = () if parent is None else parent.conversation
-    if (
-        (parent is None and event.parent >= 0)
-        or event.prefix_len > len(context)
-        or event.message_prefix_len > len(conversation)
+    if (parent is None and event.parent >= 0) or not delta_fits(
+        event, len(context), len(conversation)
     ):
         return None, parent
-    ids = np.concatenate(
-        [context[: event.prefix_len], event.prompt_ids, event.completion_ids]
-    ).astype(np.int32, copy=False)
-    reply = event.assistant_message
-    keys = () if parent is None else parent.keys[: event.message_prefix_len]
+    ids = decode_context(Context.of(context), event).ids()
+    keys = () if parent is None else parent.keys
     inherited = None if parent is None else parent.tools
     node = TurnNode(
         event,
         ids,
-        (*conversation[: event.message_prefix_len], *event.new_messages, reply),
-        (*keys, *message_keys(event.new_messages), message_key(reply)),
+        tuple(decode_conversation(Linked.of(conversation), event).all()),
+        tuple(decode_conversation(Linked.of(keys), event, message_key).all()),
         inherited if event.tools is None else (event.tools or None),
     )
     if parent is not None and event.prefix_len == len(context):

@@ -16,6 +16,7 @@ from schemas.errors import (
 )
 from schemas.events import (
     SCHEMA_VERSION,
+    CompactTrajectory,
     Event,
     RewardAssigned,
     SessionClosed,
@@ -31,6 +32,7 @@ __all__ = [
     "DEFAULT_MAX_PAYLOAD",
     "SCHEMA_VERSION",
     "Codec",
+    "CompactTrajectory",
     "Event",
     "EventLogError",
     "EventLogUnavailable",

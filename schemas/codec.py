@@ -7,8 +7,9 @@ bytes and whose ext code names the dtype:
     ext 1 = int32 LE    ext 2 = float32 LE    ext 3 = int8
 
 A TrajectoryReady travels as its ``CompactTrajectory`` (token ids once, generated spans with
-one weight version each, logprobs of generated tokens only); ``decode`` expands it back, and
-reads the per-token form of older messages the same way.
+one weight version each, logprobs of generated tokens only; the fold hands that form over
+as it is); ``decode`` expands it back (``schemas.spans``), and reads the per-token form of
+older messages the same way.
 
 Decoding maps each payload with ``numpy.frombuffer`` onto the message buffer: no copy, no
 per-token object. Unknown fields are ignored; an event with an older ``v`` is passed through the
@@ -93,7 +94,7 @@ class Codec:
         self._decoder = msgspec.msgpack.Decoder(_WireEvent, ext_hook=_ext_hook, dec_hook=_dec_hook)
         self._raw_decoder = msgspec.msgpack.Decoder(ext_hook=_ext_hook)
 
-    def encode(self, event: Event | CompactTrajectory) -> bytes:
+    def encode(self, event: Event) -> bytes:
         """The event's message; a TrajectoryReady in its compact form."""
         data = self._encoder.encode(
             event.compact() if isinstance(event, TrajectoryReady) else event

@@ -19,6 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from schemas.ids import validate_id
+from schemas.spans import generated_runs, token_arrays
 
 SCHEMA_VERSION = 1
 
@@ -168,7 +169,8 @@ class TrajectoryReady(_Event, tag="TrajectoryReady", kw_only=True):
     """One folded training sample (DESIGN §6). Arrays all have len(input_ids) entries.
 
     This is the sample as consumers use it, per token; on the wire (TRAJ) it travels as its
-    ``compact()`` form, a ``CompactTrajectory``, which the codec expands back on decode.
+    ``compact()`` form, a ``CompactTrajectory``, which the codec expands back on decode. The
+    fold makes the compact form directly (no per-token arrays to scan back into spans).
     """
 
     trajectory_id: str
@@ -243,41 +245,10 @@ class TrajectoryReady(_Event, tag="TrajectoryReady", kw_only=True):
             or np.any(logprobs.view(np.int32)[plain] != 0)
         ):
             return CompactTrajectory(**fields, loss_mask=mask, logprobs=logprobs, versions=versions)
-        starts, ends = _runs(generated, versions)
-        spans = np.empty(2 * len(starts), dtype=np.int32)
-        spans[0::2], spans[1::2] = starts, ends
+        spans, span_versions = generated_runs(generated, versions)
         return CompactTrajectory(
-            **fields,
-            spans=spans,
-            span_versions=versions[starts],
-            gen_logprobs=logprobs[generated],
+            **fields, spans=spans, span_versions=span_versions, gen_logprobs=logprobs[generated]
         )
-
-
-def _runs(generated: npt.NDArray[np.bool_], versions: Int32Array) -> tuple[Int32Array, Int32Array]:
-    """(starts, ends) of the maximal runs of generated tokens of one weight version."""
-    n = len(generated)
-    if n == 0:
-        return np.empty(0, dtype=np.int32), np.empty(0, dtype=np.int32)
-    changed = (generated[1:] != generated[:-1]) | (generated[1:] & (versions[1:] != versions[:-1]))
-    bounds = np.concatenate(([0], np.flatnonzero(changed) + 1, [n])).astype(np.int32)
-    starts, ends = bounds[:-1], bounds[1:]
-    is_generated = generated[starts]
-    return starts[is_generated], ends[is_generated]
-
-
-def span_positions(starts: np.ndarray, ends: np.ndarray) -> npt.NDArray[np.int64]:
-    """The token positions inside the spans ``[starts[i], ends[i])``, in order, vectorized.
-
-    >>> span_positions(np.array([1, 5]), np.array([3, 6])).tolist()
-    [1, 2, 5]
-    """
-    lengths = ends.astype(np.int64) - starts
-    total = int(lengths.sum())
-    if total == 0:
-        return np.empty(0, dtype=np.int64)
-    before = np.cumsum(lengths) - lengths  # generated tokens before each span
-    return np.repeat(starts.astype(np.int64) - before, lengths) + np.arange(total)
 
 
 def _check_samples(
@@ -443,16 +414,7 @@ class CompactTrajectory(_Event, tag="TrajectoryReady", kw_only=True):
             assert self.versions is not None
             return self.loss_mask, self.logprobs, self.versions
         assert self.span_versions is not None and self.gen_logprobs is not None
-        n = len(self.input_ids)
-        mask = np.zeros(n, dtype=np.int8)
-        logprobs = np.zeros(n, dtype=np.float32)
-        versions = np.full(n, -1, dtype=np.int32)
-        starts, ends = self.spans[0::2], self.spans[1::2]
-        at = span_positions(starts, ends)
-        mask[at] = 1
-        logprobs[at] = self.gen_logprobs
-        versions[at] = np.repeat(self.span_versions, ends - starts)
-        return mask, logprobs, versions
+        return token_arrays(len(self.input_ids), self.spans, self.span_versions, self.gen_logprobs)
 
     def expand(self) -> TrajectoryReady:
         """The TrajectoryReady with its per-token arrays."""
@@ -462,7 +424,15 @@ class CompactTrajectory(_Event, tag="TrajectoryReady", kw_only=True):
 
 
 SessionEvent = SessionOpened | TurnCompleted | RewardAssigned | SessionClosed
-Event = SessionOpened | TurnCompleted | RewardAssigned | SessionClosed | TrajectoryReady
+Event = (
+    SessionOpened
+    | TurnCompleted
+    | RewardAssigned
+    | SessionClosed
+    | TrajectoryReady
+    | CompactTrajectory
+)
+"""What is published: a trajectory in either form (the fold makes the compact one)."""
 EVENT_TYPES: tuple[type[_Event], ...] = (
     SessionOpened,
     TurnCompleted,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from schemas.events import (
+    CompactTrajectory,
     Event,
     RewardAssigned,
     SessionClosed,
@@ -42,6 +43,6 @@ def route(event: Event) -> Route:
         )
     if isinstance(event, SessionClosed):
         return Route(event_subject(run, session, "close"), close_msg_id(run, session))
-    if isinstance(event, TrajectoryReady):
+    if isinstance(event, TrajectoryReady | CompactTrajectory):
         return Route(traj_subject(run), event.trajectory_id)
     raise TypeError(f"no route for {type(event).__name__}")

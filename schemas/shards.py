@@ -47,7 +47,8 @@ import msgspec
 import numpy as np
 import pyarrow as pa
 
-from schemas.events import CompactTrajectory, TrajectoryReady, span_positions
+from schemas.events import CompactTrajectory, TrajectoryReady
+from schemas.spans import token_arrays
 
 __all__ = [
     "ROW_ERRORS",
@@ -112,6 +113,8 @@ _NUMPY_DTYPE = {"input_ids": "<i4", "loss_mask": "i1", "logprobs": "<f4", "versi
 _NUMPY_DTYPE["turn_ends"] = "<i4"
 
 _json = msgspec.json.Encoder()
+_NO_SPANS = np.empty(0, dtype=np.int32)
+_NO_LOGPROBS = np.empty(0, dtype=np.float32)
 _ROW_OVERHEAD = 256  # ids, scalars and the Python objects around them, roughly
 
 
@@ -203,27 +206,23 @@ def _token_columns(rows: Sequence[ShardRow]) -> dict[str, pa.Array]:
         if trajectories
         else np.empty(0, dtype=np.int32)
     )
-    mask = np.zeros(total, dtype=np.int8)
-    logprobs = np.zeros(total, dtype=np.float32)
-    versions = np.full(total, -1, dtype=np.int32)
-    spanned = [i for i, t in enumerate(trajectories) if t.spans is not None]
-    if spanned:
-        spans, gen_logprobs, span_versions = [], [], []
-        for i in spanned:
-            t = trajectories[i]
-            assert t.spans is not None and t.gen_logprobs is not None
-            assert t.span_versions is not None
+    spanned: list[int] = []
+    spans, span_versions, gen_logprobs = [_NO_SPANS], [_NO_SPANS], [_NO_LOGPROBS]
+    for i, t in enumerate(trajectories):
+        if t.spans is not None:
+            assert t.span_versions is not None and t.gen_logprobs is not None
+            spanned.append(i)
             spans.append(t.spans)
-            gen_logprobs.append(t.gen_logprobs)
             span_versions.append(t.span_versions)
-        counts = np.fromiter((len(v) for v in span_versions), dtype=np.int64, count=len(spanned))
-        shift = np.repeat(offsets[spanned].astype(np.int64), counts)
-        joined = np.concatenate(spans).astype(np.int64)
-        starts, ends = joined[0::2] + shift, joined[1::2] + shift
-        at = span_positions(starts, ends)
-        mask[at] = 1
-        logprobs[at] = np.concatenate(gen_logprobs)
-        versions[at] = np.repeat(np.concatenate(span_versions), ends - starts)
+            gen_logprobs.append(t.gen_logprobs)
+    counts = np.fromiter((len(s) for s in spans[1:]), dtype=np.int64, count=len(spanned))
+    shift = np.repeat(offsets[spanned].astype(np.int64), counts)  # each row's first token
+    mask, logprobs, versions = token_arrays(
+        total,
+        np.concatenate(spans).astype(np.int64) + shift,
+        np.concatenate(span_versions),
+        np.concatenate(gen_logprobs),
+    )
     for i, t in enumerate(trajectories):
         if t.spans is None:
             lo, hi = offsets[i], offsets[i + 1]

@@ -35,6 +35,7 @@ from typing import NamedTuple
 from schemas.codec import Codec
 from schemas.errors import SchemaError, UntrustedEvent
 from schemas.events import (
+    CompactTrajectory,
     Event,
     RewardAssigned,
     SessionClosed,
@@ -92,7 +93,7 @@ def check_stored(stored: StoredMessage, event: Event) -> SessionEvent:
     parts = stored.subject.split(".")
     kind = _KIND.get(type(event))
     if (
-        isinstance(event, TrajectoryReady)
+        isinstance(event, TrajectoryReady | CompactTrajectory)
         or kind is None
         or len(parts) != 5
         or ".".join(parts[:2]) != EVENT_SUBJECT_PREFIX
@@ -100,7 +101,7 @@ def check_stored(stored: StoredMessage, event: Event) -> SessionEvent:
     ):
         said = (
             f"a {type(event).__name__}"
-            if isinstance(event, TrajectoryReady) or kind is None
+            if isinstance(event, TrajectoryReady | CompactTrajectory) or kind is None
             else f"run={event.run} session={event.session} kind={kind}"
         )
         raise UntrustedEvent(
@@ -114,7 +115,7 @@ def check_stored(stored: StoredMessage, event: Event) -> SessionEvent:
             f"{where} has no Nats-Msg-Id; turnstream's publishers always set one, so this "
             f"event came from elsewhere and is not folded",
         )
-    assert not isinstance(event, TrajectoryReady)
+    assert not isinstance(event, TrajectoryReady | CompactTrajectory)
     return event
 
 

@@ -30,6 +30,7 @@ import numpy as np
 from consumers.recording import Recording, read_recording
 from gateway.backends.interface import Backend, GenerationChunk, Prompt, SamplingParams
 from schemas.codec import Codec
+from schemas.delta import EMPTY_CONTEXT, Context, decode_context
 from schemas.errors import SchemaError, TurnstreamError
 from schemas.events import SessionEvent, TurnCompleted
 from turnstream.progress import progress_bar
@@ -133,16 +134,15 @@ def full_prompts(turns: dict[int, TurnCompleted]) -> dict[int, np.ndarray | None
     {0: [1, 2], 1: [1, 2, 3, 4]}
     """
     prompts: dict[int, np.ndarray | None] = {}
-    contexts: dict[int, np.ndarray | None] = {-1: np.empty(0, dtype=np.int32)}
+    contexts: dict[int, Context | None] = {-1: EMPTY_CONTEXT}
     for index in sorted(turns):  # a parent is an earlier turn (TurnCompleted checks it)
         turn = turns[index]
         parent = contexts.get(turn.parent)
-        if parent is None:
+        if parent is None or turn.prefix_len > parent.length:
             prompts[index] = contexts[index] = None
             continue
-        prompt = np.concatenate([parent[: turn.prefix_len], turn.prompt_ids]).astype(np.int32)
-        prompts[index] = prompt
-        contexts[index] = np.concatenate([prompt, turn.completion_ids]).astype(np.int32)
+        context = contexts[index] = decode_context(parent, turn)
+        prompts[index] = context.ids()[: turn.prefix_len + len(turn.prompt_ids)]
     return prompts
 
 

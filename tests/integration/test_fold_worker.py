@@ -23,6 +23,7 @@ from consumers.worker import FoldMarker
 from eventlog import JetStreamPublisher, Publisher, PublishReceipt, connect, provision
 from schemas import (
     Codec,
+    CompactTrajectory,
     Event,
     EventLogUnavailable,
     SessionClosed,
@@ -440,7 +441,7 @@ class _TrajectoriesCut:
         return await self._inner.publish(event)
 
     async def publish_many(self, events: Sequence[Event]) -> list[PublishReceipt]:
-        if not self.cut and events and isinstance(events[0], TrajectoryReady):
+        if not self.cut and events and isinstance(events[0], TrajectoryReady | CompactTrajectory):
             self.cut = True
             await self._inner.publish_many(events[:1])
             raise EventLogUnavailable("test double: died after the first trajectory's ack")

@@ -17,10 +17,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from schemas import spans as span_form
 from schemas.codec import Codec
 from schemas.errors import UndecodableEvent
-from schemas.events import CompactTrajectory, TrajectoryReady, span_positions
+from schemas.events import CompactTrajectory, TrajectoryReady
 from schemas.shards import rows_to_table, shard_row, table_to_trajectories
+from schemas.spans import span_positions
 
 CODEC = Codec()
 PROPERTY = settings(max_examples=150, deadline=None)
@@ -214,6 +216,32 @@ def test_span_positions_are_the_tokens_inside_the_spans_in_order() -> None:
     starts, ends = np.array([0, 4, 9], np.int32), np.array([2, 7, 10], np.int32)
     assert span_positions(starts, ends).tolist() == [0, 1, 4, 5, 6, 9]
     assert span_positions(starts[:0], ends[:0]).tolist() == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    runs=st.lists(
+        st.tuples(st.integers(0, 3), st.integers(0, 3), st.sampled_from([-1, 0, 7])), max_size=8
+    )
+)
+def test_the_folds_spans_are_the_runs_the_per_token_arrays_hold(
+    runs: list[tuple[int, int, int]],
+) -> None:
+    """``merge_spans`` (the fold's completions, read then generated, possibly empty or touching)
+    gives exactly the spans ``generated_runs`` finds in the per-token arrays made of them, so
+    the fold's compact form is the one ``TrajectoryReady.compact`` makes."""
+    read, generated, versions = (np.array([r[i] for r in runs], np.int64) for i in range(3))
+    bounds = np.cumsum(np.stack([read, generated], axis=1).reshape(-1))
+    starts, ends = bounds[0::2], bounds[1::2]
+    spans, span_versions = span_form.merge_spans(starts, ends, versions.astype(np.int32))
+    n = int(bounds[-1]) if len(bounds) else 0
+    mask, _, per_token = span_form.token_arrays(
+        n, spans, span_versions, np.zeros(int(generated.sum()), np.float32)
+    )
+    found, found_versions = span_form.generated_runs(mask == 1, per_token)
+    assert spans.tolist() == found.tolist()
+    assert span_versions.tolist() == found_versions.tolist()
+    assert int(mask.sum()) == int(generated.sum())
 
 
 # --- malformed compact samples are refused where they are decoded ---------------------------

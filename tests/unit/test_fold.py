@@ -539,7 +539,9 @@ def test_apply_leaves_the_state_it_was_given() -> None:
     assert start.run is None and start.opened is None and dict(start.turns) == {}
     assert dict(after_open.turns) == {}
     assert list(after_turn.turns) == [0]
-    assert finish(initial()) == FoldResult(trajectories=[], forks=0, late_events=0, duplicates=0)
+    assert finish(initial()) == FoldResult(
+        compact_trajectories=[], forks=0, late_events=0, duplicates=0
+    )
 
 
 def test_states_applied_to_twice_stay_apart() -> None:
