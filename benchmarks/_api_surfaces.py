@@ -29,7 +29,8 @@ import gateway_overhead as overhead
 import httpx
 from _common import banner, finish, say
 
-from eventlog import NatsServer, connect, free_port, read_session
+from eventlog import connect, read_session
+from eventlog.server import NatsServer, free_port
 
 JSON = dict[str, Any]
 

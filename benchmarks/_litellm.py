@@ -51,7 +51,7 @@ import httpx
 from _api_surfaces import fixed_latency_stack
 from _common import banner, finish, say
 
-from eventlog import free_port
+from eventlog.server import free_port
 
 __all__ = ["LITELLM_VERSION", "ensure_litellm", "litellm_main", "litellm_proxy", "measure_litellm"]
 

@@ -42,7 +42,7 @@ import gateway_overhead as overhead
 import httpx
 from _common import banner, finish, say
 
-from eventlog import NatsServer, free_port
+from eventlog.server import NatsServer, free_port
 
 JSON = dict[str, Any]
 

@@ -65,7 +65,8 @@ import gateway_overhead as overhead
 from _common import banner, finish, say
 from _load_processes import LoadProcesses, LoadSpec, http_clients, load_paths
 
-from eventlog import NatsServer, connect, free_port
+from eventlog import connect
+from eventlog.server import NatsServer, free_port
 
 JSON = dict[str, Any]
 CONCURRENCY = 64

@@ -269,7 +269,8 @@ import msgspec
 from _common import arguments, banner, finish, say
 from _common import machine_info as common_machine_info
 
-from eventlog import LogSettings, NatsServer, connect, free_port
+from eventlog import LogSettings, connect
+from eventlog.server import NatsServer, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 BACKEND_SCRIPT = Path(__file__).resolve().parent / "_fixed_latency_backend.py"

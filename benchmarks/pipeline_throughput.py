@@ -102,12 +102,12 @@ from nats.js import api as js_api
 from eventlog import (
     JetStreamPublisher,
     LogSettings,
-    NatsServer,
     PublisherSettings,
     connect,
     provision,
     read_session_messages,
 )
+from eventlog.server import NatsServer
 from schemas.events import SessionClosed, SessionEvent, SessionOpened, TurnCompleted
 
 RUN = "bench"

@@ -63,12 +63,12 @@ from eventlog.loop import ACK, HOLD, Delivery, Outcome, PullLoop, Reject
 from eventlog.metrics import ConsumerMetrics, LoopMetrics
 from eventlog.pull import PullConsumer
 from eventlog.seqset import SeqSet
-from eventlog.shard_store import CommittedShard, ShardStore
 from eventlog.streams import consumer_ack_floor, stream_facts
 from schemas.codec import Codec
 from schemas.errors import SchemaError, UndecodableEvent
 from schemas.ids import TRAJ_SUBJECT_PREFIX
 from schemas.shards import ROW_ERRORS, ShardMetadata, ShardRow, shard_row, writable_table
+from shardstore import CommittedShard, ShardStore
 
 __all__ = ["ShardWriter", "ShardWriterStats"]
 

@@ -44,12 +44,12 @@ from eventlog.config import ConsumerSettings
 from eventlog.connection import close_connection
 from eventlog.loop import ACK, HOLD, Delivery, Outcome, PullLoop, Reject
 from eventlog.reader import read_range
-from eventlog.shard_store import open_shards_dataset
 from schemas.codec import Codec
 from schemas.errors import EventLogUnavailable, SchemaError
 from schemas.events import TrajectoryReady
 from schemas.ids import TRAJ_SUBJECT_PREFIX
 from schemas.shards import table_to_trajectories
+from shardstore import open_shards_dataset
 from trainer_sink.config import LiveSourceSettings
 
 __all__ = [

@@ -20,8 +20,8 @@ from nats.js import JetStreamContext
 from rich.table import Table
 
 from eventlog import StreamNames
-from eventlog.shard_store import FileShardStore, open_shards_dataset
 from schemas.ids import EVENT_SUBJECT_PREFIX, traj_subject
+from shardstore import FileShardStore, open_shards_dataset
 from turnstream.trainer import StepReport
 
 __all__ = [

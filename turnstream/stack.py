@@ -14,15 +14,9 @@ from typing import Any, TypeVar
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
-from eventlog import (
-    NatsServer,
-    ProvisionAction,
-    connect,
-    ensure_log_security,
-    provision,
-    supervised,
-)
+from eventlog import ProvisionAction, connect, provision
 from eventlog.connection import close_connection
+from eventlog.server import NatsServer, ensure_log_security, supervised
 from schemas.errors import TurnstreamError
 from turnstream.settings import ServiceSettings
 

@@ -178,7 +178,7 @@ class StatusCommand(ServiceSettings):
 
 def _shards_table(target: str) -> Table | str:
     """Committed shards per run: files, trajectories, TRAJ sequences (footers only)."""
-    from eventlog.shard_store import FileShardStore  # pyarrow: import on use
+    from shardstore import FileShardStore  # pyarrow: import on use
 
     store = FileShardStore(target)
     runs: dict[str, list[int]] = {}  # run -> [shards, rows, first seq, last seq]

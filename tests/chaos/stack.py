@@ -24,7 +24,7 @@ from pathlib import Path
 
 import httpx
 
-from eventlog import NatsServer, free_port
+from eventlog.server import NatsServer, free_port
 from tests.helpers.services import WORKER_FLAGS, WRITER_FLAGS, Service
 
 log = logging.getLogger("soak")

@@ -43,7 +43,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from types import TracebackType
 
-from eventlog.store_lock import StoreLock
+from eventlog.server.store_lock import StoreLock
 from schemas.errors import EventLogUnavailable
 
 __all__ = ["NatsServer", "find_nats_server", "free_port", "free_ports"]

@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 
 from eventlog.errors import ServerCrashLoop
-from eventlog.server import NatsServer
+from eventlog.server.process import NatsServer
 from schemas.errors import TurnstreamError
 
 __all__ = ["supervise", "supervised"]

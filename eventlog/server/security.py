@@ -40,7 +40,7 @@ from pydantic import SecretStr
 
 from eventlog.config import LogSettings, StreamNames
 from eventlog.errors import LogSecurityError
-from eventlog.permissions import ROLES, Role, authorization_block
+from eventlog.server.permissions import ROLES, Role, authorization_block
 
 __all__ = ["LogSecurity", "RoleCredentials", "ensure_log_security"]
 
