@@ -58,7 +58,6 @@ from nats.js import JetStreamContext
 from consumers.config import ShardWriterSettings
 from eventlog import Publisher
 from eventlog.config import ConsumerSettings
-from eventlog.errors import ShardWriteFailed
 from eventlog.loop import ACK, HOLD, Delivery, Outcome, PullLoop, Reject
 from eventlog.metrics import ConsumerMetrics, LoopMetrics
 from eventlog.pull import PullConsumer
@@ -68,7 +67,7 @@ from schemas.codec import Codec
 from schemas.errors import SchemaError, UndecodableEvent
 from schemas.ids import TRAJ_SUBJECT_PREFIX
 from schemas.shards import ROW_ERRORS, ShardMetadata, ShardRow, shard_row, writable_table
-from shardstore import CommittedShard, ShardStore
+from shardstore import CommittedShard, ShardStore, ShardWriteFailed
 
 __all__ = ["ShardWriter", "ShardWriterStats"]
 

@@ -39,7 +39,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from pydantic import SecretStr
 
 from eventlog.config import LogSettings, StreamNames
-from eventlog.errors import LogSecurityError
+from eventlog.server.errors import LogSecurityError
 from eventlog.server.permissions import ROLES, Role, authorization_block
 
 __all__ = ["LogSecurity", "RoleCredentials", "ensure_log_security"]

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from eventlog.errors import StoreInUse
+from eventlog.server.errors import StoreInUse
 
 __all__ = ["LOCK_NAME", "StoreLock", "pid_alive", "read_holder"]
 

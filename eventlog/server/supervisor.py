@@ -20,7 +20,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator
 
-from eventlog.errors import ServerCrashLoop
+from eventlog.server.errors import ServerCrashLoop
 from eventlog.server.process import NatsServer
 from schemas.errors import TurnstreamError
 

@@ -17,8 +17,7 @@ from cryptography import x509
 from pydantic_settings import CliApp
 
 from eventlog.config import LogSettings, StreamNames
-from eventlog.errors import LogSecurityError
-from eventlog.server import ROLES, Role, ensure_log_security, role_permissions
+from eventlog.server import ROLES, LogSecurityError, Role, ensure_log_security, role_permissions
 from turnstream.settings import ServiceSettings, with_toml
 
 # -- settings ---------------------------------------------------------------------------------
