@@ -268,7 +268,8 @@ class PullLoop:
         deliveries = [Delivery.of(m) for m in msgs]
         for delivery in deliveries:
             self._alive[delivery.seq] = delivery
-        self.metrics.fetched(deliveries)
+        if deliveries:
+            self.metrics.fetched(deliveries[-1].pending)
         return deliveries
 
     # -- handling ---------------------------------------------------------------------------
