@@ -7,15 +7,15 @@ from eventlog.loop import ACK, HOLD, BatchHandler, Delivery, Handler, Outcome, P
 from eventlog.outbox import Outbox, OutboxRecord
 from eventlog.provision import ProvisionAction, provision
 from eventlog.publisher import JetStreamPublisher, Publisher, PublisherStats, PublishReceipt
-from eventlog.pull import FetchSizer, PullConsumer, fetch, release
+from eventlog.pull import ConsumerSpec
 from eventlog.reader import StoredMessage, read_session, read_session_messages
 
 __all__ = [
     "ACK",
     "HOLD",
     "BatchHandler",
+    "ConsumerSpec",
     "Delivery",
-    "FetchSizer",
     "Handler",
     "JetStreamPublisher",
     "LogSettings",
@@ -28,7 +28,6 @@ __all__ = [
     "Publisher",
     "PublisherSettings",
     "PublisherStats",
-    "PullConsumer",
     "PullLoop",
     "Reject",
     "StoredMessage",
@@ -36,9 +35,7 @@ __all__ = [
     "answered",
     "check_retry_horizon",
     "connect",
-    "fetch",
     "provision",
     "read_session",
     "read_session_messages",
-    "release",
 ]

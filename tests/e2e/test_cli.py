@@ -167,7 +167,7 @@ async def test_status_shows_consumer_lag_and_dead_letters_by_reason(log: Log) ->
     from consumers import FoldWorker
     from schemas.dead_letter import DeadLetter, encode_dead_letter
 
-    await FoldWorker(log.js, publisher=None).consumer().bind(log.js)  # type: ignore[arg-type]
+    await FoldWorker(log.js, publisher=None).loop.spec.bind(log.js)  # type: ignore[arg-type]
     await log.js.publish(f"ts.ev.r.s{1}.close", b"x")
     letter = DeadLetter(
         source="fold", reason="undecodable", error="e", stream="EVENTS", subject="s", seq=1
