@@ -33,10 +33,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import msgspec
-from nats.js import JetStreamContext
 
 from consumers.config import ReaperSettings
-from eventlog import Publisher, StreamNames
+from eventlog import JetStream, Publisher, StreamNames
 from eventlog.buckets import Bucket
 from eventlog.connection import reconnects
 from eventlog.loop import ACK, Delivery, Outcome, PullLoop, Reject
@@ -168,7 +167,7 @@ class Reaper:
 
     def __init__(
         self,
-        js: JetStreamContext,
+        js: JetStream,
         publisher: Publisher,
         settings: ReaperSettings | None = None,
         names: StreamNames | None = None,

@@ -53,10 +53,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import pyarrow as pa
-from nats.js import JetStreamContext
 
 from consumers.config import ShardWriterSettings
-from eventlog import Publisher
+from eventlog import JetStream, Publisher
 from eventlog.loop import ACK, HOLD, Delivery, Outcome, PullLoop, Reject
 from eventlog.metrics import ConsumerMetrics, LoopMetrics
 from eventlog.pull import ConsumerSpec
@@ -106,7 +105,7 @@ class ShardWriter:
 
     def __init__(
         self,
-        js: JetStreamContext,
+        js: JetStream,
         publisher: Publisher,
         store: ShardStore,
         settings: ShardWriterSettings | None = None,

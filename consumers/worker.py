@@ -43,12 +43,11 @@ import time
 from dataclasses import dataclass
 
 import msgspec
-from nats.js import JetStreamContext
 
 from consumers.config import FoldWorkerSettings
 from consumers.errors import FoldError
 from consumers.fold import FoldOptions, FoldResult, fold
-from eventlog import Publisher, StreamNames, read_session_messages
+from eventlog import JetStream, Publisher, StreamNames, read_session_messages
 from eventlog.buckets import Bucket
 from eventlog.loop import ACK, Delivery, Outcome, PullLoop, Reject
 from eventlog.metrics import ConsumerMetrics, LoopMetrics
@@ -172,7 +171,7 @@ class FoldWorker:
 
     def __init__(
         self,
-        js: JetStreamContext,
+        js: JetStream,
         publisher: Publisher,
         settings: FoldWorkerSettings | None = None,
         names: StreamNames | None = None,

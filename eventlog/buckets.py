@@ -2,11 +2,14 @@
 
 Two buckets hold consumer state: ``ts_folded`` (a marker per folded session, so a close
 redelivered late is a no-op) and ``ts_sessions`` (the reaper's activity entry per session,
-written with compare-and-set so any number of reapers can share it).
+written with compare-and-set so any number of reapers can share it). The gateway follows
+``ts_policy`` with ``watch``.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import nats.errors
@@ -91,6 +94,25 @@ class Bucket:
         except _UNAVAILABLE as exc:
             raise EventLogUnavailable(f"deleting {key} in bucket {self.name}: {exc}") from exc
         return True
+
+    async def watch(self, key: str) -> AsyncIterator[Entry]:
+        """``key``'s current entry (if any), then every entry written to it, until the caller
+        stops iterating; deletions are skipped. Raises EventLogUnavailable when the watch cannot
+        be set up; it ends when the log stopped the watch under us (watch again)."""
+        try:
+            watcher = await self._kv.watch(key)
+        except _UNAVAILABLE as exc:
+            raise EventLogUnavailable(f"watching {key} in bucket {self.name}: {exc!r}") from exc
+        try:
+            async for entry in watcher:
+                # None marks "initial values delivered"; a deletion carries no value
+                if entry is None or entry.operation is not None or not entry.value:
+                    continue
+                if entry.revision is not None:
+                    yield Entry(entry.key, entry.value, entry.revision)
+        finally:
+            with contextlib.suppress(*_UNAVAILABLE):  # the connection may already be gone
+                await watcher.stop()  # type: ignore[no-untyped-call]
 
     async def entries(self, keys: str = ">", timeout_s: float = 5.0) -> list[Entry]:
         """Every live entry whose key matches ``keys`` (NATS wildcards), as of the call.

@@ -35,10 +35,16 @@ from typing import Protocol
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
-from nats.aio.client import Client as NATS
-from nats.js import JetStreamContext
 
-from eventlog import ConsumerSpec, JetStreamPublisher, LogSettings, Publisher, connect
+from eventlog import (
+    Connection,
+    ConsumerSpec,
+    JetStream,
+    JetStreamPublisher,
+    LogSettings,
+    Publisher,
+    connect,
+)
 from eventlog.commits import CommitLedger
 from eventlog.connection import close_connection
 from eventlog.loop import ACK, HOLD, Delivery, Outcome, PullLoop, Reject
@@ -119,7 +125,7 @@ class LiveSource:
 
     def __init__(
         self,
-        js: JetStreamContext,
+        js: JetStream,
         publisher: Publisher,
         settings: LiveSourceSettings | None = None,
         *,
@@ -137,7 +143,7 @@ class LiveSource:
         self._ledger: CommitLedger | None = None
         self._ready: list[Received] = []
         self._held: set[int] = set()  # TRAJ sequences handed out, not yet acked or handed back
-        self._owned: tuple[NATS, JetStreamPublisher] | None = None
+        self._owned: tuple[Connection, JetStreamPublisher] | None = None
         self.stats = LiveStats()
         subject = f"{TRAJ_SUBJECT_PREFIX}.{run}" if run else f"{TRAJ_SUBJECT_PREFIX}.>"
         spec = ConsumerSpec(
@@ -375,7 +381,7 @@ class ReplaySource(_ReadOnly):
 
     def __init__(
         self,
-        js: JetStreamContext,
+        js: JetStream,
         first: int,
         last: int,
         *,
