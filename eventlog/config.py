@@ -76,7 +76,7 @@ class LogSettings(BaseModel):
     connect_wait_s: float = Field(
         5.0, gt=0, description="how long the first connect keeps trying before it fails"
     )
-    # -- who this client is and how it checks the server (eventlog.security makes both) ------
+    # -- who this client is and how it checks the server (eventlog.server.security makes both) --
     user: str | None = Field(None, description="NATS user name (with --log.password)")
     password: SecretStr | None = Field(None, description="password of --log.user")
     token: SecretStr | None = Field(None, description="NATS authorization token (no user)")

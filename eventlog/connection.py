@@ -169,7 +169,8 @@ async def connect(
                 hopeless.set()
         if _PERMISSIONS in str(exc).lower():
             # The server refused one publish or subscription and kept the connection: these
-            # credentials' role may not do that (eventlog.permissions lists each role's rights).
+            # credentials' role may not do that (eventlog.server.permissions lists each role's
+            # rights).
             who, _ = _login(settings)
             log.error(
                 "nats %s: refused to the credentials %s: %s", name, who or "(none given)", exc

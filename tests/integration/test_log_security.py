@@ -1,7 +1,7 @@
 """An authenticated, encrypted log: a real nats-server with the generated users and TLS.
 
-The CA, the server certificate and the role passwords are made by ``eventlog.security`` in the
-test's temp dir; each role works through the real services (publisher, fold worker, reaper,
+The CA, the server certificate and the role passwords are made by ``eventlog.server.security`` in
+the test's temp dir; each role works through the real services (publisher, fold worker, reaper,
 shard writer, live sink, policy bucket) and is refused what it may not do. The server's own log
 is the witness that a role's normal work needs nothing it is denied.
 """
