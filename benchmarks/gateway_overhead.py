@@ -14,7 +14,7 @@ Setup (all on this machine, started and stopped by this script)
   request body in both paths, and costs ~0.15-0.5 ms of CPU per request.
 * **Gateway**: ``turnstream gateway --backend vllm`` in its own process (uvicorn), on the tiny
   ChatML model's tokenizer and template (``gateway.model.ensure_tiny_model``), publishing to a
-  nats-server (file store, ``eventlog.NatsServer``) that this script starts. It is started
+  nats-server (file store, ``eventlog.server.NatsServer``) that this script starts. It is started
   through ``benchmarks/_gateway_launcher.py``, which runs ``turnstream.cli.main`` unchanged and
   records the garbage collector's full collections (and, on request, the gc.freeze experiment and
   the profiler described below). Logging as shipped unless ``--gateway-log-level`` says

@@ -32,6 +32,7 @@ from schemas.errors import EventLogUnavailable
 
 __all__ = [
     "ANSWER_TRIES",
+    "UNAVAILABLE",
     "Connection",
     "JetStream",
     "answered",

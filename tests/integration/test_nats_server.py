@@ -102,7 +102,7 @@ async def test_a_server_started_from_a_short_lived_thread_outlives_the_thread(
 PARENT = """
 import sys, threading, time
 from pathlib import Path
-from eventlog import NatsServer
+from eventlog.server import NatsServer
 server = NatsServer(Path(sys.argv[1]))
 thread = threading.Thread(target=server.start)  # the forking thread ends; the process lives
 thread.start()
