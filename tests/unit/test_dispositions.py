@@ -211,3 +211,17 @@ def test_only_sessions_closed_and_quiet_long_enough_are_forgotten() -> None:
         ("r.open", SessionActivity(last_at=10.0, turns=1)),
     ]
     assert forgettable(entries, now=200.0, after_s=100.0) == ["r.old"]
+
+
+def test_a_consumer_spec_is_the_one_place_nats_consumer_config_comes_from() -> None:
+    """The server keeps one delivery more than the handler's tries (the spare delivery), one
+    filter subject or several, and headers only when asked."""
+    fold_worker = SPEC.config()
+    assert (fold_worker.durable_name, fold_worker.max_deliver) == ("fold", 5)
+    assert fold_worker.filter_subject == "ts.ev.*.*.close" and not fold_worker.filter_subjects
+    assert fold_worker.ack_wait == SETTINGS.ack_wait_s and fold_worker.headers_only is None
+    tracker = ConsumerSpec(
+        "EVENTS", "reaper", ("ts.ev.a.>", "ts.ev.b.>"), 4096, 30.0, headers_only=True
+    ).config()
+    assert tracker.max_deliver == -1 and tracker.headers_only
+    assert tracker.filter_subjects == ["ts.ev.a.>", "ts.ev.b.>"] and tracker.filter_subject is None
