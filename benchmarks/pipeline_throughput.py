@@ -103,12 +103,12 @@ from nats.js import api as js_api
 from eventlog import (
     JetStreamPublisher,
     LogSettings,
-    NatsServer,
     PublisherSettings,
     connect,
     provision,
     read_session_messages,
 )
+from eventlog.server import NatsServer
 from schemas.events import SessionClosed, SessionEvent
 
 TARGET_RATIO = 0.25  # issue 16 (0.5 before: out of reach on 2 cores)

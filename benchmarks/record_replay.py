@@ -59,7 +59,8 @@ from nats.js import JetStreamContext
 from nats.js import api as js_api
 
 from consumers.recording import read_recording
-from eventlog import LogSettings, NatsServer, connect, provision
+from eventlog import LogSettings, connect, provision
+from eventlog.server import NatsServer
 from schemas.codec import Codec
 from schemas.events import SessionClosed, SessionEvent, SessionOpened, TurnCompleted
 from schemas.routing import route

@@ -74,7 +74,8 @@ from harness import (
     say,
 )
 
-from eventlog import NatsServer, connect, free_port
+from eventlog import connect
+from eventlog.server import NatsServer, free_port
 
 JSON = dict[str, Any]
 CONCURRENCY = 64

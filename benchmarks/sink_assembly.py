@@ -237,7 +237,8 @@ async def pipeline_latency(sessions: int, interval_s: float) -> dict[str, Any]:
 
     from harness.pipeline_load import Plan, close_of, consumers_idle, make_session, wait_for
 
-    from eventlog import JetStreamPublisher, LogSettings, NatsServer, connect, provision
+    from eventlog import JetStreamPublisher, LogSettings, connect, provision
+    from eventlog.server import NatsServer
     from trainer_sink import BatchingSettings, LiveSource, LiveSourceSettings, TrainerSink
 
     plan = Plan(

@@ -70,14 +70,8 @@ from nats.js import JetStreamContext
 from subagents import subagents_main
 
 from consumers.fold import fold
-from eventlog import (
-    JetStreamPublisher,
-    LogSettings,
-    NatsServer,
-    connect,
-    provision,
-    read_session,
-)
+from eventlog import JetStreamPublisher, LogSettings, connect, provision, read_session
+from eventlog.server import NatsServer
 from schemas.codec import Codec
 from schemas.delta import encode_delta, replay_context
 from schemas.events import JSON, SessionClosed, SessionEvent, SessionOpened, TurnCompleted

@@ -48,7 +48,8 @@ from harness.synthetic_sessions import (
 from nats.js import JetStreamContext
 
 from consumers.fold import fold
-from eventlog import JetStreamPublisher, LogSettings, NatsServer, connect, provision, read_session
+from eventlog import JetStreamPublisher, LogSettings, connect, provision, read_session
+from eventlog.server import NatsServer
 from schemas.codec import Codec
 from schemas.delta import encode_delta
 from schemas.events import JSON, SessionClosed, SessionEvent, SessionOpened, TurnCompleted

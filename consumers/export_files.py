@@ -44,9 +44,9 @@ import pyarrow.parquet as pq
 
 from consumers.export import JSON, ExportError
 from consumers.export_formats import jsonl_lines
-from eventlog.shard_store import FileShardStore
-from eventlog.store_lock import pid_alive
+from eventlog.server import pid_alive
 from schemas.shards import TRAJECTORY_SCHEMA
+from shardstore import FileShardStore
 
 __all__ = ["ExportDirectory", "ExportFormat", "Part", "Selection", "SourceShard"]
 

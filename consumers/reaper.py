@@ -33,16 +33,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import msgspec
-from nats.js import JetStreamContext
 
 from consumers.config import ReaperSettings
-from eventlog import Publisher, StreamNames
+from eventlog import JetStream, Publisher, StreamNames
 from eventlog.buckets import Bucket
-from eventlog.config import ConsumerSettings
 from eventlog.connection import reconnects
 from eventlog.loop import ACK, Delivery, Outcome, PullLoop, Reject
 from eventlog.metrics import ConsumerMetrics, LoopMetrics
-from eventlog.pull import PullConsumer
+from eventlog.pull import ConsumerSpec
 from eventlog.streams import newest_message
 from schemas.errors import EventLogUnavailable
 from schemas.events import SessionClosed
@@ -169,7 +167,7 @@ class Reaper:
 
     def __init__(
         self,
-        js: JetStreamContext,
+        js: JetStream,
         publisher: Publisher,
         settings: ReaperSettings | None = None,
         names: StreamNames | None = None,
@@ -191,32 +189,24 @@ class Reaper:
         # key -> (revision, activity) of our last write: saves a read per update
         self._known: OrderedDict[str, tuple[int, SessionActivity]] = OrderedDict()
         s = self.settings
+        spec = ConsumerSpec(
+            stream=self.names.events,
+            durable=s.durable,
+            filter_subjects=(f"{EVENT_SUBJECT_PREFIX}.>",),
+            max_ack_pending=s.max_ack_pending,
+            ack_wait_s=s.ack_wait_s,
+            batch=s.batch,
+            max_deliver=-1,  # tracking is retried until the bucket takes it
+            headers_only=True,
+        )
         self.loop = PullLoop(
             js,
-            self.consumer(),
+            spec,
             self,
-            settings=ConsumerSettings(
-                durable=s.durable,
-                batch=s.batch,
-                max_ack_pending=s.max_ack_pending,
-                ack_wait_s=s.ack_wait_s,
-                max_deliver=-1,  # tracking is retried until the bucket takes it
-            ),
             publisher=publisher,
             source=SOURCE,
             max_payload=max_payload,
             metrics=metrics.loop(SOURCE) if metrics else LoopMetrics.disabled(),
-        )
-
-    def consumer(self) -> PullConsumer:
-        s = self.settings
-        return PullConsumer(
-            stream=self.names.events,
-            durable=s.durable,
-            filter_subjects=[f"{EVENT_SUBJECT_PREFIX}.>"],
-            max_ack_pending=s.max_ack_pending,
-            ack_wait_s=s.ack_wait_s,
-            headers_only=True,
         )
 
     async def attach(self) -> None:

@@ -53,22 +53,19 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import pyarrow as pa
-from nats.js import JetStreamContext
 
 from consumers.config import ShardWriterSettings
-from eventlog import Publisher
-from eventlog.config import ConsumerSettings
-from eventlog.errors import ShardWriteFailed
+from eventlog import JetStream, Publisher
 from eventlog.loop import ACK, HOLD, Delivery, Outcome, PullLoop, Reject
 from eventlog.metrics import ConsumerMetrics, LoopMetrics
-from eventlog.pull import PullConsumer
+from eventlog.pull import ConsumerSpec
 from eventlog.seqset import SeqSet
-from eventlog.shard_store import CommittedShard, ShardStore
 from eventlog.streams import consumer_ack_floor, stream_facts
 from schemas.codec import Codec
 from schemas.errors import SchemaError, UndecodableEvent
 from schemas.ids import TRAJ_SUBJECT_PREFIX
 from schemas.shards import ROW_ERRORS, ShardMetadata, ShardRow, shard_row, writable_table
+from shardstore import CommittedShard, ShardStore, ShardWriteFailed
 
 __all__ = ["ShardWriter", "ShardWriterStats"]
 
@@ -108,7 +105,7 @@ class ShardWriter:
 
     def __init__(
         self,
-        js: JetStreamContext,
+        js: JetStream,
         publisher: Publisher,
         store: ShardStore,
         settings: ShardWriterSettings | None = None,
@@ -135,35 +132,25 @@ class ShardWriter:
         self._stream_created = ""
         self._metrics = metrics.loop(SOURCE) if metrics else LoopMetrics.disabled()
         s = self.settings
+        spec = ConsumerSpec(
+            stream=stream,
+            durable=s.durable,
+            filter_subjects=(f"{TRAJ_SUBJECT_PREFIX}.>",),
+            max_ack_pending=s.max_ack_pending,
+            ack_wait_s=s.effective_ack_wait_s,
+            batch=s.batch,
+            max_deliver=-1,  # a trajectory is never given up on: it waits for a writable target
+            fetch_timeout_s=s.fetch_timeout_s,
+            fetch_max_bytes=s.fetch_max_bytes,
+        )
         self.loop = PullLoop(
             js,
-            self.consumer(),
+            spec,
             self,
-            # a trajectory is never given up on: it waits for a writable target
-            settings=ConsumerSettings(
-                durable=s.durable,
-                batch=s.batch,
-                max_ack_pending=s.max_ack_pending,
-                ack_wait_s=s.effective_ack_wait_s,
-                max_deliver=-1,
-                fetch_timeout_s=s.fetch_timeout_s,
-            ),
             publisher=publisher,
             source=SOURCE,
             max_payload=self._codec.max_payload,
-            fetch_max_bytes=s.fetch_max_bytes,
             metrics=self._metrics,
-        )
-
-    def consumer(self) -> PullConsumer:
-        s = self.settings
-        return PullConsumer(
-            stream=self.stream,
-            durable=s.durable,
-            filter_subjects=[f"{TRAJ_SUBJECT_PREFIX}.>"],
-            max_ack_pending=s.max_ack_pending,
-            ack_wait_s=s.effective_ack_wait_s,
-            max_deliver=-1,  # a trajectory is never given up on: it waits for a writable target
         )
 
     # -- the loop ---------------------------------------------------------------------------

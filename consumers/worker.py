@@ -43,17 +43,15 @@ import time
 from dataclasses import dataclass
 
 import msgspec
-from nats.js import JetStreamContext
 
 from consumers.config import FoldWorkerSettings
 from consumers.errors import FoldError
 from consumers.fold import FoldOptions, FoldResult, fold
-from eventlog import Publisher, StreamNames, read_session_messages
+from eventlog import JetStream, Publisher, StreamNames, read_session_messages
 from eventlog.buckets import Bucket
-from eventlog.dispositions import consumer_max_deliver
 from eventlog.loop import ACK, Delivery, Outcome, PullLoop, Reject
 from eventlog.metrics import ConsumerMetrics, LoopMetrics
-from eventlog.pull import PullConsumer
+from eventlog.pull import ConsumerSpec
 from eventlog.reader import stored_msg_ids
 from eventlog.streams import stream_facts
 from schemas.codec import Codec
@@ -173,7 +171,7 @@ class FoldWorker:
 
     def __init__(
         self,
-        js: JetStreamContext,
+        js: JetStream,
         publisher: Publisher,
         settings: FoldWorkerSettings | None = None,
         names: StreamNames | None = None,
@@ -192,25 +190,15 @@ class FoldWorker:
         self._traj_window_s: float | None = None
         self.loop = PullLoop(
             js,
-            self.consumer(),
+            ConsumerSpec.of(
+                self.settings, stream=self.names.events, filter_subjects=[CLOSE_FILTER]
+            ),
             self,
-            settings=self.settings,
             publisher=publisher,
             source=SOURCE,
             max_payload=max_payload,
             concurrency=self.settings.concurrency,
             metrics=metrics.loop(SOURCE) if metrics else LoopMetrics.disabled(),
-        )
-
-    def consumer(self) -> PullConsumer:
-        s = self.settings
-        return PullConsumer(
-            stream=self.names.events,
-            durable=s.durable,
-            filter_subjects=[CLOSE_FILTER],
-            max_ack_pending=s.max_ack_pending,
-            ack_wait_s=s.ack_wait_s,
-            max_deliver=consumer_max_deliver(s),
         )
 
     async def run(self, stop: asyncio.Event) -> None:

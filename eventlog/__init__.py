@@ -1,61 +1,84 @@
-"""The event log runtime: embedded nats-server, connection, provisioning, publisher, outbox."""
+"""The log client: connect to a NATS JetStream log, provision it, publish, read, consume.
 
-from eventlog.config import LogSettings, PublisherSettings, StreamNames, check_retry_horizon
-from eventlog.connection import answered, connect
-from eventlog.errors import LogSecurityError, PublishForbidden, ServerCrashLoop, StoreInUse
+nats.py is a library and the server someone else's process: this package is the client side
+only, and the one place in turnstream that imports nats-py. Running a server of our own is
+``eventlog.server``; the Parquet shards are ``shardstore``. What the other packages use:
+
+- settings (``config``): ``LogSettings``, ``PublisherSettings``, ``ConsumerSettings``,
+  ``StreamNames``; ``connection``: ``connect`` gives a ``Connection`` (its ``JetStream``
+  API), ``map_nats_errors`` turns a direct request's nats errors into ours;
+  ``provision`` makes the streams and buckets (an admin client's job, any server).
+- publishing: the ``Publisher`` port and ``JetStreamPublisher`` (acked, retried with one
+  Msg-Id, spooled to the ``Outbox``); reading: ``read_session`` / ``read_session_messages``
+  (one session, direct get), ``reader``'s scans (``read_subject``, ``read_range``,
+  ``msg_id_counts``, ``stored_msg_ids``); ``follow``: a subject from now on.
+- consuming: a ``ConsumerSpec`` run by the one ``PullLoop``; handlers take a ``Delivery`` and
+  return an ``Outcome`` (``ACK``, ``HOLD``, ``Reject``); ``dispositions`` decides retries and
+  dead letters, ``metrics`` counts them; ``commits`` (``CommitLedger``), ``seqset`` and
+  ``streams`` (stream and consumer facts) serve the writers and sinks.
+- consumer state: ``Bucket`` (JetStream KV, compare-and-set, ``watch``).
+
+Errors: ``schemas.errors`` (``EventLogUnavailable``, ``ProvisioningError``) and ``errors``.
+"""
+
+from eventlog.buckets import Bucket, Entry
+from eventlog.config import (
+    ConsumerSettings,
+    LogSettings,
+    PublisherSettings,
+    StreamNames,
+    check_retry_horizon,
+)
+from eventlog.connection import (
+    Connection,
+    JetStream,
+    answered,
+    close_connection,
+    connect,
+    map_nats_errors,
+)
+from eventlog.errors import PublishForbidden
+from eventlog.follow import Following, follow
 from eventlog.loop import ACK, HOLD, BatchHandler, Delivery, Handler, Outcome, PullLoop, Reject
-from eventlog.outbox import Outbox, OutboxRecord
-from eventlog.permissions import ROLES, Role
+from eventlog.outbox import Outbox
 from eventlog.provision import ProvisionAction, provision
-from eventlog.publisher import JetStreamPublisher, Publisher, PublisherStats, PublishReceipt
-from eventlog.pull import FetchSizer, PullConsumer, fetch, release
+from eventlog.publisher import JetStreamPublisher, Publisher, PublishReceipt
+from eventlog.pull import ConsumerSpec
 from eventlog.reader import StoredMessage, read_session, read_session_messages
-from eventlog.security import LogSecurity, ensure_log_security
-from eventlog.server import NatsServer, find_nats_server, free_port, free_ports
-from eventlog.supervisor import supervise, supervised
 
 __all__ = [
     "ACK",
     "HOLD",
-    "ROLES",
     "BatchHandler",
+    "Bucket",
+    "Connection",
+    "ConsumerSettings",
+    "ConsumerSpec",
     "Delivery",
-    "FetchSizer",
+    "Entry",
+    "Following",
     "Handler",
+    "JetStream",
     "JetStreamPublisher",
-    "LogSecurity",
-    "LogSecurityError",
     "LogSettings",
-    "NatsServer",
     "Outbox",
-    "OutboxRecord",
     "Outcome",
     "ProvisionAction",
     "PublishForbidden",
     "PublishReceipt",
     "Publisher",
     "PublisherSettings",
-    "PublisherStats",
-    "PullConsumer",
     "PullLoop",
     "Reject",
-    "Role",
-    "ServerCrashLoop",
-    "StoreInUse",
     "StoredMessage",
     "StreamNames",
     "answered",
     "check_retry_horizon",
+    "close_connection",
     "connect",
-    "ensure_log_security",
-    "fetch",
-    "find_nats_server",
-    "free_port",
-    "free_ports",
+    "follow",
+    "map_nats_errors",
     "provision",
     "read_session",
     "read_session_messages",
-    "release",
-    "supervise",
-    "supervised",
 ]

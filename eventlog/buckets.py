@@ -2,25 +2,26 @@
 
 Two buckets hold consumer state: ``ts_folded`` (a marker per folded session, so a close
 redelivered late is a no-op) and ``ts_sessions`` (the reaper's activity entry per session,
-written with compare-and-set so any number of reapers can share it).
+written with compare-and-set so any number of reapers can share it). The gateway follows
+``ts_policy`` with ``watch``.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-import nats.errors
 from nats.js import JetStreamContext
 from nats.js import errors as js_errors
 from nats.js.kv import KeyValue
 
-from eventlog.connection import answered
+from eventlog.connection import UNAVAILABLE, answered
 from schemas.errors import EventLogUnavailable
 
 __all__ = ["Bucket", "Entry"]
 
 _WRONG_LAST_SEQUENCE = 10071  # JetStream's err_code; nats-py raises it as BadRequestError here
-_UNAVAILABLE = (TimeoutError, nats.errors.Error, OSError)
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class Bucket:
         try:  # a service opens its buckets as it starts: a lost answer is asked again
             kv = await answered(lambda: js.key_value(name), f"opening bucket {name}")
             return cls(js, kv, name)
-        except _UNAVAILABLE as exc:
+        except UNAVAILABLE as exc:
             raise EventLogUnavailable(
                 f"cannot open bucket {name}: {exc}; is the log provisioned?"
             ) from exc
@@ -54,7 +55,7 @@ class Bucket:
             entry = await self._kv.get(key)
         except js_errors.KeyNotFoundError:  # KeyDeletedError (an expired entry) included
             return None
-        except _UNAVAILABLE as exc:
+        except UNAVAILABLE as exc:
             raise EventLogUnavailable(f"reading {key} in bucket {self.name}: {exc}") from exc
         if entry.value is None or entry.revision is None:
             return None
@@ -63,7 +64,7 @@ class Bucket:
     async def put(self, key: str, value: bytes) -> int:
         try:
             return int(await self._kv.put(key, value))
-        except _UNAVAILABLE as exc:
+        except UNAVAILABLE as exc:
             raise EventLogUnavailable(f"writing {key} in bucket {self.name}: {exc}") from exc
 
     async def swap(self, key: str, value: bytes, revision: int) -> int | None:
@@ -75,7 +76,7 @@ class Bucket:
             return int(await self._kv.create(key, value))
         except js_errors.KeyWrongLastSequenceError:
             return None
-        except _UNAVAILABLE as exc:
+        except UNAVAILABLE as exc:
             raise EventLogUnavailable(f"writing {key} in bucket {self.name}: {exc}") from exc
 
     async def delete(self, key: str, revision: int) -> bool:
@@ -88,9 +89,28 @@ class Bucket:
             if exc.err_code == _WRONG_LAST_SEQUENCE:
                 return False
             raise EventLogUnavailable(f"deleting {key} in bucket {self.name}: {exc}") from exc
-        except _UNAVAILABLE as exc:
+        except UNAVAILABLE as exc:
             raise EventLogUnavailable(f"deleting {key} in bucket {self.name}: {exc}") from exc
         return True
+
+    async def watch(self, key: str) -> AsyncIterator[Entry]:
+        """``key``'s current entry (if any), then every entry written to it, until the caller
+        stops iterating; deletions are skipped. Raises EventLogUnavailable when the watch cannot
+        be set up; it ends when the log stopped the watch under us (watch again)."""
+        try:
+            watcher = await self._kv.watch(key)
+        except UNAVAILABLE as exc:
+            raise EventLogUnavailable(f"watching {key} in bucket {self.name}: {exc!r}") from exc
+        try:
+            async for entry in watcher:
+                # None marks "initial values delivered"; a deletion carries no value
+                if entry is None or entry.operation is not None or not entry.value:
+                    continue
+                if entry.revision is not None:
+                    yield Entry(entry.key, entry.value, entry.revision)
+        finally:
+            with contextlib.suppress(*UNAVAILABLE):  # the connection may already be gone
+                await watcher.stop()  # type: ignore[no-untyped-call]
 
     async def entries(self, keys: str = ">", timeout_s: float = 5.0) -> list[Entry]:
         """Every live entry whose key matches ``keys`` (NATS wildcards), as of the call.
@@ -104,7 +124,7 @@ class Bucket:
         try:
             held = await self._keys(keys)
             found, seen = await self._watch(keys, timeout_s)
-        except _UNAVAILABLE as exc:
+        except UNAVAILABLE as exc:
             raise EventLogUnavailable(f"reading bucket {self.name}: {exc}") from exc
         for key in sorted(held - seen):
             entry = await self.get(key)  # None: deleted, or expired since the listing

@@ -76,7 +76,7 @@ class LogSettings(BaseModel):
     connect_wait_s: float = Field(
         5.0, gt=0, description="how long the first connect keeps trying before it fails"
     )
-    # -- who this client is and how it checks the server (eventlog.security makes both) ------
+    # -- who this client is and how it checks the server (eventlog.server.security makes both) --
     user: str | None = Field(None, description="NATS user name (with --log.password)")
     password: SecretStr | None = Field(None, description="password of --log.user")
     token: SecretStr | None = Field(None, description="NATS authorization token (no user)")
@@ -190,7 +190,10 @@ def check_retry_horizon(log: LogSettings, publisher: PublisherSettings) -> None:
 
 
 class ConsumerSettings(BaseModel):
-    """A durable pull consumer: how much is in flight, how long before a redelivery."""
+    """A durable pull consumer's flags: how much is in flight, how long before a redelivery.
+
+    ``eventlog.pull.ConsumerSpec.of`` makes the consumer these describe (stream and filter are
+    the service's to say)."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -211,15 +214,3 @@ class ConsumerSettings(BaseModel):
         if self.max_deliver in (0, 1):
             raise ValueError("max_deliver must be -1 (never give up) or at least 2")
         return self
-
-    @property
-    def fetch_batch(self) -> int:
-        # A pull request for more than max_ack_pending can never be filled: the server holds it
-        # until it expires, and every fetch would take the full timeout.
-        return min(self.batch, self.max_ack_pending)
-
-    def retry_delay_s(self, delivery: int) -> float:
-        """Delay before the next try of a message delivered ``delivery`` times (1 = first)."""
-        if not self.backoff_s:
-            return 0.0
-        return self.backoff_s[min(delivery, len(self.backoff_s)) - 1]

@@ -6,6 +6,11 @@ seconds and reconnect forever; publishers retry with the same Msg-Id meanwhile.
 
 A first connect that fails says why: the credentials were refused (and which setting holds
 them), the server's certificate did not verify, or nothing answered.
+
+Outside ``eventlog`` nothing imports nats-py: a caller holds a ``Connection`` and its
+``JetStream`` (nats-py's own types under our names, for annotations and the odd direct
+request), and wraps such a request in ``map_nats_errors`` so it raises our
+``EventLogUnavailable``, never ``nats.errors.Error``.
 """
 
 from __future__ import annotations
@@ -14,8 +19,8 @@ import asyncio
 import contextlib
 import logging
 import ssl
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any, TypeAlias, TypeVar
 
 import nats.errors
 from nats.aio.client import Client as NATS
@@ -25,7 +30,17 @@ from nats.js import errors as js_errors
 from eventlog.config import LogSettings
 from schemas.errors import EventLogUnavailable
 
-__all__ = ["ANSWER_TRIES", "answered", "close_connection", "connect", "reconnects"]
+__all__ = [
+    "ANSWER_TRIES",
+    "UNAVAILABLE",
+    "Connection",
+    "JetStream",
+    "answered",
+    "close_connection",
+    "connect",
+    "map_nats_errors",
+    "reconnects",
+]
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +48,16 @@ _RECONNECT_WAIT_S = 0.25
 _PERMISSIONS = "permissions violation"
 
 T = TypeVar("T")
+
+Connection: TypeAlias = NATS
+"""A connection to the log (``connect`` makes one)."""
+
+JetStream: TypeAlias = JetStreamContext
+"""The JetStream API over a ``Connection`` (``connection.jetstream()``)."""
+
+UNAVAILABLE = (TimeoutError, nats.errors.Error, OSError)
+"""What nats-py (its JetStream errors included) and the socket raise when the log does not
+answer or refuses a request; translated into ``EventLogUnavailable``."""
 
 ANSWER_TRIES = 3
 """How many times ``answered`` sends an idempotent request whose answer was lost."""
@@ -145,7 +170,8 @@ async def connect(
                 hopeless.set()
         if _PERMISSIONS in str(exc).lower():
             # The server refused one publish or subscription and kept the connection: these
-            # credentials' role may not do that (eventlog.permissions lists each role's rights).
+            # credentials' role may not do that (eventlog.server.permissions lists each role's
+            # rights).
             who, _ = _login(settings)
             log.error(
                 "nats %s: refused to the credentials %s: %s", name, who or "(none given)", exc
@@ -258,3 +284,13 @@ async def answered(request: Callable[[], Awaitable[T]], what: str, tries: int = 
             )
             await asyncio.sleep(_RECONNECT_WAIT_S)
     raise AssertionError("unreachable")
+
+
+@contextlib.contextmanager
+def map_nats_errors(what: str) -> Iterator[None]:
+    """Inside the block, nats-py's and the socket's errors raise ``EventLogUnavailable`` naming
+    ``what`` (the nats error as its cause), as httpx's ``map_httpcore_exceptions`` does."""
+    try:
+        yield
+    except UNAVAILABLE as exc:
+        raise EventLogUnavailable(f"{what}: {type(exc).__name__}: {exc}") from exc

@@ -10,18 +10,20 @@ message JetStream gives up on would vanish without a trace, so that try dead-let
 naking. The DLQ is in the same log, so the dead letter
 itself can fail to be stored (``when_dead_letter_fails``): before that delivery the message is
 naked and comes back whole; from it on the worker keeps the message and retries the letter. The
-consumer allows one delivery more than the worker (``consumer_max_deliver``), so a worker stopped
-or killed while dead-lettering leaves the message to that spare delivery rather than to nothing.
+consumer allows one delivery more than the worker (``ConsumerSpec.server_max_deliver``), so a
+worker stopped or killed while dead-lettering leaves the message to that spare delivery rather
+than to nothing.
 
 >>> from schemas.errors import EventLogUnavailable, UndecodableEvent
->>> settings = ConsumerSettings(durable="fold", max_deliver=3, backoff_s=(1.0, 5.0))
->>> disposition(EventLogUnavailable("down"), delivery=1, settings=settings)
+>>> spec = ConsumerSpec("EVENTS", "fold", ("ts.ev.*.*.close",), max_ack_pending=64,
+...                     ack_wait_s=30.0, max_deliver=3, backoff_s=(1.0, 5.0))
+>>> disposition(EventLogUnavailable("down"), delivery=1, spec=spec)
 Retry(delay_s=1.0)
->>> disposition(EventLogUnavailable("down"), delivery=3, settings=settings)
+>>> disposition(EventLogUnavailable("down"), delivery=3, spec=spec)
 DeadLetterIt(reason='log_unavailable')
->>> disposition(UndecodableEvent("junk"), delivery=1, settings=settings)
+>>> disposition(UndecodableEvent("junk"), delivery=1, spec=spec)
 DeadLetterIt(reason='undecodable')
->>> when_dead_letter_fails(delivery=3, attempt=1, stopping=False, settings=settings)
+>>> when_dead_letter_fails(delivery=3, attempt=1, stopping=False, spec=spec)
 RetryDeadLetter(delay_s=1.0)
 """
 
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from eventlog.config import ConsumerSettings
+from eventlog.pull import ConsumerSpec
 from schemas.errors import TurnstreamError
 
 __all__ = [
@@ -37,7 +39,6 @@ __all__ = [
     "Disposition",
     "Retry",
     "RetryDeadLetter",
-    "consumer_max_deliver",
     "disposition",
     "reason_of",
     "when_dead_letter_fails",
@@ -73,43 +74,32 @@ def reason_of(error: BaseException) -> str:
     return error.reason if isinstance(error, TurnstreamError) else "worker_error"
 
 
-def _last_try(delivery: int, settings: ConsumerSettings) -> bool:
-    return settings.max_deliver != -1 and delivery >= settings.max_deliver
+def _last_try(delivery: int, spec: ConsumerSpec) -> bool:
+    return spec.max_deliver != -1 and delivery >= spec.max_deliver
 
 
-def disposition(error: BaseException, *, delivery: int, settings: ConsumerSettings) -> Disposition:
+def disposition(error: BaseException, *, delivery: int, spec: ConsumerSpec) -> Disposition:
     """Dead-letter bad input at once; retry the rest until the consumer's last delivery."""
     permanent = isinstance(error, TurnstreamError) and error.permanent
-    if permanent or _last_try(delivery, settings):
+    if permanent or _last_try(delivery, spec):
         return DeadLetterIt(reason_of(error))
-    return Retry(settings.retry_delay_s(delivery))
-
-
-def consumer_max_deliver(settings: ConsumerSettings) -> int:
-    """The durable consumer's own max_deliver: one spare delivery past the worker's last try.
-
-    Deliveries ``max_deliver`` and later dead-letter on failure; the spare one only happens when
-    the worker holding delivery ``max_deliver`` stopped or died before it acked (mid-fold, or
-    while the log refused the dead letter), and it is the backstop against a close that kills
-    every worker that folds it.
-    """
-    return -1 if settings.max_deliver == -1 else settings.max_deliver + 1
+    return Retry(spec.retry_delay_s(delivery))
 
 
 def when_dead_letter_fails(
-    *, delivery: int, attempt: int, stopping: bool, settings: ConsumerSettings
+    *, delivery: int, attempt: int, stopping: bool, spec: ConsumerSpec
 ) -> Retry | RetryDeadLetter:
     """The dead letter of a message on its ``delivery`` could not be stored (``attempt`` tries).
 
     Before delivery ``max_deliver``: nak, the whole message comes back. From then on never nak:
     keep the message and retry the letter in process. A stopping worker hands the message back
-    only while JetStream still owes it a delivery (``consumer_max_deliver``); on the consumer's
+    only while JetStream still owes it a delivery (``spec.server_max_deliver``); on the consumer's
     last delivery nothing would ever record the close again, so the stop waits for the log.
     The hand-back waits out ``fetch_timeout_s``: the stopping worker's last fetch may still be
     open, and the close must go to another worker, not back to this one.
     """
-    if not _last_try(delivery, settings):
-        return Retry(settings.retry_delay_s(delivery))
-    if stopping and delivery < consumer_max_deliver(settings):
-        return Retry(max(settings.retry_delay_s(delivery), settings.fetch_timeout_s + 1.0))
-    return RetryDeadLetter(settings.retry_delay_s(attempt))
+    if not _last_try(delivery, spec):
+        return Retry(spec.retry_delay_s(delivery))
+    if stopping and delivery < spec.server_max_deliver:
+        return Retry(max(spec.retry_delay_s(delivery), spec.fetch_timeout_s + 1.0))
+    return RetryDeadLetter(spec.retry_delay_s(attempt))

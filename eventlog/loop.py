@@ -34,12 +34,11 @@ import nats.errors
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from eventlog.config import ConsumerSettings
 from eventlog.dead_letters import publish_dead_letter
 from eventlog.dispositions import Retry, disposition, when_dead_letter_fails
 from eventlog.metrics import LoopMetrics
 from eventlog.publisher import Publisher
-from eventlog.pull import FetchSizer, PullConsumer, fetch, release
+from eventlog.pull import ConsumerSpec, FetchSizer, fetch, release
 from schemas.dead_letter import DeadLetter
 from schemas.errors import EventLogUnavailable, TurnstreamError
 from schemas.ids import EVENT_SUBJECT_PREFIX, TRAJ_SUBJECT_PREFIX
@@ -147,32 +146,29 @@ class LoopStats:
 
 
 class PullLoop:
-    """Runs ``handler`` on a durable pull consumer. ``run(stop)`` for services; ``step()`` for
-    a caller that pulls at its own pace (the trainer's live feed)."""
+    """Runs ``handler`` on the durable pull consumer ``spec`` describes. ``run(stop)`` for
+    services; ``step()`` for a caller that pulls at its own pace (the trainer's live feed)."""
 
     def __init__(
         self,
         js: JetStreamContext,
-        consumer: PullConsumer,
+        spec: ConsumerSpec,
         handler: Handler | BatchHandler,
         *,
-        settings: ConsumerSettings,
         publisher: Publisher,
         source: str,
         max_payload: int,
         concurrency: int = 1,
-        fetch_max_bytes: int | None = None,
         metrics: LoopMetrics | None = None,
     ) -> None:
         self._js = js
-        self.consumer = consumer
+        self.spec = spec
         self._handler = handler
-        self.settings = settings
         self._publisher = publisher
         self.source = source
         self._max_payload = max_payload
         self._concurrency = concurrency
-        self._sizer = FetchSizer(fetch_max_bytes) if fetch_max_bytes else None
+        self._sizer = FetchSizer(spec.fetch_max_bytes) if spec.fetch_max_bytes else None
         self.metrics = metrics or LoopMetrics.disabled()
         self.stats = LoopStats()
         self._sub: JetStreamContext.PullSubscription | None = None
@@ -186,7 +182,7 @@ class PullLoop:
     async def bind(self) -> None:
         """Create or update the durable consumer and subscribe (``run`` and ``step`` do it)."""
         if self._sub is None:
-            self._sub = await self.consumer.bind(self._js)
+            self._sub = await self.spec.bind(self._js)
             self._keeper = asyncio.create_task(self._keep_alive(), name=f"{self.source}-alive")
 
     async def close(self) -> None:
@@ -222,11 +218,11 @@ class PullLoop:
         in_order = self._concurrency == 1 or isinstance(self._handler, BatchHandler)
         try:
             while not stop.is_set():
-                free = self.settings.fetch_batch if in_order else self._concurrency - len(working)
+                free = self.spec.fetch_batch if in_order else self._concurrency - len(working)
                 if free <= 0:
                     await asyncio.wait({*working, stopping}, return_when=asyncio.FIRST_COMPLETED)
                     continue
-                wait = wait_s() if wait_s is not None else self.settings.fetch_timeout_s
+                wait = wait_s() if wait_s is not None else self.spec.fetch_timeout_s
                 try:
                     deliveries = await self._fetch(free, wait)
                 except EventLogUnavailable as exc:
@@ -259,7 +255,7 @@ class PullLoop:
 
     async def _fetch(self, room: int, wait_s: float) -> list[Delivery]:
         assert self._sub is not None
-        batch = min(room, self.settings.fetch_batch)
+        batch = min(room, self.spec.fetch_batch)
         if self._sizer is not None:
             batch = self._sizer.batch(batch)
         msgs = await fetch(self._sub, batch, max(wait_s, 0.0))
@@ -268,7 +264,8 @@ class PullLoop:
         deliveries = [Delivery.of(m) for m in msgs]
         for delivery in deliveries:
             self._alive[delivery.seq] = delivery
-        self.metrics.fetched(deliveries)
+        if deliveries:
+            self.metrics.fetched(deliveries[-1].pending)
         return deliveries
 
     # -- handling ---------------------------------------------------------------------------
@@ -311,7 +308,7 @@ class PullLoop:
         # Hold: the handler settles it
 
     async def _fail(self, delivery: Delivery, exc: Exception) -> None:
-        decision = disposition(exc, delivery=delivery.delivery, settings=self.settings)
+        decision = disposition(exc, delivery=delivery.delivery, spec=self.spec)
         if isinstance(decision, Retry):
             self.stats.retried += 1
             log.info(
@@ -344,9 +341,9 @@ class PullLoop:
             except (TimeoutError, nats.errors.Error, OSError) as exc:
                 if confirm_s is not None:
                     raise EventLogUnavailable(
-                        f"ack of {self.consumer.stream} seq {delivery.seq} was not confirmed: "
+                        f"ack of {self.spec.stream} seq {delivery.seq} was not confirmed: "
                         f"{exc}; it is delivered again after ack_wait_s="
-                        f"{self.consumer.ack_wait_s:g}"
+                        f"{self.spec.ack_wait_s:g}"
                     ) from exc
                 # A lost ack means a redelivery, which every handler recognizes.
                 log.info("%s: ack of seq %d failed: %s", self.source, delivery.seq, exc)
@@ -374,7 +371,7 @@ class PullLoop:
             source=self.source,
             reason=outcome.reason,
             error=outcome.error,
-            stream=self.consumer.stream,
+            stream=self.spec.stream,
             subject=fault.subject,
             seq=fault.seq,
             deliveries=delivery.delivery,
@@ -409,7 +406,7 @@ class PullLoop:
                     delivery=delivery.delivery,
                     attempt=attempt,
                     stopping=self._stopping.is_set(),
-                    settings=self.settings,
+                    spec=self.spec,
                 )
                 log.warning(
                     "%s: cannot dead-letter %s seq %d (delivery %d, try %d): %s; %s",
@@ -440,7 +437,7 @@ class PullLoop:
     async def _keep_alive(self) -> None:
         # A fold of a long session, a trajectory waiting in a GRPO group or in a shard buffer:
         # tell JetStream they are being worked on, or it redelivers them meanwhile.
-        interval = self.consumer.ack_wait_s / 3
+        interval = self.spec.ack_wait_s / 3
         while True:
             await asyncio.sleep(interval)
             for delivery in list(self._alive.values()):

@@ -15,13 +15,7 @@ name. ``LoopMetrics.disabled()`` records nothing (libraries and tests that do no
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-
-if TYPE_CHECKING:
-    from eventlog.loop import Delivery
 
 __all__ = ["ConsumerMetrics", "LoopMetrics"]
 
@@ -88,9 +82,10 @@ class LoopMetrics:
     def disabled(cls) -> LoopMetrics:
         return cls(None, "")
 
-    def fetched(self, deliveries: Sequence[Delivery]) -> None:
-        if self.families is not None and deliveries:
-            self._pending.set(deliveries[-1].pending)
+    def fetched(self, pending: int) -> None:
+        """A fetch came back; ``pending``: what the stream still holds for the consumer."""
+        if self.families is not None:
+            self._pending.set(pending)
 
     def handled(self, count: int, seconds: float) -> None:
         if self.families is not None:

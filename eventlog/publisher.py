@@ -189,8 +189,9 @@ class JetStreamPublisher:
         if "permissions violation" in error and f'publish to "{subject.lower()}"' in error:
             raise PublishForbidden(
                 f"the log refused {msg_id} on {subject}: {self._nc.last_error}; the role of "
-                f"this process's credentials may not publish there (see eventlog.permissions "
-                f"for what each role may do, and use the role meant for this service)"
+                f"this process's credentials may not publish there (see "
+                f"eventlog.server.permissions for what each role may do, and use the role meant "
+                f"for this service)"
             )
 
     async def _publish_with_retry(

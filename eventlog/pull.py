@@ -1,11 +1,21 @@
-"""Durable pull consumers: create or update one, fetch from it, keep a long job's message alive.
+"""Durable pull consumers: one ``ConsumerSpec`` each, created or updated, fetched from.
 
 Every process of a kind (fold workers, reapers, the shard writer, a trainer's sink) binds to one
 durable consumer, so JetStream spreads the messages over them and redelivers what a dead process
 left unacked. The consumers themselves run in ``eventlog.loop.PullLoop``; these are its parts
 (and ``reader.stored_msg_ids`` fetches with them too).
+
+A consumer is described once, by a ``ConsumerSpec``: what the server keeps (stream, durable name,
+filter, ack wait, deliveries, pending) and how the loop pulls and retries (batch, fetch wait,
+backoff, bytes per fetch). ``ConsumerSpec.config`` is the one place it becomes nats'
+``ConsumerConfig``.
 nats-py errors are translated here: a fetch that finds nothing returns ``[]``; a log that does
 not answer raises EventLogUnavailable.
+
+>>> spec = ConsumerSpec("EVENTS", "fold", ("ts.ev.*.*.close",), max_ack_pending=64,
+...                     ack_wait_s=30.0, batch=500, max_deliver=3, backoff_s=(1.0, 5.0))
+>>> spec.fetch_batch, spec.server_max_deliver, [spec.retry_delay_s(d) for d in (1, 2, 3)]
+(64, 4, [1.0, 5.0, 5.0])
 """
 
 from __future__ import annotations
@@ -22,24 +32,73 @@ from nats.js import JetStreamContext
 from nats.js import api as js_api
 from nats.js import errors as js_errors
 
+from eventlog.config import ConsumerSettings
 from schemas.errors import EventLogUnavailable, ProvisioningError
 
-__all__ = ["FetchSizer", "PullConsumer", "fetch", "release"]
+__all__ = ["ConsumerSpec", "FetchSizer", "fetch", "release"]
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class PullConsumer:
-    """One durable pull consumer; ``bind`` creates or updates it and subscribes."""
+class ConsumerSpec:
+    """One durable pull consumer, whole; ``bind`` creates or updates it and subscribes."""
 
     stream: str
     durable: str
-    filter_subjects: Sequence[str]
-    max_ack_pending: int
-    ack_wait_s: float
-    max_deliver: int = -1
-    headers_only: bool = False
+    filter_subjects: tuple[str, ...]
+    max_ack_pending: int  # delivered, not yet acked
+    ack_wait_s: float  # redelivery after this without ack or progress
+    batch: int = 32  # messages per fetch (never above max_ack_pending)
+    max_deliver: int = -1  # the handler's tries before a dead letter; -1: never give up
+    backoff_s: tuple[float, ...] = (1.0, 5.0, 30.0, 60.0)  # nak delays, one per delivery
+    fetch_timeout_s: float = 1.0  # longest wait of one fetch
+    fetch_max_bytes: int | None = None  # fetches sized to stay under this (``FetchSizer``)
+    headers_only: bool = False  # deliver headers, not payloads (the reaper's tracking)
+
+    def __post_init__(self) -> None:
+        if self.max_deliver in (0, 1) or self.max_deliver < -1:
+            raise ValueError("max_deliver must be -1 (never give up) or at least 2")
+
+    @classmethod
+    def of(
+        cls, settings: ConsumerSettings, *, stream: str, filter_subjects: Sequence[str]
+    ) -> ConsumerSpec:
+        """The consumer ``settings`` describe (a service's flags), on ``stream``."""
+        return cls(
+            stream=stream,
+            durable=settings.durable,
+            filter_subjects=tuple(filter_subjects),
+            max_ack_pending=settings.max_ack_pending,
+            ack_wait_s=settings.ack_wait_s,
+            batch=settings.batch,
+            max_deliver=settings.max_deliver,
+            backoff_s=settings.backoff_s,
+            fetch_timeout_s=settings.fetch_timeout_s,
+        )
+
+    @property
+    def fetch_batch(self) -> int:
+        # A pull request for more than max_ack_pending can never be filled: the server holds it
+        # until it expires, and every fetch would take the full timeout.
+        return min(self.batch, self.max_ack_pending)
+
+    def retry_delay_s(self, delivery: int) -> float:
+        """Delay before the next try of a message delivered ``delivery`` times (1 = first)."""
+        if not self.backoff_s:
+            return 0.0
+        return self.backoff_s[min(delivery, len(self.backoff_s)) - 1]
+
+    @property
+    def server_max_deliver(self) -> int:
+        """The durable consumer's own max_deliver: one spare delivery past the handler's last try.
+
+        Deliveries ``max_deliver`` and later dead-letter on failure; the spare one only happens
+        when the worker holding delivery ``max_deliver`` stopped or died before it acked
+        (mid-fold, or while the log refused the dead letter), and it is the backstop against a
+        close that kills every worker that folds it.
+        """
+        return -1 if self.max_deliver == -1 else self.max_deliver + 1
 
     def config(self) -> js_api.ConsumerConfig:
         subjects = list(self.filter_subjects)
@@ -49,7 +108,7 @@ class PullConsumer:
             deliver_policy=js_api.DeliverPolicy.ALL,
             ack_policy=js_api.AckPolicy.EXPLICIT,
             ack_wait=self.ack_wait_s,
-            max_deliver=self.max_deliver,
+            max_deliver=self.server_max_deliver,
             max_ack_pending=self.max_ack_pending,
             filter_subject=subjects[0] if len(subjects) == 1 else None,
             filter_subjects=subjects if len(subjects) > 1 else None,

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import nats.errors
 from nats.js import JetStreamContext
 from nats.js import errors as js_errors
 
+from eventlog.connection import UNAVAILABLE
 from schemas.errors import EventLogUnavailable
 
 __all__ = ["Newest", "StreamFacts", "consumer_ack_floor", "newest_message", "stream_facts"]
 
 _MSG_ID = "Nats-Msg-Id"
-_UNAVAILABLE = (TimeoutError, nats.errors.Error, js_errors.Error, OSError)
 
 
 class StreamFacts(NamedTuple):
@@ -33,7 +32,7 @@ class Newest(NamedTuple):
 async def stream_facts(js: JetStreamContext, stream: str) -> StreamFacts:
     try:
         info = await js.stream_info(stream)
-    except _UNAVAILABLE as exc:
+    except UNAVAILABLE as exc:
         raise EventLogUnavailable(f"reading the config of stream {stream}: {exc}") from exc
     created = info.created.isoformat() if info.created else ""
     return StreamFacts(created, float(info.config.duplicate_window or 0.0))
@@ -43,7 +42,7 @@ async def consumer_ack_floor(js: JetStreamContext, stream: str, durable: str) ->
     """The stream sequence at and below which the consumer has acked everything."""
     try:
         info = await js.consumer_info(stream, durable)
-    except _UNAVAILABLE as exc:
+    except UNAVAILABLE as exc:
         raise EventLogUnavailable(f"reading consumer {durable} of {stream}: {exc}") from exc
     return int(info.ack_floor.stream_seq) if info.ack_floor else 0
 
@@ -54,7 +53,7 @@ async def newest_message(js: JetStreamContext, stream: str, subject: str) -> New
         msg = await js.get_last_msg(stream, subject)
     except js_errors.NotFoundError:
         return None
-    except _UNAVAILABLE as exc:
+    except UNAVAILABLE as exc:
         raise EventLogUnavailable(f"reading the newest message on {subject}: {exc}") from exc
     at = msg.time.timestamp() if msg.time is not None else 0.0
     return Newest(msg.seq or 0, msg.subject or "", at, (msg.headers or {}).get(_MSG_ID))

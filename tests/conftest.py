@@ -19,7 +19,8 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js import errors as js_errors
 
-from eventlog import LogSettings, NatsServer, connect, provision
+from eventlog import LogSettings, connect, provision
+from eventlog.server import NatsServer
 
 pytest_plugins = ["tests.conftest_model"]
 

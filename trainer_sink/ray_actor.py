@@ -26,7 +26,7 @@ Shards and Ray Data: ``ray.data.read_parquet(root)`` reads the shard tree
 (``<root>/run=<run>/part-….parquet``) as it is. Ray's hive partitioning types a partition value
 as a string unless ``field_types`` says otherwise, so ``run=0042`` reads as ``"0042"``, like the
 ``run`` column inside the files (pyarrow's inferred partitioning would make it an int, hence
-``eventlog.shard_store.RUN_PARTITIONING``). To state it rather than rely on the default, pass
+``shardstore.RUN_PARTITIONING``). To state it rather than rely on the default, pass
 ``partitioning=Partitioning("hive", field_types={"run": str})``; ``partitioning=None`` takes
 ``run`` from the files alone. Unfinished shards (``.part-….parquet.tmp``) are skipped by the
 default ``file_extensions=["parquet"]``. Pick runs by path, without opening the other shards,

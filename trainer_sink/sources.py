@@ -35,21 +35,26 @@ from typing import Protocol
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
-from nats.aio.client import Client as NATS
-from nats.js import JetStreamContext
 
-from eventlog import JetStreamPublisher, LogSettings, Publisher, PullConsumer, connect
+from eventlog import (
+    Connection,
+    ConsumerSpec,
+    JetStream,
+    JetStreamPublisher,
+    LogSettings,
+    Publisher,
+    connect,
+)
 from eventlog.commits import CommitLedger
-from eventlog.config import ConsumerSettings
 from eventlog.connection import close_connection
 from eventlog.loop import ACK, HOLD, Delivery, Outcome, PullLoop, Reject
 from eventlog.reader import read_range
-from eventlog.shard_store import open_shards_dataset
 from schemas.codec import Codec
 from schemas.errors import EventLogUnavailable, SchemaError
 from schemas.events import TrajectoryReady
 from schemas.ids import TRAJ_SUBJECT_PREFIX
 from schemas.shards import table_to_trajectories
+from shardstore import open_shards_dataset
 from trainer_sink.config import LiveSourceSettings
 
 __all__ = [
@@ -120,7 +125,7 @@ class LiveSource:
 
     def __init__(
         self,
-        js: JetStreamContext,
+        js: JetStream,
         publisher: Publisher,
         settings: LiveSourceSettings | None = None,
         *,
@@ -138,23 +143,21 @@ class LiveSource:
         self._ledger: CommitLedger | None = None
         self._ready: list[Received] = []
         self._held: set[int] = set()  # TRAJ sequences handed out, not yet acked or handed back
-        self._owned: tuple[NATS, JetStreamPublisher] | None = None
+        self._owned: tuple[Connection, JetStreamPublisher] | None = None
         self.stats = LiveStats()
-        self.loop = PullLoop(
-            js,
-            self.consumer(),
-            self,
-            settings=ConsumerSettings(
-                durable=s.durable,
-                batch=s.fetch_batch,
-                max_ack_pending=s.max_ack_pending,
-                ack_wait_s=s.ack_wait_s,
-                max_deliver=-1,  # a trajectory waits for its trainer, however long
-            ),
-            publisher=publisher,
-            source="sink",
-            max_payload=self._codec.max_payload,
+        subject = f"{TRAJ_SUBJECT_PREFIX}.{run}" if run else f"{TRAJ_SUBJECT_PREFIX}.>"
+        spec = ConsumerSpec(
+            stream=stream,
+            durable=s.durable,
+            filter_subjects=(subject,),
+            max_ack_pending=s.max_ack_pending,
+            ack_wait_s=s.ack_wait_s,
+            batch=s.fetch_batch,
+            max_deliver=-1,  # a trajectory waits for its trainer, however long
             fetch_max_bytes=s.fetch_max_bytes,
+        )
+        self.loop = PullLoop(
+            js, spec, self, publisher=publisher, source="sink", max_payload=self._codec.max_payload
         )
 
     @property
@@ -164,17 +167,6 @@ class LiveSource:
     @property
     def unacked(self) -> int:
         return len(self._held)
-
-    def consumer(self) -> PullConsumer:
-        s = self.settings
-        subject = f"{TRAJ_SUBJECT_PREFIX}.{self.run}" if self.run else f"{TRAJ_SUBJECT_PREFIX}.>"
-        return PullConsumer(
-            stream=self.stream,
-            durable=s.durable,
-            filter_subjects=[subject],
-            max_ack_pending=s.max_ack_pending,
-            ack_wait_s=s.ack_wait_s,
-        )
 
     @classmethod
     async def connect(
@@ -389,7 +381,7 @@ class ReplaySource(_ReadOnly):
 
     def __init__(
         self,
-        js: JetStreamContext,
+        js: JetStream,
         first: int,
         last: int,
         *,

@@ -21,8 +21,7 @@ from rich.logging import RichHandler
 from rich.markup import escape
 from rich.table import Table
 
-from eventlog import LogSecurity, ensure_log_security
-from eventlog.permissions import ROLE_DUTIES
+from eventlog.server import ROLE_DUTIES, LogSecurity, ensure_log_security
 from schemas import TurnstreamError
 from turnstream.settings import ServiceSettings, with_toml
 from turnstream.stack import open_log, stop_on_signals

@@ -42,8 +42,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from eventlog import JetStreamPublisher
 from eventlog.buckets import Bucket
-from eventlog.shard_store import FileShardStore
 from schemas.errors import TurnstreamError
+from shardstore import FileShardStore
 from trainer_sink import (
     BatchingSettings,
     LiveSource,

@@ -16,12 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow.compute as pc
-from nats.js import JetStreamContext
 from rich.table import Table
 
-from eventlog import StreamNames
-from eventlog.shard_store import FileShardStore, open_shards_dataset
+from eventlog import JetStream, StreamNames
 from schemas.ids import EVENT_SUBJECT_PREFIX, traj_subject
+from shardstore import FileShardStore, open_shards_dataset
 from turnstream.trainer import StepReport
 
 __all__ = [
@@ -51,12 +50,12 @@ class ShardCounts:
     tool_call_turns: int  # assistant messages with tool_calls, over the rows' conversations
 
 
-async def _subject_counts(js: JetStreamContext, stream: str, subjects: str) -> dict[str, int]:
+async def _subject_counts(js: JetStream, stream: str, subjects: str) -> dict[str, int]:
     info = await js.stream_info(stream, subjects_filter=subjects)
     return dict(info.state.subjects or {})
 
 
-async def count_streams(js: JetStreamContext, names: StreamNames, run: str) -> StreamCounts:
+async def count_streams(js: JetStream, names: StreamNames, run: str) -> StreamCounts:
     """The run's sessions and turns in EVENTS, its trajectories in TRAJ."""
     prefix = f"{EVENT_SUBJECT_PREFIX}.{run}.*"
     opened = await _subject_counts(js, names.events, f"{prefix}.open")

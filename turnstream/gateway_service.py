@@ -25,7 +25,7 @@ from fastapi import FastAPI
 from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
-from eventlog import JetStreamPublisher, Outbox, answered, read_session
+from eventlog import Bucket, JetStreamPublisher, Outbox, read_session
 from gateway.app import create_app
 from gateway.backends.interface import Backend
 from gateway.backends.policy_watch import PolicyTarget, PolicyVersion, watch_policy
@@ -321,7 +321,7 @@ async def build_gateway(settings: GatewaySettings, event_log: EventLog) -> Async
     publisher = await JetStreamPublisher(event_log.nc, settings.publisher, outbox=outbox).start()
     metrics = GatewayMetrics()
     bucket = settings.log.names.policy_bucket
-    kv = await answered(lambda: event_log.js.key_value(bucket), f"opening bucket {bucket}")
+    kv = await Bucket.open(event_log.js, bucket)
     # The local backend loads each new checkpoint itself; remote ones are updated by the
     # trainer, and the gateway only follows the version to record it on every turn.
     policy: PolicyTarget = backend if isinstance(backend, PolicyTarget) else PolicyVersion()

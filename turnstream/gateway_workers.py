@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 from prometheus_client import CollectorRegistry, multiprocess
 
-from eventlog import ensure_log_security
+from eventlog.server import ensure_log_security
 from gateway.handoff import Handoff
 from schemas.errors import TurnstreamError
 from schemas.ids import own_new_session_ids

@@ -17,8 +17,8 @@ from consumers.config import ShardWriterSettings
 from consumers.shard_writer import ShardWriter
 from eventlog import JetStreamPublisher, LogSettings
 from eventlog.metrics import ConsumerMetrics
-from eventlog.shard_store import FileShardStore
 from schemas.codec import Codec
+from shardstore import FileShardStore
 from turnstream.settings import PublishingSettings
 from turnstream.stack import EventLog, open_log, require_log_url, run_service, stop_on_signals
 

@@ -11,18 +11,9 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from nats.aio.client import Client as NATS
-from nats.js import JetStreamContext
-
-from eventlog import (
-    NatsServer,
-    ProvisionAction,
-    connect,
-    ensure_log_security,
-    provision,
-    supervised,
-)
+from eventlog import Connection, JetStream, ProvisionAction, connect, provision
 from eventlog.connection import close_connection
+from eventlog.server import NatsServer, ensure_log_security, supervised
 from schemas.errors import TurnstreamError
 from turnstream.settings import ServiceSettings
 
@@ -43,8 +34,8 @@ T = TypeVar("T")
 
 @dataclass
 class EventLog:
-    nc: NATS
-    js: JetStreamContext
+    nc: Connection
+    js: JetStream
     url: str
     server: NatsServer | None  # None when connected to an external server
     provisioned: list[ProvisionAction]

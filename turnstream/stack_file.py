@@ -21,7 +21,7 @@ from typing import TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from eventlog.store_lock import pid_alive
+from eventlog.server import pid_alive
 from turnstream.settings import ServiceSettings
 
 __all__ = [

@@ -14,13 +14,13 @@ from __future__ import annotations
 import asyncio
 import json
 
-import nats.errors
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from eventlog import map_nats_errors
 from schemas.errors import EventLogUnavailable, TurnstreamError
 from schemas.ids import EVENT_SUBJECT_PREFIX
 from turnstream.settings import ServiceSettings
@@ -154,14 +154,10 @@ class StatusCommand(ServiceSettings):
         offset = 0
         while True:
             request = json.dumps({"subjects_filter": subjects, "offset": offset}).encode()
-            try:
+            with map_nats_errors(f"counting {subjects} in stream {stream}"):
                 reply = await event_log.nc.request(
                     f"$JS.API.STREAM.INFO.{stream}", request, timeout=10
                 )
-            except (TimeoutError, nats.errors.Error, OSError) as exc:
-                raise EventLogUnavailable(
-                    f"counting {subjects} in stream {stream}: {type(exc).__name__}: {exc}"
-                ) from exc
             answer = json.loads(reply.data)
             if "error" in answer:
                 raise EventLogUnavailable(
@@ -178,7 +174,7 @@ class StatusCommand(ServiceSettings):
 
 def _shards_table(target: str) -> Table | str:
     """Committed shards per run: files, trajectories, TRAJ sequences (footers only)."""
-    from eventlog.shard_store import FileShardStore  # pyarrow: import on use
+    from shardstore import FileShardStore  # pyarrow: import on use
 
     store = FileShardStore(target)
     runs: dict[str, list[int]] = {}  # run -> [shards, rows, first seq, last seq]

@@ -20,7 +20,8 @@ from typing import Any
 
 import httpx
 
-from eventlog import LogSettings, NatsServer, free_port
+from eventlog import LogSettings
+from eventlog.server import NatsServer, free_port
 from harness.cpu import cpu_seconds, own_cpu_seconds, tree_cpu_seconds
 from harness.load import Conversation
 

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eventlog import NatsServer, connect, free_port
+from eventlog import connect
+from eventlog.server import NatsServer, free_port
 from harness.load import Conversation
 from harness.processes import (
     Procs,

@@ -19,8 +19,8 @@ import logging
 from pathlib import Path
 from typing import Literal, Protocol, runtime_checkable
 
-from nats.js.kv import KeyValue
-
+from eventlog import Bucket
+from schemas.errors import EventLogUnavailable
 from schemas.policy import PolicyUpdate, parse_policy_update
 
 __all__ = ["PolicyTarget", "decide", "watch_policy"]
@@ -55,7 +55,7 @@ def decide(current_version: int, update: PolicyUpdate) -> Decision:
 
 
 async def watch_policy(
-    kv: KeyValue, run: str, target: PolicyTarget, *, retry_delay_s: float = 1.0
+    kv: Bucket, run: str, target: PolicyTarget, *, retry_delay_s: float = 1.0
 ) -> None:
     """Follow ``run``'s key in the KV bucket ``kv``  until cancelled.
 
@@ -66,29 +66,17 @@ async def watch_policy(
     """
     while True:
         try:
-            watcher = await kv.watch(run)
-        except Exception as exc:
+            async for entry in kv.watch(run):  # deletes carry no version to go to: skipped
+                await _apply(entry.value, entry.revision, run, target)
+        except EventLogUnavailable as exc:
             logger.warning(
-                "cannot watch policy key %r for backend %s, retrying in %.1fs: %r",
+                "cannot watch policy key %r for backend %s, retrying in %.1fs: %s",
                 run,
                 target.id,
                 retry_delay_s,
                 exc,
             )
-            await asyncio.sleep(retry_delay_s)
-            continue
-        try:
-            async for entry in watcher:
-                # None marks "initial values delivered"; deletes carry no version to go to.
-                if entry is None or entry.operation is not None or not entry.value:
-                    continue
-                await _apply(entry.value, entry.revision, run, target)
-        finally:
-            try:
-                await watcher.stop()  # type: ignore[no-untyped-call]  # nats-py
-            except Exception as exc:  # the connection may already be gone; nothing to release
-                logger.debug("stopping policy watcher for %r: %r", run, exc)
-        # The iteration only ends when the watcher was stopped under us: watch again.
+        # The watch only ends when it failed or was stopped under us: watch again.
         await asyncio.sleep(retry_delay_s)
 
 

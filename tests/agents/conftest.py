@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
-from eventlog import free_port
+from eventlog.server import free_port
 from tests.agents.clis import CLAUDE_CODE, CODEX, AgentInstallError, installed_cli
 from tests.helpers.services import shard_table_rows
 from tests.helpers.up_process import UpProcess

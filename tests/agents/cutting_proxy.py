@@ -28,7 +28,7 @@ import struct
 import threading
 from dataclasses import dataclass, field
 
-from eventlog import free_port
+from eventlog.server import free_port
 
 __all__ = ["CuttingProxy", "SeenRequest"]
 

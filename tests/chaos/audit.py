@@ -30,10 +30,10 @@ from nats.js import JetStreamContext
 
 from consumers.fold import fold
 from eventlog import read_session_messages
-from eventlog.shard_store import open_shards_dataset
 from schemas.codec import Codec
 from schemas.events import SessionClosed, SessionEvent, TrajectoryReady, TurnCompleted
 from schemas.trust import vet_session
+from shardstore import open_shards_dataset
 from tests.chaos.agents import AgentSession, Completion
 from tests.helpers.streams import stream_payloads
 

@@ -33,7 +33,8 @@ from typing import Any
 
 import httpx
 
-from eventlog import LogSettings, NatsServer, connect
+from eventlog import LogSettings, connect
+from eventlog.server import NatsServer
 from tests.chaos.agents import Agent, AgentSession
 from tests.chaos.audit import Auditor, Report, pipeline_idle
 from tests.chaos.record import SoakRecord

@@ -1,7 +1,7 @@
 """The whole system as real processes, a supervisor that keeps them up, and the fault injector.
 
-nats-server (``eventlog.NatsServer``: fixed port and store, so a restart keeps the address and
-the data), the gateway, two fold workers (reapers on), the shard writer and the live sink
+nats-server (``eventlog.server.NatsServer``: fixed port and store, so a restart keeps the address
+and the data), the gateway, two fold workers (reapers on), the shard writer and the live sink
 consumer, each a ``tests.helpers.services.Service`` logging into the data dir. The supervisor
 restarts whatever should be up and is not (a process that exited on its own is recorded and
 restarted with a backoff, like systemd's ``Restart=always``); the controller SIGKILLs one
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import httpx
 
-from eventlog import NatsServer, free_port
+from eventlog.server import NatsServer, free_port
 from tests.helpers.services import WORKER_FLAGS, WRITER_FLAGS, Service
 
 log = logging.getLogger("soak")

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from eventlog import free_ports
+from eventlog.server import free_ports
 from tests.deploy.containers import NatsContainer
 
 INFRA_NATS = Path(__file__).parents[2] / "infra" / "nats"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from eventlog import free_ports
+from eventlog.server import free_ports
 from tests.deploy.containers import NatsContainer, start_nats_container
 from tests.deploy.engine import (
     REPO,

@@ -37,7 +37,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from eventlog import find_nats_server
+from eventlog.server import find_nats_server
 from tests.deploy.cache import cache_dir
 
 REPO = Path(__file__).parents[2]

@@ -25,7 +25,7 @@ import openai
 import pytest
 import yaml
 
-from eventlog import free_ports
+from eventlog.server import free_ports
 from tests.deploy.engine import REPO, DeployError, Images, docker_env, run
 from tests.helpers.services import shard_table_rows
 from tests.helpers.waiting import wait_for

@@ -38,11 +38,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from eventlog import connect, free_ports, read_session
-from eventlog.shard_store import open_shards_dataset
+from eventlog import connect, read_session
+from eventlog.server import free_ports
 from schemas import TurnCompleted
 from schemas.events import TrajectoryReady
 from schemas.shards import table_to_trajectories
+from shardstore import open_shards_dataset
 from tests.deploy.conftest import SINGLE_NODE_CONFIG
 from tests.deploy.containers import NatsContainer
 from tests.deploy.vllm_server import VLLMServer, vllm_python, vllm_tool_model

@@ -56,7 +56,8 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from consumers import fold
-from eventlog import NatsServer, connect, read_session
+from eventlog import connect, read_session
+from eventlog.server import NatsServer
 from gateway.backends.probe import PROBE_PROMPT
 from gateway.backends.vllm import VLLMBackend
 from schemas import TurnCompleted

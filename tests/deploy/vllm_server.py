@@ -38,7 +38,7 @@ from pathlib import Path
 
 import httpx
 
-from eventlog import free_port
+from eventlog.server import free_port
 from gateway.model import ensure_tiny_model
 from tests.deploy.cache import cache_dir
 

@@ -15,7 +15,7 @@ import anthropic
 import httpx
 import pytest
 
-from eventlog import NatsServer
+from eventlog.server import NatsServer
 from schemas import SessionOpened, TurnCompleted
 from tests.e2e.test_gateway import FAST_PUBLISH, events_of, full_prompts, turns_of
 from tests.helpers.gateway_process import GatewayProcess

@@ -13,8 +13,8 @@ import httpx
 import openai
 import pytest
 
-from eventlog import NatsServer, free_port
-from eventlog.shard_store import open_shards_dataset
+from eventlog.server import NatsServer, free_port
+from shardstore import open_shards_dataset
 from tests.conftest import Log
 from tests.helpers.gateway_process import GatewayProcess
 
@@ -167,7 +167,7 @@ async def test_status_shows_consumer_lag_and_dead_letters_by_reason(log: Log) ->
     from consumers import FoldWorker
     from schemas.dead_letter import DeadLetter, encode_dead_letter
 
-    await FoldWorker(log.js, publisher=None).consumer().bind(log.js)  # type: ignore[arg-type]
+    await FoldWorker(log.js, publisher=None).loop.spec.bind(log.js)  # type: ignore[arg-type]
     await log.js.publish(f"ts.ev.r.s{1}.close", b"x")
     letter = DeadLetter(
         source="fold", reason="undecodable", error="e", stream="EVENTS", subject="s", seq=1
@@ -190,8 +190,8 @@ async def test_status_shows_consumer_lag_and_dead_letters_by_reason(log: Log) ->
 
 def test_status_summarizes_the_shards_per_run(nats_server: NatsServer, tmp_path: Path) -> None:
     from consumers import fold
-    from eventlog.shard_store import FileShardStore
     from schemas.shards import ShardMetadata, rows_to_table, shard_row
+    from shardstore import FileShardStore
     from tests.helpers.sessions import append_only, session_events
 
     store = FileShardStore(str(tmp_path))

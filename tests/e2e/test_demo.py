@@ -23,10 +23,11 @@ import pytest
 from nats.js import JetStreamContext
 from PIL import Image
 
-from eventlog import NatsServer, connect, read_session
-from eventlog.shard_store import FileShardStore, open_shards_dataset
+from eventlog import connect, read_session
+from eventlog.server import NatsServer
 from schemas.codec import Codec
 from schemas.events import SessionOpened, TrajectoryReady, TurnCompleted
+from shardstore import FileShardStore, open_shards_dataset
 from tests.conftest import FAST_LOG
 from tests.helpers.streams import stream_payloads
 from turnstream.demo_agents import WORD_TOOL_NAME, WORDS

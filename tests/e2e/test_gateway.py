@@ -20,7 +20,8 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from eventlog import NatsServer, connect, read_session
+from eventlog import connect, read_session
+from eventlog.server import NatsServer
 from schemas import SessionClosed, SessionEvent, SessionOpened, TurnCompleted
 from tests.helpers.gateway_process import GatewayProcess
 from tests.helpers.tiny_model import TOOLS, WEATHER_QUESTION, WEATHER_RESULT

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from eventlog import NatsServer
+from eventlog.server import NatsServer
 from tests.helpers.gateway_process import GatewayProcess
 from tests.helpers.hostile import (
     LONE_SURROGATE,

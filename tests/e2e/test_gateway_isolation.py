@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from eventlog import NatsServer
+from eventlog.server import NatsServer
 from schemas import SessionOpened, TurnCompleted
 from tests.e2e.test_gateway import events_of
 from tests.helpers.gateway_process import GatewayProcess

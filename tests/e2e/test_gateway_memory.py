@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from eventlog import NatsServer
+from eventlog.server import NatsServer
 from tests.e2e.test_gateway import assistant_turn, client_for, events_of, full_prompts, turns_of
 from tests.helpers.gateway_process import GatewayProcess
 from tests.helpers.hostile import PeakRss, open_session, served_model

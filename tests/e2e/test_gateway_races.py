@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from eventlog import NatsServer
+from eventlog.server import NatsServer
 from schemas import SessionClosed, SessionOpened
 from tests.e2e.test_gateway import events_of, turns_of
 from tests.helpers.gateway_process import GatewayProcess

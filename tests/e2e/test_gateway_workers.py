@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from eventlog import NatsServer
+from eventlog.server import NatsServer
 from schemas import TurnCompleted
 from schemas.ids import session_owner
 from tests.e2e.test_gateway import FAST_PUBLISH, events_of, full_prompts, turns_of

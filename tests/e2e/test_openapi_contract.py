@@ -27,7 +27,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from eventlog import NatsServer
+from eventlog.server import NatsServer
 from tests.helpers.gateway_process import GatewayProcess
 
 pytestmark = pytest.mark.integration

@@ -24,7 +24,7 @@ from urllib.parse import urlparse
 import httpx
 import pytest
 
-from eventlog import free_port
+from eventlog.server import free_port
 from tests.helpers.readme import Snippet, commands, snippets
 
 README = Path(__file__).resolve().parents[2] / "README.md"

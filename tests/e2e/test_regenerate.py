@@ -22,7 +22,7 @@ import msgspec
 import pytest
 
 from consumers.recording import RecordedEvent, read_recording, write_recording
-from eventlog import NatsServer
+from eventlog.server import NatsServer
 from gateway.backends.local import LocalBackend
 from gateway.serving.engine import derived_seed
 from schemas.codec import Codec

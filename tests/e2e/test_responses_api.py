@@ -20,7 +20,8 @@ import httpx
 import openai
 import pytest
 
-from eventlog import NatsServer, connect, read_session
+from eventlog import connect, read_session
+from eventlog.server import NatsServer
 from schemas import SessionEvent, TurnCompleted
 from tests.helpers.gateway_process import GatewayProcess
 from tests.helpers.tiny_model import WEATHER_QUESTION, WEATHER_RESULT, WEATHER_TOOLS

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import openai
 
-from eventlog import free_port
+from eventlog.server import free_port
 from tests.helpers.services import Service, shard_table_rows
 
 

@@ -22,7 +22,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from consumers.fold import fold
-from eventlog import NatsServer, connect, read_session
+from eventlog import connect, read_session
+from eventlog.server import NatsServer
 from schemas import SessionEvent, TurnCompleted
 from schemas.delta import common_prefix_len
 from tests.helpers.bpe_model import bpe_model_dir

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import openai
 
-from eventlog.store_lock import pid_alive, read_holder
+from eventlog.server import pid_alive, read_holder
 from tests.helpers.services import shard_table_rows
 from tests.helpers.up_process import UpProcess
 from tests.helpers.waiting import wait_for
@@ -129,7 +129,7 @@ def test_up_restarts_a_nats_server_that_was_killed(tmp_path: Path, tiny_model_di
 def test_sigterm_of_the_gateway_stops_its_embedded_server(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
-    from eventlog import free_port
+    from eventlog.server import free_port
 
     port = free_port()
     log_path = tmp_path / "gateway.log"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 
-from eventlog import free_port
+from eventlog.server import free_port
 from tests.helpers.services import LAUNCHER
 from turnstream.gateway_service import http_url
 

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from eventlog.shard_store import open_shards_dataset
+from shardstore import open_shards_dataset
 
 # Short ack waits, reaper timeouts and shard ages: pipeline tests take seconds, not minutes.
 WORKER_FLAGS = (

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from eventlog import free_port
-from eventlog.store_lock import pid_alive, read_holder
+from eventlog.server import free_port, pid_alive, read_holder
 
 # Short ack waits: a close or trajectory a killed `up` had taken comes back within seconds.
 FAST_FLAGS = (

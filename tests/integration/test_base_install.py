@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from eventlog import free_port
+from eventlog.server import free_port
 from tests.conftest import Log
 from tests.helpers.gateway_process import GatewayProcess
 from tests.helpers.services import WORKER_FLAGS, WRITER_FLAGS, Service, shard_table_rows

@@ -26,9 +26,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from consumers.export import convert_messages
-from eventlog.shard_store import FileShardStore
 from schemas.events import TrajectoryReady
 from schemas.shards import ShardMetadata, trajectories_to_table
+from shardstore import FileShardStore
 from tests.helpers.services import shard_table_rows
 from tests.helpers.tiny_model import WEATHER_QUESTION, WEATHER_RESULT, WEATHER_TOOLS
 from tests.helpers.trajectories import folded

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from eventlog import find_nats_server
+from eventlog.server import find_nats_server
 
 CONFIGS = sorted((Path(__file__).parents[2] / "infra" / "nats").glob("*.conf"))
 

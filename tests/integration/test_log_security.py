@@ -1,7 +1,7 @@
 """An authenticated, encrypted log: a real nats-server with the generated users and TLS.
 
-The CA, the server certificate and the role passwords are made by ``eventlog.security`` in the
-test's temp dir; each role works through the real services (publisher, fold worker, reaper,
+The CA, the server certificate and the role passwords are made by ``eventlog.server.security`` in
+the test's temp dir; each role works through the real services (publisher, fold worker, reaper,
 shard writer, live sink, policy bucket) and is refused what it may not do. The server's own log
 is the witness that a role's normal work needs nothing it is denied.
 """
@@ -30,15 +30,14 @@ from pydantic import SecretStr
 from consumers import FoldWorker, FoldWorkerSettings, Reaper, ReaperSettings, fold
 from consumers.config import ShardWriterSettings
 from consumers.shard_writer import ShardWriter
-from eventlog import JetStreamPublisher, LogSettings, NatsServer, PublisherSettings, connect
+from eventlog import JetStreamPublisher, LogSettings, PublisherSettings, connect
 from eventlog import provision as provision_log
 from eventlog.connection import close_connection
 from eventlog.errors import PublishForbidden
-from eventlog.permissions import Role
 from eventlog.reader import read_range, read_session, read_session_messages, stored_msg_ids
-from eventlog.security import LogSecurity, ensure_log_security
-from eventlog.shard_store import FileShardStore
+from eventlog.server import LogSecurity, NatsServer, Role, ensure_log_security
 from schemas import Codec, EventLogUnavailable, route
+from shardstore import FileShardStore
 from tests.helpers.services import shard_table_rows
 from tests.helpers.sessions import RUN, append_only, session_events
 from tests.helpers.streams import message_count, trajectories

@@ -17,9 +17,17 @@ from pathlib import Path
 
 import pytest
 
-from eventlog import NatsServer, ServerCrashLoop, StoreInUse, connect, supervised
-from eventlog.server import _PDEATHSIG_SHIM
-from eventlog.store_lock import LOCK_NAME, pid_alive, read_holder
+from eventlog import connect
+from eventlog.server import (
+    LOCK_NAME,
+    NatsServer,
+    ServerCrashLoop,
+    StoreInUse,
+    pid_alive,
+    read_holder,
+    supervised,
+)
+from eventlog.server.process import _PDEATHSIG_SHIM
 from tests.conftest import FAST_LOG
 from tests.helpers.waiting import eventually, wait_for
 
@@ -94,7 +102,7 @@ async def test_a_server_started_from_a_short_lived_thread_outlives_the_thread(
 PARENT = """
 import sys, threading, time
 from pathlib import Path
-from eventlog import NatsServer
+from eventlog.server import NatsServer
 server = NatsServer(Path(sys.argv[1]))
 thread = threading.Thread(target=server.start)  # the forking thread ends; the process lives
 thread.start()
@@ -212,7 +220,7 @@ def _dead_pid() -> int:
 
 
 async def test_the_lock_waits_for_an_orphan_but_not_for_a_live_holder(tmp_path: Path) -> None:
-    from eventlog.store_lock import StoreLock
+    from eventlog.server import StoreLock
 
     live = _holder(tmp_path, os.getpid())
     try:

@@ -148,7 +148,7 @@ async def test_500_sessions_become_their_trajectories_in_shards_exactly_once(
 
 
 def _schema_of(root: Path) -> tuple[list[str], list[object]]:
-    from eventlog.shard_store import open_shards_dataset
+    from shardstore import open_shards_dataset
 
     schema = open_shards_dataset(str(root)).schema
     return schema.names, list(schema.types)
@@ -246,7 +246,7 @@ def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 
 async def test_worker_and_shard_writer_serve_prometheus_metrics(log: Log, tmp_path: Path) -> None:
-    from eventlog import free_ports
+    from eventlog.server import free_ports
 
     planned = plan_sessions(30, seed=5)
     want = expected_by_id(planned)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from eventlog import Bucket
 from gateway.backends.interface import Prompt, SamplingParams
 from gateway.backends.local import LocalBackend
 from gateway.backends.policy_watch import watch_policy
@@ -58,7 +59,7 @@ class Recording:
 
 @contextlib.asynccontextmanager
 async def watching(log: Log, run: str, backend: LocalBackend) -> AsyncIterator[Recording]:
-    kv = await log.js.key_value("ts_policy")
+    kv = await Bucket.open(log.js, "ts_policy")
     target = Recording(backend)
     task = asyncio.create_task(watch_policy(kv, run, target, retry_delay_s=0.1))
     try:
@@ -95,7 +96,9 @@ async def test_the_current_version_is_loaded_when_the_watch_starts(
     """A gateway restarted mid-run catches up with the trainer before anything new is put.
     (Through ``watch_policy`` with the backend as its target, as the gateway service does.)"""
     await put(log, "run-b", 4, other_weights)
-    task = asyncio.create_task(watch_policy(await log.js.key_value("ts_policy"), "run-b", backend))
+    task = asyncio.create_task(
+        watch_policy(await Bucket.open(log.js, "ts_policy"), "run-b", backend)
+    )
     try:
         await eventually(lambda: backend.weight_version == 4, 10, "weight_version 4 loaded")
     finally:

@@ -18,9 +18,9 @@ import torch
 from tensordict import TensorDict
 
 from consumers import fold
-from eventlog.shard_store import open_shards_dataset
 from schemas.events import TrajectoryReady
 from schemas.shards import trajectories_to_table
+from shardstore import open_shards_dataset
 from tests.conftest import FAST_LOG, Log
 from tests.helpers.sessions import append_only, session_events
 from tests.integration.test_sink import fold_into_traj, live_sink, sessions

@@ -16,7 +16,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from consumers.recording import read_recording
-from eventlog import NatsServer, connect, provision
+from eventlog import connect, provision
+from eventlog.server import NatsServer
 from schemas.codec import Codec
 from schemas.events import SessionEvent, TrajectoryReady, TurnCompleted
 from schemas.routing import route

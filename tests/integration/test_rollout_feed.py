@@ -11,6 +11,7 @@ import json
 import pytest
 
 from consumers import fold
+from eventlog import Bucket
 from gateway.backends.policy_watch import PolicyVersion, watch_policy
 from schemas.codec import Codec
 from schemas.events import TrajectoryReady
@@ -108,7 +109,7 @@ async def test_a_feed_on_an_unreachable_log_fails_and_the_next_sample_tries_agai
 
 
 async def test_weight_versions_reach_a_gateway_that_follows_them(log: Log) -> None:
-    kv = await log.js.key_value("ts_policy")
+    kv = await Bucket.open(log.js, "ts_policy")
     served = PolicyVersion()
     watch = asyncio.create_task(watch_policy(kv, "trainer", served, retry_delay_s=0.1))
     try:
@@ -116,7 +117,7 @@ async def test_weight_versions_reach_a_gateway_that_follows_them(log: Log) -> No
         assert await publish_weight_version_async(url, "trainer", 3, log_settings=log.settings)
         await eventually(lambda: served.weight_version == 3, 10, "the gateway at version 3")
         entry = await kv.get("trainer")
-        assert json.loads(entry.value or b"") == {"version": 3}
+        assert entry is not None and json.loads(entry.value) == {"version": 3}
         # Again: nothing to do. Older: refused, naming why, instead of ignored by gateways.
         assert not await publish_weight_version_async(url, "trainer", 3, log_settings=log.settings)
         with pytest.raises(WeightVersionError, match="newer than 2"):
@@ -142,7 +143,7 @@ async def test_a_restarted_feed_goes_on_from_where_it_began_not_from_the_runs_st
     feed = await TrajectoryFeed.open(log.server.url, RUN, log.settings)
     try:
         with feed.expecting("x") as x:  # its earlier trajectory must not come back
-            jsi = feed._sub._sub._jsi
+            jsi = feed._following._subscription._sub._jsi  # type: ignore[union-attr]
             await jsi.reset_ordered_consumer(jsi._sseq + 1)
             later = folded("w", 2.0)
             with feed.expecting("w") as w:

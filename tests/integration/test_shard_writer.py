@@ -23,8 +23,7 @@ import pytest
 
 from consumers.config import ShardWriterSettings
 from consumers.shard_writer import ShardWriter
-from eventlog import JetStreamPublisher, provision, shard_store
-from eventlog.shard_store import FileShardStore, open_shards_dataset
+from eventlog import JetStreamPublisher, provision
 from schemas.codec import Codec
 from schemas.dead_letter import decode_dead_letter
 from schemas.events import TrajectoryReady
@@ -33,6 +32,8 @@ from schemas.shards import (
     ShardMetadata,
     table_to_trajectories,
 )
+from shardstore import FileShardStore, open_shards_dataset
+from shardstore import store as shard_store
 from tests.conftest import Log
 from tests.helpers.sessions import TurnSpec, turn_events
 from tests.helpers.trajectories import folded, many

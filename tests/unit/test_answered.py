@@ -1,4 +1,5 @@
-"""``eventlog.answered``: which failures of an idempotent log request are asked again."""
+"""``eventlog.answered``: which failures of an idempotent log request are asked again; and
+``map_nats_errors``, how a direct request's nats errors become ours."""
 
 from __future__ import annotations
 
@@ -6,8 +7,9 @@ import nats.errors
 import pytest
 from nats.js import errors as js_errors
 
-from eventlog import answered
+from eventlog import answered, map_nats_errors
 from eventlog.connection import ANSWER_TRIES
+from schemas.errors import EventLogUnavailable
 
 
 def failing(*errors: Exception) -> tuple[list[int], object]:
@@ -56,3 +58,20 @@ async def test_a_refusal_is_an_answer_and_raised_at_once(answer: Exception) -> N
     with pytest.raises(type(answer)):
         await answered(request, "test")  # type: ignore[arg-type]
     assert calls == [1]
+
+
+@pytest.mark.parametrize(
+    "error", [TimeoutError(), nats.errors.NoServersError(), js_errors.ServiceUnavailableError()]
+)
+def test_map_nats_errors_raises_ours_naming_the_request(error: Exception) -> None:
+    with (
+        pytest.raises(EventLogUnavailable, match=r"^counting x in S: ") as raised,
+        map_nats_errors("counting x in S"),
+    ):
+        raise error
+    assert raised.value.__cause__ is error
+
+
+def test_map_nats_errors_leaves_other_errors_alone() -> None:
+    with pytest.raises(KeyError), map_nats_errors("counting x in S"):
+        raise KeyError("not the log's")

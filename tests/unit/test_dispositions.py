@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from consumers import FoldError, FoldWorkerSettings, MissingTurns
@@ -12,11 +14,11 @@ from eventlog.dispositions import (
     DeadLetterIt,
     Retry,
     RetryDeadLetter,
-    consumer_max_deliver,
     disposition,
     reason_of,
     when_dead_letter_fails,
 )
+from eventlog.pull import ConsumerSpec
 from schemas import (
     EventLogError,
     EventLogUnavailable,
@@ -29,6 +31,7 @@ from schemas.dead_letter import DeadLetter, decode_dead_letter, encode_dead_lett
 from tests.helpers.sessions import opened
 
 SETTINGS = FoldWorkerSettings(max_deliver=4, backoff_s=(1.0, 5.0, 30.0))
+SPEC = ConsumerSpec.of(SETTINGS, stream="EVENTS", filter_subjects=["ts.ev.*.*.close"])
 MISSING = MissingTurns("r", "s", [1], 3, "the close says num_turns=3")
 
 
@@ -50,7 +53,7 @@ MISSING = MissingTurns("r", "s", [1], 3, "the close says num_turns=3")
     ],
 )
 def test_disposition_of_each_error(error: Exception, delivery: int, expected: object) -> None:
-    assert disposition(error, delivery=delivery, settings=SETTINGS) == expected
+    assert disposition(error, delivery=delivery, spec=SPEC) == expected
 
 
 @pytest.mark.parametrize(
@@ -67,16 +70,16 @@ def test_disposition_of_each_error(error: Exception, delivery: int, expected: ob
 def test_a_refused_dead_letter_is_never_dropped_on_a_last_delivery(
     delivery: int, attempt: int, stopping: bool, expected: object
 ) -> None:
-    assert consumer_max_deliver(SETTINGS) == SETTINGS.max_deliver + 1
+    assert SPEC.server_max_deliver == SETTINGS.max_deliver + 1
     decision = when_dead_letter_fails(
-        delivery=delivery, attempt=attempt, stopping=stopping, settings=SETTINGS
+        delivery=delivery, attempt=attempt, stopping=stopping, spec=SPEC
     )
     assert decision == expected
 
 
 def test_a_stopping_worker_hands_a_close_back_only_after_its_own_last_fetch() -> None:
-    slow_fetch = SETTINGS.model_copy(update={"fetch_timeout_s": 60.0})
-    decision = when_dead_letter_fails(delivery=4, attempt=1, stopping=True, settings=slow_fetch)
+    slow_fetch = dataclasses.replace(SPEC, fetch_timeout_s=60.0)
+    decision = when_dead_letter_fails(delivery=4, attempt=1, stopping=True, spec=slow_fetch)
     assert decision == Retry(61.0)  # else its still-open fetch could take the close back
 
 
@@ -101,16 +104,22 @@ def test_a_consumer_that_never_gives_up_retries_everything_but_bad_input() -> No
     """max_deliver=-1 (the shard writer, the live feed, the reaper's tracking): a transient error
     or a refused dead letter is retried however many deliveries it took; bad input and untrusted
     events are still dead-lettered at once."""
-    forever = ConsumerSettings(durable="shard-writer", max_deliver=-1, backoff_s=(1.0, 5.0))
-    assert consumer_max_deliver(forever) == -1
-    assert disposition(EventLogUnavailable("down"), delivery=10**6, settings=forever) == Retry(5.0)
-    assert disposition(RuntimeError("a bug"), delivery=50, settings=forever) == Retry(5.0)
+    forever = ConsumerSpec.of(
+        ConsumerSettings(durable="shard-writer", max_deliver=-1, backoff_s=(1.0, 5.0)),
+        stream="TRAJ",
+        filter_subjects=["ts.traj.>"],
+    )
+    assert forever.server_max_deliver == -1
+    assert disposition(EventLogUnavailable("down"), delivery=10**6, spec=forever) == Retry(5.0)
+    assert disposition(RuntimeError("a bug"), delivery=50, spec=forever) == Retry(5.0)
     untrusted = UntrustedEvent("subject_mismatch", "not its subject")
-    assert disposition(untrusted, delivery=1, settings=forever) == DeadLetterIt("subject_mismatch")
-    refused = when_dead_letter_fails(delivery=10**6, attempt=3, stopping=True, settings=forever)
+    assert disposition(untrusted, delivery=1, spec=forever) == DeadLetterIt("subject_mismatch")
+    refused = when_dead_letter_fails(delivery=10**6, attempt=3, stopping=True, spec=forever)
     assert refused == Retry(5.0)
     with pytest.raises(ValueError, match="max_deliver must be -1"):
         ConsumerSettings(durable="x", max_deliver=1)
+    with pytest.raises(ValueError, match="max_deliver must be -1"):
+        dataclasses.replace(forever, max_deliver=1)
 
 
 def test_missing_turns_is_a_fold_error_with_its_own_reason() -> None:
@@ -119,11 +128,12 @@ def test_missing_turns_is_a_fold_error_with_its_own_reason() -> None:
 
 
 def test_the_last_backoff_repeats() -> None:
-    assert SETTINGS.retry_delay_s(3) == SETTINGS.retry_delay_s(7) == 30.0
+    assert SPEC.retry_delay_s(3) == SPEC.retry_delay_s(7) == 30.0
 
 
 def test_fetch_batch_never_exceeds_max_ack_pending() -> None:
-    assert FoldWorkerSettings(batch=500, max_ack_pending=64, concurrency=8).fetch_batch == 64
+    settings = FoldWorkerSettings(batch=500, max_ack_pending=64, concurrency=8)
+    assert ConsumerSpec.of(settings, stream="EVENTS", filter_subjects=["c"]).fetch_batch == 64
 
 
 def test_a_dead_letter_is_cut_to_fit_the_payload_limit() -> None:
@@ -201,3 +211,17 @@ def test_only_sessions_closed_and_quiet_long_enough_are_forgotten() -> None:
         ("r.open", SessionActivity(last_at=10.0, turns=1)),
     ]
     assert forgettable(entries, now=200.0, after_s=100.0) == ["r.old"]
+
+
+def test_a_consumer_spec_is_the_one_place_nats_consumer_config_comes_from() -> None:
+    """The server keeps one delivery more than the handler's tries (the spare delivery), one
+    filter subject or several, and headers only when asked."""
+    fold_worker = SPEC.config()
+    assert (fold_worker.durable_name, fold_worker.max_deliver) == ("fold", 5)
+    assert fold_worker.filter_subject == "ts.ev.*.*.close" and not fold_worker.filter_subjects
+    assert fold_worker.ack_wait == SETTINGS.ack_wait_s and fold_worker.headers_only is None
+    tracker = ConsumerSpec(
+        "EVENTS", "reaper", ("ts.ev.a.>", "ts.ev.b.>"), 4096, 30.0, headers_only=True
+    ).config()
+    assert tracker.max_deliver == -1 and tracker.headers_only
+    assert tracker.filter_subjects == ["ts.ev.a.>", "ts.ev.b.>"] and tracker.filter_subject is None

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from eventlog import free_port
+from eventlog.server import free_port
 
 BACKEND = (
     Path(__file__).resolve().parents[2] / "benchmarks" / "harness" / "fixed_latency_backend.py"

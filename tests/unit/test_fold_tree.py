@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from consumers import FoldError, FoldOptions, FoldResult, FoldWorkerSettings, fold
 from eventlog.dispositions import DeadLetterIt, disposition
+from eventlog.pull import ConsumerSpec
 from schemas.codec import Codec
 from schemas.delta import encode_delta, replay_context
 from schemas.events import JSON, SessionEvent, TrajectoryReady, TurnCompleted
@@ -335,9 +336,8 @@ def test_a_delta_that_does_not_fit_its_parent_is_dead_lettered(
     assert f"run={RUN} session={SESSION}" in message and "dead-letter the session" in message
     for fragment in fragments:
         assert fragment in message
-    assert disposition(raised.value, delivery=1, settings=FoldWorkerSettings()) == DeadLetterIt(
-        "fold_error"
-    )
+    fold_worker = ConsumerSpec.of(FoldWorkerSettings(), stream="EVENTS", filter_subjects=["c"])
+    assert disposition(raised.value, delivery=1, spec=fold_worker) == DeadLetterIt("fold_error")
 
 
 # -- properties ------------------------------------------------------------------------------

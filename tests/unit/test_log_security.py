@@ -17,9 +17,7 @@ from cryptography import x509
 from pydantic_settings import CliApp
 
 from eventlog.config import LogSettings, StreamNames
-from eventlog.errors import LogSecurityError
-from eventlog.permissions import ROLES, Role, role_permissions
-from eventlog.security import ensure_log_security
+from eventlog.server import ROLES, LogSecurityError, Role, ensure_log_security, role_permissions
 from turnstream.settings import ServiceSettings, with_toml
 
 # -- settings ---------------------------------------------------------------------------------

@@ -15,9 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from consumers import fold
-from eventlog.errors import ShardUnreadable, ShardWriteFailed
 from eventlog.seqset import SeqSet
-from eventlog.shard_store import FileShardStore, open_shards_dataset
 from schemas.events import TrajectoryReady
 from schemas.shards import (
     TRAJECTORY_SCHEMA,
@@ -26,6 +24,7 @@ from schemas.shards import (
     table_to_trajectories,
     trajectories_to_table,
 )
+from shardstore import FileShardStore, ShardUnreadable, ShardWriteFailed, open_shards_dataset
 from tests.helpers.sessions import session_events, turn_specs
 from tests.helpers.trajectories import folded
 

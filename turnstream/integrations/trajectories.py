@@ -23,26 +23,19 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Iterator
-from typing import Any
 
-import nats.errors
-from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
-from nats.js import api as js_api
-
-from eventlog import LogSettings, connect
+from eventlog import Connection, Following, LogSettings, connect, follow
 from eventlog.connection import close_connection
 from schemas.codec import Codec
-from schemas.errors import EventLogUnavailable, SchemaError
+from schemas.errors import SchemaError
 from schemas.events import TrajectoryReady
 from schemas.ids import traj_subject
+from schemas.trust import StoredMessage
 from turnstream.integrations.errors import TrajectoryTimeout
 
 __all__ = ["SessionRouter", "SessionTrajectories", "TrajectoryFeed"]
 
 log = logging.getLogger(__name__)
-
-_MSG_ID = "Nats-Msg-Id"
 
 
 class SessionTrajectories:
@@ -147,7 +140,7 @@ class TrajectoryFeed:
 
     def __init__(
         self,
-        nc: NATS,
+        nc: Connection,
         run: str,
         *,
         stream: str = "TRAJ",
@@ -160,7 +153,7 @@ class TrajectoryFeed:
         self.router = SessionRouter(run)
         self._nc = nc
         self._codec = codec or Codec()
-        self._sub: Any = None
+        self._following: Following | None = None
         self._owns_connection = False
         self.undecodable = 0
 
@@ -196,42 +189,18 @@ class TrajectoryFeed:
 
     async def start(self) -> None:
         """Subscribe from the stream's end: only trajectories stored from now on arrive."""
-        js = self._nc.jetstream()
         subject = traj_subject(self.run)
-        try:
-            info = await js.stream_info(self.stream)
-            start = int(info.state.last_seq) + 1
-            self._sub = await js.subscribe(
-                subject,
-                stream=self.stream,
-                cb=self._on_message,
-                ordered_consumer=True,
-                config=js_api.ConsumerConfig(
-                    deliver_policy=js_api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start
-                ),
-            )
-        except (TimeoutError, nats.errors.Error, OSError) as exc:
-            raise EventLogUnavailable(
-                f"cannot follow {subject} in {self.stream}: {exc!r}; is the log provisioned "
-                f"(`turnstream up` or `turnstream provision`)?"
-            ) from exc
-        # nats-py restarts an ordered consumer after a gap or a reconnect from the last stream
-        # sequence it delivered + 1, which is 0 + 1 before the first message: a restart then
-        # would replay the run's whole TRAJ history. Tell it where this feed began.
-        jsi = getattr(getattr(self._sub, "_sub", None), "_jsi", None)
-        if jsi is not None and getattr(jsi, "_sseq", None) == 0:
-            jsi._sseq = start - 1
+        self._following = await follow(self._nc.jetstream(), self.stream, subject, self._on_message)
 
     async def close(self) -> None:
-        if self._sub is not None:
-            with contextlib.suppress(nats.errors.Error, OSError):
-                await self._sub.unsubscribe()
-            self._sub = None
+        if self._following is not None:
+            await self._following.stop()
+            self._following = None
         if self._owns_connection:
             await close_connection(self._nc)
 
-    async def _on_message(self, msg: Msg) -> None:
-        session = session_of_msg_id((msg.headers or {}).get(_MSG_ID))
+    async def _on_message(self, msg: StoredMessage) -> None:
+        session = session_of_msg_id(msg.msg_id)
         if session is not None and not self.router.wants(session):
             return  # another process's (or nobody's) session: not worth decoding
         try:

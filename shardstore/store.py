@@ -42,9 +42,9 @@ import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from eventlog.errors import ShardUnreadable, ShardWriteFailed
 from schemas.ids import ID_PATTERN
 from schemas.shards import TRAJECTORY_SCHEMA, ShardMetadata
+from shardstore.errors import ShardUnreadable, ShardWriteFailed
 
 __all__ = [
     "RUN_PARTITIONING",

@@ -14,7 +14,7 @@ The server never outlives the process that started it (DESIGN §8), however that
   exits, not the process. Every server is therefore forked by one daemon thread that lives as
   long as this process (``_Spawner``), whichever thread calls ``start()`` / ``restart()``: a
   restart from ``asyncio.to_thread`` must not take the server down with its worker thread.
-- **Store lock** (``eventlog.store_lock``): a second server on the same store fails at once
+- **Store lock** (``eventlog.server.store_lock``): a second server on the same store fails at once
   with ``StoreInUse`` naming the holder's PIDs; the lock is released by ``stop()`` / ``kill()``
   and taken again by ``start()`` / ``restart()`` of the same object.
 
@@ -43,7 +43,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from types import TracebackType
 
-from eventlog.store_lock import StoreLock
+from eventlog.server.store_lock import StoreLock
 from schemas.errors import EventLogUnavailable
 
 __all__ = ["NatsServer", "find_nats_server", "free_port", "free_ports"]

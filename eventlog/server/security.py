@@ -12,7 +12,7 @@ Keys and role files are 0600, the directory 0700. What exists is reused, so pass
 restarts on one data dir and services configured with them keep connecting; the server
 certificate is issued again only when it nears its end or misses a host. The nats-server is
 given bcrypt hashes of the passwords, never the passwords (its config file is not private).
-What each role may do is ``eventlog.permissions``.
+What each role may do is ``eventlog.server.permissions``.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from pydantic import SecretStr
 
 from eventlog.config import LogSettings, StreamNames
-from eventlog.errors import LogSecurityError
-from eventlog.permissions import ROLES, Role, authorization_block
+from eventlog.server.errors import LogSecurityError
+from eventlog.server.permissions import ROLES, Role, authorization_block
 
 __all__ = ["LogSecurity", "RoleCredentials", "ensure_log_security"]
 

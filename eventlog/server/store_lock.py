@@ -12,7 +12,7 @@ is spawned). The file is never deleted (unlinking a lock file races with the nex
 released lock leaves it empty.
 
 A holder whose parent is gone is a server dying of its parent-death signal (see
-``eventlog.server``): the next taker waits for it (``orphan_wait_s``) instead of failing, so
+``eventlog.server.process``): the next taker waits for it (``orphan_wait_s``) instead of failing, so
 ``turnstream up`` right after a kill -9 of the previous ``up`` starts cleanly. A ``fork()``
 without ``exec`` (multiprocessing's fork start method) copies the descriptor, and with it the
 lock, into the forked child: start servers before forking workers, or use ``spawn``.
@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from eventlog.errors import StoreInUse
+from eventlog.server.errors import StoreInUse
 
 __all__ = ["LOCK_NAME", "StoreLock", "pid_alive", "read_holder"]
 

@@ -20,8 +20,8 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator
 
-from eventlog.errors import ServerCrashLoop
-from eventlog.server import NatsServer
+from eventlog.server.errors import ServerCrashLoop
+from eventlog.server.process import NatsServer
 from schemas.errors import TurnstreamError
 
 __all__ = ["supervise", "supervised"]
