@@ -25,7 +25,7 @@ from gateway.routers.common import (
     serve_turn,
 )
 from gateway.serving import SessionService
-from gateway.serving.responses import ResponsesServing, parse_response_id
+from gateway.serving.responses_service import ResponsesServing, parse_response_id
 
 __all__ = ["responses_routes"]
 

@@ -2,13 +2,13 @@
 a turn, ``turns`` serves it whole or streamed) and one module per API surface, plus the session
 API."""
 
-from gateway.serving.anthropic import AnthropicServing
-from gateway.serving.chat import ChatServing
-from gateway.serving.completion import CompletionServing
+from gateway.serving.anthropic_service import AnthropicServing
+from gateway.serving.chat_service import ChatServing
+from gateway.serving.completion_service import CompletionServing
 from gateway.serving.engine import Turn, TurnEngine, TurnResult
-from gateway.serving.responses import ResponsesServing
-from gateway.serving.sessions import SessionService, session_info
-from gateway.serving.turns import StreamEncoder, TurnServing, TurnStream
+from gateway.serving.responses_service import ResponsesServing
+from gateway.serving.session_service import SessionService, session_info
+from gateway.serving.turn_service import StreamEncoder, TurnServing, TurnStream
 
 __all__ = [
     "AnthropicServing",

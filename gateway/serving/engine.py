@@ -23,14 +23,14 @@ import numpy as np
 
 from eventlog import Publisher
 from gateway.backends.base import Backend, GenerationChunk, Prompt, SamplingParams
-from gateway.branches import attachment, continued_turn
+from gateway.core.aggregate import SessionState, TurnDraft, apply, fold, prefix_parent, turn_event
+from gateway.core.branches import attachment, continued_turn
+from gateway.core.session_store import Session
 from gateway.decoding import Detokenizer
 from gateway.errors import ContextLengthExceeded, ModelNotFound
 from gateway.metrics import GatewayMetrics
-from gateway.sessions import Session
 from gateway.templates import ChatTemplate
 from gateway.tools import ToolCallParser
-from gateway.turns import SessionState, TurnDraft, apply, fold, prefix_parent, turn_event
 from schemas.events import SessionEvent, TurnCompleted
 
 __all__ = ["ChatPrompt", "Turn", "TurnEngine", "TurnResult", "derived_seed", "sampling_record"]

@@ -17,13 +17,13 @@ from transformers import AutoTokenizer
 from transformers.utils import logging as transformers_logging
 
 from gateway.backends.base import GenerationChunk, Prompt, SamplingParams
+from gateway.core.aggregate import SessionState
+from gateway.core.session_store import Session, SessionStore
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import ChatCompletionRequest
 from gateway.serving import ChatServing, TurnEngine, TurnServing
-from gateway.sessions import Session, SessionStore
 from gateway.templates import ChatTemplate
 from gateway.tools import get_parser
-from gateway.turns import SessionState
 from schemas.events import TurnCompleted
 
 JSON = dict[str, Any]

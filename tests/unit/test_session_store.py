@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 
-from gateway.sessions import SessionStore
-from gateway.turns import SessionState
+from gateway.core.aggregate import SessionState
+from gateway.core.session_store import SessionStore
 from schemas.events import SessionEvent, SessionOpened
 
 

@@ -13,15 +13,15 @@ import pytest
 from transformers import AutoTokenizer
 
 from gateway.backends.base import GenerationChunk, SamplingParams
+from gateway.core.aggregate import SessionState
+from gateway.core.session_store import SessionStore
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import ChatCompletionRequest
 from gateway.protocol.chat import ChatCompletionChunk, ChunkChoice, Delta
 from gateway.serving import ChatServing, TurnEngine, TurnServing
-from gateway.sessions import SessionStore
 from gateway.sse import sse
 from gateway.templates import ChatTemplate
 from gateway.tools import get_parser
-from gateway.turns import SessionState
 from schemas.events import TurnCompleted
 
 REPLY = 'Line one.\nSTOP here "quoted" é, then more.'

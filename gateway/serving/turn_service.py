@@ -7,8 +7,8 @@ text as it is generated; its closing events (tool calls, finish reason, usage) f
 ack of the turn, and a failed publish ends the stream with the API's error event instead.
 
 A request equal to the request of a kept turn that no later turn continued (a conversation's
-tip: ``gateway.branches.resent_turn``) is a client's retry: it gets the recorded turn again, whole
-or streamed, and adds no turn.
+tip: ``gateway.core.branches.resent_turn``) is a client's retry: it gets the recorded turn
+again, whole or streamed, and adds no turn.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 from gateway.backends.base import needs_processed_logprobs
-from gateway.branches import resent_turn
-from gateway.conversation import TurnRequest
+from gateway.core.branches import resent_turn
+from gateway.core.conversation import TurnRequest
+from gateway.core.session_store import Session, SessionStore
 from gateway.decoding import Detokenizer
 from gateway.errors import InvalidRequest
 from gateway.serving.engine import Turn, TurnEngine, TurnResult, sampling_record
-from gateway.sessions import Session, SessionStore
 
 __all__ = ["StreamEncoder", "TurnServing", "TurnStream", "named_tool_choice"]
 

@@ -11,7 +11,7 @@ paths agree by construction::
 A session is a tree (DESIGN §5): a main agent and its sub-agents take turns on one session, each
 continuing its own conversation. The state keeps up to ``Kept.turns`` turns (``TurnNode``: the
 full context ids, the conversation, the tools); a request continues, token for token, the kept
-turn whose conversation it extends furthest (``gateway.branches.continued_turn``), and a
+turn whose conversation it extends furthest (``gateway.core.branches.continued_turn``), and a
 request that extends none is delta-encoded against the turn sharing the longest token prefix
 (``prefix_parent``).
 Applying turn t touches t and its parent; beyond ``Kept.turns`` turns, or ``Kept.tokens`` tokens
@@ -29,7 +29,7 @@ A worked example (token ids only; one message per turn):
 >>> first.parent_turn, state.turns, state.nodes[0].context_ids.tolist()
 (-1, 1, [1, 2, 3])
 >>> again = [*state.nodes[0].conversation, {"role": "user", "content": "again"}]
->>> from gateway.branches import continued_turn
+>>> from gateway.core.branches import continued_turn
 >>> continued_turn(state, again, None).turn  # the kept turn this conversation extends
 0
 >>> second = turn_event(state, TurnDraft(prompt_ids=[1, 2, 3, 4], messages=again, tools=None,
@@ -57,7 +57,7 @@ from typing import Any
 
 import numpy as np
 
-from gateway.conversation import message_key
+from gateway.core.conversation import message_key
 from schemas.delta import common_prefix_len
 from schemas.events import SessionClosed, SessionEvent, SessionOpened, TurnCompleted
 

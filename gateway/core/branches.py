@@ -1,8 +1,9 @@
 """Which kept turn of a session a request continues or repeats, and how a turn joins the tree.
 
-Read-only questions asked of a session's state (``gateway.turns.SessionState``) on the way in
-(``continued_turn``: the conversation a request extends furthest; ``resent_turn``: a client's
-resend of a conversation's tip) and on the way out (``attachment``: the metric's label). PURE.
+Read-only questions asked of a session's state (``gateway.core.aggregate.SessionState``) on the
+way in (``continued_turn``: the conversation a request extends furthest; ``resent_turn``: a
+client's resend of a conversation's tip) and on the way out (``attachment``: the metric's
+label). PURE.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Literal
 
-from gateway.turns import JSON, MessageKey, SessionState, TurnNode, message_keys
+from gateway.core.aggregate import JSON, MessageKey, SessionState, TurnNode, message_keys
 from schemas.events import TurnCompleted
 
 __all__ = ["Attachment", "attachment", "continued_turn", "resent_turn"]

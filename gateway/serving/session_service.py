@@ -15,6 +15,8 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from eventlog import Publisher
+from gateway.core.aggregate import SessionState, apply, fold
+from gateway.core.session_store import Session, SessionKey, SessionStore
 from gateway.errors import InvalidRequest, SessionExists, SessionNotFound
 from gateway.errors import SessionClosed as ClosedAlready
 from gateway.protocol.sessions import (
@@ -24,8 +26,6 @@ from gateway.protocol.sessions import (
     RewardRequest,
     SessionInfo,
 )
-from gateway.sessions import Session, SessionKey, SessionStore
-from gateway.turns import SessionState, apply, fold
 from schemas import RewardAssigned, SessionClosed, SessionEvent, SessionOpened
 from schemas.errors import EventLogUnavailable
 from schemas.ids import new_session_id

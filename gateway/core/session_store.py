@@ -1,8 +1,8 @@
 """The sessions a gateway holds in memory, keyed by (run, session id), bounded.
 
-A ``Session`` is a handle: the session's state (``gateway.turns.SessionState``, changed only by
-applying its events), the lock that serializes its turns (an agent's turn t+1 depends on turn
-t's reply) and the number of requests using it. The store:
+A ``Session`` is a handle: the session's state (``gateway.core.aggregate.SessionState``, changed
+only by applying its events), the lock that serializes its turns (an agent's turn t+1 depends on
+turn t's reply) and the number of requests using it. The store:
 
 - loads a session atomically per key: concurrent requests for a session not in memory wait for
   one load (from the log, or a creation), so they all share one handle and one lock;
@@ -20,8 +20,8 @@ from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
+from gateway.core.aggregate import Kept, SessionState, fold
 from gateway.errors import SessionClosed
-from gateway.turns import Kept, SessionState, fold
 from schemas.events import SessionEvent
 
 __all__ = ["Session", "SessionKey", "SessionStore"]

@@ -25,7 +25,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from gateway.conversation import TurnRequest
+from gateway.core.aggregate import SessionState
+from gateway.core.conversation import TurnRequest
+from gateway.core.session_store import Session
 from gateway.decoding import Detokenizer
 from gateway.errors import InvalidRequest, error_body
 from gateway.protocol.chat import TokenLogprob
@@ -57,12 +59,10 @@ from gateway.protocol.responses_reply import (
     TextDeltaEvent,
     TextDoneEvent,
 )
-from gateway.serving.chat import token_logprobs
+from gateway.serving.chat_service import token_logprobs
 from gateway.serving.engine import TurnEngine, TurnResult
-from gateway.serving.turns import TurnServing, TurnStream
-from gateway.sessions import Session
+from gateway.serving.turn_service import TurnServing, TurnStream
 from gateway.sse import sse_event
-from gateway.turns import SessionState
 
 __all__ = [
     "ResponsesServing",
@@ -226,7 +226,8 @@ def previous_conversation(state: SessionState, req: ResponsesRequest) -> list[JS
 
     Read without the session's lock: a turn taken meanwhile makes this request a branch from
     the response it named, which is what it asked for. A resent request rebuilds the same
-    conversation, so it is answered with its recorded turn (``gateway.branches.resent_turn``)."""
+    conversation, so it is answered with its recorded turn
+    (``gateway.core.branches.resent_turn``)."""
     previous = req.previous_response_id
     if previous is None:
         return []
