@@ -63,7 +63,8 @@ from gateway.protocol.anthropic_reply import (
     TokenCountResult,
     ToolUseContent,
 )
-from gateway.serving.engine import TurnEngine, TurnResult
+from gateway.serving.engine import TurnEngine
+from gateway.serving.turn_data import TurnResult
 from gateway.serving.turn_service import TurnServing, TurnStream
 from gateway.sse import TextEvents, sse_event
 

@@ -27,7 +27,8 @@ from gateway.protocol.chat import (
     message_text,
 )
 from gateway.protocol.common import Usage
-from gateway.serving.engine import TurnEngine, TurnResult
+from gateway.serving.engine import TurnEngine
+from gateway.serving.turn_data import TurnResult
 from gateway.serving.turn_service import TurnServing, TurnStream
 from gateway.sse import DONE, TextEvents, sse, sse_error
 

@@ -16,7 +16,8 @@ from gateway.protocol.completions import (
     CompletionRequest,
 )
 from gateway.serving.chat_service import usage
-from gateway.serving.engine import Turn, TurnEngine, TurnResult, sampling_record
+from gateway.serving.engine import TurnEngine, sampling_record
+from gateway.serving.turn_data import Turn, TurnResult
 
 __all__ = ["CompletionServing"]
 

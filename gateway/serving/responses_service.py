@@ -60,7 +60,8 @@ from gateway.protocol.responses_reply import (
     TextDoneEvent,
 )
 from gateway.serving.chat_service import token_logprobs
-from gateway.serving.engine import TurnEngine, TurnResult
+from gateway.serving.engine import TurnEngine
+from gateway.serving.turn_data import TurnResult
 from gateway.serving.turn_service import TurnServing, TurnStream
 from gateway.sse import sse_event
 

@@ -162,7 +162,7 @@ class SessionService:
                         f"idle too long) before this close arrived; its status and reward stay "
                         f"as closed"
                     )
-            session.state = apply(state, event)  # type: ignore[assignment]
+            session.apply(event)
         self.store.closed(session)
         return session_info(session.state)
 
@@ -179,4 +179,4 @@ class SessionService:
         if logged is not None and (
             logged.turns > session.state.turns or (logged.closed and not session.state.closed)
         ):
-            session.state = logged
+            session.recovered(logged)

@@ -29,7 +29,8 @@ from gateway.serving.anthropic_service import (
     stop_sequence,
     tool_input,
 )
-from gateway.serving.engine import TurnEngine, TurnResult
+from gateway.serving.engine import TurnEngine
+from gateway.serving.turn_data import TurnResult
 from schemas.errors import EventLogUnavailable
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "agents" / "claude_code"

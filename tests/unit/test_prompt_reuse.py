@@ -131,12 +131,11 @@ async def test_a_linear_session_sends_each_turn_its_whole_prompt_and_caches_one_
     # Only the tip holds a cache: its context's JSON and text (what a render of the tip's
     # conversation starts with).
     nodes = session.state.nodes
-    assert [bool(n.cache.json_head) for n in nodes.values()] == [False, False, False, True]
-    assert [n.cache.text is not None for n in nodes.values()] == [False, False, False, True]
-    tip = nodes[3]
-    assert json.loads(b"".join(tip.cache.json_head) + b"]") == tip.context_ids.tolist()
-    assert tip.cache.text is not None
-    text = "".join(tip.cache.text)
+    assert list(nodes) == [0, 1, 2, 3] and list(session.contexts) == [3]
+    tip, cache = nodes[3], session.contexts[3]
+    assert cache.json_head and cache.text is not None
+    assert json.loads(b"".join(cache.json_head) + b"]") == tip.context_ids.tolist()
+    text = "".join(cache.text)
     assert text == setup.template.decode(tip.context_ids, skip_special_tokens=False)
 
 
