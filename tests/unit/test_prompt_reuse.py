@@ -17,6 +17,7 @@ from transformers import AutoTokenizer
 from transformers.utils import logging as transformers_logging
 
 from gateway.backends.base import GenerationChunk, Prompt, SamplingParams
+from gateway.core import aggregate, conversation
 from gateway.core.aggregate import SessionState
 from gateway.core.session_store import Session, SessionStore
 from gateway.metrics import GatewayMetrics
@@ -260,3 +261,29 @@ async def test_a_template_that_renders_replies_otherwise(
         assert (event.parent_turn == previous.turn and event.prefix_len == whole) is continues
     if not continues:  # forked: each prompt is the render of its conversation, token for token
         assert setup.backend.sent[-1][0] == setup.template.prompt_ids(messages, None)
+
+
+async def test_a_turn_computes_each_message_key_once(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The request's message keys are computed once and carried: the resend check, the
+    continuation, the event's message delta and the applied node reuse them; only the reply,
+    which no request held, gets its key when its node is built."""
+    setup = _Setup(tiny_model_dir)
+    session = await setup.session()
+    keyed: list[JSON] = []
+    key = conversation.message_key
+
+    def counted(message: JSON) -> tuple[object, ...]:
+        keyed.append(message)
+        return key(message)
+
+    monkeypatch.setattr(conversation, "message_key", counted)
+    monkeypatch.setattr(aggregate, "message_key", counted)
+    messages: list[JSON] = [{"role": "system", "content": "be brief"}]
+    for k in range(3):
+        messages.append({"role": "user", "content": f"question {k}"})
+        keyed.clear()
+        messages.append(await setup.turn(session, messages))
+        assert len(keyed) == len(messages), "a key per message sent, and one for the reply"
+    assert [e.parent_turn for e in setup.publisher.events] == [-1, 0, 1]
