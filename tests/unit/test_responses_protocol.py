@@ -32,13 +32,13 @@ from gateway.protocol.responses import (
     ResponsesRequest,
 )
 from gateway.serving import TurnEngine, TurnServing
-from gateway.serving.responses_service import (
-    ResponsesServing,
+from gateway.serving.responses_input import (
     parse_response_id,
     previous_conversation,
     response_id,
     responses_turn_request,
 )
+from gateway.serving.responses_service import ResponsesServing
 from gateway.templates import ChatTemplate
 from gateway.tools import get_parser
 from schemas.events import SessionOpened
