@@ -197,7 +197,7 @@ async def run_sessions(
 
 def canonical_keys(messages: list[JSON]) -> list[tuple[object, ...]]:
     """``message_key`` of each message, tool-call ids left out (each API makes its own)."""
-    from gateway.conversation import message_key
+    from gateway.core.conversation import message_key
 
     return [(*message_key({**m, "tool_call_id": None})[:3], m.get("name")) for m in messages]
 

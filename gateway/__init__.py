@@ -5,6 +5,8 @@ Every completion turn is published to the event log (and acknowledged) before it
 
 from gateway.app import create_app
 from gateway.backends import Backend, GenerationChunk, ReplicaRouter, SamplingParams
+from gateway.core.aggregate import SessionState, apply, fold
+from gateway.core.session_store import Session, SessionStore
 from gateway.errors import (
     BackendError,
     BackendUnavailable,
@@ -18,10 +20,8 @@ from gateway.errors import (
 from gateway.guard import BodyLimits
 from gateway.metrics import GatewayMetrics
 from gateway.serving import ChatServing, CompletionServing, SessionService, TurnEngine
-from gateway.sessions import Session, SessionStore
 from gateway.templates import ChatTemplate
 from gateway.tools import ToolCallParser, get_parser
-from gateway.turns import SessionState, apply, fold
 
 __all__ = [
     "Backend",

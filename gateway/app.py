@@ -56,7 +56,7 @@ from gateway.serving import (
     TurnEngine,
     TurnServing,
 )
-from gateway.serving.anthropic import AnthropicServing
+from gateway.serving.anthropic_service import AnthropicServing
 from schemas.errors import TurnstreamError
 
 __all__ = ["GatewayApp", "Health", "create_app", "direct_routes"]

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gateway.conversation import arguments_object
+from gateway.core.conversation import arguments_object
 from gateway.errors import InvalidRequest
 
 if TYPE_CHECKING:

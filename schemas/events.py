@@ -107,7 +107,7 @@ class TurnCompleted(_Event, tag="TurnCompleted", kw_only=True):
     usage: dict[str, int] = msgspec.field(default_factory=dict)
     # How the turn was asked for: the API that carried it ("chat.completions", "messages",
     # "responses", "completions") and its parameters as the client set them (see
-    # gateway.conversation.TurnRequest.record); {} in events older than the field.
+    # gateway.core.conversation.TurnRequest.record); {} in events older than the field.
     request: JSON = msgspec.field(default_factory=dict)
     # Whose distribution ``logprobs`` are: "sampled", the one each token was drawn from (after
     # temperature and top-p); "raw", not that one: the model's untempered distribution (a vLLM

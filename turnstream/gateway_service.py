@@ -30,13 +30,13 @@ from gateway.app import create_app
 from gateway.backends.interface import Backend
 from gateway.backends.policy_watch import PolicyTarget, PolicyVersion, watch_policy
 from gateway.backends.transport import Target
+from gateway.core.aggregate import Kept
+from gateway.core.session_store import SessionStore
 from gateway.guard import BodyLimits
 from gateway.metrics import GatewayMetrics
 from gateway.serving import SessionService, TurnEngine
-from gateway.sessions import SessionStore
 from gateway.templates import ChatTemplate, load_tokenizer
 from gateway.tools import get_parser
-from gateway.turns import Kept
 from schemas.errors import TurnstreamError
 from turnstream.settings import PublishingSettings
 from turnstream.stack import (

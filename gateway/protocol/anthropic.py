@@ -1,9 +1,9 @@
 """Anthropic Messages (``POST /v1/messages``): the request, as Claude Code and the ``anthropic``
 SDK send it (the reply, its stream events and the error body: ``anthropic_reply``).
 
-The request is checked here, at the edge; ``gateway.serving.anthropic`` translates it into the
-canonical conversation. What the gateway cannot do is refused with a 400 naming the field, what
-does not change the reply is accepted:
+The request is checked here, at the edge; ``gateway.serving.anthropic_service`` translates it
+into the canonical conversation. What the gateway cannot do is refused with a 400 naming the
+field, what does not change the reply is accepted:
 
 - ``system`` (a string or text blocks), and ``role: "system"`` messages inside ``messages``
   (Claude Code sends its environment block so): both become system messages.

@@ -33,7 +33,7 @@ from gateway.routers.common import (
     serve_turn,
 )
 from gateway.serving import SessionService
-from gateway.serving.anthropic import AnthropicServing
+from gateway.serving.anthropic_service import AnthropicServing
 
 __all__ = ["anthropic_routes"]
 

@@ -15,8 +15,8 @@ from gateway.protocol.common import ErrorResponse, Wire
 from schemas.ids import ID_PATTERN
 
 if TYPE_CHECKING:
+    from gateway.core.session_store import Session
     from gateway.serving import SessionService, TurnEngine, TurnStream
-    from gateway.sessions import Session
 
 __all__ = [
     "ID",

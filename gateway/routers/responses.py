@@ -25,7 +25,8 @@ from gateway.routers.common import (
     serve_turn,
 )
 from gateway.serving import SessionService
-from gateway.serving.responses import ResponsesServing, parse_response_id
+from gateway.serving.responses_input import parse_response_id
+from gateway.serving.responses_service import ResponsesServing
 
 __all__ = ["responses_routes"]
 

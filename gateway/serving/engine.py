@@ -16,95 +16,35 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any, Literal, NamedTuple
+from dataclasses import replace
+from typing import Any
 
 import numpy as np
 
 from eventlog import Publisher
 from gateway.backends.interface import Backend, GenerationChunk, Prompt, SamplingParams
-from gateway.branches import attachment, continued_turn
+from gateway.core.aggregate import TurnDraft, fold, prefix_parent, turn_event
+from gateway.core.branches import attachment, continued_turn
+from gateway.core.conversation import MessageKey
+from gateway.core.session_store import ContextCache, Session
 from gateway.decoding import Detokenizer
 from gateway.errors import ContextLengthExceeded, ModelNotFound
 from gateway.metrics import GatewayMetrics
-from gateway.sessions import Session
+from gateway.serving.turn_data import ChatPrompt, Generation, Turn, TurnResult
 from gateway.templates import ChatTemplate
 from gateway.tools import ToolCallParser
-from gateway.turns import SessionState, TurnDraft, apply, fold, prefix_parent, turn_event
 from schemas.events import SessionEvent, TurnCompleted
 
-__all__ = ["ChatPrompt", "Turn", "TurnEngine", "TurnResult", "derived_seed", "sampling_record"]
+__all__ = ["TurnEngine", "derived_seed", "sampling_record"]
 
 log = logging.getLogger(__name__)
 JSON = dict[str, Any]
-# The API that carried a turn (TurnRequest.api); also the label of the turns metric.
-Kind = Literal["chat.completions", "completions", "messages", "responses"]
 Recover = Callable[[str, str], Awaitable[Sequence[SessionEvent]]]
 # Prompts with more text or messages than this are rendered and tokenized on a worker thread,
 # so that the event loop (and /health) stays responsive while a huge prompt is built or refused.
 _OFF_LOOP_CHARS = 64 * 1024
 _OFF_LOOP_MESSAGES = 512
-
-
-class ChatPrompt(NamedTuple):
-    """A chat turn's prompt and where it joins the session (``TurnEngine.chat_prompt``)."""
-
-    prompt: Prompt
-    parent: int  # the kept turn it continues, else the one sharing the longest prefix (-1: none)
-    prefix_len: int | None  # a continued turn's: the parent's whole context; None: not known
-    text: str | None  # what the prompt's ids stand for (the render), where it is that exactly
-
-
-@dataclass
-class Turn:
-    """A prepared turn: what to send to the backend and what to record."""
-
-    session: Session
-    kind: Kind
-    prompt: Prompt
-    messages: list[JSON]  # the full conversation of this turn (chat); [] for completions
-    tools: list[JSON] | None
-    params: SamplingParams
-    stop_strings: list[str]
-    parse_tools: bool
-    logprobs: bool
-    top_logprobs: int
-    sampling: JSON
-    forced_text: str = ""  # tool-call opening appended to the prompt to enforce tool_choice
-    request: JSON = field(default_factory=dict)  # TurnRequest.record
-    parallel_tool_calls: bool = True  # False: the reply keeps its first tool call only
-    started: float = field(default_factory=time.perf_counter)
-    backend_id: str = ""  # the replica that served the turn
-    finish: str = "length"  # set from the backend's last chunk
-    sampled_version: int | None = None  # weight_version the backend reported
-    # The turn it continues or shares the most with (-1: none); None: the kept turn sharing
-    # the longest token prefix with the prompt, found when the event is built (completions).
-    parent: int | None = None
-    logprobs_kind: str = "sampled"  # "raw" when the backend said so (TurnCompleted.logprobs_kind)
-    prefix_len: int | None = None  # ChatPrompt.prefix_len
-    prompt_text: str | None = None  # ChatPrompt.text (the forced_text follows it)
-
-    @property
-    def index(self) -> int:
-        return self.session.state.turns
-
-
-@dataclass
-class TurnResult:
-    index: int  # the turn's index in its session
-    completion_id: str
-    text: str
-    content: str | None
-    tool_calls: list[JSON]
-    finish_reason: str
-    completion_ids: list[int]
-    detok: Detokenizer
-    prompt_tokens: int
-    weight_version: int
-
-    @property
-    def usage(self) -> tuple[int, int]:
-        return self.prompt_tokens, len(self.completion_ids)
+_NO_CACHE = ContextCache()
 
 
 class TurnEngine:
@@ -143,12 +83,16 @@ class TurnEngine:
     # -- preparing ------------------------------------------------------------------------
 
     async def chat_prompt(
-        self, state: SessionState, messages: list[JSON], tools: list[JSON] | None
+        self,
+        session: Session,
+        messages: list[JSON],
+        tools: list[JSON] | None,
+        keys: Sequence[MessageKey],
     ) -> ChatPrompt:
         """The prompt and the parent turn: the kept turn the conversation extends furthest,
         continued token for token (its context ids, as an array, + the new messages' ids; its
         cached JSON text too), else the rendered conversation and the kept turn sharing the
-        longest token prefix with it (-1: none)."""
+        longest token prefix with it (-1: none). ``keys``: the messages' (``TurnRequest.keys``)."""
         chars = sum(len(m.get("content") or "") for m in messages)
         least = self.template.min_tokens(chars)
         if least > self.backend.max_context:
@@ -158,17 +102,23 @@ class TurnEngine:
                 param="messages",
             )
         if chars > _OFF_LOOP_CHARS or len(messages) > _OFF_LOOP_MESSAGES:
-            return await asyncio.to_thread(self._chat_prompt, state, messages, tools)
-        return self._chat_prompt(state, messages, tools)
+            return await asyncio.to_thread(self._chat_prompt, session, messages, tools, keys)
+        return self._chat_prompt(session, messages, tools, keys)
 
     def _chat_prompt(
-        self, state: SessionState, messages: list[JSON], tools: list[JSON] | None
+        self,
+        session: Session,
+        messages: list[JSON],
+        tools: list[JSON] | None,
+        keys: Sequence[MessageKey],
     ) -> ChatPrompt:
-        node = continued_turn(state, messages, tools)
+        state = session.state
+        node = continued_turn(state, messages, tools, keys)
         full: str | None = None
         if node is not None:
             # Taken: this turn's context will hold the next turn's cache (one per chain).
-            text, head = node.cache.take()
+            cache = session.take_context(node.turn) or _NO_CACHE
+            text, head = cache.text, cache.json_head
             suffix: list[int] | None = None
             if text is not None:  # one render, where it starts with the kept turn's text
                 suffix, full = self.template.extension_ids(text, messages, tools)
@@ -227,27 +177,36 @@ class TurnEngine:
 
     # -- running ----------------------------------------------------------------------------
 
-    async def tokens(self, turn: Turn, detok: Detokenizer) -> AsyncIterator[Detokenizer]:
-        """Generate, feeding ``detok``; yields it after every chunk. Stops at a stop string."""
-        turn.backend_id = self.backend.id
+    def generation(self, turn: Turn) -> Generation:
+        """An empty accumulator for ``turn``'s completion."""
+        return Generation(Detokenizer(self.template.decode, turn.stop_strings), self.backend.id)
+
+    async def tokens(
+        self, turn: Turn, gen: Generation, params: SamplingParams | None = None
+    ) -> AsyncIterator[Generation]:
+        """Generate (with ``params``, else the turn's), feeding ``gen``; yields it after every
+        chunk. Stops at a stop string."""
+        detok = gen.detok
         # The session is the routing hint: its replica holds the conversation in its cache.
         stream: AsyncIterator[GenerationChunk] = self.backend.generate(
-            turn.prompt, turn.params, session=turn.session.name
+            turn.prompt, params or turn.params, session=turn.session.name
         )
         try:
             async for chunk in stream:
+                if gen.first_token_at is None:
+                    gen.first_token_at = time.perf_counter()
                 if chunk.replica is not None:
-                    turn.backend_id = chunk.replica
+                    gen.backend_id = chunk.replica
                 detok.add(chunk.token_ids, chunk.logprobs, chunk.top_logprobs)
                 if chunk.weight_version is not None:
-                    turn.sampled_version = chunk.weight_version
+                    gen.sampled_version = chunk.weight_version
                 if chunk.logprobs_kind is not None:
-                    turn.logprobs_kind = chunk.logprobs_kind
+                    gen.logprobs_kind = chunk.logprobs_kind
                 if chunk.finish_reason is not None:
-                    turn.finish = chunk.finish_reason
-                yield detok
+                    gen.finish = chunk.finish_reason
+                yield gen
                 if detok.stopped:
-                    turn.finish = "stop"
+                    gen.finish = "stop"
                     break
         finally:
             aclose = getattr(stream, "aclose", None)  # stops the generation on the backend
@@ -262,21 +221,20 @@ class TurnEngine:
         for the completion in one response (``SamplingParams.stream``), decoded and detokenized
         once (its ``ttft_ms`` is then the whole generation's). Stop strings keep the stream:
         the backend would otherwise generate past the first match, up to ``max_tokens``."""
-        if not turn.stop_strings:
-            turn.params = replace(turn.params, stream=False)
-        detok = Detokenizer(self.template.decode, turn.stop_strings)
-        ttft = None
-        async for _ in self.tokens(turn, detok):
-            ttft = ttft or time.perf_counter()
-        return await self.finish(turn, detok, ttft)
+        params = turn.params if turn.stop_strings else replace(turn.params, stream=False)
+        gen = self.generation(turn)
+        async for _ in self.tokens(turn, gen, params):
+            pass
+        return await self.finish(turn, gen)
 
-    async def finish(self, turn: Turn, detok: Detokenizer, ttft: float | None) -> TurnResult:
+    async def finish(self, turn: Turn, gen: Generation) -> TurnResult:
         """Parse, publish (awaiting the ack), apply the event to the session."""
         session = turn.session
+        detok = gen.detok
         text = detok.text
         content: str | None = text
         tool_calls: list[JSON] = []
-        finish = turn.finish
+        finish = gen.finish
         if turn.parse_tools:
             parsed = self.parser.parse(turn.forced_text + text)
             content = parsed.content
@@ -292,7 +250,7 @@ class TurnEngine:
                 tool_calls = tool_calls[:1]
             if tool_calls:
                 finish = "tool_calls"
-        version = turn.sampled_version
+        version = gen.sampled_version
         if version is None:
             version = self.weight_version()
         generated = time.perf_counter()
@@ -308,16 +266,17 @@ class TurnEngine:
             sampling=turn.sampling,
             weight_version=version,
             template_hash=self.template.hash,
-            backend=turn.backend_id,
+            backend=gen.backend_id,
             timings={
-                "ttft_ms": round(1000 * ((ttft or generated) - turn.started), 3),
+                "ttft_ms": round(1000 * ((gen.first_token_at or generated) - turn.started), 3),
                 "generate_ms": round(1000 * (generated - turn.started), 3),
             },
             created_at=time.time(),
             request=turn.request,
-            logprobs_kind=turn.logprobs_kind,
+            logprobs_kind=gen.logprobs_kind,
             parent_turn=turn.parent,
             prefix_len=turn.prefix_len,
+            keys=turn.keys,
         )
         event = turn_event(session.state, draft)
         with self.metrics.publish_latency.time():
@@ -331,49 +290,27 @@ class TurnEngine:
             event = turn_event(session.state, draft)
             receipt = await self.publisher.publish(event)
         self.metrics.attached.labels(attachment(session.state, event)).inc()
-        session.state = apply(session.state, event)  # type: ignore[assignment]
-        node = session.state.nodes.get(event.turn)
-        if node is not None:  # its context: this prompt + the completion (ContextCache)
+        session.apply(event, turn.keys)
+        # What the turn continuing this one will reuse of it (beside the state, not in it).
+        if session.state.nodes.get(event.turn) is not None:
+            text_parts = None
             if turn.prompt_text is not None:
                 sampled = self.template.decode(detok.ids, skip_special_tokens=False)
-                node.cache.text = (turn.prompt_text, turn.forced_text, sampled)
-            if turn.prompt.encoded:
-                node.cache.json_head = turn.prompt.extended_json_head(detok.ids)
+                text_parts = (turn.prompt_text, turn.forced_text, sampled)
+            head = turn.prompt.extended_json_head(detok.ids) if turn.prompt.encoded else ()
+            if text_parts is not None or head:
+                session.keep_context(event.turn, ContextCache(text_parts, head))
         self.metrics.tokens_in.inc(len(turn.prompt))
         self.metrics.tokens_out.inc(len(detok.ids))
         self.metrics.turns.labels(turn.kind).inc()
-        prefix = "cmpl" if turn.kind == "completions" else "chatcmpl"
-        return TurnResult(
-            event.turn,
-            f"{prefix}-{session.state.id}-{event.turn}",
-            text,
-            content,
-            tool_calls,
-            finish,
-            list(detok.ids),
-            detok,
-            len(turn.prompt),
-            version,
-        )
+        return TurnResult.of(event, detok, tools_parsed=turn.parse_tools)
 
-    def recorded(self, session: Session, event: TurnCompleted) -> TurnResult:
+    def recorded(self, event: TurnCompleted, *, tools_parsed: bool) -> TurnResult:
         """The result of a turn already in the log (a resent request gets it again)."""
         detok = Detokenizer(self.template.decode)
         detok.add(event.completion_ids.tolist(), event.logprobs.tolist())
         detok.finish()
-        prefix = "cmpl" if event.request.get("api") == "completions" else "chatcmpl"
-        return TurnResult(
-            event.turn,
-            f"{prefix}-{session.state.id}-{event.turn}",
-            detok.text,
-            event.text or None,
-            list(event.tool_calls),
-            event.finish_reason,
-            list(detok.ids),
-            detok,
-            int(event.usage.get("prompt_tokens", 0)),
-            event.weight_version,
-        )
+        return TurnResult.of(event, detok, tools_parsed=tools_parsed)
 
     async def _taken_by_earlier_attempt(self, session: Session, event: TurnCompleted) -> bool:
         """Whether the log holds another event under ``event``'s turn index (its publish was a
@@ -399,7 +336,7 @@ class TurnEngine:
             event.turn,
             logged.turns,
         )
-        session.state = logged
+        session.recovered(logged)
         return True
 
 

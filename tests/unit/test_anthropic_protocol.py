@@ -1,5 +1,5 @@
 """Anthropic Messages: the request models, the translation into the canonical conversation, the
-message and the stream events (gateway.protocol.anthropic, gateway.serving.anthropic)."""
+message and the stream events (gateway.protocol.anthropic, gateway.serving.anthropic_service)."""
 
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ import anthropic.types
 import pytest
 from pydantic import TypeAdapter, ValidationError
 
-from gateway.conversation import message_key
+from gateway.core.conversation import message_key
 from gateway.decoding import Detokenizer
 from gateway.errors import BackendError
 from gateway.protocol.anthropic import (
     CountTokensRequest,
     MessagesRequest,
 )
-from gateway.serving.anthropic import (
+from gateway.serving.anthropic_service import (
     AnthropicServing,
     _MessagesEncoder,
     messages_turn_request,
@@ -29,7 +29,8 @@ from gateway.serving.anthropic import (
     stop_sequence,
     tool_input,
 )
-from gateway.serving.engine import TurnEngine, TurnResult
+from gateway.serving.engine import TurnEngine
+from gateway.serving.turn_data import TurnResult
 from schemas.errors import EventLogUnavailable
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "agents" / "claude_code"

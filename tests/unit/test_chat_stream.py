@@ -11,14 +11,14 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from gateway.backends.interface import GenerationChunk, SamplingParams
+from gateway.core.aggregate import SessionState
+from gateway.core.session_store import Session, SessionStore
 from gateway.errors import BackendError
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import ChatCompletionRequest
 from gateway.serving import ChatServing, TurnEngine, TurnServing, TurnStream
-from gateway.sessions import Session, SessionStore
 from gateway.templates import ChatTemplate
 from gateway.tools import get_parser
-from gateway.turns import SessionState
 
 
 def chunks(started: Callable[[], None], release: Callable[[], None]) -> AsyncIterator[bytes]:

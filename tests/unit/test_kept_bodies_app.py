@@ -19,10 +19,10 @@ from transformers import AutoTokenizer
 from gateway.app import create_app
 from gateway.backends.router import ReplicaRouter
 from gateway.backends.vllm import VLLMBackend
+from gateway.core.session_store import SessionStore
 from gateway.kept_bodies import KeptBodies
 from gateway.metrics import GatewayMetrics
 from gateway.serving import SessionService, TurnEngine
-from gateway.sessions import SessionStore
 from gateway.templates import ChatTemplate
 from gateway.tools import get_parser
 from tests.unit.test_logprobs_probe import HandlerTransport, StandInVLLM

@@ -20,9 +20,9 @@ from transformers import AutoTokenizer
 
 from gateway.app import create_app
 from gateway.backends.router import ReplicaRouter
+from gateway.core.session_store import SessionStore
 from gateway.metrics import GatewayMetrics
 from gateway.serving import SessionService, TurnEngine
-from gateway.sessions import SessionStore
 from gateway.templates import ChatTemplate
 from gateway.tools import get_parser
 from schemas.events import TurnCompleted

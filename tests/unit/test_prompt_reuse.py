@@ -17,13 +17,14 @@ from transformers import AutoTokenizer
 from transformers.utils import logging as transformers_logging
 
 from gateway.backends.interface import GenerationChunk, Prompt, SamplingParams
+from gateway.core import aggregate, conversation
+from gateway.core.aggregate import SessionState
+from gateway.core.session_store import Session, SessionStore
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import ChatCompletionRequest
 from gateway.serving import ChatServing, TurnEngine, TurnServing
-from gateway.sessions import Session, SessionStore
 from gateway.templates import ChatTemplate
 from gateway.tools import get_parser
-from gateway.turns import SessionState
 from schemas.events import TurnCompleted
 
 JSON = dict[str, Any]
@@ -131,12 +132,11 @@ async def test_a_linear_session_sends_each_turn_its_whole_prompt_and_caches_one_
     # Only the tip holds a cache: its context's JSON and text (what a render of the tip's
     # conversation starts with).
     nodes = session.state.nodes
-    assert [bool(n.cache.json_head) for n in nodes.values()] == [False, False, False, True]
-    assert [n.cache.text is not None for n in nodes.values()] == [False, False, False, True]
-    tip = nodes[3]
-    assert json.loads(b"".join(tip.cache.json_head) + b"]") == tip.context_ids.tolist()
-    assert tip.cache.text is not None
-    text = "".join(tip.cache.text)
+    assert list(nodes) == [0, 1, 2, 3] and list(session.contexts) == [3]
+    tip, cache = nodes[3], session.contexts[3]
+    assert cache.json_head and cache.text is not None
+    assert json.loads(b"".join(cache.json_head) + b"]") == tip.context_ids.tolist()
+    text = "".join(cache.text)
     assert text == setup.template.decode(tip.context_ids, skip_special_tokens=False)
 
 
@@ -261,3 +261,29 @@ async def test_a_template_that_renders_replies_otherwise(
         assert (event.parent_turn == previous.turn and event.prefix_len == whole) is continues
     if not continues:  # forked: each prompt is the render of its conversation, token for token
         assert setup.backend.sent[-1][0] == setup.template.prompt_ids(messages, None)
+
+
+async def test_a_turn_computes_each_message_key_once(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The request's message keys are computed once and carried: the resend check, the
+    continuation, the event's message delta and the applied node reuse them; only the reply,
+    which no request held, gets its key when its node is built."""
+    setup = _Setup(tiny_model_dir)
+    session = await setup.session()
+    keyed: list[JSON] = []
+    key = conversation.message_key
+
+    def counted(message: JSON) -> tuple[object, ...]:
+        keyed.append(message)
+        return key(message)
+
+    monkeypatch.setattr(conversation, "message_key", counted)
+    monkeypatch.setattr(aggregate, "message_key", counted)
+    messages: list[JSON] = [{"role": "system", "content": "be brief"}]
+    for k in range(3):
+        messages.append({"role": "user", "content": f"question {k}"})
+        keyed.clear()
+        messages.append(await setup.turn(session, messages))
+        assert len(keyed) == len(messages), "a key per message sent, and one for the reply"
+    assert [e.parent_turn for e in setup.publisher.events] == [-1, 0, 1]

@@ -1,5 +1,5 @@
-"""The OpenAI Responses adapter (gateway.protocol.responses, gateway.serving.responses): what
-the requests translate into, and the response and events a turn becomes.
+"""The OpenAI Responses adapter (gateway.protocol.responses, gateway.serving.responses_service):
+what the requests translate into, and the response and events a turn becomes.
 
 The canonical conversation must not depend on how a client sends its history: Codex's
 captured requests must extend each other message for message, and the output items of a
@@ -23,24 +23,24 @@ from pydantic import TypeAdapter, ValidationError
 from transformers import AutoTokenizer
 
 from gateway.backends.interface import GenerationChunk, SamplingParams
-from gateway.conversation import TurnRequest, message_key
+from gateway.core.aggregate import Kept, SessionState, TurnDraft, apply, turn_event
+from gateway.core.conversation import TurnRequest, message_key
+from gateway.core.session_store import Session, SessionStore
 from gateway.errors import BackendError, InvalidRequest
 from gateway.metrics import GatewayMetrics
 from gateway.protocol.responses import (
     ResponsesRequest,
 )
 from gateway.serving import TurnEngine, TurnServing
-from gateway.serving.responses import (
-    ResponsesServing,
+from gateway.serving.responses_input import (
     parse_response_id,
     previous_conversation,
     response_id,
     responses_turn_request,
 )
-from gateway.sessions import Session, SessionStore
+from gateway.serving.responses_service import ResponsesServing
 from gateway.templates import ChatTemplate
 from gateway.tools import get_parser
-from gateway.turns import Kept, SessionState, TurnDraft, apply, turn_event
 from schemas.events import SessionOpened
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "agents" / "codex"

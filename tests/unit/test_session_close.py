@@ -13,10 +13,10 @@ from collections.abc import Sequence
 import pytest
 
 from eventlog import PublishReceipt
+from gateway.core.session_store import SessionStore
 from gateway.errors import SessionClosed as ClosedAlready
 from gateway.protocol.sessions import CloseSessionRequest, CreateSessionRequest
-from gateway.serving.sessions import SessionService
-from gateway.sessions import SessionStore
+from gateway.serving.session_service import SessionService
 from schemas import Event, SessionClosed, SessionEvent, route
 
 

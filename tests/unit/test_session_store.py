@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 
-from gateway.sessions import SessionStore
-from gateway.turns import SessionState
+from gateway.core.aggregate import Kept, SessionState, TurnDraft, apply, fold, turn_event
+from gateway.core.session_store import ContextCache, Session, SessionStore
 from schemas.events import SessionEvent, SessionOpened
 
 
@@ -123,3 +123,26 @@ def _create(name: str) -> Callable[[], Awaitable[SessionState]]:
 
 async def _held(store: SessionStore, name: str) -> bool:
     return await store.load(("r", name)) is not None
+
+
+def test_the_caches_live_beside_the_state_and_go_with_the_turns_they_serve() -> None:
+    """The aggregate stays data: a kept turn's cache is the Session's, dropped when the turn is
+    forgotten (``Kept``) and when the log's state replaces the session's."""
+    opened = SessionOpened(run="r", session="s")
+    state = apply(None, opened, kept=Kept(turns=1))
+    assert state is not None
+    session = Session(state)
+    hi = {"role": "user", "content": "hi"}
+    first = turn_event(state, TurnDraft([1], [hi], None, [2], [0.0]))
+    session.apply(first)
+    session.keep_context(0, ContextCache(("hi", "", "yo"), (b"[1,2",)))
+    assert session.contexts[0].text == ("hi", "", "yo")
+    assert not hasattr(session.state.nodes[0], "cache")  # nothing written into the node
+    second = turn_event(session.state, TurnDraft([9], [hi], None, [3], [0.0]))  # a new branch
+    session.apply(second)  # keeps one turn: turn 0 is forgotten, and its cache with it
+    assert list(session.state.nodes) == [1] and session.contexts == {}
+    session.keep_context(0, ContextCache(("stale",)))  # a turn no longer kept holds none
+    assert session.contexts == {}
+    session.keep_context(1, ContextCache(("x",)))
+    session.recovered(fold([opened, first, second], kept=Kept(turns=1)) or state)
+    assert session.contexts == {} and session.take_context(1) is None

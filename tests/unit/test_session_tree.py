@@ -17,8 +17,16 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.branches import attachment, continued_turn, resent_turn
-from gateway.turns import Kept, SessionState, TurnDraft, apply, fold, prefix_parent, turn_event
+from gateway.core.aggregate import (
+    Kept,
+    SessionState,
+    TurnDraft,
+    apply,
+    fold,
+    prefix_parent,
+    turn_event,
+)
+from gateway.core.branches import attachment, continued_turn, resent_turn
 from schemas.codec import Codec
 from schemas.delta import common_prefix_len
 from schemas.events import SessionEvent, SessionOpened, TurnCompleted

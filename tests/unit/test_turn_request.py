@@ -7,8 +7,9 @@ from typing import Any
 
 import pytest
 
-from gateway.branches import resent_turn
-from gateway.conversation import TurnRequest, same_messages
+from gateway.core.aggregate import SessionState, TurnDraft, apply, turn_event
+from gateway.core.branches import resent_turn
+from gateway.core.conversation import TurnRequest, same_messages
 from gateway.errors import (
     BackendUnavailable,
     ContextLengthExceeded,
@@ -20,8 +21,7 @@ from gateway.errors import (
     anthropic_error_body,
     anthropic_status,
 )
-from gateway.serving.turns import named_tool_choice
-from gateway.turns import SessionState, TurnDraft, apply, turn_event
+from gateway.serving.turn_service import named_tool_choice
 
 USER = [{"role": "user", "content": "hi"}]
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}

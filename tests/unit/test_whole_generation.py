@@ -13,15 +13,15 @@ import pytest
 from transformers import AutoTokenizer
 
 from gateway.backends.interface import GenerationChunk, SamplingParams
+from gateway.core.aggregate import SessionState
+from gateway.core.session_store import SessionStore
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import ChatCompletionRequest
 from gateway.protocol.chat import ChatCompletionChunk, ChunkChoice, Delta
 from gateway.serving import ChatServing, TurnEngine, TurnServing
-from gateway.sessions import SessionStore
 from gateway.sse import sse
 from gateway.templates import ChatTemplate
 from gateway.tools import get_parser
-from gateway.turns import SessionState
 from schemas.events import TurnCompleted
 
 REPLY = 'Line one.\nSTOP here "quoted" é, then more.'
@@ -162,3 +162,26 @@ async def test_streamed_text_deltas_are_the_chunks_the_models_serialize(
             ],
         )
         assert chunk == json.loads(sse(model).removeprefix(b"data: "))
+
+
+@pytest.mark.parametrize(
+    ("tools", "empty"),
+    [(False, False), (True, False), (False, True)],
+    ids=["text", "tools", "empty"],
+)
+async def test_a_resent_request_gets_the_reply_the_turn_was_answered_with(
+    tiny_model_dir: Path, tools: bool, empty: bool
+) -> None:
+    """One constructor (``TurnResult.of``) makes the live result and the recorded one: the
+    reply to a resend is the first reply, field for field (its creation time aside), an empty
+    one too (content "", not null)."""
+    chat, backend, publisher, session = await serving(tiny_model_dir)
+    if empty:
+        backend.ids = backend.ids[-1:]  # the end of turn alone
+    offered = {"type": "function", "function": {"name": "f", "parameters": {}}}
+    asked = request(**({"tools": [offered]} if tools else {}))
+    first = await chat.complete(session, asked)
+    again = await chat.complete(session, asked)
+    assert len(publisher.events) == 1 and len(backend.params) == 1  # one turn, one generation
+    assert again.model_dump(exclude={"created"}) == first.model_dump(exclude={"created"})
+    assert (first.choices[0].message.content == "") is empty

@@ -1,4 +1,5 @@
-"""The session aggregate (gateway.turns): the live path and recovery agree by construction."""
+"""The session aggregate (gateway.core.aggregate): the live path and recovery agree by
+construction."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.turns import SessionState, TurnDraft, apply, fold, turn_event
+from gateway.core.aggregate import SessionState, TurnDraft, apply, fold, turn_event
 from schemas.codec import Codec
 from schemas.events import RewardAssigned, SessionClosed, SessionOpened
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from gateway.conversation import TurnRequest
+from gateway.core.conversation import TurnRequest
+from gateway.core.session_store import Session
 from gateway.decoding import Detokenizer
 from gateway.protocol.chat import (
     AssistantMessage,
@@ -26,9 +27,9 @@ from gateway.protocol.chat import (
     message_text,
 )
 from gateway.protocol.common import Usage
-from gateway.serving.engine import TurnEngine, TurnResult
-from gateway.serving.turns import TurnServing, TurnStream
-from gateway.sessions import Session
+from gateway.serving.engine import TurnEngine
+from gateway.serving.turn_data import TurnResult
+from gateway.serving.turn_service import TurnServing, TurnStream
 from gateway.sse import DONE, TextEvents, sse, sse_error
 
 __all__ = ["ChatServing", "chat_turn_request", "token_logprobs", "usage"]

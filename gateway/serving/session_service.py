@@ -15,6 +15,8 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from eventlog import Publisher
+from gateway.core.aggregate import SessionState, apply, fold
+from gateway.core.session_store import Session, SessionKey, SessionStore
 from gateway.errors import InvalidRequest, SessionExists, SessionNotFound
 from gateway.errors import SessionClosed as ClosedAlready
 from gateway.protocol.sessions import (
@@ -24,8 +26,6 @@ from gateway.protocol.sessions import (
     RewardRequest,
     SessionInfo,
 )
-from gateway.sessions import Session, SessionKey, SessionStore
-from gateway.turns import SessionState, apply, fold
 from schemas import RewardAssigned, SessionClosed, SessionEvent, SessionOpened
 from schemas.errors import EventLogUnavailable
 from schemas.ids import new_session_id
@@ -162,7 +162,7 @@ class SessionService:
                         f"idle too long) before this close arrived; its status and reward stay "
                         f"as closed"
                     )
-            session.state = apply(state, event)  # type: ignore[assignment]
+            session.apply(event)
         self.store.closed(session)
         return session_info(session.state)
 
@@ -179,4 +179,4 @@ class SessionService:
         if logged is not None and (
             logged.turns > session.state.turns or (logged.closed and not session.state.closed)
         ):
-            session.state = logged
+            session.recovered(logged)

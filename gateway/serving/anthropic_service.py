@@ -26,7 +26,8 @@ import json
 from collections.abc import Sequence
 from typing import Any, cast
 
-from gateway.conversation import TurnRequest, arguments_object
+from gateway.core.conversation import TurnRequest, arguments_object
+from gateway.core.session_store import Session
 from gateway.decoding import Detokenizer
 from gateway.errors import anthropic_error_body
 from gateway.protocol.anthropic import (
@@ -62,9 +63,9 @@ from gateway.protocol.anthropic_reply import (
     TokenCountResult,
     ToolUseContent,
 )
-from gateway.serving.engine import TurnEngine, TurnResult
-from gateway.serving.turns import TurnServing, TurnStream
-from gateway.sessions import Session
+from gateway.serving.engine import TurnEngine
+from gateway.serving.turn_data import TurnResult
+from gateway.serving.turn_service import TurnServing, TurnStream
 from gateway.sse import TextEvents, sse_event
 
 __all__ = [

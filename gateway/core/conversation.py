@@ -21,11 +21,20 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
-__all__ = ["TurnRequest", "arguments_object", "message_key", "same_messages"]
+__all__ = [
+    "MessageKey",
+    "TurnRequest",
+    "arguments_object",
+    "message_key",
+    "message_keys",
+    "same_messages",
+]
 
 JSON = dict[str, Any]
+MessageKey = tuple[object, ...]
 ToolChoice = str | JSON | None  # "auto" | "none" | "required" | {"type": "function", ...}
 
 
@@ -48,6 +57,12 @@ class TurnRequest:
     # The API's own parameters worth keeping with the turn (thinking, metadata, reasoning,
     # tools not offered to the model, ...): recorded in TurnCompleted.request.
     extras: JSON = field(default_factory=dict)
+
+    @cached_property
+    def keys(self) -> tuple[MessageKey, ...]:
+        """``message_key`` of each message: computed once per request, then carried (the resend
+        check, continuation, the event's message delta and the applied turn's node use these)."""
+        return message_keys(self.messages)
 
     @property
     def record(self) -> JSON:
@@ -89,7 +104,12 @@ def same_messages(a: Sequence[JSON], b: Sequence[JSON]) -> bool:
     )
 
 
-def message_key(message: JSON) -> tuple[object, ...]:
+def message_keys(messages: Sequence[JSON]) -> tuple[MessageKey, ...]:
+    """``message_key`` of each message."""
+    return tuple(message_key(m) for m in messages)
+
+
+def message_key(message: JSON) -> MessageKey:
     """What must be equal for a message sent back by a client to count as the same message."""
     calls = tuple(
         (

@@ -11,7 +11,7 @@ paths agree by construction::
 A session is a tree (DESIGN §5): a main agent and its sub-agents take turns on one session, each
 continuing its own conversation. The state keeps up to ``Kept.turns`` turns (``TurnNode``: the
 full context ids, the conversation, the tools); a request continues, token for token, the kept
-turn whose conversation it extends furthest (``gateway.branches.continued_turn``), and a
+turn whose conversation it extends furthest (``gateway.core.branches.continued_turn``), and a
 request that extends none is delta-encoded against the turn sharing the longest token prefix
 (``prefix_parent``).
 Applying turn t touches t and its parent; beyond ``Kept.turns`` turns, or ``Kept.tokens`` tokens
@@ -29,7 +29,7 @@ A worked example (token ids only; one message per turn):
 >>> first.parent_turn, state.turns, state.nodes[0].context_ids.tolist()
 (-1, 1, [1, 2, 3])
 >>> again = [*state.nodes[0].conversation, {"role": "user", "content": "again"}]
->>> from gateway.branches import continued_turn
+>>> from gateway.core.branches import continued_turn
 >>> continued_turn(state, again, None).turn  # the kept turn this conversation extends
 0
 >>> second = turn_event(state, TurnDraft(prompt_ids=[1, 2, 3, 4], messages=again, tools=None,
@@ -44,6 +44,10 @@ True
 >>> apply(state, first).turns  # a redelivered turn is a no-op
 2
 
+The state is data only: what a turn leaves for the one that continues it (its render, the JSON
+text of its ids) is a cache the live ``Session`` holds beside the state
+(``gateway.core.session_store.ContextCache``), never written into a node.
+
 Turns apply in index order: a turn whose index is not the session's next one (a duplicate, or
 one past a gap) changes nothing. Events of another session are a programming error.
 """
@@ -57,7 +61,7 @@ from typing import Any
 
 import numpy as np
 
-from gateway.conversation import message_key
+from gateway.core.conversation import MessageKey, message_key, message_keys
 from schemas.delta import (
     Context,
     Linked,
@@ -70,26 +74,18 @@ from schemas.delta import (
 from schemas.events import SessionClosed, SessionEvent, SessionOpened, TurnCompleted
 
 __all__ = [
-    "ContextCache",
     "Kept",
     "SessionState",
     "TurnDraft",
     "TurnNode",
     "apply",
     "fold",
-    "message_keys",
     "prefix_parent",
     "turn_event",
 ]
 
 JSON = dict[str, Any]
-MessageKey = tuple[object, ...]
 _NO_IDS = np.empty(0, dtype=np.int32)
-
-
-def message_keys(messages: Sequence[JSON]) -> tuple[MessageKey, ...]:
-    """``message_key`` of each message: computed once per request, compared with every turn."""
-    return tuple(message_key(m) for m in messages)
 
 
 @dataclass(frozen=True)
@@ -107,31 +103,6 @@ class Kept:
             raise ValueError(f"a session keeps >= 1 turn and >= 1 token, not {self}")
 
 
-@dataclass(eq=False)
-class ContextCache:
-    """What the turn that continues a kept turn reuses of it, built when that turn ran:
-
-    * ``text``: the text its context ids stand for, in parts (its prompt's render, any forced
-      tool-call opening, its completion decoded with special tokens: not joined, a copy of the
-      whole context saved), so that the next turn renders its conversation once and keeps the
-      ids of this text where the render starts with it (``ChatTemplate.extension_ids``);
-    * ``json_head``: the JSON text of its context ids without the closing bracket
-      (``b"[1,2,3"``), in parts, built when its prompt went to an HTTP backend
-      (``gateway.backends.interface.Prompt``), so the next turn encodes only its new ids.
-
-    A cache, not state: empty after recovery, and handed on (``take``) to the turn that
-    continues it, so a chain of turns holds one (a second continuation of a turn finds it
-    empty and renders and encodes in full)."""
-
-    text: tuple[str, ...] | None = None
-    json_head: tuple[bytes | memoryview, ...] = ()  # gateway.backends.interface.JsonHead
-
-    def take(self) -> tuple[tuple[str, ...] | None, tuple[bytes | memoryview, ...]]:
-        taken = self.text, self.json_head
-        self.text, self.json_head = None, ()
-        return taken
-
-
 @dataclass(frozen=True)
 class TurnNode:
     """A kept turn: what a later turn needs to continue it token for token."""
@@ -144,7 +115,6 @@ class TurnNode:
     keys: tuple[MessageKey, ...]  # message_key of each message of ``conversation``
     tools: list[JSON] | None
     continued: bool = False  # a later turn extends it: no longer the tip of a conversation
-    cache: ContextCache = field(default_factory=ContextCache, compare=False, repr=False)
 
     @property
     def turn(self) -> int:
@@ -233,6 +203,9 @@ class TurnDraft:
     # Where known, the tokens prompt_ids shares with parent_turn's context: a prompt that
     # continues the parent holds its whole context (not compared again, token by token).
     prefix_len: int | None = None
+    # ``message_key`` of each of ``messages``, where the caller has them (the request's,
+    # ``TurnRequest.keys``); None: computed here.
+    keys: Sequence[MessageKey] | None = None
 
 
 # -- the delta base of a turn that continues none ------------------------------------------
@@ -271,7 +244,8 @@ def turn_event(state: SessionState, draft: TurnDraft) -> TurnCompleted:
         () if node is None else node.keys,
         draft.prompt_ids,
         draft.messages,
-        message_keys=map(message_key, draft.messages),
+        # The request's keys, computed once at the edge; else each only as far as they agree.
+        message_keys=map(message_key, draft.messages) if draft.keys is None else draft.keys,
         shared=draft.prefix_len if parent == draft.parent_turn else None,
     )
     return TurnCompleted(
@@ -306,10 +280,16 @@ def turn_event(state: SessionState, draft: TurnDraft) -> TurnCompleted:
 
 
 def apply(
-    state: SessionState | None, event: SessionEvent, *, kept: Kept | None = None
+    state: SessionState | None,
+    event: SessionEvent,
+    *,
+    kept: Kept | None = None,
+    keys: Sequence[MessageKey] | None = None,
 ) -> SessionState | None:
     """The session after ``event``; ``None`` stands for a session with no events yet (then
-    ``kept`` bounds the new state: default ``Kept()``)."""
+    ``kept`` bounds the new state: default ``Kept()``). ``keys``: the ``message_key`` of each
+    message of a turn's conversation (``TurnDraft.keys``), where the live path has them from the
+    request; recovery computes them from the event: the same keys either way."""
     if state is None:
         state = SessionState(
             run=event.run, id=event.session, created_at=event.created_at, kept=kept or Kept()
@@ -319,7 +299,7 @@ def apply(
             f"event of session {event.run}/{event.session} applied to {state.run}/{state.id}"
         )
     if isinstance(event, TurnCompleted):
-        return _apply_turn(state, event)
+        return _apply_turn(state, event, keys)
     if isinstance(event, SessionOpened):
         return dataclasses.replace(
             state,
@@ -334,12 +314,14 @@ def apply(
     return state  # rewards do not change what the next turn extends
 
 
-def _apply_turn(state: SessionState, event: TurnCompleted) -> SessionState:
+def _apply_turn(
+    state: SessionState, event: TurnCompleted, keys: Sequence[MessageKey] | None
+) -> SessionState:
     if event.turn != state.turns:
         return state
     nodes = dict(state.nodes)
     parent = nodes.pop(event.parent, None)  # re-inserted below: applying a turn touches it
-    node, parent = _node(event, parent, nodes)
+    node, parent = _node(event, parent, nodes, keys)
     if parent is not None:
         nodes[parent.turn] = parent
     if node is not None:
@@ -374,7 +356,10 @@ def _held_tokens(nodes: Mapping[int, TurnNode]) -> int:
 
 
 def _node(
-    event: TurnCompleted, parent: TurnNode | None, nodes: dict[int, TurnNode]
+    event: TurnCompleted,
+    parent: TurnNode | None,
+    nodes: dict[int, TurnNode],
+    asked: Sequence[MessageKey] | None,
 ) -> tuple[TurnNode | None, TurnNode | None]:
     """The node of ``event`` built on its ``parent``'s (None where the parent is no longer kept:
     the turn is counted but cannot be continued), and the parent as it is after it."""
@@ -385,13 +370,20 @@ def _node(
     ):
         return None, parent
     ids = decode_context(Context.of(context), event).ids()
-    keys = () if parent is None else parent.keys
+    kept_messages = event.message_prefix_len
+    # The parent's keys for the messages it holds (a chain of nodes shares them), the request's
+    # for the new ones where the live path carried them.
+    keys = () if parent is None else parent.keys[:kept_messages]
+    if asked is not None and len(asked) == kept_messages + len(event.new_messages):
+        new_keys = tuple(asked[kept_messages:])
+    else:
+        new_keys = message_keys(event.new_messages)
     inherited = None if parent is None else parent.tools
     node = TurnNode(
         event,
         ids,
         tuple(decode_conversation(Linked.of(conversation), event).all()),
-        tuple(decode_conversation(Linked.of(keys), event, message_key).all()),
+        (*keys, *new_keys, message_key(event.assistant_message)),
         inherited if event.tools is None else (event.tools or None),
     )
     if parent is not None and event.prefix_len == len(context):

@@ -1,8 +1,9 @@
 """Which kept turn of a session a request continues or repeats, and how a turn joins the tree.
 
-Read-only questions asked of a session's state (``gateway.turns.SessionState``) on the way in
-(``continued_turn``: the conversation a request extends furthest; ``resent_turn``: a client's
-resend of a conversation's tip) and on the way out (``attachment``: the metric's label). PURE.
+Read-only questions asked of a session's state (``gateway.core.aggregate.SessionState``) on the
+way in (``continued_turn``: the conversation a request extends furthest; ``resent_turn``: a
+client's resend of a conversation's tip) and on the way out (``attachment``: the metric's
+label). PURE.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Literal
 
-from gateway.turns import JSON, MessageKey, SessionState, TurnNode, message_keys
+from gateway.core.aggregate import JSON, SessionState, TurnNode
+from gateway.core.conversation import MessageKey, message_keys
 from schemas.events import TurnCompleted
 
 __all__ = ["Attachment", "attachment", "continued_turn", "resent_turn"]
@@ -26,7 +28,7 @@ def continued_turn(
 ) -> TurnNode | None:
     """The kept turn whose conversation ``messages`` extends furthest (a strict prefix under
     ``message_key``, with the same tools); ties go to the most recent. ``keys``: the messages'
-    keys, when the caller has them."""
+    keys, where the caller has them (the request's, ``TurnRequest.keys``)."""
     keys = message_keys(messages) if keys is None else tuple(keys)
     n = len(keys)
     # The longest first (ties: the most recent), so the first that matches is the one: in a
@@ -53,7 +55,11 @@ def _length_then_turn(node: TurnNode) -> tuple[int, int]:
 
 
 def resent_turn(
-    state: SessionState, messages: Sequence[JSON], tools: list[JSON] | None, record: JSON
+    state: SessionState,
+    messages: Sequence[JSON],
+    tools: list[JSON] | None,
+    record: JSON,
+    keys: Sequence[MessageKey] | None = None,
 ) -> TurnCompleted | None:
     """The kept turn whose request ``messages``/``tools``/``record`` is again (a client's
     retry: after a 5xx, a cut stream, a lost reply), else None.
@@ -61,18 +67,19 @@ def resent_turn(
     Clients resend the same request when they did not get (all of) the answer; answering it
     with the recorded turn keeps one model call one turn. Only a conversation's tip qualifies
     (a turn no later turn continued: e.g. the main agent's last turn after a sub-agent took
-    one); the request of a turn that was continued is a new turn, a retry that branches."""
+    one); the request of a turn that was continued is a new turn, a retry that branches.
+    ``keys``: as for ``continued_turn``."""
     if not record:
         return None  # events older than TurnCompleted.request: never a resend
     tools = tools or None
-    keys: tuple[MessageKey, ...] | None = None
+    asked = None if keys is None else tuple(keys)
     for node in sorted(state.nodes.values(), key=lambda n: n.turn, reverse=True):
         if node.continued or len(node.keys) != len(messages) + 1:
             continue
         if node.event.request != record or node.tools != tools:
             continue
-        keys = message_keys(messages) if keys is None else keys
-        if node.keys[:-1] == keys:
+        asked = message_keys(messages) if asked is None else asked
+        if node.keys[:-1] == asked:
             return node.event
     return None
 

@@ -1,11 +1,13 @@
 """The sessions a gateway holds in memory, keyed by (run, session id), bounded.
 
-A ``Session`` is a handle: the session's state (``gateway.turns.SessionState``, changed only by
-applying its events), the lock that serializes its turns (an agent's turn t+1 depends on turn
-t's reply) and the number of requests using it. The store:
+A ``Session`` is a handle: the session's state (``gateway.core.aggregate.SessionState``, changed
+only by applying its events), the lock that serializes its turns (an agent's turn t+1 depends on
+turn t's reply) and the number of requests using it. The store:
 
 - loads a session atomically per key: concurrent requests for a session not in memory wait for
   one load (from the log, or a creation), so they all share one handle and one lock;
+- holds beside each state the caches its live turns leave (``ContextCache``): the state stays
+  data only, and what the log does not say is not in it;
 - evicts closed sessions after a grace period, and open ones least-recently-used beyond
   ``max_sessions``; a session in use is never evicted (two handles would mean two locks). An
   evicted session is recovered from the log on its next request, by the same fold (keeping the
@@ -20,15 +22,36 @@ from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
+from gateway.core.aggregate import Kept, SessionState, apply, fold
+from gateway.core.conversation import MessageKey
 from gateway.errors import SessionClosed
-from gateway.turns import Kept, SessionState, fold
 from schemas.events import SessionEvent
 
-__all__ = ["Session", "SessionKey", "SessionStore"]
+__all__ = ["ContextCache", "Session", "SessionKey", "SessionStore"]
 
 SessionKey = tuple[str, str]  # (run, session id)
 Recover = Callable[[str, str], Awaitable[Sequence[SessionEvent]]]
 Create = Callable[[], Awaitable[SessionState]]
+
+
+@dataclass(frozen=True)
+class ContextCache:
+    """What the turn that continues a kept turn reuses of it, built when that turn ran:
+
+    * ``text``: the text its context ids stand for, in parts (its prompt's render, any forced
+      tool-call opening, its completion decoded with special tokens: not joined, a copy of the
+      whole context saved), so that the next turn renders its conversation once and keeps the
+      ids of this text where the render starts with it (``ChatTemplate.extension_ids``);
+    * ``json_head``: the JSON text of its context ids without the closing bracket
+      (``b"[1,2,3"``), in parts, built when its prompt went to an HTTP backend
+      (``gateway.backends.interface.Prompt``), so the next turn encodes only its new ids.
+
+    A cache, not state: none after recovery, and handed on (``Session.take_context``) to the
+    turn that continues it, so a chain of turns holds one (a second continuation of a turn
+    finds none and renders and encodes in full)."""
+
+    text: tuple[str, ...] | None = None
+    json_head: tuple[bytes | memoryview, ...] = ()  # gateway.backends.interface.JsonHead
 
 
 @dataclass(eq=False)
@@ -37,6 +60,35 @@ class Session:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
     users: int = 0  # requests holding this handle: never evicted while > 0
     closed_at: float | None = None
+    # The caches of kept turns, by turn index (beside the state, not in its frozen nodes).
+    contexts: dict[int, ContextCache] = field(default_factory=dict, repr=False)
+
+    def apply(self, event: SessionEvent, keys: Sequence[MessageKey] | None = None) -> None:
+        """The live path: ``event``, published and acknowledged, applied to the state (the same
+        ``apply`` recovery folds; ``keys``: the turn's message keys, from its request). The
+        caches of turns no longer kept go with them."""
+        state = apply(self.state, event, keys=keys)
+        assert state is not None  # applied to a state: never None
+        self.state = state
+        contexts = self.contexts
+        if contexts:
+            for turn in [t for t in contexts if t not in state.nodes]:
+                del contexts[turn]
+
+    def recovered(self, state: SessionState) -> None:
+        """The log's state replaces this one (read back when the log is ahead); the caches go,
+        as for a session loaded from the log."""
+        self.state = state
+        self.contexts.clear()
+
+    def keep_context(self, turn: int, cache: ContextCache) -> None:
+        """What kept turn ``turn`` leaves for the turn that will continue it."""
+        if turn in self.state.nodes:
+            self.contexts[turn] = cache
+
+    def take_context(self, turn: int) -> ContextCache | None:
+        """The cache of kept turn ``turn``, taken: the turn continuing it will hold the next."""
+        return self.contexts.pop(turn, None)
 
     @property
     def key(self) -> SessionKey:

@@ -7,6 +7,7 @@ import time
 import numpy as np
 
 from gateway.backends.interface import Prompt
+from gateway.core.session_store import Session
 from gateway.errors import InvalidRequest
 from gateway.protocol.completions import (
     Completion,
@@ -14,9 +15,9 @@ from gateway.protocol.completions import (
     CompletionLogprobs,
     CompletionRequest,
 )
-from gateway.serving.chat import usage
-from gateway.serving.engine import Turn, TurnEngine, TurnResult, sampling_record
-from gateway.sessions import Session
+from gateway.serving.chat_service import usage
+from gateway.serving.engine import TurnEngine, sampling_record
+from gateway.serving.turn_data import Turn, TurnResult
 
 __all__ = ["CompletionServing"]
 

@@ -7,23 +7,23 @@ text as it is generated; its closing events (tool calls, finish reason, usage) f
 ack of the turn, and a failed publish ends the stream with the API's error event instead.
 
 A request equal to the request of a kept turn that no later turn continued (a conversation's
-tip: ``gateway.branches.resent_turn``) is a client's retry: it gets the recorded turn again, whole
-or streamed, and adds no turn.
+tip: ``gateway.core.branches.resent_turn``) is a client's retry: it gets the recorded turn
+again, whole or streamed, and adds no turn.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 from gateway.backends.interface import needs_processed_logprobs
-from gateway.branches import resent_turn
-from gateway.conversation import TurnRequest
+from gateway.core.branches import resent_turn
+from gateway.core.conversation import TurnRequest
+from gateway.core.session_store import Session, SessionStore
 from gateway.decoding import Detokenizer
 from gateway.errors import InvalidRequest
-from gateway.serving.engine import Turn, TurnEngine, TurnResult, sampling_record
-from gateway.sessions import Session, SessionStore
+from gateway.serving.engine import TurnEngine, sampling_record
+from gateway.serving.turn_data import Turn, TurnResult
 
 __all__ = ["StreamEncoder", "TurnServing", "TurnStream", "named_tool_choice"]
 
@@ -96,7 +96,7 @@ class TurnServing:
         use_tools = bool(req.tools) and req.tool_choice != "none"
         tools = req.tools if use_tools else None
         named = named_tool_choice(req)
-        chat = await engine.chat_prompt(session.state, req.messages, tools)
+        chat = await engine.chat_prompt(session, req.messages, tools, req.keys)
         prompt = chat.prompt
         # "required" / a named function: open the call in the prompt, so the model cannot
         # decline it; these tokens are the gateway's: prompt tokens, not the policy's actions.
@@ -141,15 +141,16 @@ class TurnServing:
             parent=chat.parent,
             prefix_len=chat.prefix_len,
             prompt_text=chat.text,
+            keys=req.keys,
         )
 
     def _resent(self, session: Session, req: TurnRequest) -> TurnResult | None:
         tools = req.tools if req.tools and req.tool_choice != "none" else None
-        event = resent_turn(session.state, req.messages, tools, req.record)
+        event = resent_turn(session.state, req.messages, tools, req.record, req.keys)
         if event is None:
             return None
         self.engine.metrics.resent.labels(req.api).inc()
-        return self.engine.recorded(session, event)
+        return self.engine.recorded(event, tools_parsed=tools is not None)
 
     async def complete(self, session: Session, req: TurnRequest) -> TurnResult:
         async with session.lock:
@@ -220,12 +221,12 @@ class TurnServing:
         started()
         try:
             encoder = make_encoder(turn.index, len(turn.prompt))
-            detok = Detokenizer(engine.template.decode, turn.stop_strings)
+            gen = engine.generation(turn)
+            detok = gen.detok
             yield encoder.opening()
-            sent, sent_tokens, ttft = 0, 0, None
+            sent, sent_tokens = 0, 0
             try:
-                async for _ in engine.tokens(turn, detok):
-                    ttft = ttft or time.perf_counter()
+                async for _ in engine.tokens(turn, gen):
                     limit = None
                     if turn.parse_tools:  # hold back what may still turn out to be a tool call
                         forced = turn.forced_text
@@ -241,7 +242,7 @@ class TurnServing:
                 yield encoder.failure(exc)
                 return
             try:
-                result = await engine.finish(turn, detok, ttft)
+                result = await engine.finish(turn, gen)
             except Exception as exc:
                 yield encoder.failure(exc)
                 return

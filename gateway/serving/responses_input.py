@@ -1,0 +1,236 @@
+"""OpenAI Responses, the request's side: input items as chat messages, the request as a
+``TurnRequest``, response ids, and the conversation ``previous_response_id`` continues
+(``responses_service`` answers the turn).
+
+Input items become chat messages: a message item is a message (its text parts joined), the
+``function_call`` items that follow an assistant message item (or each other) join it as ONE
+assistant message with tool calls, a ``function_call_output`` is a tool message, ``reasoning``
+items are dropped. So the output items of a response, echoed back verbatim or re-serialized,
+are exactly the reply the turn recorded, and the next turn extends it token for token.
+
+Response ids name the session and the turn (``resp_<session>_<turn>``); a resent request gets
+its turn again under the same id.
+
+``previous_response_id`` continues that response's conversation (its messages, its reply, then
+the new input), token for token. It is served from the session's state, which keeps the session's
+most recently used turns (``--session-turns-kept``): any kept response can be continued, the
+latest or an earlier one (a branch). A response no longer kept is refused with a 400 naming
+it: the log holds it, but the turn core offers no read of a session's events to the adapters,
+so the client resends the full conversation as input.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from gateway.core.aggregate import SessionState
+from gateway.core.conversation import TurnRequest
+from gateway.errors import InvalidRequest
+from gateway.protocol.responses import (
+    RESPONSE_ID,
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    FunctionChoice,
+    HostedTool,
+    MessageItem,
+    ResponsesRequest,
+    item_text,
+)
+
+__all__ = [
+    "input_messages",
+    "parse_response_id",
+    "previous_conversation",
+    "response_id",
+    "responses_turn_request",
+]
+
+JSON = dict[str, Any]
+_RESPONSE_ID = re.compile(RESPONSE_ID)
+# Recorded with the turn: what is stable across a client's retry of the same request (a
+# request with another record is another turn). client_metadata is Codex's turn telemetry
+# (thread, turn, window and installation ids, the turn's start time): its key order changes
+# between requests, but as a dict it is the same in every request of a Codex turn (the three
+# captured requests: tests/unit/test_responses_protocol.py), so a retry has the same record.
+# include is recorded as a set: the Agents SDK builds it from one.
+_RECORDED = ("reasoning", "store", "prompt_cache_key", "metadata", "client_metadata")
+
+
+def response_id(session: str, turn: int) -> str:
+    """The id of a session's turn's response (a resend of it gets the same id).
+
+    >>> response_id("s_1", 3)
+    'resp_s_1_3'
+    """
+    return f"resp_{session}_{turn}"
+
+
+def parse_response_id(value: str) -> tuple[str, int]:
+    """The session and turn a response id names (session ids may hold ``_``: the turn is
+    what follows the last one).
+
+    >>> parse_response_id("resp_s_1_3")
+    ('s_1', 3)
+    """
+    if not _RESPONSE_ID.match(value):
+        raise InvalidRequest(
+            f"previous_response_id {value[:80]!r} is not a response id of this gateway "
+            "(resp_<session>_<turn>)",
+            param="previous_response_id",
+        )
+    session, _, turn = value[len("resp_") :].rpartition("_")
+    return session, int(turn)
+
+
+def input_messages(items: str | Sequence[object]) -> list[JSON]:
+    """The input (a string, or parsed items) as chat messages (see the module's docstring).
+
+    >>> input_messages("hi")
+    [{'role': 'user', 'content': 'hi'}]
+    """
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    messages: list[JSON] = []
+    assistant: JSON | None = None  # the assistant message being assembled
+
+    def flush() -> None:
+        nonlocal assistant
+        if assistant is not None:
+            messages.append(assistant)
+            assistant = None
+
+    for item in items:
+        if isinstance(item, MessageItem):
+            text = item_text(item.content)
+            if item.role != "assistant":
+                flush()
+                messages.append({"role": item.role, "content": text})
+            elif assistant is not None and not assistant.get("tool_calls"):
+                assistant["content"] = (assistant["content"] or "") + text
+            else:
+                flush()
+                assistant = {"role": "assistant", "content": text}
+        elif isinstance(item, FunctionCallItem):
+            if assistant is None:
+                assistant = {"role": "assistant", "content": None}
+            assistant.setdefault("tool_calls", []).append(
+                {
+                    "id": item.call_id,
+                    "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments},
+                }
+            )
+        elif isinstance(item, FunctionCallOutputItem):
+            flush()
+            messages.append(
+                {"role": "tool", "tool_call_id": item.call_id, "content": item_text(item.output)}
+            )
+        # reasoning items: dropped, and they do not split an assistant message
+    flush()
+    return messages
+
+
+def _with_instructions(base: Sequence[JSON], instructions: str | None) -> list[JSON]:
+    """``instructions`` as the leading system message: in place of the previous one (a
+    previous response's instructions do not carry over), else first."""
+    if instructions is None:
+        return list(base)
+    system = {"role": "system", "content": instructions}
+    if base and base[0].get("role") == "system":
+        return [system, *base[1:]]
+    return [system, *base]
+
+
+def responses_turn_request(req: ResponsesRequest, previous: Sequence[JSON] = ()) -> TurnRequest:
+    """A Responses request as the canonical turn request; ``previous`` is the conversation
+    ``previous_response_id`` continues (its messages and its reply)."""
+    messages = [*_with_instructions(previous, req.instructions), *input_messages(req.input)]
+    if not messages:
+        raise InvalidRequest("input holds no message: send at least one", param="input")
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                k: v
+                for k, v in (
+                    ("name", t.name),
+                    ("description", t.description),
+                    ("parameters", t.parameters),
+                )
+                if v is not None
+            },
+        }
+        for t in req.function_tools
+    ]
+    choice = req.tool_choice
+    extras: JSON = {}
+    for name in _RECORDED:
+        value = getattr(req, name)
+        if value is not None and value != [] and value != {}:
+            extras[name] = value
+    if req.include:
+        extras["include"] = sorted(set(req.include))
+    if req.previous_response_id is not None:
+        extras["previous_response_id"] = req.previous_response_id
+    unoffered = [t.model_dump() for t in req.tools or () if isinstance(t, HostedTool)]
+    if unoffered:
+        extras["unoffered_tools"] = unoffered
+    return TurnRequest(
+        api="responses",
+        messages=messages,
+        tools=tools or None,
+        tool_choice=(
+            {"type": "function", "function": {"name": choice.name}}
+            if isinstance(choice, FunctionChoice)
+            else choice
+        ),
+        parallel_tool_calls=req.parallel_tool_calls,
+        max_tokens=req.max_output_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        logprobs=req.logprobs,
+        top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
+        extras=extras,
+    )
+
+
+def previous_conversation(state: SessionState, req: ResponsesRequest) -> list[JSON]:
+    """The conversation ``req.previous_response_id`` continues, from the session's state.
+
+    Read without the session's lock: a turn taken meanwhile makes this request a branch from
+    the response it named, which is what it asked for. A resent request rebuilds the same
+    conversation, so it is answered with its recorded turn
+    (``gateway.core.branches.resent_turn``)."""
+    previous = req.previous_response_id
+    if previous is None:
+        return []
+    session, turn = parse_response_id(previous)
+    if session != state.id:
+        raise InvalidRequest(
+            f"previous_response_id {previous!r} is a response of session {session!r}, not of "
+            f"this request's session {state.id!r}",
+            param="previous_response_id",
+        )
+    if turn >= state.turns:
+        raise InvalidRequest(
+            f"previous_response_id {previous!r}: session {state.id!r} has no turn {turn} "
+            f"(it has {state.turns})",
+            param="previous_response_id",
+        )
+    node = state.nodes.get(turn)
+    if node is None:
+        raise InvalidRequest(
+            f"previous_response_id {previous!r}: turn {turn} of session {state.id!r} is no "
+            f"longer held by the gateway (it keeps a session's {state.kept.turns} most recently "
+            f"used turns, {state.kept.tokens} tokens at most); resend the full conversation as "
+            "input, without previous_response_id",
+            param="previous_response_id",
+        )
+    if node.event.request.get("api") == "completions":
+        raise InvalidRequest(
+            f"previous_response_id {previous!r} names a text completion, not a response",
+            param="previous_response_id",
+        )
+    return list(node.conversation)
