@@ -41,7 +41,7 @@ for name in {blocked!r}:
 
 from schemas import TurnstreamError
 from turnstream.cli import COMMANDS
-from turnstream.gateway_service import GatewaySettings, _backend, local_backend_class
+from turnstream.services.gateway.assembly import GatewaySettings, _backend, local_backend_class
 
 report = {{"loaded": [], "needs_extra": {{}}, "backends": []}}
 for name in {base!r}:

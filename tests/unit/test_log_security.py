@@ -20,7 +20,7 @@ from eventlog.config import LogSettings, StreamNames
 from eventlog.errors import LogSecurityError
 from eventlog.permissions import ROLES, Role, role_permissions
 from eventlog.security import ensure_log_security
-from turnstream.settings import ServiceSettings, with_toml
+from turnstream.stack.settings import ServiceSettings, with_toml
 
 # -- settings ---------------------------------------------------------------------------------
 

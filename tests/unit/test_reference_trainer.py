@@ -21,7 +21,7 @@ from tests.helpers.sessions import append_only, session_events
 from trainer_sink.assembly import assemble_padded, non_tensor_values
 from trainer_sink.errors import BatchError
 from trainer_sink.sessions import SessionRows
-from turnstream.trainer import (
+from turnstream.trainer.reference import (
     ReferenceTrainer,
     ReferenceTrainerSettings,
     batch_advantages,

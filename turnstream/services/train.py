@@ -40,16 +40,16 @@ from trainer_sink import (
     LiveSourceSettings,
     TrainerSink,
 )
-from turnstream.settings import PublishingSettings
-from turnstream.stack import (
+from turnstream.stack.event_log import (
     EventLog,
     open_log,
     require_log_url,
     stop_on_signals,
     without_progress_bars,
 )
-from turnstream.stack_file import join_stack
-from turnstream.trainer import (
+from turnstream.stack.settings import PublishingSettings
+from turnstream.stack.stack_file import join_stack
+from turnstream.trainer.reference import (
     ReferenceTrainer,
     ReferenceTrainerSettings,
     StepReport,

@@ -23,8 +23,8 @@ from rich.text import Text
 
 from schemas.errors import EventLogUnavailable, TurnstreamError
 from schemas.ids import EVENT_SUBJECT_PREFIX
-from turnstream.settings import ServiceSettings
-from turnstream.stack import EventLog, open_log
+from turnstream.stack.event_log import EventLog, open_log
+from turnstream.stack.settings import ServiceSettings
 
 __all__ = ["StatusCommand"]
 
@@ -46,7 +46,7 @@ class StatusCommand(ServiceSettings):
     )
 
     def cli_cmd(self) -> None:
-        from turnstream.stack_file import join_stack, stack_file_path
+        from turnstream.stack.stack_file import join_stack, stack_file_path
 
         settings, stack = join_stack(self)
         if settings.log.url is None:

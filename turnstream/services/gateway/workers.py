@@ -2,7 +2,7 @@
 
 The command's own process is the supervisor: it opens the log (the embedded nats-server lives
 here, once), binds the listening socket, and starts N worker processes (``python -m
-turnstream.gateway_workers``) that inherit the socket and each run a whole gateway
+turnstream.services.gateway.workers``) that inherit the socket and each run a whole gateway
 (``build_gateway``) on it. A session belongs to one worker (``schemas.ids.session_owner``), which
 holds its state in memory; a request that reaches another worker is moved there with its
 connection (``gateway.handoff``): no proxy hop, and no read of the log per turn. A worker makes
@@ -47,10 +47,10 @@ from eventlog import ensure_log_security
 from gateway.handoff import Handoff
 from schemas.errors import TurnstreamError
 from schemas.ids import own_new_session_ids
-from turnstream.stack import EventLog, open_log, run_service, settle_heap, stop_on_signals
+from turnstream.stack.event_log import EventLog, open_log, run_service, settle_heap, stop_on_signals
 
 if TYPE_CHECKING:
-    from turnstream.gateway_service import GatewaySettings
+    from turnstream.services.gateway.assembly import GatewaySettings
 
 __all__ = ["WorkerPool", "gateway_workers", "worker_settings"]
 
@@ -59,7 +59,7 @@ log = logging.getLogger(__name__)
 STOP_GRACE_S = 60.0
 """How long the supervisor waits for a stopping worker to finish its requests before SIGKILL."""
 CRASH_LOOP = (5, 30.0)
-_PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
+_PROJECT_ROOT = str(Path(__file__).resolve().parents[3])
 METRICS_ENV = "PROMETHEUS_MULTIPROC_DIR"
 """prometheus_client's multiprocess mode: each worker's metrics in files of one directory, and
 ``/metrics`` on any worker sums them (gauges: one series per worker process, ``pid`` label)."""
@@ -123,7 +123,7 @@ class _Worker:
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "turnstream.gateway_workers",
+            "turnstream.services.gateway.workers",
             stdin=subprocess.PIPE,
             pass_fds=(self.spec.listen_fd,),
             env=env,
@@ -178,7 +178,7 @@ async def gateway_workers(
     before anything slow starts: ``gateway_service.listening_socket``), restarting any that
     dies, until the block ends; then drain and stop them. A worker dying again and again sets
     ``stop`` and raises TurnstreamError at the end."""
-    from turnstream.gateway_service import http_url
+    from turnstream.services.gateway.assembly import http_url
 
     listener.listen(uvicorn.Config("unused:app").backlog)  # inherited by the workers
     port = listener.getsockname()[1]
@@ -252,7 +252,7 @@ async def gateway_workers(
 
 async def serve_workers(settings: GatewaySettings) -> None:
     """``turnstream gateway --workers N`` (N > 1): the supervisor, until SIGINT/SIGTERM."""
-    from turnstream.gateway_service import listening_socket
+    from turnstream.services.gateway.assembly import listening_socket
 
     stop = stop_on_signals()
     async with contextlib.AsyncExitStack() as exits:
@@ -277,7 +277,7 @@ async def serve_workers(settings: GatewaySettings) -> None:
 
 async def _serve_worker(spec: WorkerSpec) -> None:
     from gateway.handoff import owner_routed
-    from turnstream.gateway_service import (
+    from turnstream.services.gateway.assembly import (
         build_gateway,
         http_server,
         import_gateway_modules,
@@ -366,7 +366,7 @@ def _worker_main() -> int:
     stdin = sys.stdin.buffer
     (size,) = struct.unpack("!Q", stdin.read(8))
     spec: WorkerSpec = pickle.loads(stdin.read(size))
-    from turnstream.cli import configure_logging
+    from turnstream.cli.main import configure_logging
 
     configure_logging(f"[worker {spec.index}] %(message)s")
     try:

@@ -22,7 +22,7 @@ from rich.table import Table
 from eventlog import StreamNames
 from eventlog.shard_store import FileShardStore, open_shards_dataset
 from schemas.ids import EVENT_SUBJECT_PREFIX, traj_subject
-from turnstream.trainer import StepReport
+from turnstream.trainer.reference import StepReport
 
 __all__ = [
     "DemoSummary",

@@ -7,7 +7,7 @@ The session's events are read back from EVENTS (``--log.url``, or the ``stack.js
 (``consumers.worker.fold_session``), so what is shown is what the shards and the trainer get:
 
 - a header: run, session, group, status, final reward, turns, weight versions, forks, rewards;
-- the turn tree (``turnstream.inspect_tree``): every turn under its parent, with its segment,
+- the turn tree (``turnstream.inspect.tree``): every turn under its parent, with its segment,
   whether it continues its parent, forks from it or starts a new conversation, the tokens it
   shares and adds, weight_version, finish reason, reward and the first words of its newest
   message; a chain of only children is drawn at one level, so a linear session is one path;
@@ -47,9 +47,9 @@ from schemas.errors import TurnstreamError
 from schemas.events import TurnCompleted
 from schemas.ids import ID_PATTERN
 from schemas.trust import VettedSession, vet_session
-from turnstream.inspect_text import message_text, printable, tool_call_text
-from turnstream.inspect_tree import FORK, ROOT, TreeNode, TreePath, node_text
-from turnstream.inspect_view import (
+from turnstream.inspect.text import message_text, printable, tool_call_text
+from turnstream.inspect.tree import FORK, ROOT, TreeNode, TreePath, node_text
+from turnstream.inspect.view import (
     SessionView,
     Token,
     heat,
@@ -60,9 +60,9 @@ from turnstream.inspect_view import (
     token_title,
     turn_title,
 )
-from turnstream.settings import ServiceSettings
-from turnstream.stack import open_log
-from turnstream.stack_file import join_stack, stack_file_path
+from turnstream.stack.event_log import open_log
+from turnstream.stack.settings import ServiceSettings
+from turnstream.stack.stack_file import join_stack, stack_file_path
 
 __all__ = [
     "InspectCommand",

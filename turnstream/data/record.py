@@ -21,10 +21,10 @@ from consumers.recording import RecordedEvent, RecordingMeta, RecordingWriter
 from eventlog.reader import read_subject
 from schemas.errors import TurnstreamError
 from schemas.ids import EVENT_SUBJECT_PREFIX
-from turnstream.progress import progress_bar
-from turnstream.settings import ServiceSettings
-from turnstream.stack import open_log, require_log_url
-from turnstream.stack_file import join_stack
+from turnstream.data.progress import progress_bar
+from turnstream.stack.event_log import open_log, require_log_url
+from turnstream.stack.settings import ServiceSettings
+from turnstream.stack.stack_file import join_stack
 
 __all__ = ["RecordCommand", "record_run"]
 

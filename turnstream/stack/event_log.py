@@ -24,7 +24,7 @@ from eventlog import (
 )
 from eventlog.connection import close_connection
 from schemas.errors import TurnstreamError
-from turnstream.settings import ServiceSettings
+from turnstream.stack.settings import ServiceSettings
 
 __all__ = [
     "EventLog",

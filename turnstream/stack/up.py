@@ -4,7 +4,7 @@ A nats-server of its own (unless ``--log.url``), the gateway on ``--host``/``--p
 worker with its reaper, and a shard writer, until Ctrl-C. Once the log, the fold worker and the
 shard writer run, and before the gateway answers (so a script that waits for ``/health`` finds
 it; with ``--workers N``, N > 1, the gateway processes start first), ``up`` writes
-``<data_dir>/stack.json`` (``turnstream.stack_file``: URLs, run, pids) and removes it on exit.
+``<data_dir>/stack.json`` (``turnstream.stack.stack_file``: URLs, run, pids) and removes it on exit.
 ``embedded_stack`` is what ``turnstream demo`` runs its agents and trainer against.
 """
 
@@ -24,7 +24,7 @@ from pydantic_settings import SettingsConfigDict
 from consumers import FoldWorker, FoldWorkerSettings, Reaper, ReaperSettings, ShardWriterSettings
 from consumers.shard_writer import ShardWriter
 from eventlog import JetStreamPublisher
-from turnstream.gateway_service import (
+from turnstream.services.gateway.assembly import (
     Gateway,
     GatewaySettings,
     build_gateway,
@@ -34,15 +34,15 @@ from turnstream.gateway_service import (
     listening_socket,
     require_local_backend,
 )
-from turnstream.shard_writer_service import shard_writer
-from turnstream.stack import EventLog, open_log, run_service, settle_heap, stop_on_signals
-from turnstream.stack_file import (
+from turnstream.services.shard_writer import shard_writer
+from turnstream.services.worker import fold_workers
+from turnstream.stack.event_log import EventLog, open_log, run_service, settle_heap, stop_on_signals
+from turnstream.stack.stack_file import (
     new_stack_file,
     remove_stack_file,
     stack_file_path,
     write_stack_file,
 )
-from turnstream.worker_service import fold_workers
 
 __all__ = ["Stack", "UpCommand", "UpSettings", "embedded_stack"]
 
@@ -101,8 +101,8 @@ async def embedded_stack(
         )
         gateway: Gateway | None = None
         server = None
-        if settings.workers > 1:  # gateway worker processes (turnstream.gateway_workers)
-            from turnstream.gateway_workers import gateway_workers
+        if settings.workers > 1:  # gateway worker processes (turnstream.services.gateway.workers)
+            from turnstream.services.gateway.workers import gateway_workers
 
             pool = await exits.enter_async_context(
                 gateway_workers(settings, event_log, stop or asyncio.Event(), listener)

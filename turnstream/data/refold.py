@@ -47,10 +47,10 @@ from schemas.errors import SchemaError, TurnstreamError
 from schemas.events import SessionClosed, TrajectoryReady
 from schemas.ids import EVENT_SUBJECT_PREFIX, ID_PATTERN, traj_subject
 from schemas.trust import PoisonEvent, VettedSession, check_stored, vet_session
-from turnstream.progress import progress_bar
-from turnstream.settings import PublishingSettings
-from turnstream.stack import EventLog, open_log
-from turnstream.stack_file import join_stack
+from turnstream.data.progress import progress_bar
+from turnstream.stack.event_log import EventLog, open_log
+from turnstream.stack.settings import PublishingSettings
+from turnstream.stack.stack_file import join_stack
 
 __all__ = ["RefoldCommand", "RefoldReport", "default_into", "refold_run"]
 

@@ -39,7 +39,7 @@ from transformers import (
 from gateway.backends.local import kv_cache
 from gateway.tools import get_parser
 from schemas.errors import TurnstreamError
-from turnstream.demo_agents import LOOKUP_PROMPTS, TOOLS, WORD_TOOL_NAME, WRITE_PROMPTS
+from turnstream.demo.agents import LOOKUP_PROMPTS, TOOLS, WORD_TOOL_NAME, WRITE_PROMPTS
 
 __all__ = ["TOOL_CALL_END", "ToolCallFitError", "teach_tool_call"]
 

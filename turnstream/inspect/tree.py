@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Final, Literal
 
 from schemas.events import TurnCompleted
-from turnstream.inspect_text import first_words, message_text, number
+from turnstream.inspect.text import first_words, message_text, number
 
 __all__ = [
     "BRANCH",

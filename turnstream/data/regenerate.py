@@ -32,14 +32,14 @@ from gateway.backends.base import Backend, GenerationChunk, Prompt, SamplingPara
 from schemas.codec import Codec
 from schemas.errors import SchemaError, TurnstreamError
 from schemas.events import SessionEvent, TurnCompleted
-from turnstream.progress import progress_bar
+from turnstream.data.progress import progress_bar
 
 if TYPE_CHECKING:
     from pathlib import Path
 
     from rich.console import Console
 
-    from turnstream.gateway_service import GatewaySettings
+    from turnstream.services.gateway.assembly import GatewaySettings
 
 __all__ = [
     "LOGPROB_TOLERANCE",
@@ -364,7 +364,7 @@ async def gateway_backend(settings: GatewaySettings) -> AsyncIterator[tuple[Back
     torch threads for a local model), and the template's stop token ids."""
     from transformers import GenerationConfig
 
-    from turnstream.gateway_service import _backend
+    from turnstream.services.gateway.assembly import _backend
 
     settings = await settings.served()
     model_dir = settings.model_dir

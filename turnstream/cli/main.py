@@ -24,8 +24,8 @@ from rich.table import Table
 from eventlog import LogSecurity, ensure_log_security
 from eventlog.permissions import ROLE_DUTIES
 from schemas import TurnstreamError
-from turnstream.settings import ServiceSettings, with_toml
-from turnstream.stack import open_log, stop_on_signals
+from turnstream.stack.event_log import open_log, stop_on_signals
+from turnstream.stack.settings import ServiceSettings, with_toml
 
 __all__ = ["main"]
 
@@ -126,53 +126,53 @@ def _lazy(module: str, name: str, extra: str | None = None) -> Callable[[], type
 COMMANDS: dict[str, tuple[str, Callable[[], type[ServiceSettings]]]] = {
     "demo": (
         "The main job on the embedded default: agents, gateway, log, shards, a GRPO trainer.",
-        _lazy("turnstream.demo", "DemoCommand", extra="demo"),
+        _lazy("turnstream.demo.command", "DemoCommand", extra="demo"),
     ),
     "export": (
         "Export a run's trajectories from the shards as a dataset (tokens or chat messages).",
-        _lazy("turnstream.export_command", "ExportCommand"),
+        _lazy("turnstream.data.export", "ExportCommand"),
     ),
     "gateway": (
         "Run the OpenAI-compatible gateway; every turn is published to the log before it answers.",
-        _lazy("turnstream.gateway_service", "GatewayCommand"),
+        _lazy("turnstream.services.gateway.assembly", "GatewayCommand"),
     ),
     "inspect": (
         "Show one session's turns and trajectories: loss mask, logprobs, forks, rewards.",
-        _lazy("turnstream.inspect_command", "InspectCommand"),
+        _lazy("turnstream.inspect.command", "InspectCommand"),
     ),
     "nats": (NatsCommand.__doc__ or "", lambda: NatsCommand),
     "provision": (ProvisionCommand.__doc__ or "", lambda: ProvisionCommand),
     "record": (
         "Record a run's raw events (EVENTS) into one portable, checksummed Parquet file.",
-        _lazy("turnstream.record_command", "RecordCommand"),
+        _lazy("turnstream.data.record", "RecordCommand"),
     ),
     "refold": (
         "Fold a run's stored events again and publish the trajectories under a new run.",
-        _lazy("turnstream.refold_command", "RefoldCommand"),
+        _lazy("turnstream.data.refold", "RefoldCommand"),
     ),
     "replay": (
         "Publish a recording's events into a log again (same run, or a new one).",
-        _lazy("turnstream.replay_command", "ReplayCommand"),
+        _lazy("turnstream.data.replay", "ReplayCommand"),
     ),
     "shard-writer": (
         "Write the trajectories of TRAJ to Parquet shards (zstd), each exactly once.",
-        _lazy("turnstream.shard_writer_service", "ShardWriterCommand"),
+        _lazy("turnstream.services.shard_writer", "ShardWriterCommand"),
     ),
     "status": (
         "Streams, consumer lag, dead letters, sessions per run and shards of a running log.",
-        _lazy("turnstream.status_command", "StatusCommand"),
+        _lazy("turnstream.data.status", "StatusCommand"),
     ),
     "train": (
         "The reference GRPO trainer as a service: live from TRAJ, publishes its policies.",
-        _lazy("turnstream.train_service", "TrainCommand", extra="train"),
+        _lazy("turnstream.services.train", "TrainCommand", extra="train"),
     ),
     "up": (
         "Everything in one process: nats-server, gateway, fold worker + reaper, shard writer.",
-        _lazy("turnstream.up", "UpCommand"),
+        _lazy("turnstream.stack.up", "UpCommand"),
     ),
     "worker": (
         "Fold closed sessions into trajectories (TRAJ); close idle sessions (reaper).",
-        _lazy("turnstream.worker_service", "WorkerCommand"),
+        _lazy("turnstream.services.worker", "WorkerCommand"),
     ),
 }
 

@@ -38,8 +38,7 @@ from gateway.templates import ChatTemplate, load_tokenizer
 from gateway.tools import get_parser
 from gateway.turns import Kept
 from schemas.errors import TurnstreamError
-from turnstream.settings import PublishingSettings
-from turnstream.stack import (
+from turnstream.stack.event_log import (
     EventLog,
     open_log,
     run_service,
@@ -47,6 +46,7 @@ from turnstream.stack import (
     stop_on_signals,
     without_progress_bars,
 )
+from turnstream.stack.settings import PublishingSettings
 
 if TYPE_CHECKING:
     from gateway.backends.local import LocalBackend
@@ -463,7 +463,7 @@ class GatewayCommand(GatewaySettings):
         if self.backend == "local":
             require_local_backend()
         if self.workers > 1:
-            from turnstream.gateway_workers import serve_workers
+            from turnstream.services.gateway.workers import serve_workers
 
             asyncio.run(serve_workers(self))  # the supervisor; each worker runs ``_serve``'s
             return

@@ -2,12 +2,12 @@
 
 ``session_view`` folds the session's vetted events exactly as the fold worker does
 (``consumers.worker.fold_session``) and lays them out twice: as the session's turn tree
-(``turnstream.inspect_tree``: every turn under its parent, continuing it, forking from it or
+(``turnstream.inspect.tree``: every turn under its parent, continuing it, forking from it or
 starting a new conversation) and per segment (sample) and turn: the prompt tokens each turn
 added, its completion, the tokens a segment's first turn shares with its parent's context
 (collapsed), and what starts the segment. A segment's turns are the ones the fold put in it
 (``FoldResult.turn_segments``), not an index range: in a tree, conversations interleave. The
-``*_text`` helpers here and in ``turnstream.inspect_text`` are the words both renderers
+``*_text`` helpers here and in ``turnstream.inspect.text`` are the words both renderers
 (terminal, HTML) use, so the two views say the same.
 """
 
@@ -23,8 +23,8 @@ from consumers.fold import FoldResult
 from consumers.worker import fold_options, fold_session
 from schemas.events import RewardAssigned, SessionClosed, SessionOpened, TurnCompleted
 from schemas.trust import VettedSession
-from turnstream.inspect_text import number, printable
-from turnstream.inspect_tree import (
+from turnstream.inspect.text import number, printable
+from turnstream.inspect.tree import (
     BRANCH,
     FORK,
     NEW_FROM,

@@ -37,7 +37,7 @@ Without ``--log.url`` the events go into the log of the ``turnstream up`` runnin
 **``--regenerate``** publishes nothing: every recorded turn is sent again, with its recorded
 sampling (its seed included), to a backend set up as ``turnstream gateway``'s (``--backend``,
 ``--backend-urls``, ``--model``; unset: the built-in tiny model on ``--data-dir``), and its
-tokens compared with the recorded ones (``turnstream.regenerate``). Exit code 1 when a turn
+tokens compared with the recorded ones (``turnstream.data.regenerate``). Exit code 1 when a turn
 differs or fails, or when no turn could be sent again (all recorded without a seed)::
 
     turnstream replay r1.parquet --regenerate --backend vllm --backend-urls http://gpu1:8000
@@ -65,11 +65,11 @@ from eventlog.reader import msg_id_counts
 from schemas.codec import Codec
 from schemas.errors import SchemaError, TurnstreamError
 from schemas.ids import EVENT_SUBJECT_PREFIX, ID_PATTERN
-from turnstream.progress import progress_bar
-from turnstream.regenerate import LOGPROB_TOLERANCE, regenerate_recording
-from turnstream.settings import PublishingSettings
-from turnstream.stack import open_log
-from turnstream.stack_file import join_stack
+from turnstream.data.progress import progress_bar
+from turnstream.data.regenerate import LOGPROB_TOLERANCE, regenerate_recording
+from turnstream.stack.event_log import open_log
+from turnstream.stack.settings import PublishingSettings
+from turnstream.stack.stack_file import join_stack
 
 __all__ = [
     "ReplayCommand",
@@ -360,7 +360,7 @@ class ReplayCommand(PublishingSettings):
         if self.regenerate:
             if self.run:
                 raise TurnstreamError("--regenerate publishes nothing: --run does not apply")
-            from turnstream.gateway_service import GatewaySettings
+            from turnstream.services.gateway.assembly import GatewaySettings
 
             backend = GatewaySettings(
                 data_dir=self.data_dir,

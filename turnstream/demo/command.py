@@ -5,7 +5,7 @@
 ``turnstream up`` in this process (a nats-server, the gateway on the tiny local model, a fold
 worker, a shard writer), then the loop the project exists for:
 
-- agents (unmodified ``openai`` SDK clients, ``turnstream.demo_agents``) play GRPO groups of
+- agents (unmodified ``openai`` SDK clients, ``turnstream.demo.agents``) play GRPO groups of
   episodes through the gateway: two-turn chats, and lookups that make a real tool call;
 - every turn is published to EVENTS before it is answered; closed sessions are folded into
   trajectories (TRAJ) and written to Parquet shards;
@@ -14,10 +14,10 @@ worker, a shard writer), then the loop the project exists for:
   through ``ts_policy``; the gateway loads it, and the next batch is sampled from it.
 
 The model is the built-in tiny one (2 layers, random weights: untrained), taught beforehand
-only to close a tool call (``turnstream.demo_model``); the task is to write lowercase letters
+only to close a tool call (``turnstream.demo.model``); the task is to write lowercase letters
 (reward: the share of an answer's tokens that are a-z). The mean reward per step rises within
 the default run. At the end: the trainer's steps, a summary of what was made, counted where it
-lives (``turnstream.demo_report``), the reward curve ``<data_dir>/demo-<run>-reward.png``, and
+lives (``turnstream.demo.report``), the reward curve ``<data_dir>/demo-<run>-reward.png``, and
 with ``--json`` the summary as JSON on stdout.
 
 Every demo is a run of its own: without ``--run`` the run is ``demo-<unix time>``; a run that
@@ -50,7 +50,7 @@ from trainer_sink import (
     LiveSourceSettings,
     TrainerSink,
 )
-from turnstream.demo_agents import (
+from turnstream.demo.agents import (
     CHANCE,
     KEEPALIVE_EXPIRY_S,
     NO_CALL,
@@ -59,7 +59,7 @@ from turnstream.demo_agents import (
     Episode,
     run_agents,
 )
-from turnstream.demo_report import (
+from turnstream.demo.report import (
     DemoSummary,
     count_shards,
     count_streams,
@@ -67,9 +67,9 @@ from turnstream.demo_report import (
     summary_table,
     write_reward_png,
 )
-from turnstream.stack import without_progress_bars
-from turnstream.trainer import ReferenceTrainer, ReferenceTrainerSettings, StepReport
-from turnstream.up import Stack, UpSettings, embedded_stack
+from turnstream.stack.event_log import without_progress_bars
+from turnstream.stack.up import Stack, UpSettings, embedded_stack
+from turnstream.trainer.reference import ReferenceTrainer, ReferenceTrainerSettings, StepReport
 
 __all__ = ["DemoCommand", "DemoError", "DemoSettings", "run_demo"]
 
@@ -142,11 +142,11 @@ def demo_settings(settings: DemoSettings) -> DemoSettings:
 
 
 def with_taught_model(settings: DemoSettings, console: Console) -> DemoSettings:
-    """The built-in tiny model taught to close a tool call (``turnstream.demo_model``), unless
+    """The built-in tiny model taught to close a tool call (``turnstream.demo.model``), unless
     ``--model`` names a model of its own."""
     if settings.model is not None:
         return settings
-    from turnstream.demo_model import teach_tool_call  # torch: import on use
+    from turnstream.demo.model import teach_tool_call  # torch: import on use
 
     with console.status("showing the tiny model how a tool call ends (once per data dir)"):
         model = teach_tool_call(settings.model_dir, temperature=settings.temperature)

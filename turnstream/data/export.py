@@ -50,7 +50,7 @@ from consumers.export_formats import dataset_card
 from eventlog import LogSettings
 from schemas.errors import TurnstreamError
 from schemas.ids import ID_PATTERN
-from turnstream.settings import ServiceSettings
+from turnstream.stack.settings import ServiceSettings
 
 if TYPE_CHECKING:  # transformers: imported only when a chat template is loaded
     from gateway.templates import ChatTemplate

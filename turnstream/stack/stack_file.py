@@ -22,7 +22,7 @@ from typing import TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from eventlog.store_lock import pid_alive
-from turnstream.settings import ServiceSettings
+from turnstream.stack.settings import ServiceSettings
 
 __all__ = [
     "STACK_FILE",
