@@ -1,4 +1,4 @@
-"""``turnstream.stack.event_log.settle_heap``: what every serving process does to its heap once
+"""``turnstream.stack.process.settle_heap``: what every serving process does to its heap once
 started."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from turnstream.stack.event_log import YOUNG_GC_THRESHOLD, settle_heap
+from turnstream.stack.process import YOUNG_GC_THRESHOLD, settle_heap
 
 
 @pytest.fixture

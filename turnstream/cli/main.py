@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib
-import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -16,20 +15,17 @@ from pathlib import Path
 
 from pydantic import ValidationError
 from pydantic_settings import CliApp, SettingsConfigDict
-from rich.console import Console
-from rich.logging import RichHandler
 from rich.markup import escape
 from rich.table import Table
 
 from eventlog import LogSecurity, ensure_log_security
 from eventlog.permissions import ROLE_DUTIES
 from schemas import TurnstreamError
-from turnstream.stack.event_log import open_log, stop_on_signals
+from turnstream.stack.event_log import open_log
+from turnstream.stack.process import configure_logging, console, stop_on_signals
 from turnstream.stack.settings import ServiceSettings, with_toml
 
 __all__ = ["main"]
-
-console = Console(stderr=True)
 
 
 def _actions_table(actions: Sequence[object]) -> Table:
@@ -199,26 +195,6 @@ def _pop_config(argv: list[str]) -> Path | None:
             return Path(arg.split("=", 1)[1])
     env = os.environ.get("TURNSTREAM_CONFIG")
     return Path(env) if env else None
-
-
-def _quiet_tls_close(record: logging.LogRecord) -> bool:
-    # asyncio warns each time a TLS peer closes a nats-py connection (its stream protocol asks
-    # to stay half-open, which TLS cannot): one harmless line per connection on a secure log.
-    return "eof_received() has no effect when using ssl" not in record.getMessage()
-
-
-def configure_logging(fmt: str = "%(message)s") -> None:
-    """The commands' logging: rich lines on stderr at ``TURNSTREAM_LOG_LEVEL`` (INFO), in
-    ``fmt`` (a gateway worker process names itself in it)."""
-    logging.basicConfig(
-        level=os.environ.get("TURNSTREAM_LOG_LEVEL", "INFO"),
-        format=fmt,
-        handlers=[RichHandler(console=console, show_path=False)],
-    )
-    # Per-request INFO lines from client libraries cost ~0.6 ms a turn in the gateway.
-    for noisy in ("nats", "httpx", "httpcore", "httpx2", "httpcore2"):  # httpx2: the openai SDK
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    logging.getLogger("asyncio").addFilter(_quiet_tls_close)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

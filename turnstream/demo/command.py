@@ -67,7 +67,7 @@ from turnstream.demo.report import (
     summary_table,
     write_reward_png,
 )
-from turnstream.stack.event_log import without_progress_bars
+from turnstream.stack.process import without_progress_bars
 from turnstream.stack.up import Stack, UpSettings, embedded_stack
 from turnstream.trainer.reference import ReferenceTrainer, ReferenceTrainerSettings, StepReport
 

@@ -19,13 +19,8 @@ from eventlog import JetStreamPublisher, LogSettings
 from eventlog.metrics import ConsumerMetrics
 from eventlog.shard_store import FileShardStore
 from schemas.codec import Codec
-from turnstream.stack.event_log import (
-    EventLog,
-    open_log,
-    require_log_url,
-    run_service,
-    stop_on_signals,
-)
+from turnstream.stack.event_log import EventLog, open_log, require_log_url
+from turnstream.stack.process import run_service, stop_on_signals
 from turnstream.stack.settings import PublishingSettings
 
 __all__ = ["ShardWriterCommand", "shard_writer"]

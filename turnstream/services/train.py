@@ -40,13 +40,8 @@ from trainer_sink import (
     LiveSourceSettings,
     TrainerSink,
 )
-from turnstream.stack.event_log import (
-    EventLog,
-    open_log,
-    require_log_url,
-    stop_on_signals,
-    without_progress_bars,
-)
+from turnstream.stack.event_log import EventLog, open_log, require_log_url
+from turnstream.stack.process import stop_on_signals, without_progress_bars
 from turnstream.stack.settings import PublishingSettings
 from turnstream.stack.stack_file import join_stack
 from turnstream.trainer.reference import (

@@ -18,13 +18,8 @@ from pydantic_settings import SettingsConfigDict
 from consumers import FoldWorker, FoldWorkerSettings, Reaper, ReaperSettings
 from eventlog import JetStreamPublisher, LogSettings
 from eventlog.metrics import ConsumerMetrics
-from turnstream.stack.event_log import (
-    EventLog,
-    open_log,
-    require_log_url,
-    run_service,
-    stop_on_signals,
-)
+from turnstream.stack.event_log import EventLog, open_log, require_log_url
+from turnstream.stack.process import run_service, stop_on_signals
 from turnstream.stack.settings import PublishingSettings
 
 __all__ = ["WorkerCommand", "WorkerSettings", "fold_workers", "run_workers"]

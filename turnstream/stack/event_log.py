@@ -1,15 +1,13 @@
-"""The embedded stack's event log: a nats-server of our own unless a URL is given."""
+"""The log every command opens: the one at ``--log.url``, else a nats-server of its own
+(embedded, supervised), provisioned either way."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
-import signal
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
 
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
@@ -26,19 +24,9 @@ from eventlog.connection import close_connection
 from schemas.errors import TurnstreamError
 from turnstream.stack.settings import ServiceSettings
 
-__all__ = [
-    "EventLog",
-    "open_log",
-    "require_log_url",
-    "run_service",
-    "settle_heap",
-    "stop_on_signals",
-    "without_progress_bars",
-]
+__all__ = ["EventLog", "open_log", "require_log_url"]
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 
 @dataclass
@@ -48,60 +36,6 @@ class EventLog:
     url: str
     server: NatsServer | None  # None when connected to an external server
     provisioned: list[ProvisionAction]
-
-
-def _event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """uvloop's event loop where uvloop is installed (libuv: fewer Python frames per socket
-    event than asyncio's selector loop), else None: asyncio's own."""
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
-    return factory
-
-
-def run_service(main: Coroutine[Any, Any, T]) -> T:
-    """Run a long-lived service's ``main`` to its end on ``_event_loop_factory``'s loop: the
-    gateway, its ``--workers``, ``up``, the fold worker and the shard writer all run on it."""
-    with asyncio.Runner(loop_factory=_event_loop_factory()) as runner:
-        return runner.run(main)
-
-
-# CPython's default is 700. A gateway under load holds many requests' objects at any moment, and
-# each young collection promoted whatever they held then into the old generation, where it
-# counted towards the next full collection: at c=64, 7-10 full collections a minute walked every
-# session the gateway keeps (~7,500 in the benchmark: 150-220 ms each, the event loop stopped).
-# At 50,000 a request's temporaries are mostly gone by the time a young collection runs.
-YOUNG_GC_THRESHOLD = 50_000
-
-
-def settle_heap() -> None:
-    """Once a service has started, before it serves: collect, freeze what start-up left (torch,
-    transformers and the tokenizer leave ~400k long-lived objects, which every full collection
-    walked: 120-290 ms pauses under load) and raise the young generation's threshold to
-    ``YOUNG_GC_THRESHOLD`` (the older generations' thresholds stay CPython's)."""
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(YOUNG_GC_THRESHOLD, *gc.get_threshold()[1:])
-
-
-def without_progress_bars() -> None:
-    """transformers' progress bars off: a service's log is lines, and each model load (a
-    gateway's at start and per policy version its local backend loads, a trainer's at start
-    and from a checkpoint) drew a "Loading weights" bar. Imports transformers."""
-    from transformers.utils import logging as transformers_logging
-
-    transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # untyped
-
-
-def stop_on_signals() -> asyncio.Event:
-    """An event set by SIGINT or SIGTERM: a service stops taking work, finishes, exits 0."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    return stop
 
 
 def require_log_url(settings: ServiceSettings, command: str) -> None:

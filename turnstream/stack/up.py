@@ -36,7 +36,8 @@ from turnstream.services.gateway.assembly import (
 )
 from turnstream.services.shard_writer import shard_writer
 from turnstream.services.worker import fold_workers
-from turnstream.stack.event_log import EventLog, open_log, run_service, settle_heap, stop_on_signals
+from turnstream.stack.event_log import EventLog, open_log
+from turnstream.stack.process import run_service, settle_heap, stop_on_signals
 from turnstream.stack.stack_file import (
     new_stack_file,
     remove_stack_file,

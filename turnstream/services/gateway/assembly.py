@@ -38,9 +38,8 @@ from gateway.templates import ChatTemplate, load_tokenizer
 from gateway.tools import get_parser
 from gateway.turns import Kept
 from schemas.errors import TurnstreamError
-from turnstream.stack.event_log import (
-    EventLog,
-    open_log,
+from turnstream.stack.event_log import EventLog, open_log
+from turnstream.stack.process import (
     run_service,
     settle_heap,
     stop_on_signals,

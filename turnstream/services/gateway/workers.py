@@ -47,7 +47,8 @@ from eventlog import ensure_log_security
 from gateway.handoff import Handoff
 from schemas.errors import TurnstreamError
 from schemas.ids import own_new_session_ids
-from turnstream.stack.event_log import EventLog, open_log, run_service, settle_heap, stop_on_signals
+from turnstream.stack.event_log import EventLog, open_log
+from turnstream.stack.process import run_service, settle_heap, stop_on_signals
 
 if TYPE_CHECKING:
     from turnstream.services.gateway.assembly import GatewaySettings
@@ -366,7 +367,7 @@ def _worker_main() -> int:
     stdin = sys.stdin.buffer
     (size,) = struct.unpack("!Q", stdin.read(8))
     spec: WorkerSpec = pickle.loads(stdin.read(size))
-    from turnstream.cli.main import configure_logging
+    from turnstream.stack.process import configure_logging
 
     configure_logging(f"[worker {spec.index}] %(message)s")
     try:
