@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
-from turnstream.cli.main import COMMANDS, main
+from turnstream.cli.commands import COMMANDS
+from turnstream.cli.main import main
 
 __all__ = ["COMMANDS", "main"]
