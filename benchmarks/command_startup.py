@@ -16,7 +16,7 @@ interpreter itself before it exits) are recorded, and whether torch got loaded:
   that class directly); ``inspect_before``: the same command module and
   ``transformers.AutoTokenizer.from_pretrained`` on the same directory, as it loaded it before
   (AutoTokenizer's module imports torch);
-- ``supervisor``: ``turnstream.services.gateway.assembly``, what the ``--workers N`` supervisor
+- ``supervisor``: ``turnstream.services.gateway.command``, what the ``--workers N`` supervisor
   loads;
   ``supervisor_before``: that, transformers' AutoTokenizer and the local backend, which it
   imported before (torch with them).
@@ -49,8 +49,8 @@ PHASES = {
     "inspect_before": MODEL
     + "import turnstream.inspect.command; from transformers import AutoTokenizer; "
     + "AutoTokenizer.from_pretrained(model)",
-    "supervisor": "import turnstream.services.gateway.assembly",
-    "supervisor_before": "import turnstream.services.gateway.assembly; "
+    "supervisor": "import turnstream.services.gateway.command",
+    "supervisor_before": "import turnstream.services.gateway.command; "
     + "from transformers import AutoTokenizer, GenerationConfig; "
     + "import gateway.backends.local",
 }

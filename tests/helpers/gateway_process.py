@@ -12,7 +12,7 @@ import httpx
 
 from eventlog import free_port
 from tests.helpers.services import LAUNCHER
-from turnstream.services.gateway.assembly import http_url
+from turnstream.services.gateway.http import http_url
 
 
 class GatewayProcess:

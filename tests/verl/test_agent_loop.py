@@ -489,7 +489,7 @@ async def test_the_weight_version_verl_publishes_after_a_sync_reaches_the_next_t
     # The gateway in front of "verl's vLLM server": it follows versions, it loads no weights.
     monkeypatch.setattr(
         assembly,
-        "_backend",
+        "build_backend",
         lambda settings, model_dir, name: VerlServerStandIn(LocalBackend.load(model_dir)),
     )
     async with running_stack(tmp_path, tiny_model_dir) as stack:

@@ -51,7 +51,7 @@ COMMANDS: dict[str, tuple[str, Callable[[], type[ServiceSettings]]]] = {
     ),
     "gateway": (
         "Run the OpenAI-compatible gateway; every turn is published to the log before it answers.",
-        _lazy("turnstream.services.gateway.assembly", "GatewayCommand"),
+        _lazy("turnstream.services.gateway.command", "GatewayCommand"),
     ),
     "inspect": (
         "Show one session's turns and trajectories: loss mask, logprobs, forks, rewards.",

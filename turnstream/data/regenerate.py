@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
     from rich.console import Console
 
-    from turnstream.services.gateway.assembly import GatewaySettings
+    from turnstream.services.gateway.settings import GatewaySettings
 
 __all__ = [
     "LOGPROB_TOLERANCE",
@@ -362,19 +362,14 @@ def recorded_events(recording: Recording, codec: Codec) -> tuple[list[SessionEve
 async def gateway_backend(settings: GatewaySettings) -> AsyncIterator[tuple[Backend, list[int]]]:
     """The backend ``turnstream gateway`` would run with ``settings`` (same construction, same
     torch threads for a local model), and the template's stop token ids."""
-    from transformers import GenerationConfig
-
-    from turnstream.services.gateway.assembly import _backend
+    from turnstream.services.gateway.assembly import build_backend, model_name, stop_token_ids
 
     settings = await settings.served()
     model_dir = settings.model_dir
-    name = settings.model_name or (model_dir.name if settings.model is not None else "tiny")
-    try:  # the gateway's stop ids: every end token of the model's generation config
-        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
-    except OSError:
-        eos = None
-    stop_ids = [eos] if isinstance(eos, int) else list(eos or [])
-    backend = await asyncio.to_thread(_backend, settings, model_dir, name)
+    stop_ids = stop_token_ids(model_dir)
+    backend = await asyncio.to_thread(
+        build_backend, settings, model_dir, model_name(settings, model_dir)
+    )
     try:
         yield backend, stop_ids
     finally:

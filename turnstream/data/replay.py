@@ -360,7 +360,7 @@ class ReplayCommand(PublishingSettings):
         if self.regenerate:
             if self.run:
                 raise TurnstreamError("--regenerate publishes nothing: --run does not apply")
-            from turnstream.services.gateway.assembly import GatewaySettings
+            from turnstream.services.gateway.settings import GatewaySettings
 
             backend = GatewaySettings(
                 data_dir=self.data_dir,

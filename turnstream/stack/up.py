@@ -26,14 +26,12 @@ from consumers.shard_writer import ShardWriter
 from eventlog import JetStreamPublisher
 from turnstream.services.gateway.assembly import (
     Gateway,
-    GatewaySettings,
     build_gateway,
-    http_server,
-    http_url,
     import_gateway_modules,
-    listening_socket,
     require_local_backend,
 )
+from turnstream.services.gateway.http import http_server, http_url, listening_socket
+from turnstream.services.gateway.settings import GatewaySettings
 from turnstream.services.shard_writer import shard_writer
 from turnstream.services.worker import fold_workers
 from turnstream.stack.event_log import EventLog, open_log

@@ -2,7 +2,7 @@
 
 The command's own process is the supervisor: it opens the log (the embedded nats-server lives
 here, once), binds the listening socket, and starts N worker processes (``python -m
-turnstream.services.gateway.workers``) that inherit the socket and each run a whole gateway
+turnstream.services.gateway.worker_process``) that inherit the socket and each run a whole gateway
 (``build_gateway``) on it. A session belongs to one worker (``schemas.ids.session_owner``), which
 holds its state in memory; a request that reaches another worker is moved there with its
 connection (``gateway.handoff``): no proxy hop, and no read of the log per turn. A worker makes
@@ -38,28 +38,33 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 import uvicorn
-from prometheus_client import CollectorRegistry, multiprocess
+from prometheus_client import multiprocess
 
 from eventlog import ensure_log_security
 from gateway.handoff import Handoff
 from schemas.errors import TurnstreamError
-from schemas.ids import own_new_session_ids
+from turnstream.services.gateway.http import http_url, listening_socket
+from turnstream.services.gateway.settings import GatewaySettings
 from turnstream.stack.event_log import EventLog, open_log
-from turnstream.stack.process import run_service, settle_heap, stop_on_signals
+from turnstream.stack.process import stop_on_signals
 
-if TYPE_CHECKING:
-    from turnstream.services.gateway.assembly import GatewaySettings
-
-__all__ = ["WorkerPool", "gateway_workers", "worker_settings"]
+__all__ = [
+    "METRICS_ENV",
+    "WorkerPool",
+    "WorkerSpec",
+    "gateway_workers",
+    "serve_workers",
+    "worker_settings",
+]
 
 log = logging.getLogger(__name__)
 
 STOP_GRACE_S = 60.0
 """How long the supervisor waits for a stopping worker to finish its requests before SIGKILL."""
 CRASH_LOOP = (5, 30.0)
+"""A worker that dies this many times, each within this many seconds of its start: give up."""
 _PROJECT_ROOT = str(Path(__file__).resolve().parents[3])
 METRICS_ENV = "PROMETHEUS_MULTIPROC_DIR"
 """prometheus_client's multiprocess mode: each worker's metrics in files of one directory, and
@@ -68,9 +73,6 @@ METRICS_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 def metrics_dir(handoff_dir: Path) -> Path:
     return handoff_dir / "metrics"
-
-
-"""A worker that dies this many times, each within this many seconds of its start: give up."""
 
 
 @dataclass(frozen=True)
@@ -124,7 +126,7 @@ class _Worker:
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "turnstream.services.gateway.workers",
+            "turnstream.services.gateway.worker_process",
             stdin=subprocess.PIPE,
             pass_fds=(self.spec.listen_fd,),
             env=env,
@@ -179,8 +181,6 @@ async def gateway_workers(
     before anything slow starts: ``gateway_service.listening_socket``), restarting any that
     dies, until the block ends; then drain and stop them. A worker dying again and again sets
     ``stop`` and raises TurnstreamError at the end."""
-    from turnstream.services.gateway.assembly import http_url
-
     listener.listen(uvicorn.Config("unused:app").backlog)  # inherited by the workers
     port = listener.getsockname()[1]
     with tempfile.TemporaryDirectory(prefix="turnstream-gw-") as handoff_dir:
@@ -253,8 +253,6 @@ async def gateway_workers(
 
 async def serve_workers(settings: GatewaySettings) -> None:
     """``turnstream gateway --workers N`` (N > 1): the supervisor, until SIGINT/SIGTERM."""
-    from turnstream.services.gateway.assembly import listening_socket
-
     stop = stop_on_signals()
     async with contextlib.AsyncExitStack() as exits:
         # Bound first: a port in use is said before the log starts.
@@ -271,114 +269,3 @@ async def serve_workers(settings: GatewaySettings) -> None:
             settings.run,
         )
         await stop.wait()
-
-
-# -- the worker process -------------------------------------------------------------------------
-
-
-async def _serve_worker(spec: WorkerSpec) -> None:
-    from gateway.handoff import owner_routed
-    from turnstream.services.gateway.assembly import (
-        build_gateway,
-        http_server,
-        import_gateway_modules,
-        serve_until,
-    )
-
-    settings = spec.settings
-    import_gateway_modules(settings)
-    own_new_session_ids(spec.index, spec.workers)
-    stop = stop_on_signals()
-    loop = asyncio.get_running_loop()
-    loop.add_reader(sys.stdin.fileno(), _on_supervisor_pipe, stop)
-    listener = socket.socket(fileno=spec.listen_fd)
-    handoff = Handoff(spec.handoff_dir, spec.index, spec.workers)
-    adopting: set[asyncio.Task[Any]] = set()
-    async with (
-        open_log(settings, name=f"turnstream-gateway-{spec.index}", stop=stop) as event_log,
-        build_gateway(settings, event_log) as gateway,
-    ):
-        server = http_server(gateway.app)
-        config = server.config
-        config.load()
-        routed = owner_routed(config.http_protocol_class, handoff)
-        if METRICS_ENV in os.environ:  # /metrics answers for all the workers
-            registry = CollectorRegistry()
-            multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
-            gateway.engine.metrics.registry = registry
-        config.http_protocol_class = routed
-
-        def adopt(conn: socket.socket, data: bytes) -> None:
-            def protocol() -> asyncio.Protocol:
-                return routed(
-                    config=config,
-                    server_state=server.server_state,
-                    app_state=server.lifespan.state,
-                    preload=data,
-                )
-
-            task = loop.create_task(loop.connect_accepted_socket(protocol, sock=conn))
-            adopting.add(task)
-            task.add_done_callback(_adopted(adopting, conn))
-
-        settle_heap()
-        serving = asyncio.create_task(serve_until(server, stop, [listener]))
-        while not server.started:
-            if serving.done():
-                break  # it could not start: ``await serving`` says why
-            await asyncio.sleep(0.01)
-        else:
-            handoff.listen(adopt)
-            log.info("serving (pid %d), %d workers", os.getpid(), spec.workers)
-        try:
-            await serving
-        finally:
-            handoff.close()
-            log.info(
-                "stopped: %d sessions held, %d connections moved out, %d in",
-                len(gateway.sessions.store),
-                handoff.moved,
-                handoff.adopted,
-            )
-
-
-def _adopted(adopting: set[asyncio.Task[Any]], conn: socket.socket) -> Any:
-    def done(task: asyncio.Task[Any]) -> None:
-        adopting.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.warning("adopting a connection failed: %r", task.exception())
-            conn.close()
-
-    return done
-
-
-def _on_supervisor_pipe(stop: asyncio.Event) -> None:
-    try:
-        data = os.read(sys.stdin.fileno(), 4096)
-    except OSError:
-        data = b""
-    if not data:
-        asyncio.get_running_loop().remove_reader(sys.stdin.fileno())
-        log.warning("the supervisor is gone: stopping")
-        stop.set()
-
-
-def _worker_main() -> int:
-    stdin = sys.stdin.buffer
-    (size,) = struct.unpack("!Q", stdin.read(8))
-    spec: WorkerSpec = pickle.loads(stdin.read(size))
-    from turnstream.stack.process import configure_logging
-
-    configure_logging(f"[worker {spec.index}] %(message)s")
-    try:
-        run_service(_serve_worker(spec))
-    except TurnstreamError as exc:
-        log.error("%s", exc)
-        return 1
-    except KeyboardInterrupt:
-        return 130
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_worker_main())
