@@ -67,7 +67,7 @@ from tests.helpers.recompute import recompute, turn_prompts
 from trainer_sink.assembly import assemble
 from trainer_sink.errors import BatchError
 from turnstream.data.regenerate import RegenerationReport, regenerate
-from turnstream.trainer.reference import check_sampled_logprobs
+from turnstream.trainer.objective import check_sampled_logprobs
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1800)]
 

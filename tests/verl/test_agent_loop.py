@@ -62,7 +62,7 @@ from turnstream.integrations.samples import EXTRA_FIELDS
 from turnstream.integrations.verl import AgentTask, TurnstreamAgentLoop, publish_weight_syncs
 from turnstream.services.gateway import assembly
 from turnstream.stack.up import Stack, UpSettings, embedded_stack
-from turnstream.trainer.reference import response_log_probs
+from turnstream.trainer.objective import response_log_probs
 
 pytestmark = pytest.mark.integration
 
