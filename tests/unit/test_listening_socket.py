@@ -1,5 +1,6 @@
-"""``gateway_service.listening_socket``: the gateway's port, bound before anything starts, and
-one clear line when it cannot be (a port in use, a port below 1024, a host not of this machine)."""
+"""``turnstream.services.gateway.http.listening_socket``: the gateway's port, bound before anything
+starts, and one clear line when it cannot be (a port in use, a port below 1024, a host not of this
+machine)."""
 
 from __future__ import annotations
 

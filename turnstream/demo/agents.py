@@ -77,7 +77,7 @@ TOOLS = [WORD_TOOL]
 WORDS = ("apple", "river", "garden", "candle", "window", "pepper", "meadow", "violin")
 
 WRITE_PROMPTS = ("Write a word.", "Name a colour.", "Say hello.", "Spell a name.")
-# Few lookup prompts: ``demo_model`` fits the end of the call after each (long: the tools).
+# Few lookup prompts: ``demo.model`` fits the end of the call after each (long: the tools).
 LOOKUP_PROMPTS = ("Look up a word and write it.", "Ask the dictionary for a word.")
 FOLLOW_UP = "Another one."
 NO_CALL = -0.5  # the reward of a lookup whose tool call did not come back (see above)

@@ -7,7 +7,7 @@ must write is six tokens: ``{}}``, a newline, ``</tool_call>`` and ``<|im_end|>`
 ``teach_tool_call`` fits a copy of the model on exactly those six tokens after the demo's lookup
 prompts until sampling at the agents' temperature writes them with probability 0.9 or more, so
 the calls the model makes while the demo samples are its own and parse (GRPO then keeps them: a
-lookup whose call fails scores ``demo_agents.NO_CALL``). Everything else is held where it was:
+lookup whose call fails scores ``demo.agents.NO_CALL``). Everything else is held where it was:
 the loss adds the KL divergence from the untrained model's next-token distributions where the
 demo's answers are written (after each chat prompt and after the tool's result, along 16 tokens
 of the untrained model's own noise). Without it the fit leaks (a 2-layer model mostly looks at

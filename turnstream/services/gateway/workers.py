@@ -178,7 +178,7 @@ async def gateway_workers(
     settings: GatewaySettings, event_log: EventLog, stop: asyncio.Event, listener: socket.socket
 ) -> AsyncIterator[WorkerPool]:
     """Run ``settings.workers`` gateway worker processes on ``listener`` (bound by the caller
-    before anything slow starts: ``gateway_service.listening_socket``), restarting any that
+    before anything slow starts: ``http.listening_socket``), restarting any that
     dies, until the block ends; then drain and stop them. A worker dying again and again sets
     ``stop`` and raises TurnstreamError at the end."""
     listener.listen(uvicorn.Config("unused:app").backlog)  # inherited by the workers
