@@ -32,6 +32,7 @@ from turnstream.services.gateway.assembly import (
 )
 from turnstream.services.gateway.http import http_server, http_url, listening_socket
 from turnstream.services.gateway.settings import GatewaySettings
+from turnstream.services.gateway.workers import gateway_workers
 from turnstream.services.shard_writer import shard_writer
 from turnstream.services.worker import fold_workers
 from turnstream.stack.event_log import EventLog, open_log
@@ -101,8 +102,6 @@ async def embedded_stack(
         gateway: Gateway | None = None
         server = None
         if settings.workers > 1:  # gateway worker processes (turnstream.services.gateway.workers)
-            from turnstream.services.gateway.workers import gateway_workers
-
             pool = await exits.enter_async_context(
                 gateway_workers(settings, event_log, stop or asyncio.Event(), listener)
             )
