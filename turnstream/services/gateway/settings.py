@@ -1,8 +1,9 @@
 """``turnstream gateway``'s settings: where it listens, the backend, the limits, its workers.
 
 ``GatewaySettings`` is also what ``up`` extends and what ``replay --regenerate`` builds a
-gateway's backend from; asking a remote backend for its model's name and context length when
-they are not given (``served``) is the one thing here that does I/O.
+gateway's backend from. Two of its answers do I/O: ``served`` asks a remote backend for its
+model's name and context length when they are not given, and ``model_dir`` makes the built-in
+tiny model on first use.
 """
 
 from __future__ import annotations
