@@ -11,12 +11,13 @@ Each phase is a fresh interpreter (as a command starts) that imports what a comm
 and exits; its CPU (user + system, from ``os.wait4``) and its peak RSS (``VmHWM``, read by the
 interpreter itself before it exits) are recorded, and whether torch got loaded:
 
-- ``inspect``: ``turnstream.inspect_command`` and its tokenizer (``_tokenizer``, through
+- ``inspect``: ``turnstream.inspect.command`` and its tokenizer (``_tokenizer``, through
   ``gateway.templates.load_tokenizer``: for a directory that names the plain fast tokenizer,
   that class directly); ``inspect_before``: the same command module and
   ``transformers.AutoTokenizer.from_pretrained`` on the same directory, as it loaded it before
   (AutoTokenizer's module imports torch);
-- ``supervisor``: ``turnstream.gateway_service``, what the ``--workers N`` supervisor loads;
+- ``supervisor``: ``turnstream.services.gateway.command``, what the ``--workers N`` supervisor
+  loads;
   ``supervisor_before``: that, transformers' AutoTokenizer and the local backend, which it
   imported before (torch with them).
 
@@ -44,12 +45,12 @@ from harness.reporting import arguments, banner, finish, machine_info, say
 
 MODEL = "from pathlib import Path; model = Path({model!r}); "
 PHASES = {
-    "inspect": MODEL + "import turnstream.inspect_command as c; c._tokenizer(model, model.parent)",
+    "inspect": MODEL + "import turnstream.inspect.command as c; c._tokenizer(model, model.parent)",
     "inspect_before": MODEL
-    + "import turnstream.inspect_command; from transformers import AutoTokenizer; "
+    + "import turnstream.inspect.command; from transformers import AutoTokenizer; "
     + "AutoTokenizer.from_pretrained(model)",
-    "supervisor": "import turnstream.gateway_service",
-    "supervisor_before": "import turnstream.gateway_service; "
+    "supervisor": "import turnstream.services.gateway.command",
+    "supervisor_before": "import turnstream.services.gateway.command; "
     + "from transformers import AutoTokenizer, GenerationConfig; "
     + "import gateway.backends.local",
 }

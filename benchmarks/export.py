@@ -19,7 +19,7 @@ rendered (that is the slow part of making the data) and the trajectories cycle t
 with its own ids, reward and logprobs. They are written as shards of 2,000 rows with
 ``FileShardStore`` (the shard writer's own path; no NATS needed).
 
-Then ``turnstream.export_command.export_run`` (what ``turnstream export`` runs, in process, no
+Then ``turnstream.data.export.export_run`` (what ``turnstream export`` runs, in process, no
 progress bar) exports the run into a fresh directory, once per case, timed whole (shard scan
 through DuckDB, conversion, writing, manifest, rename):
 
@@ -63,7 +63,7 @@ from gateway.model import ensure_tiny_model
 from schemas.events import JSON, TrajectoryReady
 from schemas.shards import ShardMetadata, trajectories_to_table
 from shardstore import FileShardStore
-from turnstream.export_command import FidelityCheck, TemplateRenderer, export_run, load_renderer
+from turnstream.data.export import FidelityCheck, TemplateRenderer, export_run, load_renderer
 
 RUN = "bench"
 SHARD_ROWS = 2_000

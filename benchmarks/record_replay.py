@@ -12,13 +12,13 @@ completion ids and their logprobs, a short tool result and reply; ~4 KB encoded)
 session's open and close, published once into a *source* nats-server started here (file
 store, default ``LogSettings`` streams). Then, in rounds that alternate which side goes first:
 
-1. **record**: ours is ``turnstream.record_command.record_run`` (connect, read the run's
+1. **record**: ours is ``turnstream.data.record.record_run`` (connect, read the run's
    subject with an ordered consumer, write the zstd Parquet recording with its checksum);
    raw is a pull consumer (no acks, batches of 512) reading the same subject's messages into
    memory, nothing written. Checked: the recording holds every event.
 2. **replay**: into a second, *target* nats-server whose EVENTS stream is made anew (not
    purged: a purge keeps the duplicate window's Msg-Ids) and the page cache synced, untimed,
-   before each run. Ours is ``turnstream.replay_command.replay_recording`` (read and verify
+   before each run. Ours is ``turnstream.data.replay.replay_recording`` (read and verify
    the file, scan the target run's Msg-Ids, publish pipelined through ``JetStreamPublisher``);
    raw is nats-py ``js.publish_async`` of the same subjects, bytes and Msg-Ids (already in
    memory) and one ``gather`` of the acks. Checked: the target holds every event, none was a
@@ -64,9 +64,9 @@ from eventlog.server import NatsServer
 from schemas.codec import Codec
 from schemas.events import SessionClosed, SessionEvent, SessionOpened, TurnCompleted
 from schemas.routing import route
-from turnstream.record_command import record_run
-from turnstream.replay_command import replay_recording
-from turnstream.settings import PublishingSettings
+from turnstream.data.record import record_run
+from turnstream.data.replay import replay_recording
+from turnstream.stack.settings import PublishingSettings
 
 MB = 1_000_000
 RUN = "bench"

@@ -1,6 +1,6 @@
 """Settings of the event log: connection, streams, buckets, publisher (plain pydantic models).
 
-The composition root (``turnstream.settings``) nests these in each service's settings, so they
+The composition root (``turnstream.stack.settings``) nests these in each service's settings, so they
 are filled from CLI flags, ``TURNSTREAM_*`` env vars or a TOML file; nothing here reads the
 environment.
 """

@@ -18,7 +18,7 @@ boundary, before uvicorn sees the request:
   proxying of bytes: after the move the client talks to the owner's socket directly.
 
 This lives in ``gateway/`` because it is HTTP-level (request framing, the routes' session rules);
-the processes that use it are in ``turnstream.gateway_workers``.
+the processes that use it are in ``turnstream.services.gateway.workers``.
 """
 
 from __future__ import annotations

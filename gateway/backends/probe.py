@@ -28,10 +28,10 @@ A turn whose sampling makes the distribution differ from the raw one
 400), before anything is sent, unless the gateway runs with ``--allow-raw-logprobs``: then it is
 generated and its chunks are marked ``logprobs_kind="raw"`` (not the sampled distribution's).
 
-A replica is probed at the gateway's start (``turnstream.gateway_service``), and again when it
-is next needed after its probe could not reach it, after any failed request (it may have been
-restarted with other flags), and before a refusal once its last probe is ``recheck_s`` old (so a
-server restarted in processed mode is served without restarting the gateway).
+A replica is probed at the gateway's start (``turnstream.services.gateway.assembly``), and again
+when it is next needed after its probe could not reach it, after any failed request (it may have
+been restarted with other flags), and before a refusal once its last probe is ``recheck_s`` old (so
+a server restarted in processed mode is served without restarting the gateway).
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ What is checked, each against what the other side recorded:
 * **sticky routing, server side**: which vLLM counted each turn (``vllm:request_success_total``):
   all four turns of a session on one replica, the two sessions on different ones;
 * **log-prob agreement**: the reference trainer's ``response_log_probs`` (one padded forward pass
-  of the same weights in float32, ``turnstream.trainer``) against the rollout log-probs vLLM
-  returned, read back from the shards. Measured max |Δ|: 4.5e-06 over 344 generated tokens
+  of the same weights in float32, ``turnstream.trainer.objective``) against the rollout log-probs
+  vLLM returned, read back from the shards. Measured max |Δ|: 4.5e-06 over 344 generated tokens
   (greedy and temperature-1 turns, ``--logprobs-mode processed_logprobs``); the bound is 1e-3;
 * **a tool call round trip**: the model's ``<tool_call>`` comes back as an OpenAI ``tool_calls``
   message, the agent answers it with a ``tool`` message, and the model's next turn reads it.
@@ -51,7 +51,7 @@ from tests.helpers.services import WORKER_FLAGS, WRITER_FLAGS, Service
 from tests.helpers.tiny_model import WEATHER_QUESTION, WEATHER_RESULT, WEATHER_TOOLS, render_ids
 from tests.helpers.waiting import wait_for
 from trainer_sink.assembly import assemble
-from turnstream.trainer import max_logprob_delta, response_log_probs
+from turnstream.trainer.objective import max_logprob_delta, response_log_probs
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1800)]
 

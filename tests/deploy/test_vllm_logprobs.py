@@ -31,7 +31,7 @@ processes on a real nats-server: one in front of the processed pair, two in fron
   the same tokens: the issue's premise, and why the gateway derives a seed per turn. A GRPO
   group of four sessions of one prompt, no client seed, sent concurrently through the gateway
   and spread over both replicas, records four distinct derived seeds and is not four copies of
-  one rollout; regenerating each session (``turnstream.regenerate.regenerate``) on the replica
+  one rollout; regenerating each session (``turnstream.data.regenerate.regenerate``) on the replica
   that did NOT serve it reproduces all four token for token (7 to 48 tokens; log-probs
   bit-identical, max |Δ| 0, in both runs).
 
@@ -67,8 +67,8 @@ from tests.helpers.gateway_process import GatewayProcess
 from tests.helpers.recompute import recompute, turn_prompts
 from trainer_sink.assembly import assemble
 from trainer_sink.errors import BatchError
-from turnstream.regenerate import RegenerationReport, regenerate
-from turnstream.trainer import check_sampled_logprobs
+from turnstream.data.regenerate import RegenerationReport, regenerate
+from turnstream.trainer.objective import check_sampled_logprobs
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1800)]
 

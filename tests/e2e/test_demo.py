@@ -30,7 +30,7 @@ from schemas.events import SessionOpened, TrajectoryReady, TurnCompleted
 from shardstore import FileShardStore, open_shards_dataset
 from tests.conftest import FAST_LOG
 from tests.helpers.streams import stream_payloads
-from turnstream.demo_agents import WORD_TOOL_NAME, WORDS
+from turnstream.demo.agents import WORD_TOOL_NAME, WORDS
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 

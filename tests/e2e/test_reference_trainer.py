@@ -27,7 +27,7 @@ from tests.helpers.gateway_process import GatewayProcess
 from trainer_sink.config import BatchingSettings, LiveSourceSettings
 from trainer_sink.sink import TrainerSink
 from trainer_sink.sources import LiveSource
-from turnstream.trainer import ReferenceTrainer, ReferenceTrainerSettings, StepReport
+from turnstream.trainer.reference import ReferenceTrainer, ReferenceTrainerSettings, StepReport
 
 pytestmark = pytest.mark.integration
 

@@ -29,7 +29,7 @@ from schemas.codec import Codec
 from schemas.events import SessionEvent, TurnCompleted
 from tests.e2e.test_gateway import assistant_turn, client_for, events_of, turns_of
 from tests.helpers.gateway_process import GatewayProcess
-from turnstream.regenerate import regenerate
+from turnstream.data.regenerate import regenerate
 
 pytestmark = pytest.mark.integration
 

@@ -12,7 +12,7 @@ import httpx
 
 from eventlog.server import free_port
 from tests.helpers.services import LAUNCHER
-from turnstream.gateway_service import http_url
+from turnstream.services.gateway.http import http_url
 
 
 class GatewayProcess:

@@ -478,7 +478,7 @@ async def test_shards_of_an_earlier_traj_stream_do_not_hide_the_new_one(
 LAUNCHER = (
     "import logging, sys; logging.basicConfig(level='INFO', format='%(asctime)s %(message)s');"
     "from pydantic_settings import CliApp;"
-    "from turnstream.shard_writer_service import ShardWriterCommand;"
+    "from turnstream.services.shard_writer import ShardWriterCommand;"
     "CliApp.run(ShardWriterCommand, cli_args=sys.argv[1:])"
 )
 

@@ -22,7 +22,7 @@ from trainer_sink import (
     TrainerSink,
 )
 from trainer_sink.assembly import assemble_padded
-from turnstream.trainer import ReferenceTrainer, ReferenceTrainerSettings
+from turnstream.trainer.reference import ReferenceTrainer, ReferenceTrainerSettings
 
 pytestmark = pytest.mark.integration
 

@@ -41,7 +41,8 @@ for name in {blocked!r}:
 
 from schemas import TurnstreamError
 from turnstream.cli import COMMANDS
-from turnstream.gateway_service import GatewaySettings, _backend, local_backend_class
+from turnstream.services.gateway.assembly import build_backend, local_backend_class
+from turnstream.services.gateway.settings import GatewaySettings
 
 report = {{"loaded": [], "needs_extra": {{}}, "backends": []}}
 for name in {base!r}:
@@ -51,7 +52,7 @@ for kind in ("vllm", "sglang"):
     settings = GatewaySettings(
         backend=kind, backend_urls=["http://127.0.0.1:1"], max_context=4096, model=Path(".")
     )
-    report["backends"].append(type(_backend(settings, Path("."), "m")).__name__)
+    report["backends"].append(type(build_backend(settings, Path("."), "m")).__name__)
 for name in ("train", "demo"):
     try:
         COMMANDS[name][1]()

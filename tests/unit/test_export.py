@@ -31,7 +31,7 @@ from consumers.export_formats import dataset_card, jsonl_lines
 from schemas.shards import trajectories_to_table
 from tests.helpers.tiny_model import WEATHER_RESULT, WEATHER_TOOLS
 from tests.helpers.trajectories import folded
-from turnstream.export_command import TemplateRenderer, load_renderer
+from turnstream.data.export import TemplateRenderer, load_renderer
 
 JSON = dict[str, Any]
 NULLS = {"content": None, "tool_calls": None, "tool_call_id": None, "name": None}

@@ -13,9 +13,9 @@ from schemas.events import SessionEvent, TurnCompleted
 from schemas.trust import VettedSession
 from tests.helpers.sessions import reward
 from tests.helpers.tree_sessions import TreeTurn, tree_events, tree_session
-from turnstream.inspect_command import html_tree, render_html, terminal_tree
-from turnstream.inspect_text import first_words
-from turnstream.inspect_tree import (
+from turnstream.inspect.command import html_tree, render_html, terminal_tree
+from turnstream.inspect.text import first_words
+from turnstream.inspect.tree import (
     BRANCH,
     CONTINUES,
     FORK,
@@ -29,7 +29,7 @@ from turnstream.inspect_tree import (
     tree_nodes,
     tree_paths,
 )
-from turnstream.inspect_view import SessionView, session_view, start_text
+from turnstream.inspect.view import SessionView, session_view, start_text
 
 SYS = [1, 2]  # a system prompt both conversations start with
 

@@ -1,5 +1,6 @@
-"""``gateway_service.listening_socket``: the gateway's port, bound before anything starts, and
-one clear line when it cannot be (a port in use, a port below 1024, a host not of this machine)."""
+"""``turnstream.services.gateway.http.listening_socket``: the gateway's port, bound before anything
+starts, and one clear line when it cannot be (a port in use, a port below 1024, a host not of this
+machine)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import sys
 import pytest
 
 from schemas.errors import TurnstreamError
-from turnstream.gateway_service import http_url, listening_socket
+from turnstream.services.gateway.http import http_url, listening_socket
 
 
 def test_a_free_port_is_bound_inheritable_and_reusable() -> None:
@@ -48,7 +49,7 @@ def test_a_host_not_of_this_machine_names_it(host: str) -> None:
 
 def test_a_privileged_port_says_so() -> None:
     code = (
-        "from turnstream.gateway_service import listening_socket\n"
+        "from turnstream.services.gateway.http import listening_socket\n"
         "try:\n    listening_socket('127.0.0.1', 80)\n"
         "except Exception as exc:\n    print(exc)\n"
     )

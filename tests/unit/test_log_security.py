@@ -18,7 +18,7 @@ from pydantic_settings import CliApp
 
 from eventlog.config import LogSettings, StreamNames
 from eventlog.server import ROLES, LogSecurityError, Role, ensure_log_security, role_permissions
-from turnstream.settings import ServiceSettings, with_toml
+from turnstream.stack.settings import ServiceSettings, with_toml
 
 # -- settings ---------------------------------------------------------------------------------
 

@@ -21,9 +21,7 @@ from tests.helpers.sessions import append_only, session_events
 from trainer_sink.assembly import assemble_padded, non_tensor_values
 from trainer_sink.errors import BatchError
 from trainer_sink.sessions import SessionRows
-from turnstream.trainer import (
-    ReferenceTrainer,
-    ReferenceTrainerSettings,
+from turnstream.trainer.objective import (
     batch_advantages,
     check_sampled_logprobs,
     check_temperature,
@@ -32,6 +30,7 @@ from turnstream.trainer import (
     max_logprob_delta,
     response_log_probs,
 )
+from turnstream.trainer.reference import ReferenceTrainer, ReferenceTrainerSettings
 
 
 def test_group_advantages_compare_samples_within_their_group_only() -> None:

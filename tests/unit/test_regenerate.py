@@ -17,7 +17,7 @@ from gateway.backends.local import LocalBackend
 from gateway.serving.engine import derived_seed
 from schemas.delta import replay_context
 from schemas.events import SessionOpened, TurnCompleted
-from turnstream.regenerate import (
+from turnstream.data.regenerate import (
     compare,
     full_prompts,
     regenerate,

@@ -84,7 +84,7 @@ async def test_a_backend_that_never_answers_says_what_to_do() -> None:
 def test_a_backend_url_that_is_not_http_is_a_settings_error(url: str) -> None:
     from pydantic import ValidationError
 
-    from turnstream.gateway_service import GatewaySettings
+    from turnstream.services.gateway.settings import GatewaySettings
 
     with pytest.raises(ValidationError, match="is not an http:// or https:// URL"):
         GatewaySettings(backend="vllm", backend_urls=["http://gpu-0:8000", url])

@@ -1,4 +1,5 @@
-"""``turnstream.stack.settle_heap``: what every serving process does to its heap once started."""
+"""``turnstream.stack.process.settle_heap``: what every serving process does to its heap once
+started."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from turnstream.stack import YOUNG_GC_THRESHOLD, settle_heap
+from turnstream.stack.process import YOUNG_GC_THRESHOLD, settle_heap
 
 
 @pytest.fixture

@@ -57,12 +57,12 @@ from gateway.backends.interface import GenerationChunk, Prompt, SamplingParams
 from gateway.backends.local import LocalBackend
 from tests.helpers.services import shard_table_rows
 from tests.helpers.waiting import eventually
-from turnstream import gateway_service
 from turnstream.integrations.errors import AgentFailed
 from turnstream.integrations.samples import EXTRA_FIELDS
 from turnstream.integrations.verl import AgentTask, TurnstreamAgentLoop, publish_weight_syncs
-from turnstream.trainer import response_log_probs
-from turnstream.up import Stack, UpSettings, embedded_stack
+from turnstream.services.gateway import assembly
+from turnstream.stack.up import Stack, UpSettings, embedded_stack
+from turnstream.trainer.objective import response_log_probs
 
 pytestmark = pytest.mark.integration
 
@@ -488,8 +488,8 @@ async def test_the_weight_version_verl_publishes_after_a_sync_reaches_the_next_t
 ) -> None:
     # The gateway in front of "verl's vLLM server": it follows versions, it loads no weights.
     monkeypatch.setattr(
-        gateway_service,
-        "_backend",
+        assembly,
+        "build_backend",
         lambda settings, model_dir, name: VerlServerStandIn(LocalBackend.load(model_dir)),
     )
     async with running_stack(tmp_path, tiny_model_dir) as stack:

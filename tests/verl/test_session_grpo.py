@@ -30,7 +30,7 @@ from trainer_sink import (
     assemble,
     to_dataproto,
 )
-from turnstream.trainer import group_advantages
+from turnstream.trainer.objective import group_advantages
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "verl.md"
 MARK = "<!-- tests/verl/test_session_grpo.py runs this block -->"

@@ -33,7 +33,7 @@ __all__ = ["ClosedSession", "GatewaySessions", "OpenedSession"]
 log = logging.getLogger(__name__)
 
 # The gateway (uvicorn) drops idle keep-alive connections after 5 s; a request sent on one it is
-# closing fails. Dropping ours sooner avoids that race (turnstream.demo_agents does the same).
+# closing fails. Dropping ours sooner avoids that race (turnstream.demo.agents does the same).
 _KEEPALIVE_EXPIRY_S = 1.0
 _RETRY_DELAYS_S = (0.25, 1.0, 2.0)
 

@@ -1,0 +1,350 @@
+"""``turnstream export``: a run's trajectories from the shards as a dataset, tokens or messages.
+
+    turnstream export --run r1 --kind tokens|messages --format parquet|jsonl -o DIR
+        [--where "reward > 0 and num_turns >= 3"] [--shards URI] [--overwrite]
+        [--tokenizer MODEL_DIR | --no-fidelity] [--rows-per-part 100000]
+
+Reads the shards only (``--shards``, default ``<data_dir>/shards``; no log needed). ``--where`` is
+a DuckDB SQL predicate over the shard columns. ``tokens`` keeps the training columns,
+``messages`` the OpenAI-shaped conversation and tool schemas for SFT (``consumers.export`` has
+the columns); DIR gets ``part-NNNNN.<format>`` files, ``manifest.json`` and a dataset card
+(``consumers.export_files``, ``consumers.export_formats``), written to a hidden sibling and renamed
+into place when complete, and loads with ``datasets.load_dataset(DIR)``, polars or DuckDB.
+
+For ``messages``, every row is rendered again with the chat template of ``--tokenizer`` (default:
+the built-in tiny model, when ``<data_dir>/models`` has it — what the gateway serves by default)
+through the gateway's own rendering, and compared with its tokens: the rows that do not
+round-trip are counted in the summary and the manifest, and flagged in ``round_trips``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import importlib.metadata
+import sys
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from pydantic import AliasChoices, Field
+from pydantic_settings import CliSuppress, SettingsConfigDict
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from consumers.export import (
+    MESSAGES_SCHEMA,
+    TOKENS_SCHEMA,
+    ChatRenderer,
+    ExportError,
+    ExportKind,
+    Fidelity,
+    messages_table,
+    tokens_table,
+)
+from consumers.export_files import ExportDirectory, ExportFormat, Selection
+from consumers.export_formats import dataset_card
+from eventlog import LogSettings
+from schemas.errors import TurnstreamError
+from schemas.ids import ID_PATTERN
+from turnstream.stack.settings import ServiceSettings
+
+if TYPE_CHECKING:  # transformers: imported only when a chat template is loaded
+    from gateway.templates import ChatTemplate
+
+__all__ = ["ExportCommand", "FidelityCheck", "TemplateRenderer", "export_run", "load_renderer"]
+
+console = Console(stderr=True)
+JSON = dict[str, Any]
+MANIFEST_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class FidelityCheck:
+    """What renders the ``messages`` rows again (``renderer``, named by ``tokenizer``), or
+    why nothing does (``skipped``)."""
+
+    renderer: ChatRenderer | None = None
+    tokenizer: str | None = None
+    skipped: str | None = None
+
+
+@dataclass
+class _Tally:
+    rows: int = 0
+    tokens: int = 0
+    dropped: Counter[str] = field(default_factory=Counter)
+
+
+def export_run(
+    shards: str,
+    run: str,
+    output: Path,
+    *,
+    kind: ExportKind,
+    format: ExportFormat,
+    where: str | None = None,
+    fidelity: FidelityCheck = FidelityCheck(skipped="not asked for"),
+    rows_per_part: int = 100_000,
+    overwrite: bool = False,
+    progress: bool = True,
+    batch_rows: int = 1024,
+) -> JSON:
+    """Export ``run``'s shard rows matching ``where`` to ``output``; the manifest written."""
+    selection = Selection(shards, run, where)
+    try:
+        total = selection.count()
+        if total == 0:
+            matching = f"matches --where {where!r}" if where is not None else "is there"
+            raise ExportError(
+                f"no trajectory of run {run} {matching} (in its {len(selection.sources)} "
+                f"shard(s) under {selection.target}); nothing was written"
+            )
+        schema = TOKENS_SCHEMA if kind == "tokens" else MESSAGES_SCHEMA
+        tally = _Tally()
+        check = Fidelity() if kind == "messages" and fidelity.renderer is not None else None
+        with (
+            ExportDirectory(
+                output,
+                format=format,
+                schema=schema,
+                rows_per_part=rows_per_part,
+                overwrite=overwrite,
+            ) as directory,
+            Progress(
+                TextColumn(f"exporting run {run} ({kind}, {format})"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[tokens]:,} tokens"),
+                TimeElapsedColumn(),
+                console=console,
+                disable=not progress,
+            ) as bar,
+        ):
+            task = bar.add_task("rows", total=total, tokens=0)
+            for shard_rows in selection.batches(batch_rows):
+                if kind == "tokens":
+                    rows = tokens_table(shard_rows)
+                else:
+                    rows = messages_table(
+                        shard_rows,
+                        renderer=fidelity.renderer,
+                        fidelity=check,
+                        dropped=tally.dropped,
+                    )
+                directory.write(rows)
+                tally.rows += shard_rows.num_rows
+                tally.tokens += _tokens(shard_rows)
+                bar.update(task, completed=tally.rows, tokens=tally.tokens)
+            manifest = _manifest(selection, kind, format, tally, directory, fidelity, check)
+            directory.commit(manifest, dataset_card(manifest, schema))
+    finally:
+        selection.close()
+    return manifest
+
+
+def _tokens(shard_rows: pa.Table) -> int:
+    return int(pc.sum(pc.list_value_length(shard_rows.column("input_ids"))).as_py() or 0)
+
+
+def _manifest(
+    selection: Selection,
+    kind: ExportKind,
+    format: ExportFormat,
+    tally: _Tally,
+    directory: ExportDirectory,
+    fidelity: FidelityCheck,
+    check: Fidelity | None,
+) -> JSON:
+    manifest: JSON = {
+        "turnstream_export": MANIFEST_FORMAT,
+        "run": selection.run,
+        "kind": kind,
+        "format": format,
+        "where": selection.where,
+        "rows": tally.rows,
+        "tokens": tally.tokens,
+        "parts": [{"file": p.file, "rows": p.rows} for p in directory.parts],
+        "columns": {f.name: str(f.type) for f in directory.schema},
+        "source": {
+            "target": selection.target,
+            "shards": [
+                {"path": s.path, "first_seq": s.first_seq, "last_seq": s.last_seq}
+                for s in selection.sources
+            ],
+        },
+        "created_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "turnstream_version": _version(),
+    }
+    if kind == "messages":
+        if check is not None:
+            manifest["fidelity"] = {"tokenizer": fidelity.tokenizer, **check.summary()}
+        else:
+            manifest["fidelity"] = {"skipped": fidelity.skipped}
+        manifest["dropped_message_fields"] = dict(sorted(tally.dropped.items()))
+    return manifest
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("turnstream")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+# -- the chat template: the gateway's, rendering as the gateway does -----------------------------
+
+
+class TemplateRenderer:
+    """The gateway's ``ChatTemplate`` as the fidelity check's ``ChatRenderer``."""
+
+    def __init__(self, template: ChatTemplate) -> None:
+        self.template = template
+        self._closing: dict[int | None, list[int]] = {}
+
+    def conversation_ids(self, messages: Sequence[JSON], tools: Sequence[JSON]) -> list[int]:
+        from gateway.errors import InvalidRequest
+
+        try:
+            text = self.template.render(messages, list(tools) or None, generation=False)
+        except InvalidRequest as exc:
+            raise ValueError(str(exc)) from exc
+        return list(self.template.encode(text))
+
+    def closing_ids(self, last_token: int | None) -> list[int]:
+        # As ChatTemplate.continuation_ids closes a turn: its turn-end text, less the stop
+        # token the model sampled.
+        if last_token not in self._closing:
+            tail: str = self.template.turn_end_text
+            if last_token is not None and last_token in self.template.stop_token_ids:
+                sampled = self.template.decode([last_token], skip_special_tokens=False)
+                if tail.startswith(sampled):
+                    tail = tail[len(sampled) :]
+            self._closing[last_token] = list(self.template.encode(tail))
+        return self._closing[last_token]
+
+
+def load_renderer(model_dir: Path) -> TemplateRenderer:
+    """The chat template of the model at ``model_dir``, loaded as the gateway loads it."""
+    from transformers import GenerationConfig
+
+    from gateway.templates import ChatTemplate, load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(model_dir)
+    except (OSError, ValueError) as exc:
+        raise TurnstreamError(
+            f"--tokenizer {model_dir}: no tokenizer could be loaded there ({exc}); name the "
+            f"model directory the gateway served (its --model), or pass --no-fidelity"
+        ) from exc
+    try:  # every end token the model may sample closes its turn, as in the gateway
+        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    except OSError:
+        eos = None
+    stop_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    try:
+        # Samples are checked whole, whatever their length: the template lifts the tokenizer's
+        # own limit, so no "longer than the maximum" warning.
+        template = ChatTemplate(tokenizer, stop_token_ids=stop_ids, max_context=sys.maxsize)
+        return TemplateRenderer(template)
+    except ValueError as exc:
+        raise TurnstreamError(f"--tokenizer {model_dir}: {exc}") from exc
+
+
+class ExportCommand(ServiceSettings):
+    """Export a run's trajectories from the shards as a dataset (tokens or chat messages)."""
+
+    model_config = SettingsConfigDict(cli_prog_name="turnstream export")
+
+    log: CliSuppress[LogSettings] = LogSettings()  # shards only: no log to connect to
+    run: str = Field("default", pattern=f"^{ID_PATTERN}$", description="the run to export")
+    output: Path = Field(
+        validation_alias=AliasChoices("o", "output"),
+        description="directory to write (new or empty; see --overwrite)",
+    )
+    kind: ExportKind = Field(
+        description="tokens: the training columns; messages: chat conversations for SFT"
+    )
+    format: ExportFormat = Field("parquet", description="parquet (zstd) or jsonl files")
+    where: str | None = Field(
+        None, description="DuckDB SQL predicate over the shard columns, e.g. 'reward > 0'"
+    )
+    shards: str | None = Field(
+        None, description="shard directory or URI to read; unset: <data_dir>/shards"
+    )
+    tokenizer: Path | None = Field(
+        None,
+        description="messages: the served model's directory, whose chat template each row is "
+        "checked against; unset: the built-in tiny model if <data_dir>/models has it",
+    )
+    fidelity: bool = Field(True, description="messages: check the chat-template round trip")
+    rows_per_part: int = Field(100_000, ge=1, description="rows per output file")
+    overwrite: bool = Field(False, description="replace a non-empty output directory")
+
+    def _fidelity(self) -> FidelityCheck:
+        if self.kind != "messages":
+            return FidelityCheck(skipped="tokens export")
+        if not self.fidelity:
+            return FidelityCheck(skipped="--no-fidelity")
+        model_dir = self.tokenizer
+        if model_dir is None:
+            from gateway.model import tiny_model_dir
+
+            model_dir = tiny_model_dir(self.data_dir / "models")
+            if not model_dir.is_dir():
+                return FidelityCheck(
+                    skipped=f"no tokenizer: pass --tokenizer MODEL_DIR (none at {model_dir})"
+                )
+        return FidelityCheck(renderer=load_renderer(model_dir), tokenizer=str(model_dir))
+
+    def cli_cmd(self) -> None:
+        fidelity = self._fidelity()
+        manifest = export_run(
+            self.shards or str(self.data_dir / "shards"),
+            self.run,
+            self.output,
+            kind=self.kind,
+            format=self.format,
+            where=self.where,
+            fidelity=fidelity,
+            rows_per_part=self.rows_per_part,
+            overwrite=self.overwrite,
+        )
+        parts = len(manifest["parts"])
+        rows = manifest["rows"]
+        console.print(
+            f"exported {rows:,} {'trajectory' if rows == 1 else 'trajectories'} "
+            f"({manifest['tokens']:,} tokens) of run "
+            f"{self.run} as {self.kind} to {self.output} ({parts} {self.format} "
+            f"part{'s' if parts != 1 else ''})",
+            soft_wrap=True,
+        )
+        if self.kind == "messages":
+            console.print(_fidelity_line(manifest["fidelity"]), soft_wrap=True)
+            if manifest["dropped_message_fields"]:
+                console.print(
+                    "message fields not exported: "
+                    + ", ".join(
+                        f"{k} ({v})" for k, v in manifest["dropped_message_fields"].items()
+                    ),
+                    soft_wrap=True,
+                )
+
+
+def _fidelity_line(fidelity: JSON) -> str:
+    if "skipped" in fidelity:
+        return f"chat-template round trip not checked: {fidelity['skipped']}"
+    line = (
+        f"chat-template round trip: {fidelity['round_trips']:,} of {fidelity['checked']:,} rows "
+        f"render to exactly their tokens with {fidelity['tokenizer']}"
+    )
+    if fidelity["not_round_trips"]:
+        line += (
+            f"; {fidelity['not_round_trips']:,} do not "
+            f"({fidelity['not_round_trips_in_forked_sessions']:,} of forked sessions), "
+            f"flagged round_trips=false (manifest.json names the first)"
+        )
+    return line
