@@ -26,11 +26,11 @@ from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from eventlog import JetStreamPublisher, Outbox, answered, read_session
-from gateway.app import create_app
 from gateway.backends.base import Backend
 from gateway.backends.policy_watch import PolicyTarget, PolicyVersion, watch_policy
 from gateway.backends.transport import Target
-from gateway.guard import BodyLimits
+from gateway.http.app import create_app
+from gateway.http.guard import BodyLimits
 from gateway.metrics import GatewayMetrics
 from gateway.serving import SessionService, TurnEngine
 from gateway.sessions import SessionStore

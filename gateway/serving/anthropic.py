@@ -62,10 +62,10 @@ from gateway.protocol.anthropic_reply import (
     TokenCountResult,
     ToolUseContent,
 )
+from gateway.protocol.sse import TextEvents, sse_event
 from gateway.serving.engine import TurnEngine, TurnResult
 from gateway.serving.turns import TurnServing, TurnStream
 from gateway.sessions import Session
-from gateway.sse import TextEvents, sse_event
 
 __all__ = [
     "AnthropicServing",

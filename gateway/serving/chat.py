@@ -25,11 +25,11 @@ from gateway.protocol.chat import (
     TopLogprobOut,
     message_text,
 )
-from gateway.protocol.common import Usage
+from gateway.protocol.sse import DONE, TextEvents, sse, sse_error
+from gateway.protocol.wire import Usage
 from gateway.serving.engine import TurnEngine, TurnResult
 from gateway.serving.turns import TurnServing, TurnStream
 from gateway.sessions import Session
-from gateway.sse import DONE, TextEvents, sse, sse_error
 
 __all__ = ["ChatServing", "chat_turn_request", "token_logprobs", "usage"]
 

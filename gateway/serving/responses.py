@@ -57,11 +57,11 @@ from gateway.protocol.responses_reply import (
     TextDeltaEvent,
     TextDoneEvent,
 )
+from gateway.protocol.sse import sse_event
 from gateway.serving.chat import token_logprobs
 from gateway.serving.engine import TurnEngine, TurnResult
 from gateway.serving.turns import TurnServing, TurnStream
 from gateway.sessions import Session
-from gateway.sse import sse_event
 from gateway.turns import SessionState
 
 __all__ = [

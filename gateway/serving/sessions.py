@@ -17,7 +17,7 @@ from typing import Any
 from eventlog import Publisher
 from gateway.errors import InvalidRequest, SessionExists, SessionNotFound
 from gateway.errors import SessionClosed as ClosedAlready
-from gateway.protocol.sessions import (
+from gateway.protocol.session_api import (
     CloseSessionRequest,
     CreateSessionRequest,
     RewardReceipt,

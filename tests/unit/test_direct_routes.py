@@ -1,5 +1,5 @@
 """The short path of the POST routes whose inputs are a body model and the request
-(``gateway.app.GatewayApp``): the same answers as FastAPI's path, errors included."""
+(``gateway.http.app.GatewayApp``): the same answers as FastAPI's path, errors included."""
 
 from __future__ import annotations
 

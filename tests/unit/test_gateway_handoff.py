@@ -1,4 +1,4 @@
-"""``gateway.handoff``: which session a request is for, request framing on keep-alive and
+"""``gateway.http.handoff``: which session a request is for, request framing on keep-alive and
 pipelined connections, and a real connection moved between two workers over a Unix socket."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from gateway.handoff import Handoff, _chunked_end, owner_routed, session_of
+from gateway.http.handoff import Handoff, _chunked_end, owner_routed, session_of
 from schemas.ids import new_session_id, own_new_session_ids, session_owner
 
 

@@ -16,10 +16,10 @@ import httpx
 import msgspec
 from transformers import AutoTokenizer
 
-from gateway.app import create_app
 from gateway.backends.router import ReplicaRouter
 from gateway.backends.vllm import VLLMBackend
-from gateway.kept_bodies import KeptBodies
+from gateway.http.app import create_app
+from gateway.http.kept_bodies import KeptBodies
 from gateway.metrics import GatewayMetrics
 from gateway.serving import SessionService, TurnEngine
 from gateway.sessions import SessionStore

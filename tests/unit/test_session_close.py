@@ -14,7 +14,7 @@ import pytest
 
 from eventlog import PublishReceipt
 from gateway.errors import SessionClosed as ClosedAlready
-from gateway.protocol.sessions import CloseSessionRequest, CreateSessionRequest
+from gateway.protocol.session_api import CloseSessionRequest, CreateSessionRequest
 from gateway.serving.sessions import SessionService
 from gateway.sessions import SessionStore
 from schemas import Event, SessionClosed, SessionEvent, route

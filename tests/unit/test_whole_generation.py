@@ -16,9 +16,9 @@ from gateway.backends.base import GenerationChunk, SamplingParams
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import ChatCompletionRequest
 from gateway.protocol.chat import ChatCompletionChunk, ChunkChoice, Delta
+from gateway.protocol.sse import sse
 from gateway.serving import ChatServing, TurnEngine, TurnServing
 from gateway.sessions import SessionStore
-from gateway.sse import sse
 from gateway.templates import ChatTemplate
 from gateway.tools import get_parser
 from gateway.turns import SessionState

@@ -33,9 +33,9 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.errors import InvalidRequest, RequestTimeout, RequestTooLarge, Unauthorized
-from gateway.kept_bodies import KeptBodies
+from gateway.http.kept_bodies import KeptBodies
 from gateway.metrics import GatewayMetrics
-from gateway.protocol.common import INT64_MAX, INT64_MIN
+from gateway.protocol.wire import INT64_MAX, INT64_MIN
 from schemas.ids import ID_PATTERN
 
 __all__ = [
@@ -62,7 +62,7 @@ _LONG_DIGITS = b"0" * 19
 _OFF_LOOP_BYTES = 1024 * 1024
 _DECODER = msgspec.json.Decoder()
 _CONTAINERS = (dict, list)
-# Where a /v1 turn route finds its session (routers.common.header_session): ours, then the
+# Where a /v1 turn route finds its session (routes.scoped_routes.header_session): ours, then the
 # session headers of the clients that send their own (Claude Code, Codex CLI); the first
 # present wins. Same rules for all.
 SESSION_HEADERS = ("X-Session-Id", "X-Claude-Code-Session-Id", "session-id")

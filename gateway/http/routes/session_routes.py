@@ -6,15 +6,15 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path, Request, Response
 
-from gateway.protocol.sessions import (
+from gateway.http.routes.scoped_routes import ID, RunHeader, checked_run, errors, json_response
+from gateway.protocol.session_api import (
     CloseSessionRequest,
     CreateSessionRequest,
     RewardReceipt,
     SessionCreated,
     SessionInfo,
 )
-from gateway.protocol.sessions import RewardRequest as RewardBody
-from gateway.routers.common import ID, RunHeader, checked_run, errors, json_response
+from gateway.protocol.session_api import RewardRequest as RewardBody
 from gateway.serving import SessionService, session_info
 
 __all__ = ["session_routes"]

@@ -4,7 +4,7 @@
 
 The ``anthropic`` SDK appends ``/v1/messages`` to its base URL: a session's Anthropic base URL
 is ``<gateway>/sessions/<sid>`` (Claude Code: ``ANTHROPIC_BASE_URL``), or the gateway itself
-with a session header. Errors on these routes leave in Anthropic's body (``gateway.app``).
+with a session header. Errors on these routes leave in Anthropic's body (``gateway.http.app``).
 """
 
 from __future__ import annotations
@@ -13,16 +13,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 
-from gateway.protocol.anthropic import (
-    CountTokensRequest,
-    MessagesRequest,
-)
-from gateway.protocol.anthropic_reply import (
-    AnthropicErrorResponse,
-    Message,
-    TokenCountResult,
-)
-from gateway.routers.common import (
+from gateway.http.routes.scoped_routes import (
     RunId,
     SessionId,
     checked_run,
@@ -31,6 +22,15 @@ from gateway.routers.common import (
     header_session,
     json_response,
     serve_turn,
+)
+from gateway.protocol.anthropic import (
+    CountTokensRequest,
+    MessagesRequest,
+)
+from gateway.protocol.anthropic_reply import (
+    AnthropicErrorResponse,
+    Message,
+    TokenCountResult,
 )
 from gateway.serving import SessionService
 from gateway.serving.anthropic import AnthropicServing

@@ -10,8 +10,8 @@ from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
 from gateway.errors import InvalidRequest, RunNotAllowed
-from gateway.guard import SESSION_HEADERS, allowed_runs
-from gateway.protocol.common import ErrorResponse, Wire
+from gateway.http.guard import SESSION_HEADERS, allowed_runs
+from gateway.protocol.wire import ErrorResponse, Wire
 from schemas.ids import ID_PATTERN
 
 if TYPE_CHECKING:

@@ -35,7 +35,7 @@ from gateway.errors import (
     error_body,
     error_spec,
 )
-from gateway.guard import (
+from gateway.http.guard import (
     GUARD_ERRORS,
     BodyLimits,
     GuardedRoute,
@@ -43,11 +43,11 @@ from gateway.guard import (
     decoded_json,
     parse_api_keys,
 )
-from gateway.kept_bodies import KeptBodies
+from gateway.http.kept_bodies import KeptBodies
+from gateway.http.routes import openai_routes, responses_routes, session_routes
+from gateway.http.routes.anthropic_routes import anthropic_routes
+from gateway.http.routes.scoped_routes import errors
 from gateway.metrics import GatewayMetrics
-from gateway.routers import openai_routes, responses_routes, session_routes
-from gateway.routers.anthropic import anthropic_routes
-from gateway.routers.common import errors
 from gateway.serving import (
     ChatServing,
     CompletionServing,

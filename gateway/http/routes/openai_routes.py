@@ -5,10 +5,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
 
-from gateway.protocol.chat import ChatCompletion, ChatCompletionRequest
-from gateway.protocol.common import ModelCard, ModelList
-from gateway.protocol.completions import Completion, CompletionRequest
-from gateway.routers.common import (
+from gateway.http.routes.scoped_routes import (
     RunId,
     SessionId,
     checked_run,
@@ -18,6 +15,9 @@ from gateway.routers.common import (
     json_response,
     serve_turn,
 )
+from gateway.protocol.chat import ChatCompletion, ChatCompletionRequest
+from gateway.protocol.completions import Completion, CompletionRequest
+from gateway.protocol.wire import ModelCard, ModelList
 from gateway.serving import ChatServing, CompletionServing, SessionService
 
 __all__ = ["openai_routes"]

@@ -8,13 +8,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request, Response
 
 from gateway.errors import InvalidRequest, SessionNotFound
-from gateway.protocol.responses import (
-    ResponsesRequest,
-)
-from gateway.protocol.responses_reply import (
-    ResponseObject,
-)
-from gateway.routers.common import (
+from gateway.http.routes.scoped_routes import (
     SESSION_HEADERS,
     RunId,
     SessionId,
@@ -23,6 +17,12 @@ from gateway.routers.common import (
     header_parameters,
     header_session,
     serve_turn,
+)
+from gateway.protocol.responses import (
+    ResponsesRequest,
+)
+from gateway.protocol.responses_reply import (
+    ResponseObject,
 )
 from gateway.serving import SessionService
 from gateway.serving.responses import ResponsesServing, parse_response_id

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, cast
 from urllib.parse import unquote
 
-from gateway.routers.common import SESSION_HEADERS
+from gateway.http.routes.scoped_routes import SESSION_HEADERS
 from schemas.ids import session_owner
 
 __all__ = ["Handoff", "OwnerRouted", "owner_routed", "session_of"]
