@@ -8,7 +8,7 @@ boundary, before uvicorn sees the request:
 
 * ``OwnerRouted`` is the connection's asyncio protocol, in front of uvicorn's own (httptools or
   h11; it wraps whichever the uvicorn ``Config`` chose). It reads each request's head, finds the
-  session the routers would find (``session_of``) and, when it is this worker's or there is none
+  session the routes would find (``session_of``) and, when it is this worker's or there is none
   (models, health, metrics), passes the request's bytes through to uvicorn.
 * When another worker owns it, the connection moves: reading pauses, earlier requests of the
   connection are answered (pipelining keeps its order), then the socket's file descriptor and the
@@ -17,8 +17,8 @@ boundary, before uvicorn sees the request:
   serves it from then on, routing its next requests the same way. No extra network hop, no
   proxying of bytes: after the move the client talks to the owner's socket directly.
 
-This lives in ``gateway/`` because it is HTTP-level (request framing, the routes' session rules);
-the processes that use it are in ``turnstream.gateway_workers``.
+This lives in ``gateway/http/`` because it is HTTP-level (request framing, the routes' session
+rules); the processes that use it are in ``turnstream.gateway_workers``.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, cast
 from urllib.parse import unquote
 
-from gateway.http.routes.scoped_routes import SESSION_HEADERS
+from gateway.http.guard import SESSION_HEADERS
 from schemas.ids import session_owner
 
 __all__ = ["Handoff", "OwnerRouted", "owner_routed", "session_of"]
@@ -64,10 +64,10 @@ _RESPONSE_ID = re.compile(r"^resp_([A-Za-z0-9_-]+)_\d+$")
 
 
 def session_of(target: bytes, headers: dict[bytes, bytes], body: bytes | None = None) -> str | None:
-    """The session a request is served for, by the routers' rules; None: none (served anywhere).
+    """The session a request is served for, by the routes' rules; None: none (served anywhere).
 
     The path's session first (``/sessions/{sid}/...``, ``/runs/{run}/sessions/{sid}/...``,
-    ``/v1/sessions/{sid}...``), then the session headers in the routers' order
+    ``/v1/sessions/{sid}...``), then the session headers in the routes' order
     (``SESSION_HEADERS``), then, given the ``body``, the session it names (``session_id`` of
     POST /v1/sessions, ``previous_response_id`` of /v1/responses).
 

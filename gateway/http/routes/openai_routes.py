@@ -1,17 +1,14 @@
-"""Routes of the OpenAI API: per session (``/sessions/{sid}/v1``, ``/runs/{run}/sessions/{sid}/v1``)
-and with the session in a header (``/v1`` + ``X-Session-Id``, opened on first use)."""
+"""Routes of the OpenAI API: ``chat/completions``, ``completions`` and ``models``, each at the
+three scopes of a session (``scoped_routes``)."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request, Response
+from fastapi import Request, Response
 
 from gateway.http.routes.scoped_routes import (
-    RunId,
-    SessionId,
-    checked_run,
+    ScopedRoutes,
+    SessionRef,
     errors,
-    header_parameters,
-    header_session,
     json_response,
     serve_turn,
 )
@@ -20,9 +17,8 @@ from gateway.protocol.completions import Completion, CompletionRequest
 from gateway.protocol.wire import ModelCard, ModelList
 from gateway.serving import ChatServing, CompletionServing, SessionService
 
-__all__ = ["openai_routes"]
+__all__ = ["add_openai_routes"]
 
-_HEADERS = header_parameters()
 _CHAT = {
     200: {
         "content": {"text/event-stream": {}},
@@ -35,104 +31,49 @@ _COMPLETION = {200: {"model": Completion}, **errors(404, 409, 502, 503)}
 _MODELS = {200: {"model": ModelList}, **errors(404, 503)}
 
 
-def openai_routes(
-    router: APIRouter,
+def add_openai_routes(
+    routes: ScopedRoutes,
     sessions: SessionService,
     chat: ChatServing,
     completions: CompletionServing,
-    default_run: str,
 ) -> None:
-    """Adds the routes to ``router`` (the app's own: FastAPI's ``include_router`` matches an
-    included router's routes through one more layer per request). Routes are matched in
-    order: the turn routes come first, the most used first."""
+    """Adds the routes, the most used first (Starlette matches routes in order)."""
     models = ModelList.build(data=[ModelCard.build(id=chat.engine.model_name)])
 
-    async def chat_turn(run: str, sid: str, body: ChatCompletionRequest, header: bool) -> Response:
-        return await serve_turn(sessions, chat, run, sid, body, open_missing=header)
+    async def chat_turn(where: SessionRef, body: ChatCompletionRequest) -> Response:
+        return await serve_turn(sessions, chat, where, body)
 
-    async def completion_turn(
-        run: str, sid: str, body: CompletionRequest, header: bool
-    ) -> Response:
+    async def completion_turn(where: SessionRef, body: CompletionRequest) -> Response:
         chat.engine.check_model(body.model)
-        async with sessions.use(run, sid, open_missing=header) as session:
-            return json_response(await completions.complete(session, body))
+        async with sessions.use(where.run, where.session, open_missing=where.open_missing) as s:
+            return json_response(await completions.complete(s, body))
 
-    async def session_models(run: str, sid: str) -> Response:
-        async with sessions.use(run, sid):
+    async def session_models(where: SessionRef, _: None) -> Response:
+        async with sessions.use(where.run, where.session):  # the session must exist
             return json_response(models)
 
-    # -- /sessions/{sid}/v1: the gateway's run (or the key's only run) ------------------------
-
-    @router.post("/sessions/{session_id}/v1/chat/completions", response_model=None, responses=_CHAT)
-    async def session_chat(
-        session_id: SessionId, body: ChatCompletionRequest, request: Request
-    ) -> Response:
-        run = checked_run(request, None, default_run)
-        return await chat_turn(run, session_id, body, header=False)
-
-    @router.post(
-        "/sessions/{session_id}/v1/completions", response_model=None, responses=_COMPLETION
-    )
-    async def session_complete(
-        session_id: SessionId, body: CompletionRequest, request: Request
-    ) -> Response:
-        run = checked_run(request, None, default_run)
-        return await completion_turn(run, session_id, body, header=False)
-
-    @router.get("/sessions/{session_id}/v1/models", response_model=None, responses=_MODELS)
-    async def session_model_list(session_id: SessionId, request: Request) -> Response:
-        return await session_models(checked_run(request, None, default_run), session_id)
-
-    # -- /v1 with X-Session-Id ---------------------------------------------------------------
-
-    @router.post(
-        "/v1/chat/completions", response_model=None, responses=_CHAT, openapi_extra=_HEADERS
-    )
-    async def header_chat(body: ChatCompletionRequest, request: Request) -> Response:
-        run, session = header_session(request, default_run)
-        return await chat_turn(run, session, body, header=True)
-
-    @router.post(
-        "/v1/completions", response_model=None, responses=_COMPLETION, openapi_extra=_HEADERS
-    )
-    async def header_complete(body: CompletionRequest, request: Request) -> Response:
-        run, session = header_session(request, default_run)
-        return await completion_turn(run, session, body, header=True)
-
-    @router.get(
-        "/v1/models", response_model=None, responses={200: {"model": ModelList}, **errors()}
-    )
-    async def list_models() -> Response:
+    async def any_models(request: Request, _: None) -> Response:
         return json_response(models)
 
-    # -- /runs/{run}/sessions/{sid}/v1: any run --------------------------------------------
-
-    @router.post(
-        "/runs/{run}/sessions/{session_id}/v1/chat/completions",
-        response_model=None,
-        responses=_CHAT,
+    routes.add(
+        "/chat/completions", chat_turn, name="chat", body=ChatCompletionRequest, responses=_CHAT
     )
-    async def run_session_chat(
-        run: RunId, session_id: SessionId, body: ChatCompletionRequest, request: Request
-    ) -> Response:
-        run = checked_run(request, run, default_run)
-        return await chat_turn(run, session_id, body, header=False)
-
-    @router.post(
-        "/runs/{run}/sessions/{session_id}/v1/completions",
-        response_model=None,
+    routes.add(
+        "/completions",
+        completion_turn,
+        name="complete",
+        body=CompletionRequest,
         responses=_COMPLETION,
     )
-    async def run_session_complete(
-        run: RunId, session_id: SessionId, body: CompletionRequest, request: Request
-    ) -> Response:
-        run = checked_run(request, run, default_run)
-        return await completion_turn(run, session_id, body, header=False)
-
-    @router.get(
-        "/runs/{run}/sessions/{session_id}/v1/models", response_model=None, responses=_MODELS
+    routes.add(
+        "/models",
+        session_models,
+        name="model_list",
+        body=None,
+        method="GET",
+        responses=_MODELS,
+        header=any_models,  # no session needed
+        header_name="list_models",
+        header_responses={200: {"model": ModelList}, **errors()},
+        header_note=None,
     )
-    async def run_session_model_list(
-        run: RunId, session_id: SessionId, request: Request
-    ) -> Response:
-        return await session_models(checked_run(request, run, default_run), session_id)

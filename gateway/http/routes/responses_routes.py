@@ -1,20 +1,17 @@
-"""Routes of the OpenAI Responses API: per session (``/sessions/{sid}/v1/responses``,
-``/runs/{run}/sessions/{sid}/v1/responses``) and with the session in a header (``/v1/responses``
-+ ``X-Session-Id`` or Codex's ``session-id``, opened on first use; without a header, the session
-``previous_response_id`` names)."""
+"""Routes of the OpenAI Responses API: ``responses`` at the three scopes of a session
+(``scoped_routes``); at ``/v1/responses`` the session is the one a header names (``X-Session-Id``
+or Codex's ``session-id``, opened on first use), else the one ``previous_response_id`` names."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request, Response
+from fastapi import Request, Response
 
 from gateway.errors import InvalidRequest, SessionNotFound
 from gateway.http.routes.scoped_routes import (
     SESSION_HEADERS,
-    RunId,
-    SessionId,
-    checked_run,
+    ScopedRoutes,
+    SessionRef,
     errors,
-    header_parameters,
     header_session,
     serve_turn,
 )
@@ -27,11 +24,8 @@ from gateway.protocol.responses_reply import (
 from gateway.serving import SessionService
 from gateway.serving.responses import ResponsesServing, parse_response_id
 
-__all__ = ["responses_routes"]
+__all__ = ["add_responses_routes"]
 
-_HEADERS = header_parameters(
-    "; also read from Codex's session-id; without one, the session that previous_response_id names"
-)
 _RESPONSES = {
     200: {
         "content": {"text/event-stream": {}},
@@ -42,32 +36,24 @@ _RESPONSES = {
 }
 
 
-def responses_routes(
-    router: APIRouter, sessions: SessionService, serving: ResponsesServing, default_run: str
+def add_responses_routes(
+    routes: ScopedRoutes, sessions: SessionService, serving: ResponsesServing
 ) -> None:
-    """Adds the routes to ``router`` (the app's own)."""
+    """Adds the routes."""
 
-    async def turn(run: str, sid: str, body: ResponsesRequest, header: bool) -> Response:
-        return await serve_turn(sessions, serving, run, sid, body, open_missing=header)
+    async def turn(where: SessionRef, body: ResponsesRequest) -> Response:
+        return await serve_turn(sessions, serving, where, body)
 
-    @router.post("/sessions/{session_id}/v1/responses", response_model=None, responses=_RESPONSES)
-    async def session_responses(
-        session_id: SessionId, body: ResponsesRequest, request: Request
-    ) -> Response:
-        run = checked_run(request, None, default_run)
-        return await turn(run, session_id, body, header=False)
-
-    @router.post("/v1/responses", response_model=None, responses=_RESPONSES, openapi_extra=_HEADERS)
-    async def header_responses(body: ResponsesRequest, request: Request) -> Response:
+    async def headed(request: Request, body: ResponsesRequest) -> Response:
         named = None
         if body.previous_response_id is not None:
             named, _ = parse_response_id(body.previous_response_id)
-        headed = any(request.headers.get(h) for h in SESSION_HEADERS)
-        run, sid = header_session(request, default_run, fallback=named)
-        if headed:
-            return await turn(run, sid, body, header=True)
+        headers = any(request.headers.get(h) for h in SESSION_HEADERS)
+        run, sid = header_session(request, routes.default_run, fallback=named)
+        if headers:
+            return await turn(SessionRef(run, sid, open_missing=True), body)
         try:  # the session of previous_response_id: it must exist
-            return await turn(run, sid, body, header=False)
+            return await turn(SessionRef(run, sid), body)
         except SessionNotFound as exc:
             raise InvalidRequest(
                 f"previous_response_id {body.previous_response_id!r}: no session {sid!r} in "
@@ -75,13 +61,15 @@ def responses_routes(
                 param="previous_response_id",
             ) from exc
 
-    @router.post(
-        "/runs/{run}/sessions/{session_id}/v1/responses",
-        response_model=None,
+    routes.add(
+        "/responses",
+        turn,
+        name="responses",
+        body=ResponsesRequest,
         responses=_RESPONSES,
+        header=headed,
+        header_note=(
+            "; also read from Codex's session-id; without one, the session that "
+            "previous_response_id names"
+        ),
     )
-    async def run_session_responses(
-        run: RunId, session_id: SessionId, body: ResponsesRequest, request: Request
-    ) -> Response:
-        run = checked_run(request, run, default_run)
-        return await turn(run, session_id, body, header=False)
