@@ -9,7 +9,7 @@ code (``gateway.serving``), which never sees one.
 - ``routes/``: the thin routes, one module per API surface, each route registered once for the
   three ways a client names its session (``ScopedRoutes``).
 - ``handoff``: with ``--workers N``, a connection moved to the worker process that holds its
-  session.
+  session; ``request_heads``: the request framing and the session rules it routes by.
 
 The request and response models, and the SSE framing of streamed replies, are the protocol's
 (``gateway.protocol``): the serving code writes them too.
@@ -17,8 +17,9 @@ The request and response models, and the SSE framing of streamed replies, are th
 
 from gateway.http.app import GatewayApp, Health, create_app
 from gateway.http.guard import BodyLimits, GuardedRoute, RequestGuard
-from gateway.http.handoff import Handoff, OwnerRouted, owner_routed, session_of
+from gateway.http.handoff import Handoff, OwnerRouted, owner_routed
 from gateway.http.kept_bodies import KeptBodies
+from gateway.http.request_heads import session_of
 from gateway.http.routes import ScopedRoutes, SessionRef
 
 __all__ = [
