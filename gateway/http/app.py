@@ -33,7 +33,6 @@ from gateway.errors import (
     error_spec,
 )
 from gateway.http.guard import (
-    GUARD_ERRORS,
     BodyLimits,
     GuardedRoute,
     RequestGuard,
@@ -217,11 +216,10 @@ class GatewayApp(FastAPI):
         guard, error_for = self._guard, self._error_for
         assert guard is not None and error_for is not None
         started = time.perf_counter()
-        try:
-            receive = await guard.admit(scope, receive)
-        except GUARD_ERRORS as problem:
-            await guard.reject(problem, scope["path"])(scope, receive, send)
+        admitted = await guard.admitted(scope, receive, send)
+        if admitted is None:
             return
+        receive = admitted
         decoded, body = decoded_json(scope)
         if decoded and _plain_json(scope):
             try:

@@ -189,13 +189,19 @@ class RequestGuard:
             await self.app(scope, receive, send)
             return
         started = time.perf_counter()
+        admitted = await self.admitted(scope, receive, send)
+        if admitted is not None:
+            await self.app(scope, admitted, send)
+            self.observe(getattr(scope.get("route"), "path", "unmatched"), started)
+
+    async def admitted(self, scope: Scope, receive: Receive, send: Send) -> Receive | None:
+        """``admit``, or None when a check failed: the error is answered, the request goes no
+        further."""
         try:
-            receive = await self.admit(scope, receive)
+            return await self.admit(scope, receive)
         except GUARD_ERRORS as problem:
             await self.reject(problem, scope["path"])(scope, receive, send)
-            return
-        await self.app(scope, receive, send)
-        self.observe(getattr(scope.get("route"), "path", "unmatched"), started)
+            return None
 
     async def admit(self, scope: Scope, receive: Receive) -> Receive:
         """The checks before any route runs (one of ``GUARD_ERRORS`` when one fails): the key
