@@ -402,7 +402,7 @@ async def bench_tokenizer(
 
 async def kept_bodies(client: httpx.AsyncClient, url: str) -> dict[str, int]:
     """The gateway's count of large bodies by how they were decoded: "reused" (only what
-    follows the messages they resend) or "full" (gateway.kept_bodies); {} before it."""
+    follows the messages they resend) or "full" (gateway.http.kept_bodies); {} before it."""
     counts = {}
     for line in (await client.get(f"{url}/metrics")).text.splitlines():
         if line.startswith("turnstream_gateway_kept_bodies_total{"):

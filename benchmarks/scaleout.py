@@ -3,7 +3,7 @@
 
 ``turnstream gateway --workers N`` runs N processes on one port; each request is served by the
 worker that holds its session, its connection moved there when it landed elsewhere
-(``gateway.handoff``). This measures what that buys and costs at the short shape of the default
+(``gateway.http.handoff``). This measures what that buys and costs at the short shape of the default
 run (4-turn sessions, 16 output tokens, the fixed-latency backend ~20 ms to first token)::
 
     .venv/bin/python benchmarks/gateway_overhead.py --scaleout           # ~3 min
@@ -335,7 +335,7 @@ async def handoff_cpu_us(moves: int, request_bytes: int = 700) -> JSON:
     descriptor and a request's bytes, receiving and taking them), less the same loop without the
     move (making and closing the socket pair): the handoff's own cost, without the uvicorn
     protocol the owner then makes for the connection."""
-    from gateway.handoff import Handoff
+    from gateway.http.handoff import Handoff
 
     data = b"x" * request_bytes
     with tempfile.TemporaryDirectory(prefix="ts-handoff-") as tmp:

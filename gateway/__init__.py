@@ -3,7 +3,6 @@
 Every completion turn is published to the event log (and acknowledged) before it is answered.
 """
 
-from gateway.app import create_app
 from gateway.backends import Backend, GenerationChunk, ReplicaRouter, SamplingParams
 from gateway.core.aggregate import SessionState, apply, fold
 from gateway.core.session_store import Session, SessionStore
@@ -17,7 +16,8 @@ from gateway.errors import (
     SessionNotFound,
     Unauthorized,
 )
-from gateway.guard import BodyLimits
+from gateway.http.app import create_app
+from gateway.http.guard import BodyLimits
 from gateway.metrics import GatewayMetrics
 from gateway.serving import ChatServing, CompletionServing, SessionService, TurnEngine
 from gateway.templates import ChatTemplate

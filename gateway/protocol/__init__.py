@@ -14,7 +14,6 @@ from gateway.protocol.chat import (
     ChatTool,
     message_text,
 )
-from gateway.protocol.common import ErrorBody, ErrorResponse, ModelCard, ModelList, Usage
 from gateway.protocol.completions import Completion, CompletionRequest
 from gateway.protocol.responses import (
     ResponsesRequest,
@@ -22,7 +21,7 @@ from gateway.protocol.responses import (
 from gateway.protocol.responses_reply import (
     ResponseObject,
 )
-from gateway.protocol.sessions import (
+from gateway.protocol.session_api import (
     CloseSessionRequest,
     CreateSessionRequest,
     RewardReceipt,
@@ -30,6 +29,7 @@ from gateway.protocol.sessions import (
     SessionCreated,
     SessionInfo,
 )
+from gateway.protocol.wire import ErrorBody, ErrorResponse, ModelCard, ModelList, Usage
 
 __all__ = [
     "ChatCompletion",

@@ -46,7 +46,7 @@ from pydantic import (
     model_validator,
 )
 
-from gateway.protocol.common import (
+from gateway.protocol.wire import (
     JSON_VALUE_SCHEMA,
     JSONObject,
     TokenCount,

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from gateway.protocol.common import Wire
+from gateway.protocol.wire import Wire
 
 __all__ = [
     "AnthropicError",

@@ -19,7 +19,7 @@ from pydantic import (
     model_validator,
 )
 
-from gateway.protocol.common import (
+from gateway.protocol.wire import (
     JSON_VALUE_SCHEMA,
     Int64,
     JSONObject,

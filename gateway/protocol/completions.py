@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from gateway.protocol.chat import OpenAIRequest, StreamOptions
-from gateway.protocol.common import Int64, Temperature, TokenCount, TopP, Usage, Wire
+from gateway.protocol.wire import Int64, Temperature, TokenCount, TopP, Usage, Wire
 
 __all__ = ["Completion", "CompletionChoice", "CompletionLogprobs", "CompletionRequest"]
 

@@ -37,7 +37,7 @@ from pydantic import (
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from gateway.protocol.chat import FunctionDefinition
-from gateway.protocol.common import (
+from gateway.protocol.wire import (
     JSONObject,
     Temperature,
     TokenCount,

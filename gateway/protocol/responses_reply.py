@@ -8,7 +8,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from gateway.protocol.chat import TokenLogprob
-from gateway.protocol.common import JSON_VALUE_SCHEMA, Wire
+from gateway.protocol.wire import JSON_VALUE_SCHEMA, Wire
 
 __all__ = [
     "ArgumentsDeltaEvent",

@@ -63,10 +63,10 @@ from gateway.protocol.anthropic_reply import (
     TokenCountResult,
     ToolUseContent,
 )
+from gateway.protocol.sse import TextEvents, sse_event
 from gateway.serving.engine import TurnEngine
 from gateway.serving.turn_data import TurnResult
 from gateway.serving.turn_service import TurnServing, TurnStream
-from gateway.sse import TextEvents, sse_event
 
 __all__ = [
     "AnthropicServing",

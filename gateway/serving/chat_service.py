@@ -26,11 +26,11 @@ from gateway.protocol.chat import (
     TopLogprobOut,
     message_text,
 )
-from gateway.protocol.common import Usage
+from gateway.protocol.sse import DONE, TextEvents, sse, sse_error
+from gateway.protocol.wire import Usage
 from gateway.serving.engine import TurnEngine
 from gateway.serving.turn_data import TurnResult
 from gateway.serving.turn_service import TurnServing, TurnStream
-from gateway.sse import DONE, TextEvents, sse, sse_error
 
 __all__ = ["ChatServing", "chat_turn_request", "token_logprobs", "usage"]
 

@@ -38,6 +38,7 @@ from gateway.protocol.responses_reply import (
     TextDeltaEvent,
     TextDoneEvent,
 )
+from gateway.protocol.sse import sse_event
 from gateway.serving.chat_service import token_logprobs
 from gateway.serving.engine import TurnEngine
 from gateway.serving.responses_input import (
@@ -47,7 +48,6 @@ from gateway.serving.responses_input import (
 )
 from gateway.serving.turn_data import TurnResult
 from gateway.serving.turn_service import TurnServing, TurnStream
-from gateway.sse import sse_event
 
 __all__ = ["ResponsesServing"]
 

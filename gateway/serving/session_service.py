@@ -19,7 +19,7 @@ from gateway.core.aggregate import SessionState, apply, fold
 from gateway.core.session_store import Session, SessionKey, SessionStore
 from gateway.errors import InvalidRequest, SessionExists, SessionNotFound
 from gateway.errors import SessionClosed as ClosedAlready
-from gateway.protocol.sessions import (
+from gateway.protocol.session_api import (
     CloseSessionRequest,
     CreateSessionRequest,
     RewardReceipt,

@@ -1,5 +1,5 @@
 """The short path of the POST routes whose inputs are a body model and the request
-(``gateway.app.GatewayApp``): the same answers as FastAPI's path, errors included."""
+(``gateway.http.app.GatewayApp``): the same answers as FastAPI's path, errors included."""
 
 from __future__ import annotations
 
@@ -155,3 +155,58 @@ async def test_a_streamed_turn_is_served_directly(tiny_model_dir: Path) -> None:
     assert reply.headers["content-type"].startswith("text/event-stream")
     assert reply.text.rstrip().endswith("data: [DONE]")
     assert len(publisher.turns) == 1
+
+
+@pytest.mark.parametrize(
+    ("tail", "names", "body"),
+    [
+        (
+            "/chat/completions",
+            ("session_chat", "header_chat", "run_session_chat"),
+            {"messages": HI, "max_tokens": 1},
+        ),
+        (
+            "/completions",
+            ("session_complete", "header_complete", "run_session_complete"),
+            {"prompt": "hi", "max_tokens": 1},
+        ),
+        ("/models", ("session_model_list", "list_models", "run_session_model_list"), None),
+        (
+            "/responses",
+            ("session_responses", "header_responses", "run_session_responses"),
+            {"input": "hi"},
+        ),
+        (
+            "/messages",
+            ("session_messages", "header_messages", "run_session_messages"),
+            {"model": "tiny", "messages": HI, "max_tokens": 1},
+        ),
+        (
+            "/messages/count_tokens",
+            ("session_count_tokens", "count_tokens", "run_session_count_tokens"),
+            {"model": "tiny", "messages": HI},
+        ),
+    ],
+)
+async def test_a_route_added_once_answers_at_three_paths(
+    tiny_model_dir: Path, tail: str, names: tuple[str, ...], body: Any
+) -> None:
+    """``ScopedRoutes.add``: the session's URL, /v1 with a session header, any run's URL; each
+    documented under its own operation id, with its path parameters."""
+    client, app, publisher = gateway(tiny_model_dir, StandInVLLM("processed_logprobs"))
+    method = "post" if body is not None else "get"
+    paths = app.openapi()["paths"]
+    session_url = f"/sessions/{{session_id}}/v1{tail}"
+    run_url = f"/runs/{{run}}/sessions/{{session_id}}/v1{tail}"
+    for path, name in zip((session_url, f"/v1{tail}", run_url), names, strict=True):
+        operation = paths[path][method]
+        assert operation["operationId"].startswith(f"{name}_"), (path, operation["operationId"])
+        in_path = [p["name"] for p in operation.get("parameters", []) if p["in"] == "path"]
+        assert in_path == [n for n in ("run", "session_id") if f"{{{n}}}" in path], path
+    # The session's URL and any run's answer alike: a session that does not exist is 404 (only
+    # a session header opens one).
+    for path in (session_url, run_url):
+        url = path.format(run="run", session_id="missing")
+        reply = await client.request(method.upper(), url, json=body)
+        assert reply.status_code == 404, (url, reply.text)
+    assert publisher.turns == []

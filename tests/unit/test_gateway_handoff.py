@@ -1,5 +1,6 @@
-"""``gateway.handoff``: which session a request is for, request framing on keep-alive and
-pipelined connections, and a real connection moved between two workers over a Unix socket."""
+"""``gateway.http.handoff`` and ``request_heads``: which session a request is for, request framing
+on keep-alive and pipelined connections, and a real connection moved between two workers over a
+Unix socket."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from gateway.handoff import Handoff, _chunked_end, owner_routed, session_of
+from gateway.http.handoff import Handoff, owner_routed
+from gateway.http.request_heads import chunked_end, session_of
 from schemas.ids import new_session_id, own_new_session_ids, session_owner
 
 
@@ -35,11 +37,11 @@ def test_the_session_is_found_as_the_routers_find_it() -> None:
 
 def test_chunked_bodies_are_framed() -> None:
     body = bytearray(b"4\r\nwiki\r\n5;x=1\r\npedia\r\n0\r\n\r\nNEXT")
-    assert _chunked_end(body, 0) == len(body) - 4
-    assert _chunked_end(bytearray(b"4\r\nwi"), 0) is None
-    assert _chunked_end(bytearray(b"zz\r\n"), 0) == -1
+    assert chunked_end(body, 0) == len(body) - 4
+    assert chunked_end(bytearray(b"4\r\nwi"), 0) is None
+    assert chunked_end(bytearray(b"zz\r\n"), 0) == -1
     trailer = bytearray(b"0\r\nX-T: 1\r\n\r\n")
-    assert _chunked_end(trailer, 0) == len(trailer)
+    assert chunked_end(trailer, 0) == len(trailer)
 
 
 def test_made_session_ids_belong_to_the_worker_that_made_them() -> None:

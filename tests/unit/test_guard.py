@@ -1,4 +1,4 @@
-"""The gateway's edge: strict JSON decoding and API keys (gateway.guard)."""
+"""The gateway's edge: strict JSON decoding and API keys (gateway.http.guard)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 
 from gateway.errors import InvalidRequest
-from gateway.guard import decode_json, parse_api_keys
+from gateway.http.guard import decode_json, parse_api_keys
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,5 @@
-"""Decoding a body that resends the previous one (gateway.kept_bodies): the same value, or the same
-error, as decoding it in full, whatever the client changes between two bodies."""
+"""Decoding a body that resends the previous one (gateway.http.kept_bodies): the same value, or the
+same error, as decoding it in full, whatever the client changes between two bodies."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.errors import InvalidRequest
-from gateway.guard import decode_json
-from gateway.kept_bodies import KeptBodies
+from gateway.http.guard import decode_json
+from gateway.http.kept_bodies import KeptBodies
 
 
 def decode(body: bytes) -> Any:

@@ -16,11 +16,11 @@ import httpx
 import msgspec
 from transformers import AutoTokenizer
 
-from gateway.app import create_app
 from gateway.backends.router import ReplicaRouter
 from gateway.backends.vllm import VLLMBackend
 from gateway.core.session_store import SessionStore
-from gateway.kept_bodies import KeptBodies
+from gateway.http.app import create_app
+from gateway.http.kept_bodies import KeptBodies
 from gateway.metrics import GatewayMetrics
 from gateway.serving import SessionService, TurnEngine
 from gateway.templates import ChatTemplate

@@ -18,9 +18,9 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from gateway.app import create_app
 from gateway.backends.router import ReplicaRouter
 from gateway.core.session_store import SessionStore
+from gateway.http.app import create_app
 from gateway.metrics import GatewayMetrics
 from gateway.serving import SessionService, TurnEngine
 from gateway.templates import ChatTemplate

@@ -15,7 +15,7 @@ import pytest
 from eventlog import PublishReceipt
 from gateway.core.session_store import SessionStore
 from gateway.errors import SessionClosed as ClosedAlready
-from gateway.protocol.sessions import CloseSessionRequest, CreateSessionRequest
+from gateway.protocol.session_api import CloseSessionRequest, CreateSessionRequest
 from gateway.serving.session_service import SessionService
 from schemas import Event, SessionClosed, SessionEvent, route
 

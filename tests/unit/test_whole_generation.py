@@ -18,8 +18,8 @@ from gateway.core.session_store import SessionStore
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import ChatCompletionRequest
 from gateway.protocol.chat import ChatCompletionChunk, ChunkChoice, Delta
+from gateway.protocol.sse import sse
 from gateway.serving import ChatServing, TurnEngine, TurnServing
-from gateway.sse import sse
 from gateway.templates import ChatTemplate
 from gateway.tools import get_parser
 from schemas.events import TurnCompleted

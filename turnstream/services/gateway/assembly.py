@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI
 
 from eventlog import Bucket, JetStreamPublisher, Outbox, read_session
-from gateway.app import create_app
 from gateway.backends.interface import Backend
 from gateway.backends.policy_watch import PolicyTarget, PolicyVersion, watch_policy
 from gateway.core.aggregate import Kept
 from gateway.core.session_store import SessionStore
-from gateway.guard import BodyLimits
+from gateway.http.app import create_app
+from gateway.http.guard import BodyLimits
 from gateway.metrics import GatewayMetrics
 from gateway.serving import SessionService, TurnEngine
 from gateway.templates import ChatTemplate, load_tokenizer

@@ -2,7 +2,7 @@
 
 Started as ``python -m turnstream.services.gateway.worker_process`` with its ``WorkerSpec``
 pickled on stdin; it builds a whole gateway on the listening socket it inherits, takes over the
-connections of the sessions it owns from the other workers (``gateway.handoff``), and stops on
+connections of the sessions it owns from the other workers (``gateway.http.handoff``), and stops on
 SIGINT / SIGTERM or when its supervisor's pipe closes.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, multiprocess
 
-from gateway.handoff import Handoff, owner_routed
+from gateway.http.handoff import Handoff, owner_routed
 from schemas.errors import TurnstreamError
 from schemas.ids import own_new_session_ids
 from turnstream.services.gateway.assembly import build_gateway, import_gateway_modules

@@ -5,7 +5,7 @@ here, once), binds the listening socket, and starts N worker processes (``python
 turnstream.services.gateway.worker_process``) that inherit the socket and each run a whole gateway
 (``build_gateway``) on it. A session belongs to one worker (``schemas.ids.session_owner``), which
 holds its state in memory; a request that reaches another worker is moved there with its
-connection (``gateway.handoff``): no proxy hop, and no read of the log per turn. A worker makes
+connection (``gateway.http.handoff``): no proxy hop, and no read of the log per turn. A worker makes
 the session ids it hands out (POST /v1/sessions, the Responses API) among those it owns.
 
 Per worker: its own outbox file (``<outbox_path>.worker-<i>``, drained by the same worker after a
@@ -14,8 +14,8 @@ gateway's total), its own ``/metrics`` (a scrape sees the worker it lands on; th
 counters are per process), log lines prefixed ``[worker i]``.
 
 A worker that dies is started again; until it is back, connections for its sessions wait (up to
-``gateway.handoff.OWNER_WAIT_S``, then a 503), and its sessions recover from the log on their next
-request as after a gateway restart. SIGINT/SIGTERM: every worker stops taking connections and
+``gateway.http.handoff.OWNER_WAIT_S``, then a 503), and its sessions recover from the log on their
+next request as after a gateway restart. SIGINT/SIGTERM: every worker stops taking connections and
 finishes the requests it has (uvicorn's drain), then the supervisor exits. A worker whose
 supervisor is gone (its stdin pipe closed) stops too.
 """
@@ -43,7 +43,7 @@ import uvicorn
 from prometheus_client import multiprocess
 
 from eventlog.server import ensure_log_security
-from gateway.handoff import Handoff
+from gateway.http.handoff import Handoff
 from schemas.errors import TurnstreamError
 from turnstream.services.gateway.http import http_url, listening_socket
 from turnstream.services.gateway.settings import GatewaySettings

@@ -8,7 +8,7 @@ boundary, before uvicorn sees the request:
 
 * ``OwnerRouted`` is the connection's asyncio protocol, in front of uvicorn's own (httptools or
   h11; it wraps whichever the uvicorn ``Config`` chose). It reads each request's head, finds the
-  session the routers would find (``session_of``) and, when it is this worker's or there is none
+  session the routes would find (``session_of``) and, when it is this worker's or there is none
   (models, health, metrics), passes the request's bytes through to uvicorn.
 * When another worker owns it, the connection moves: reading pauses, earlier requests of the
   connection are answered (pipelining keeps its order), then the socket's file descriptor and the
@@ -17,8 +17,8 @@ boundary, before uvicorn sees the request:
   serves it from then on, routing its next requests the same way. No extra network hop, no
   proxying of bytes: after the move the client talks to the owner's socket directly.
 
-This lives in ``gateway/`` because it is HTTP-level (request framing, the routes' session rules);
-the processes that use it are in ``turnstream.services.gateway.workers``.
+This lives in ``gateway/http/`` because it is HTTP-level (request framing, the routes' session
+rules); the processes that use it are in ``turnstream.services.gateway.workers``.
 """
 
 from __future__ import annotations
@@ -26,10 +26,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import json
 import logging
 import os
-import re
 import socket
 import struct
 import time
@@ -37,12 +35,11 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
-from urllib.parse import unquote
 
-from gateway.routers.common import SESSION_HEADERS
+from gateway.http.request_heads import BODY_NAMED, RequestHead, chunked_end, session_of
 from schemas.ids import session_owner
 
-__all__ = ["Handoff", "OwnerRouted", "owner_routed", "session_of"]
+__all__ = ["Handoff", "OwnerRouted", "owner_routed"]
 
 log = logging.getLogger(__name__)
 
@@ -53,118 +50,6 @@ MAX_NAMED_BODY_BYTES = 16 * 1024 * 1024
 header) beyond this size are served where they landed (uvicorn's body limit refuses them)."""
 OWNER_WAIT_S = 60.0
 """How long a connection waits for its session's owner to (re)start before a 503."""
-
-_SESSION_PATH = re.compile(
-    rb"^(?:/runs/[^/]+)?/sessions/([^/?#]+)/|^/v1/sessions/([^/?#]+)(?:/|$|\?)"
-)
-_HEADER_NAMES = tuple(h.lower().encode() for h in SESSION_HEADERS)
-# Routes whose session may be named in the body only (no session in the path or a header).
-_BODY_NAMED = {b"/v1/sessions": "session_id", b"/v1/responses": "previous_response_id"}
-_RESPONSE_ID = re.compile(r"^resp_([A-Za-z0-9_-]+)_\d+$")
-
-
-def session_of(target: bytes, headers: dict[bytes, bytes], body: bytes | None = None) -> str | None:
-    """The session a request is served for, by the routers' rules; None: none (served anywhere).
-
-    The path's session first (``/sessions/{sid}/...``, ``/runs/{run}/sessions/{sid}/...``,
-    ``/v1/sessions/{sid}...``), then the session headers in the routers' order
-    (``SESSION_HEADERS``), then, given the ``body``, the session it names (``session_id`` of
-    POST /v1/sessions, ``previous_response_id`` of /v1/responses).
-
-    >>> session_of(b"/runs/r/sessions/s-1/v1/chat/completions", {})
-    's-1'
-    >>> session_of(b"/v1/chat/completions", {b"session-id": b"c", b"x-session-id": b"x"})
-    'x'
-    >>> session_of(b"/v1/responses", {}, b'{"previous_response_id": "resp_a_b_3"}')
-    'a_b'
-    >>> session_of(b"/v1/models", {}) is None
-    True
-    """
-    match = _SESSION_PATH.match(target)
-    if match is not None:
-        raw = match.group(1) or match.group(2)
-        return unquote(raw.decode("latin-1")) if b"%" in raw else raw.decode("latin-1")
-    for name in _HEADER_NAMES:
-        value = headers.get(name)
-        if value:
-            return value.decode("latin-1")
-    if body is None:
-        return None
-    key = _BODY_NAMED.get(target.partition(b"?")[0])
-    if key is None:
-        return None
-    try:
-        named = json.loads(body).get(key)
-    except (ValueError, AttributeError):
-        return None  # not a JSON object: the worker it landed on answers the 400
-    if not isinstance(named, str):
-        return None
-    if key == "previous_response_id":
-        found = _RESPONSE_ID.match(named)
-        return found.group(1) if found else None
-    return named
-
-
-class _Head:
-    """What routing needs of a request head; ``None`` from ``parse`` when it is not HTTP/1.x as
-    understood here (uvicorn then answers it, on the worker it landed on)."""
-
-    __slots__ = ("body_length", "chunked", "headers", "size", "target")
-
-    def __init__(self, target: bytes, headers: dict[bytes, bytes], size: int) -> None:
-        self.target = target
-        self.headers = headers
-        self.size = size
-        self.body_length = 0
-        self.chunked = False
-
-    @classmethod
-    def parse(cls, buf: bytearray, end: int) -> _Head | None:
-        lines = bytes(buf[:end]).split(b"\r\n")
-        parts = lines[0].split(b" ")
-        if len(parts) != 3 or not parts[2].startswith(b"HTTP/1."):
-            return None
-        headers: dict[bytes, bytes] = {}
-        for line in lines[1:]:
-            name, colon, value = line.partition(b":")
-            if not colon:
-                return None
-            headers.setdefault(name.strip().lower(), value.strip())
-        if b"upgrade" in headers or parts[0] == b"CONNECT":
-            return None
-        head = cls(parts[1], headers, end + 4)
-        encoding = headers.get(b"transfer-encoding")
-        length = headers.get(b"content-length")
-        if encoding is not None:
-            if length is not None or encoding.lower() != b"chunked":
-                return None
-            head.chunked = True
-        elif length is not None:
-            if not length.isdigit():
-                return None
-            head.body_length = int(length)
-        return head
-
-
-def _chunked_end(buf: bytearray, start: int) -> int | None:
-    """Where a chunked body that begins at ``start`` ends; None: not all here yet; -1: malformed."""
-    pos = start
-    while True:
-        line_end = buf.find(b"\r\n", pos)
-        if line_end < 0:
-            return None if len(buf) - pos < 1024 else -1
-        size_text = bytes(buf[pos:line_end]).split(b";", 1)[0].strip()
-        try:
-            size = int(size_text, 16)
-        except ValueError:
-            return -1
-        pos = line_end + 2
-        if size == 0:
-            trailer_end = buf.find(b"\r\n\r\n", pos - 2)
-            return None if trailer_end < 0 else trailer_end + 4
-        pos += size + 2
-        if pos > len(buf):
-            return None
 
 
 class OwnerRouted(asyncio.Protocol):
@@ -246,13 +131,13 @@ class OwnerRouted(asyncio.Protocol):
                 if len(buf) > MAX_HEAD_BYTES:
                     self._pass_all()
                 return
-            head = _Head.parse(buf, end)
+            head = RequestHead.parse(buf, end)
             if head is None:
                 self._pass_all()
                 return
             total: int | None = head.size + head.body_length
             if head.chunked:
-                found = _chunked_end(buf, head.size)
+                found = chunked_end(buf, head.size)
                 if found == -1:
                     self._pass_all()
                     return
@@ -263,7 +148,7 @@ class OwnerRouted(asyncio.Protocol):
             # rare framing for these): those are served where they landed.
             if (
                 session is None
-                and head.target.partition(b"?")[0] in _BODY_NAMED
+                and head.target.partition(b"?")[0] in BODY_NAMED
                 and b"expect" not in head.headers
                 and not head.chunked
                 and head.body_length <= MAX_NAMED_BODY_BYTES

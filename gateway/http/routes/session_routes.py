@@ -2,28 +2,32 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from fastapi import APIRouter, Depends, Request, Response
 
-from fastapi import APIRouter, Depends, Path, Request, Response
-
-from gateway.protocol.sessions import (
+from gateway.http.routes.scoped_routes import (
+    RunHeader,
+    SessionId,
+    checked_run,
+    errors,
+    json_response,
+)
+from gateway.protocol.session_api import (
     CloseSessionRequest,
     CreateSessionRequest,
     RewardReceipt,
     SessionCreated,
     SessionInfo,
 )
-from gateway.protocol.sessions import RewardRequest as RewardBody
-from gateway.routers.common import ID, RunHeader, checked_run, errors, json_response
+from gateway.protocol.session_api import RewardRequest as RewardBody
 from gateway.serving import SessionService, session_info
 
-__all__ = ["session_routes"]
-
-SessionId = Annotated[str, Path(pattern=ID, description="the session id")]
+__all__ = ["add_session_routes"]
 
 
-def session_routes(router: APIRouter, sessions: SessionService, default_run: str) -> None:
-    """Adds the session API's routes to ``router`` (the app's own, as ``openai_routes``)."""
+def add_session_routes(router: APIRouter, sessions: SessionService, default_run: str) -> None:
+    """Adds the session API's routes to ``router`` (the app's own: FastAPI's ``include_router``
+    matches an included router's routes through one more layer per request). Each is at one
+    path: the session's id in it, its run in ``X-Run-Id`` (or the body, on creation)."""
 
     def run_of(request: Request, x_run_id: RunHeader = None) -> str:
         return checked_run(request, x_run_id, default_run)

@@ -1,4 +1,4 @@
-"""The HTTP surface (DESIGN §4): the routers, the request guard, and one error mapping.
+"""The HTTP surface (DESIGN §4): the routes, the request guard, and one error mapping.
 
 Every error leaves as an OpenAI error body with the status from ``gateway.errors.ERROR_TABLE``,
 on every route, unknown ones and wrong methods included; anything unexpected is a 500 with a
@@ -11,19 +11,16 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
 
 from fastapi import FastAPI, Request, Response
-from fastapi._compat import ModelField
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
-from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
-from starlette.routing import BaseRoute, Match
 from starlette.types import Receive, Scope, Send
 
 from gateway.errors import (
@@ -35,19 +32,24 @@ from gateway.errors import (
     error_body,
     error_spec,
 )
-from gateway.guard import (
-    GUARD_ERRORS,
+from gateway.http.guard import (
     BodyLimits,
     GuardedRoute,
     RequestGuard,
     decoded_json,
     parse_api_keys,
 )
-from gateway.kept_bodies import KeptBodies
+from gateway.http.kept_bodies import KeptBodies
+from gateway.http.routes import (
+    DirectRoute,
+    ScopedRoutes,
+    add_anthropic_routes,
+    add_openai_routes,
+    add_responses_routes,
+    add_session_routes,
+    errors,
+)
 from gateway.metrics import GatewayMetrics
-from gateway.routers import openai_routes, responses_routes, session_routes
-from gateway.routers.anthropic import anthropic_routes
-from gateway.routers.common import errors
 from gateway.serving import (
     ChatServing,
     CompletionServing,
@@ -59,7 +61,7 @@ from gateway.serving import (
 from gateway.serving.anthropic_service import AnthropicServing
 from schemas.errors import TurnstreamError
 
-__all__ = ["GatewayApp", "Health", "create_app", "direct_routes"]
+__all__ = ["GatewayApp", "Health", "create_app"]
 
 log = logging.getLogger(__name__)
 JSON = dict[str, Any]
@@ -138,10 +140,11 @@ def create_app(
     # Starlette matches routes in order: turns first, then the session API, then service routes.
     turns = TurnServing(engine, sessions.store)
     chat, completions = ChatServing(turns), CompletionServing(engine)
-    openai_routes(app.router, sessions, chat, completions, default_run)
-    responses_routes(app.router, sessions, ResponsesServing(turns), default_run)
-    anthropic_routes(app.router, sessions, AnthropicServing(turns), default_run)
-    session_routes(app.router, sessions, default_run)
+    routes = ScopedRoutes(app.router, default_run)
+    add_openai_routes(routes, sessions, chat, completions)
+    add_responses_routes(routes, sessions, ResponsesServing(turns))
+    add_anthropic_routes(routes, sessions, AnthropicServing(turns))
+    add_session_routes(app.router, sessions, default_run)
 
     @app.api_route("/", methods=["GET", "HEAD"], response_model=None, include_in_schema=False)
     async def root() -> JSONResponse:
@@ -168,43 +171,37 @@ def create_app(
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     app.openapi = lambda: _openapi(app, engine.template.vocab_size)  # type: ignore[method-assign]
-    app.serve_directly(RequestGuard(app.router, **guard_settings), error_for)
+    app.serve_directly(routes.direct, RequestGuard(app.router, **guard_settings), error_for)
     return app
 
 
 ErrorMapping = Callable[[BaseException, str, str], JSONResponse]  # (error, method, path)
 
 
-class _DirectRoute(NamedTuple):
-    route: APIRoute
-    body: ModelField
-    endpoint: Callable[..., Awaitable[Response]]
-    body_name: str
-    request_name: str | None
-
-
 class GatewayApp(FastAPI):
     """FastAPI with a short path for the POST routes whose only inputs are a JSON body model
-    and the request (the /v1 turn routes of every API, count_tokens): the guard's checks, the
-    body validated by the route's own FastAPI field, the route's own endpoint, errors through
-    the app's one error mapping. It skips the ~10 layers of middleware, routing and dependency
-    solving that FastAPI 0.165 puts around an endpoint (gateway CPU per request x0.92 at the
-    benchmark's short shape, paired).
+    and the request (the /v1 variants of the turn routes, count_tokens: ``ScopedRoutes.direct``):
+    the guard's checks, the body validated by its model, the route's own endpoint, errors
+    through the app's one error mapping. It skips the ~10 layers of middleware, routing and
+    dependency solving that FastAPI 0.165 puts around an endpoint (gateway CPU per request x0.92
+    at the benchmark's short shape, paired).
 
     Anything else takes the whole FastAPI path, which stays the reference: other methods and
     routes, a body that is not ``application/json`` or does not validate (FastAPI answers it
     the same 400 as before, from the body read once already). The OpenAPI schema is FastAPI's,
     from the same routes."""
 
-    _direct: dict[str, _DirectRoute] | None = None
+    _direct: Mapping[str, DirectRoute] | None = None
     _guard: RequestGuard | None = None
     _error_for: ErrorMapping | None = None
 
-    def serve_directly(self, guard: RequestGuard, error_for: ErrorMapping) -> None:
-        """Serve the eligible routes registered so far directly; ``guard`` is configured as the
-        app's RequestGuard middleware, ``error_for`` is the app's error mapping."""
-        self._guard, self._error_for = guard, error_for
-        self._direct = direct_routes(self.router.routes)
+    def serve_directly(
+        self, routes: Mapping[str, DirectRoute], guard: RequestGuard, error_for: ErrorMapping
+    ) -> None:
+        """Serve ``routes`` (by path; each also registered with FastAPI) directly; ``guard`` is
+        configured as the app's RequestGuard middleware, ``error_for`` is the app's error
+        mapping."""
+        self._direct, self._guard, self._error_for = dict(routes), guard, error_for
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         direct = self._direct
@@ -215,77 +212,31 @@ class GatewayApp(FastAPI):
                 return
         await super().__call__(scope, receive, send)
 
-    async def _serve(self, route: _DirectRoute, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _serve(self, route: DirectRoute, scope: Scope, receive: Receive, send: Send) -> None:
         guard, error_for = self._guard, self._error_for
         assert guard is not None and error_for is not None
         started = time.perf_counter()
-        try:
-            receive = await guard.admit(scope, receive)
-        except GUARD_ERRORS as problem:
-            await guard.reject(problem, scope["path"])(scope, receive, send)
+        admitted = await guard.admitted(scope, receive, send)
+        if admitted is None:
             return
+        receive = admitted
         decoded, body = decoded_json(scope)
         if decoded and _plain_json(scope):
-            value, problems = route.body.validate(body, {}, loc=("body",))
-            if not problems:
+            try:
+                value = route.body.model_validate(body)
+            except ValidationError:
+                pass  # FastAPI's path answers it below, naming each field at fault
+            else:
                 scope["app"] = self
-                scope["route"] = route.route
-                kwargs = {route.body_name: value}
-                if route.request_name is not None:
-                    kwargs[route.request_name] = Request(scope, receive)
                 try:
-                    response = await route.endpoint(**kwargs)
+                    response = await route.serve(Request(scope, receive), value)
                 except Exception as exc:
                     response = error_for(exc, "POST", scope["path"])
                 await response(scope, receive, send)
-                guard.observe(route.route.path, started)
+                guard.observe(route.path, started)
                 return
         # FastAPI's own path (and its 400), reading the body the guard kept.
         await super().__call__(scope, receive, send)
-
-
-def direct_routes(routes: Sequence[BaseRoute]) -> dict[str, _DirectRoute]:
-    """The POST routes ``GatewayApp`` serves directly, by path: a static path that no earlier
-    route matches first, an endpoint that answers a Response and takes a body model (one, not
-    embedded) and optionally the request, nothing else (no path, query, header or cookie
-    parameters, no dependencies)."""
-    direct: dict[str, _DirectRoute] = {}
-    for route in routes:
-        if not isinstance(route, APIRoute) or route.methods != {"POST"}:
-            continue
-        if route.param_convertors or route.response_model is not None:
-            continue
-        dep = route.dependant
-        others = (
-            dep.path_params,
-            dep.query_params,
-            dep.header_params,
-            dep.cookie_params,
-            dep.dependencies,
-        )
-        specials = (
-            dep.websocket_param_name,
-            dep.http_connection_param_name,
-            dep.response_param_name,
-            dep.background_tasks_param_name,
-            dep.security_scopes_param_name,
-        )
-        if any(others) or any(s is not None for s in specials) or len(dep.body_params) != 1:
-            continue
-        body = dep.body_params[0]
-        model = body.field_info.annotation
-        if getattr(body.field_info, "embed", False) or not (
-            isinstance(model, type) and issubclass(model, BaseModel)
-        ):
-            continue
-        probe = {"type": "http", "path": route.path, "method": "POST", "root_path": ""}
-        first = next((r for r in routes if r.matches(probe)[0] == Match.FULL), None)
-        if first is not route or route.path in direct:
-            continue
-        direct[route.path] = _DirectRoute(
-            route, body, route.endpoint, body.name, dep.request_param_name
-        )
-    return direct
 
 
 def _plain_json(scope: Scope) -> bool:

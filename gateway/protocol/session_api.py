@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.protocol.common import FiniteFloat, JSONObject, Wire
+from gateway.protocol.wire import FiniteFloat, JSONObject, Wire
 from schemas.events import SessionStatus
 from schemas.ids import ID_PATTERN
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import msgspec
 
 from gateway.errors import error_body
-from gateway.protocol.common import ErrorBody, ErrorResponse, Wire
+from gateway.protocol.wire import ErrorBody, ErrorResponse, Wire
 
 __all__ = ["DONE", "TextEvents", "sse", "sse_error", "sse_event"]
 

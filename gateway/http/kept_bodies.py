@@ -15,7 +15,7 @@ hold (another prefix, a duplicate key, an error in the rest), the body is decode
 an error is reported against the body as sent.
 
 >>> import json
->>> from gateway.guard import decode_json
+>>> from gateway.http.guard import decode_json
 >>> bodies = KeptBodies(1 << 20, min_bytes=0)
 >>> first = {"messages": [{"role": "user", "content": "hi"}], "model": "m"}
 >>> again = {"messages": [*first["messages"], {"role": "assistant", "content": "yo"}]}

@@ -33,9 +33,9 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.errors import InvalidRequest, RequestTimeout, RequestTooLarge, Unauthorized
-from gateway.kept_bodies import KeptBodies
+from gateway.http.kept_bodies import KeptBodies
 from gateway.metrics import GatewayMetrics
-from gateway.protocol.common import INT64_MAX, INT64_MIN
+from gateway.protocol.wire import INT64_MAX, INT64_MIN
 from schemas.ids import ID_PATTERN
 
 __all__ = [
@@ -62,7 +62,7 @@ _LONG_DIGITS = b"0" * 19
 _OFF_LOOP_BYTES = 1024 * 1024
 _DECODER = msgspec.json.Decoder()
 _CONTAINERS = (dict, list)
-# Where a /v1 turn route finds its session (routers.common.header_session): ours, then the
+# Where a /v1 turn route finds its session (routes.scoped_routes.header_session): ours, then the
 # session headers of the clients that send their own (Claude Code, Codex CLI); the first
 # present wins. Same rules for all.
 SESSION_HEADERS = ("X-Session-Id", "X-Claude-Code-Session-Id", "session-id")
@@ -192,13 +192,19 @@ class RequestGuard:
             await self.app(scope, receive, send)
             return
         started = time.perf_counter()
+        admitted = await self.admitted(scope, receive, send)
+        if admitted is not None:
+            await self.app(scope, admitted, send)
+            self.observe(getattr(scope.get("route"), "path", "unmatched"), started)
+
+    async def admitted(self, scope: Scope, receive: Receive, send: Send) -> Receive | None:
+        """``admit``, or None when a check failed: the error is answered, the request goes no
+        further."""
         try:
-            receive = await self.admit(scope, receive)
+            return await self.admit(scope, receive)
         except GUARD_ERRORS as problem:
             await self.reject(problem, scope["path"])(scope, receive, send)
-            return
-        await self.app(scope, receive, send)
-        self.observe(getattr(scope.get("route"), "path", "unmatched"), started)
+            return None
 
     async def admit(self, scope: Scope, receive: Receive) -> Receive:
         """The checks before any route runs (one of ``GUARD_ERRORS`` when one fails): the key
