@@ -1,7 +1,8 @@
 """turnstream's composition root: the ``turnstream`` command and everything it runs, by role.
 
-The layers below it (``schemas`` <- ``eventlog`` <- ``gateway``, ``consumers``, ``trainer_sink``)
-hold the logic; this package only puts them together into processes. Where each role lives::
+The layers below it (``schemas`` <- ``eventlog``, ``shardstore`` <- ``gateway``, ``consumers``,
+``trainer_sink``) hold the logic; this package only puts them together into processes. Where
+each role lives::
 
     cli/           the command table (``commands``) and parsing, ``--config``, exit codes
                    (``main``); ``turnstream = "turnstream.cli:main"``

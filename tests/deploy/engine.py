@@ -47,7 +47,15 @@ SUITE = "bookworm"
 BASE_PACKAGES = ("python3", "python3-venv", "ca-certificates", "wget")
 BASE_RECIPE = 2  # a change to how the rootfs is made: 2, its "/" 0755 (was mkdtemp's 0700)
 EXTRAS = "local,train"
-PACKAGES = ("schemas", "eventlog", "gateway", "consumers", "trainer_sink", "turnstream")
+PACKAGES = (
+    "schemas",
+    "eventlog",
+    "shardstore",
+    "gateway",
+    "consumers",
+    "trainer_sink",
+    "turnstream",
+)
 DOCKERD_FLAGS = (
     "--iptables=false",
     "--ip-forward=false",
