@@ -10,8 +10,9 @@ its turns squared. The same rule applies to the conversation's messages:
 
 where p is the turn's parent (``TurnCompleted.parent``; -1: none, an empty context). The gateway
 encodes every turn it publishes with ``encode_delta`` and rebuilds the contexts it keeps with
-``decode_context`` / ``decode_conversation``; the fold rebuilds a session's turns with the same
-two. Contexts are held as chunks linked to their parent's (``Context``, ``Linked``): a turn
+``context_ids`` / ``conversation_items`` (the rule on one array, one turn at a time); the fold
+rebuilds a session's turns with ``decode_context`` / ``decode_conversation``, the same rule on
+contexts held as chunks linked to their parent's (``Context``, ``Linked``): a turn
 that extends its parent copies nothing, so rebuilding a chain of n turns costs O(total tokens),
 not O(n * context length); the chunks are joined (``Context.ids``) only where a caller needs
 the tokens in one array.
@@ -44,6 +45,8 @@ __all__ = [
     "PromptDelta",
     "common_message_prefix_len",
     "common_prefix_len",
+    "context_ids",
+    "conversation_items",
     "decode_context",
     "decode_conversation",
     "delta_fits",
@@ -204,6 +207,19 @@ def delta_fits(turn: TurnCompleted, context_len: int, conversation_len: int) -> 
     """Whether ``turn``'s delta can be taken against a parent context of ``context_len`` tokens
     and a parent conversation of ``conversation_len`` messages (its reply included)."""
     return turn.prefix_len <= context_len and turn.message_prefix_len <= conversation_len
+
+
+def context_ids(parent: Int32Array, turn: TurnCompleted) -> Int32Array:
+    """``decode_context`` for a parent held in one array, into one array: the gateway's path,
+    one turn at a time, where the chunked form's objects cost more than the join they save."""
+    return np.concatenate([parent[: turn.prefix_len], turn.prompt_ids, turn.completion_ids]).astype(
+        np.int32, copy=False
+    )
+
+
+def conversation_items(parent: Sequence[Any], turn: TurnCompleted) -> tuple[Any, ...]:
+    """``decode_conversation`` for a parent held in one sequence, as a tuple."""
+    return (*parent[: turn.message_prefix_len], *turn.new_messages, turn.assistant_message)
 
 
 def decode_context(parent: Context, turn: TurnCompleted) -> Context:

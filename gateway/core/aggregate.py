@@ -63,11 +63,9 @@ import numpy as np
 
 from gateway.core.conversation import MessageKey, message_key, message_keys
 from schemas.delta import (
-    Context,
-    Linked,
     common_prefix_len,
-    decode_context,
-    decode_conversation,
+    context_ids,
+    conversation_items,
     delta_fits,
     encode_delta,
 )
@@ -369,7 +367,7 @@ def _node(
         event, len(context), len(conversation)
     ):
         return None, parent
-    ids = decode_context(Context.of(context), event).ids()
+    ids = context_ids(context, event)
     kept_messages = event.message_prefix_len
     # The parent's keys for the messages it holds (a chain of nodes shares them), the request's
     # for the new ones where the live path carried them.
@@ -382,7 +380,7 @@ def _node(
     node = TurnNode(
         event,
         ids,
-        tuple(decode_conversation(Linked.of(conversation), event).all()),
+        conversation_items(conversation, event),
         (*keys, *new_keys, message_key(event.assistant_message)),
         inherited if event.tools is None else (event.tools or None),
     )
