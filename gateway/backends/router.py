@@ -23,7 +23,6 @@ is: no other replica is tried and none is marked down.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import math
 import time
 from collections import OrderedDict
@@ -39,6 +38,7 @@ from gateway.backends.interface import (
     needs_processed_logprobs,
 )
 from gateway.errors import BackendError, BackendUnavailable
+from gateway.frozen import evolved
 
 __all__ = ["ReplicaRouter", "ReplicaStatus", "RoutedStream"]
 
@@ -278,7 +278,7 @@ class RoutedStream:
         request, self._request = self._request, None
         self._replica, first, self._rest = await self._router._route(*request)
         self.replica_id = self._replica.backend.id
-        self._pending = dataclasses.replace(first, replica=self.replica_id)
+        self._pending = evolved(first, replica=self.replica_id)
 
     def __aiter__(self) -> RoutedStream:
         return self

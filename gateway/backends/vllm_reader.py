@@ -16,7 +16,6 @@ them.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any, NamedTuple
 
 import msgspec
@@ -24,6 +23,7 @@ import msgspec
 from gateway.backends.interface import FinishReason, GenerationChunk, Prompt, TopLogprob
 from gateway.backends.remote import decode_event
 from gateway.errors import BackendError
+from gateway.frozen import evolved
 
 __all__ = ["CompletionReader"]
 
@@ -164,7 +164,7 @@ class CompletionReader:
             raise BackendError(
                 f"{self._where} counted {prompt_tokens:.0f} prompt tokens, {len(self._prompt)} sent"
             )
-        return replace(finished, extra={**finished.extra, **usage})
+        return evolved(finished, extra={**finished.extra, **usage})
 
     def _bulk(self, payloads: list[bytes]) -> GenerationChunk | None:
         """Several events as one chunk: the plain token events before the stream's last ones

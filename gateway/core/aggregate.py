@@ -62,6 +62,7 @@ from typing import Any
 import numpy as np
 
 from gateway.core.conversation import MessageKey, message_key, message_keys
+from gateway.frozen import evolved
 from schemas.delta import (
     common_prefix_len,
     context_ids,
@@ -390,10 +391,8 @@ def _node(
             shared = ids[: len(context)]
             for turn, other in nodes.items():
                 if other.context_ids.base is context:
-                    nodes[turn] = dataclasses.replace(
-                        other, context_ids=ids[: len(other.context_ids)]
-                    )
-        parent = dataclasses.replace(parent, context_ids=shared, continued=True)
+                    nodes[turn] = evolved(other, context_ids=ids[: len(other.context_ids)])
+        parent = evolved(parent, context_ids=shared, continued=True)
     return node, parent
 
 

@@ -29,6 +29,7 @@ from gateway.core.conversation import MessageKey
 from gateway.core.session_store import ContextCache, Session
 from gateway.decoding import Detokenizer
 from gateway.errors import ContextLengthExceeded, ModelNotFound
+from gateway.frozen import evolved
 from gateway.metrics import GatewayMetrics
 from gateway.serving.turn_data import ChatPrompt, Generation, Turn, TurnResult
 from gateway.templates import ChatTemplate
@@ -221,7 +222,7 @@ class TurnEngine:
         for the completion in one response (``SamplingParams.stream``), decoded and detokenized
         once (its ``ttft_ms`` is then the whole generation's). Stop strings keep the stream:
         the backend would otherwise generate past the first match, up to ``max_tokens``."""
-        params = turn.params if turn.stop_strings else replace(turn.params, stream=False)
+        params = turn.params if turn.stop_strings else evolved(turn.params, stream=False)
         gen = self.generation(turn)
         async for _ in self.tokens(turn, gen, params):
             pass
