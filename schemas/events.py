@@ -114,6 +114,19 @@ class TurnCompleted(_Event, tag="TurnCompleted", kw_only=True):
     # server in its default --logprobs-mode) or a tempered but untruncated one (SGLang under
     # top_p < 1). Recorded only under the gateway's --allow-raw-logprobs.
     logprobs_kind: str = "sampled"
+    # The per-request id every id the client saw derives from (response, message and completion
+    # ids: ``chatcmpl-<session>-<reply_id>``), made before the turn index is known (turns of one
+    # session run concurrently; the index is assigned at append). "" in events older than the
+    # field: their ids used the turn index, which stands in for it (``TurnCompleted.reply``).
+    reply_id: str = ""
+    # Who asked for the turn, as its client said and as the gateway resolved it against the
+    # tokens (gateway.core.agents.AgentIdentity.record, plus the resolution): {} when the client
+    # sent no agent identity.
+    agent: JSON = msgspec.field(default_factory=dict)
+    # The client went away before the reply was whole (a closed stream, Codex `exec` exiting
+    # mid-sub-agent): the backend finished the turn and it is recorded, but the client never saw
+    # it, so no later turn continues it.
+    client_gone: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -137,6 +150,11 @@ class TurnCompleted(_Event, tag="TurnCompleted", kw_only=True):
     def parent(self) -> int:
         """The parent turn's index; -1 for none (turn 0, or a turn that shares nothing)."""
         return self.turn - 1 if self.parent_turn is None else self.parent_turn
+
+    @property
+    def reply(self) -> str:
+        """The id the client's ids derive from: ``reply_id``, else (older events) the turn index."""
+        return self.reply_id or str(self.turn)
 
     @property
     def assistant_message(self) -> JSON:

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+from gateway.core.agents import AgentIdentity
+
 __all__ = [
     "MessageKey",
     "TurnRequest",
@@ -57,6 +59,8 @@ class TurnRequest:
     # The API's own parameters worth keeping with the turn (thinking, metadata, reasoning,
     # tools not offered to the model, ...): recorded in TurnCompleted.request.
     extras: JSON = field(default_factory=dict)
+    # Who in the session's tree of agents asks (from the client's headers); None: it said nothing.
+    agent: AgentIdentity | None = None
 
     @cached_property
     def keys(self) -> tuple[MessageKey, ...]:

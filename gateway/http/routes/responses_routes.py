@@ -7,6 +7,7 @@ from __future__ import annotations
 from fastapi import Request, Response
 
 from gateway.errors import InvalidRequest, SessionNotFound
+from gateway.http.agent_headers import agent_identity
 from gateway.http.routes.scoped_routes import (
     SESSION_HEADERS,
     ScopedRoutes,
@@ -51,10 +52,11 @@ def add_responses_routes(
             named, _ = parse_response_id(body.previous_response_id)
         headers = any(request.headers.get(h) for h in SESSION_HEADERS)
         run, sid = header_session(request, routes.default_run, fallback=named)
+        agent = agent_identity(request.headers)
         if headers:
-            return await turn(SessionRef(run, sid, open_missing=True), body)
+            return await turn(SessionRef(run, sid, open_missing=True, agent=agent), body)
         try:  # the session of previous_response_id: it must exist
-            return await turn(SessionRef(run, sid), body)
+            return await turn(SessionRef(run, sid, agent=agent), body)
         except SessionNotFound as exc:
             raise InvalidRequest(
                 f"previous_response_id {body.previous_response_id!r}: no session {sid!r} in "

@@ -31,7 +31,9 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 from starlette.background import BackgroundTask
 
+from gateway.core.agents import AgentIdentity
 from gateway.errors import InvalidRequest, RunNotAllowed
+from gateway.http.agent_headers import agent_identity
 from gateway.http.guard import SESSION_HEADERS, allowed_runs
 from gateway.protocol.wire import ErrorResponse, Wire
 from schemas.ids import ID_PATTERN
@@ -169,6 +171,7 @@ class SessionRef:
     run: str
     session: str
     open_missing: bool = False
+    agent: AgentIdentity | None = None  # who in the session's tree of agents asks (its headers)
 
 
 B = TypeVar("B")
@@ -203,7 +206,8 @@ class ScopedRoutes:
 
         async def headed(request: Request, body: B) -> Response:
             run, session = header_session(request, self.default_run)
-            return await serve(SessionRef(run, session, open_missing=True), body)
+            agent = agent_identity(request.headers)
+            return await serve(SessionRef(run, session, open_missing=True, agent=agent), body)
 
         return headed
 
@@ -234,7 +238,9 @@ class ScopedRoutes:
 
         async def at_session(*, session_id: str, request: Request, body: Any = None) -> Response:
             run = checked_run(request, None, default_run)
-            return await serve(SessionRef(run, session_id), body)
+            return await serve(
+                SessionRef(run, session_id, agent=agent_identity(request.headers)), body
+            )
 
         async def in_header(*, request: Request, body: Any = None) -> Response:
             return await headed(request, body)
@@ -242,7 +248,10 @@ class ScopedRoutes:
         async def at_run(
             *, run: str, session_id: str, request: Request, body: Any = None
         ) -> Response:
-            return await serve(SessionRef(checked_run(request, run, default_run), session_id), body)
+            run = checked_run(request, run, default_run)
+            return await serve(
+                SessionRef(run, session_id, agent=agent_identity(request.headers)), body
+            )
 
         inputs = [("body", body)] if body is not None else []
         headers = header_parameters(header_note) if header_note is not None else None
