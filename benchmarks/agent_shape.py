@@ -48,10 +48,8 @@ Keys: ``cpu_ms_per_later_turn_ctx_{1k,32k,100k}``, ``cpu_ms_first_turn_ctx_{1k,3
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
-import os
 import shutil
 import statistics
 import tempfile
@@ -67,15 +65,15 @@ from harness import (
     ChatSurface,
     ClaudeCodeShape,
     banner,
+    check_continued,
     dumps,
     finish,
     fixed_latency_stack,
     run_gateway_mode,
     say,
+    thread_cpu_ns,
     tool_output,
 )
-
-from eventlog import read_session
 
 JSON = dict[str, Any]
 
@@ -227,7 +225,7 @@ def tokenized(name: str, model_dir: Path) -> Tokenized:
 class Session:
     sid: str
     history: list[bytes]
-    turns: list[int] = field(default_factory=list)
+    answers: list[str] = field(default_factory=list)  # the ids of the gateway's answers
     prompt_tokens: list[int] = field(default_factory=list)
 
 
@@ -271,25 +269,13 @@ class AgentLoad:
             )
         answer = response.json()
         reply = self.surface.reply(answer)
-        session.turns.append(int(answer["id"].rsplit("-", 1)[1]))
+        session.answers.append(answer["id"])
         session.prompt_tokens.append(int(answer["usage"]["prompt_tokens"]))
         if answer["usage"]["completion_tokens"] != len(self.tok.completion):
             raise RuntimeError(f"session {session.sid}: {answer['usage']} (a reply cut short?)")
         session.history += [dumps(item) for item in reply.echo]
-        result = self.surface.tool_result(reply.call_id, tool_output(len(session.turns)))
+        result = self.surface.tool_result(reply.call_id, tool_output(len(session.answers)))
         session.history += [dumps(item) for item in result]
-
-
-def cpu_ns(pid: int) -> int:
-    """On-CPU time of all of a process's threads in ns (``/proc/PID/task/*/schedstat``): the
-    10 ms ticks of ``/proc/PID/stat`` are too coarse to split one request's CPU from the next.
-    (A thread that ended takes its time with it; the gateway's worker threads stay.)"""
-    total = 0
-    for task in os.scandir(f"/proc/{pid}/task"):
-        # A thread that ended just now is skipped.
-        with contextlib.suppress(OSError), open(f"{task.path}/schedstat") as f:
-            total += int(f.read().split()[0])
-    return total
 
 
 async def run_phase(
@@ -311,9 +297,9 @@ async def run_phase(
         for t in range(1 + plan.later):
             if profiled and t == 1:
                 procs.toggle_profile()  # on for the later turns
-            before = cpu_ns(pid)
+            before = thread_cpu_ns(pid)
             await load.turn(client, session)
-            spent = (cpu_ns(pid) - before) / 1e9
+            spent = (thread_cpu_ns(pid) - before) / 1e9
             if profiled and t == plan.later:
                 procs.toggle_profile()
             if t == 0:
@@ -328,22 +314,7 @@ async def run_phase(
 
 async def check(js: Any, load: AgentLoad) -> int:
     """Every later turn continues its session's previous turn, its whole context."""
-    from schemas.events import TurnCompleted
-
-    checked = 0
-    for session in load.sessions:
-        events = await read_session(js, harness.RUN, session.sid, stream=harness.STREAM)
-        turns = {e.turn: e for e in events if isinstance(e, TurnCompleted)}
-        for previous, index in zip(session.turns, session.turns[1:], strict=False):
-            event, parent = turns[index], turns[previous]
-            whole = parent.prefix_len + len(parent.prompt_ids) + len(parent.completion_ids)
-            if event.parent_turn != previous or event.prefix_len != whole:
-                raise RuntimeError(
-                    f"session {session.sid}: turn {index} has parent_turn {event.parent_turn} "
-                    f"and prefix_len {event.prefix_len}; expected {previous} and {whole}"
-                )
-            checked += 1
-    return checked
+    return await check_continued(js, ((s.sid, s.answers) for s in load.sessions))
 
 
 async def bench_tokenizer(

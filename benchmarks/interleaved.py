@@ -27,6 +27,7 @@ from harness import (
     ChatSurface,
     ClaudeCodeShape,
     banner,
+    check_continued,
     claude_code_shape,
     dumps,
     finish,
@@ -35,8 +36,6 @@ from harness import (
     say,
     tool_output,
 )
-
-from eventlog import read_session
 
 JSON = dict[str, Any]
 
@@ -59,10 +58,10 @@ def interleaved_shape() -> ClaudeCodeShape:
 
 @dataclass
 class Conversation:
-    """One conversation's history (encoded items) and the turn indices the gateway gave it."""
+    """One conversation's history (encoded items) and the ids of the gateway's answers."""
 
     history: list[bytes]
-    turns: list[int] = field(default_factory=list)
+    answers: list[str] = field(default_factory=list)
     prompt_tokens: list[int] = field(default_factory=list)
 
 
@@ -117,10 +116,10 @@ class InterleavedLoad:
             )
         answer = response.json()
         reply = self.surface.reply(answer)
-        conversation.turns.append(int(answer["id"].rsplit("-", 1)[1]))
+        conversation.answers.append(answer["id"])
         conversation.prompt_tokens.append(int(answer["usage"]["prompt_tokens"]))
         conversation.history += [dumps(item) for item in reply.echo]
-        result = self.surface.tool_result(reply.call_id, tool_output(len(conversation.turns)))
+        result = self.surface.tool_result(reply.call_id, tool_output(len(conversation.answers)))
         conversation.history += [dumps(item) for item in result]
 
     async def round_robin(self, client: httpx.AsyncClient, sids: list[str], turns: int) -> None:
@@ -134,25 +133,14 @@ class InterleavedLoad:
 async def check(js: Any, load: InterleavedLoad) -> JSON:
     """Every turn after a conversation's first continues that conversation's previous turn:
     its parent_turn, the whole of its context (token-exact, no fork) and its messages."""
-    from schemas.events import TurnCompleted
-
-    turns_checked = 0
-    for sid, conversations in load.sessions.items():
-        events = await read_session(js, harness.RUN, sid, stream=harness.STREAM)
-        turns = {e.turn: e for e in events if isinstance(e, TurnCompleted)}
-        context = {
-            t: e.prefix_len + len(e.prompt_ids) + len(e.completion_ids) for t, e in turns.items()
-        }
-        for c, conversation in enumerate(conversations):
-            for previous, index in zip(conversation.turns, conversation.turns[1:], strict=False):
-                event = turns[index]
-                if event.parent_turn != previous or event.prefix_len != context[previous]:
-                    raise RuntimeError(
-                        f"session {sid} conversation {c}: turn {index} has parent_turn "
-                        f"{event.parent_turn} and prefix_len {event.prefix_len}; expected turn "
-                        f"{previous} and its whole context of {context[previous]} tokens"
-                    )
-                turns_checked += 1
+    turns_checked = await check_continued(
+        js,
+        (
+            (sid, conversation.answers)
+            for sid, conversations in load.sessions.items()
+            for conversation in conversations
+        ),
+    )
     say(
         f"\nchecked: {turns_checked:,} turns in {len(load.sessions)} sessions, each continuing "
         "its own conversation's previous turn, token-exact (parent_turn, whole context)"

@@ -8,6 +8,7 @@
 * ``stack``: nats-server + fixed-latency backend + gateway as one context manager.
 * ``load``, ``surfaces``: the load generators (the direct and gateway paths; Claude-Code-shaped
   sessions on each API surface); ``load_processes``: the load spread over processes.
+* ``continuation``: the turn an answer was recorded as; conversations continued token-exact.
 * ``phases``: phases and alternating rounds, percentiles and summaries.
 * ``gateway_profile``: the gateway's cProfile output by component.
 * ``fixed_latency_backend.py`` and ``gateway_launcher.py`` are scripts run as processes.
@@ -15,7 +16,8 @@
 
 from __future__ import annotations
 
-from harness.cpu import CpuMeter, cpu_seconds, own_cpu_seconds, tree_cpu_seconds
+from harness.continuation import check_continued, session_turns, turn_of
+from harness.cpu import CpuMeter, cpu_seconds, own_cpu_seconds, thread_cpu_ns, tree_cpu_seconds
 from harness.gateway_profile import print_profile, profile_breakdown
 from harness.load import (
     REPLY,
@@ -97,6 +99,7 @@ __all__ = [
     "backend_command",
     "banner",
     "build_conversation",
+    "check_continued",
     "claude_code_shape",
     "conversation_messages",
     "count_subjects",
@@ -122,11 +125,14 @@ __all__ = [
     "run_gateway_mode",
     "run_phase",
     "say",
+    "session_turns",
     "spawn",
     "stop_process",
     "stream_messages",
     "summarize",
+    "thread_cpu_ns",
     "tool_output",
     "tree_cpu_seconds",
+    "turn_of",
     "wait_http",
 ]

@@ -1,4 +1,5 @@
-"""CPU meters: a process's CPU seconds from /proc (alone or with its children), and this one's.
+"""CPU meters: a process's CPU seconds from /proc (alone or with its children; its threads' in
+ns), and this one's.
 
 A phase reads every meter before and after its load and keeps the growth (``CpuMeter``)."""
 
@@ -16,6 +17,18 @@ def cpu_seconds(pid: int, *, user_only: bool = False) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + (0 if user_only else int(fields[12]))) / CLK_TCK
+
+
+def thread_cpu_ns(pid: int) -> int:
+    """On-CPU time of all of a process's threads in ns (``/proc/PID/task/*/schedstat``): the
+    10 ms ticks of ``/proc/PID/stat`` are too coarse to split one request's CPU from the next.
+    (A thread that ended takes its time with it; the gateway's worker threads stay.)"""
+    total = 0
+    for task in os.scandir(f"/proc/{pid}/task"):
+        # A thread that ended just now is skipped.
+        with contextlib.suppress(OSError), open(f"{task.path}/schedstat") as f:
+            total += int(f.read().split()[0])
+    return total
 
 
 def tree_cpu_seconds(pid: int) -> float:

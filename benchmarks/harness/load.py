@@ -86,28 +86,66 @@ class LoadPath(abc.ABC):
         """One closed-loop worker's request function."""
 
 
+def completion_body(
+    model: str,
+    ids: list[int],
+    max_tokens: int,
+    stop_token_ids: tuple[int, ...],
+    temperature: float = 1.0,
+) -> bytes:
+    """The ``/v1/completions`` body the gateway would send for prompt ``ids``, encoded as its
+    backends encode theirs (msgspec; the prompt's JSON text)."""
+    from gateway.backends.interface import Prompt, SamplingParams
+    from gateway.backends.vllm import completion_request
+
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=1.0,
+        seed=None,
+        stop_token_ids=stop_token_ids,
+        top_logprobs=0,
+    )
+    return msgspec.json.encode(completion_request(model, Prompt(ids), params))
+
+
+async def complete(client: httpx.AsyncClient, url: str, body: bytes) -> list[int]:
+    """One streamed ``/v1/completions`` request straight to the backend (``body``: as the
+    gateway's backends encode theirs); the sampled ids."""
+    tokens: list[int] = []
+    async with client.stream(
+        "POST", url, content=body, headers={"content-type": "application/json"}
+    ) as response:
+        if response.status_code != 200:
+            detail = (await response.aread())[:300]
+            raise RuntimeError(f"direct: HTTP {response.status_code}: {detail!r}")
+        done = False
+        async for line in response.aiter_lines():
+            # Read on after [DONE] to the end of the body, as the OpenAI SDK does: an HTTP/1.1
+            # response left unread closes the connection instead of reusing it.
+            if done or not line.startswith("data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == "[DONE]":
+                done = True
+                continue
+            for choice in json.loads(payload)["choices"]:
+                # The sampled ids: the "token_id:<id>" logprob keys, as the gateway reads them
+                # (it does not ask for return_token_ids).
+                tokens.extend(int(t[9:]) for t in choice["logprobs"]["tokens"])
+    return tokens
+
+
 class Direct(LoadPath):
     name = "direct"
 
     def __init__(
         self, clients: list[httpx.AsyncClient], per: int, url: str, model: str, conv: Conversation
     ):
-        from gateway.backends.interface import Prompt, SamplingParams
-        from gateway.backends.vllm import completion_request
-
         self.clients, self.per = clients, per
         self.url = f"{url}/v1/completions"
-        params = SamplingParams(
-            max_tokens=conv.max_tokens,
-            temperature=conv.temperature,
-            top_p=1.0,
-            seed=None,
-            stop_token_ids=conv.stop_token_ids,
-            top_logprobs=0,
-        )
-        # Encoded as the gateway's backends encode theirs (msgspec; the prompt's JSON text).
         self.bodies = [
-            msgspec.json.encode(completion_request(model, Prompt(ids), params))
+            completion_body(model, ids, conv.max_tokens, conv.stop_token_ids, conv.temperature)
             for ids in conv.prompt_ids
         ]
         self.expected = conv.completion_ids
@@ -121,27 +159,7 @@ class Direct(LoadPath):
             nonlocal turn
             body = self.bodies[turn]
             turn = (turn + 1) % len(self.bodies)
-            tokens: list[int] = []
-            async with client.stream(
-                "POST", self.url, content=body, headers={"content-type": "application/json"}
-            ) as response:
-                if response.status_code != 200:
-                    detail = (await response.aread())[:300]
-                    raise RuntimeError(f"direct: HTTP {response.status_code}: {detail!r}")
-                done = False
-                async for line in response.aiter_lines():
-                    # Read on after [DONE] to the end of the body, as the OpenAI SDK does: an
-                    # HTTP/1.1 response left unread closes the connection instead of reusing it.
-                    if done or not line.startswith("data:"):
-                        continue
-                    payload = line[5:].strip()
-                    if payload == "[DONE]":
-                        done = True
-                        continue
-                    for choice in json.loads(payload)["choices"]:
-                        # The sampled ids: the "token_id:<id>" logprob keys, as the gateway
-                        # reads them (it does not ask for return_token_ids).
-                        tokens.extend(int(t[9:]) for t in choice["logprobs"]["tokens"])
+            tokens = await complete(client, self.url, body)
             if not tokens or (self.expected is not None and tokens != self.expected):
                 raise RuntimeError(f"direct: got tokens {tokens}, expected {self.expected}")
             self.counts.requests += 1
@@ -151,8 +169,9 @@ class Direct(LoadPath):
 
 
 class Gateway(LoadPath):
-    """``check_id``: also check the answer's id (``chatcmpl-<session>-<turn>``), which is this
-    gateway's convention, not part of the OpenAI contract (``--compare-with`` leaves it out)."""
+    """``check_id``: also check the answer's id names its session (``chatcmpl-<session>-<reply>``,
+    the reply a per-request id, or in older revisions the turn index), which is this gateway's
+    convention, not part of the OpenAI contract (``--compare-with`` leaves it out)."""
 
     def __init__(
         self,
@@ -196,7 +215,7 @@ class Gateway(LoadPath):
             answer = response.json()
             content = answer["choices"][0]["message"]["content"]
             wrong_reply = self.reply is not None and content != self.reply
-            if wrong_reply or (self.check_id and answer["id"] != f"chatcmpl-{sid}-{turn}"):
+            if wrong_reply or (self.check_id and not answer["id"].startswith(f"chatcmpl-{sid}-")):
                 raise RuntimeError(f"{self.name}: unexpected answer {answer}")
             self.counts.requests += 1
             # .get: --compare-with may run a revision whose answers lack usage.

@@ -45,6 +45,7 @@ class BenchStack:
     gateway_url: str
     procs: Procs
     js: Any  # a JetStream context on the stack's nats-server
+    backend_url: str = ""  # the fixed-latency backend (a benchmark's direct path)
 
 
 @contextlib.asynccontextmanager
@@ -102,7 +103,7 @@ async def fixed_latency_stack(
             f"(pid {nats.pid}) up in {time.perf_counter() - t0:.1f} s"
         )
         nc = await connect(nats.url, name=name)
-        yield BenchStack(model_dir, gateway_url, procs, nc.jetstream())
+        yield BenchStack(model_dir, gateway_url, procs, nc.jetstream(), backend_url)
     except BaseException:
         for log_file in sorted(log_dir.iterdir()):
             say(f"--- {log_file.name} (tail) ---\n{log_file.read_text(errors='replace')[-4000:]}")
