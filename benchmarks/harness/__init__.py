@@ -7,7 +7,8 @@
   ``gateway_launcher.py``) and nats-server; health waits, /metrics, EVENTS counts.
 * ``stack``: nats-server + fixed-latency backend + gateway as one context manager.
 * ``load``, ``surfaces``: the load generators (the direct and gateway paths; Claude-Code-shaped
-  sessions on each API surface); ``load_processes``: the load spread over processes.
+  sessions on each API surface); ``load_processes``: the load spread over processes;
+  ``claude_code_tree``: a Claude Code session with two background sub-agents, request by request.
 * ``continuation``: the turn an answer was recorded as; conversations continued token-exact.
 * ``phases``: phases and alternating rounds, percentiles and summaries.
 * ``gateway_profile``: the gateway's cProfile output by component.
