@@ -119,6 +119,7 @@ class Chat:
     messages: list[JSON]
     answers: list[str] = field(default_factory=list)  # the answers' ids
     spans: list[tuple[float, float]] = field(default_factory=list)
+    prompt_tokens: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -175,6 +176,7 @@ class ConversationLoad:
             if choice.finish_reason != "tool_calls" or len(calls) != 2:
                 raise RuntimeError(f"{chat.sid}: expected two tool calls, got {completion}")
             chat.answers.append(completion.id)
+            chat.prompt_tokens.append(completion.usage.prompt_tokens if completion.usage else 0)
             chat.messages.append(
                 {"role": "assistant", "content": choice.message.content, "tool_calls": calls}
             )
@@ -366,6 +368,9 @@ def report(k_phases: list[KPhase], tree_phases: list[TreePhase]) -> JSON:
                 peak_in_flight([s for c in p.chats for s in c.spans]) for p in one.values()
             ),
             "turns_per_phase": one[min(one)].turns,
+            "mean_prompt_tokens": round(
+                statistics.mean(t for p in mine for c in p.chats for t in c.prompt_tokens)
+            ),
         }
         rows.append(row)
         say(
