@@ -97,7 +97,8 @@ bump: it came with the events that carry it, and every other sample folds as bef
 when both have one agent id (or neither has one), a side request (``schemas.agents``) is a chain
 of its own that nothing continues, and a turn whose client went away ends its chain; the
 metadata names the chain's agent, ``side`` and ``client_gone``, and with
-``final_reward_scope="last"`` the reward goes to the last sample that is not a side request.
+``final_reward_scope="last"`` the reward goes to the last sample that is not a side request;
+``side_calls`` counts a session's side samples (beside ``segments``).
 Events without agents or those flags fold to the same trajectories as under 4 but for the
 version; a bump all the same, since one version must mean one rule."""
 
@@ -442,6 +443,9 @@ def finish(state: SessionState, options: FoldOptions = FoldOptions()) -> FoldRes
     created_at = _created_at(kept, turns, rewards)
     tools = _tools_by_turn(turns)
     agents = [_agent_metadata(sample) for sample in samples]
+    side_calls = sum(1 for agent in agents if agent.get("side"))
+    if side_calls:  # so a batcher leaving them out knows how many rows a session has without
+        base_metadata["side_calls"] = side_calls
     # "last": the sample that stands for the session (its last that is not a side request,
     # which training leaves out by default).
     rewarded = max(

@@ -9,11 +9,15 @@ the gateway).
 
 >>> is_side_class("compaction"), is_side_class("subagent"), is_side_class("")
 (True, False, False)
+>>> is_side_call({"side": True, "request_class": "compaction"}), is_side_call({"side": "yes"})
+(True, False)
 """
 
 from __future__ import annotations
 
-__all__ = ["SIDE_CLASSES", "is_side_class"]
+from collections.abc import Mapping
+
+__all__ = ["SIDE_CLASSES", "is_side_call", "is_side_class"]
 
 SIDE_CLASSES = frozenset({"compaction", "auxiliary", "side_reply", "count_tokens"})
 """Request classes that are not the agent's own turns (Claude Code's
@@ -24,3 +28,9 @@ of training rows by default."""
 def is_side_class(request_class: object) -> bool:
     """Whether ``request_class`` (as recorded: any JSON value) names a side request."""
     return isinstance(request_class, str) and request_class in SIDE_CLASSES
+
+
+def is_side_call(metadata: Mapping[str, object]) -> bool:
+    """Whether a trajectory's metadata says the fold made it of a side request (``side: true``):
+    kept in the shards, left out of training rows unless asked (``keep_side_calls``)."""
+    return metadata.get("side") is True

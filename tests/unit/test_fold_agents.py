@@ -75,6 +75,7 @@ def test_each_agent_of_a_claude_code_session_is_its_own_trajectory() -> None:
     assert fresh.metadata["agent_type"] == "general-purpose"
     assert all(t.fold_version == FOLD_VERSION == 5 for t in result.trajectories)
     assert all("side" not in t.metadata for t in result.trajectories)
+    assert all("side_calls" not in t.metadata for t in result.trajectories)
 
 
 def test_a_forks_copy_of_its_parents_reply_is_prompt_never_trained() -> None:
@@ -148,6 +149,9 @@ def test_a_side_request_is_a_trajectory_of_its_own_that_nothing_continues(
     assert side_call.metadata["request_class"] == request_class
     assert side_call.num_turns == 1
     assert "side" not in main.metadata and "side" not in after.metadata
+    # The session says how many of its samples are side calls (a batcher leaving them out
+    # knows its rows without them); a session without any says nothing.
+    assert {t.metadata["side_calls"] for t in result.trajectories} == {1}
     assert main.input_ids.tolist() == main2.context
 
 
