@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from consumers.config import FoldWorkerSettings
 from consumers.errors import FoldError
@@ -40,6 +41,7 @@ __all__ = [
     "SessionView",
     "Token",
     "TurnView",
+    "agent_text",
     "heat",
     "segment_title",
     "session_view",
@@ -50,6 +52,7 @@ __all__ = [
 ]
 
 _UNFOLDED = "not folded: each turn's prompt delta and completion as stored"
+JSON = dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,7 @@ class SegmentView:
     parent_context: int = 0  # tokens in the parent turn's context (0: no parent)
     parent_segment: int | None = None  # the segment that holds the parent turn
     folded: bool = True  # False: the turns as stored, of a session the fold refused
+    metadata: JSON = field(default_factory=dict)  # the trajectory's (its agent, side, ...)
 
     @property
     def fork(self) -> bool:
@@ -224,6 +228,7 @@ def session_view(
                 shared=shared,
                 parent_context=parent_context,
                 parent_segment=parent_segment,
+                metadata=sample.metadata,
             )
         )
     return _view(run, session, vetted, turns, result, None, segments, nodes)
@@ -365,6 +370,36 @@ def start_text(segment: SegmentView) -> str | None:
     if node.relation == ROOT:
         return f"↳ new conversation at turn {node.turn}, with no parent: {here}"
     return None
+
+
+def agent_text(segment: SegmentView) -> str | None:
+    """Whose conversation the segment is (issue 35): the agent its client named, its kind and
+    parent agent, type, request class, the headers that named it, where the tokens overruled
+    the client, and whether it is a side call or its client went away. None when the
+    trajectory says none of it (a client that names no agents)."""
+    m = segment.metadata
+    parts: list[str] = []
+    if agent := m.get("agent"):
+        kind, parent = m.get("agent_kind"), m.get("parent_agent")
+        relation = (
+            f"{kind} of {parent}"
+            if kind and parent
+            else kind or (f"under {parent}" if parent else "")
+        )
+        parts.append(f"agent {agent}" + (f" ({relation})" if relation else ""))
+    for key, label in (
+        ("agent_type", "type"),
+        ("request_class", "request class"),
+        ("agent_source", "named by"),
+        ("agent_mismatch", "the tokens overruled the client"),
+    ):
+        if value := m.get(key):
+            parts.append(f"{label} {value}" if key != "agent_mismatch" else f"{label}: {value}")
+    if m.get("side"):
+        parts.append("side call: left out of training rows unless kept")
+    if m.get("client_gone"):
+        parts.append("client gone: it never saw the last reply")
+    return printable(" · ".join(parts)) if parts else None
 
 
 def shared_text(segment: SegmentView) -> str:
