@@ -105,6 +105,25 @@ def test_side_calls_are_kept_when_asked_and_flagged() -> None:
     assert non_tensor_values(batch, "agent_kind") == ["main", "fork", "fresh", "main", ""]
 
 
+def test_a_kept_side_call_never_stands_for_its_session() -> None:
+    """With ``final_reward_scope="last"`` the fold rewards the session's last sample that is not
+    a side call; kept in the batch, the side call (its highest segment) must not be the row
+    that gives the session its reward."""
+    released, _ = group_batch(keep_side_calls=True, scope="last")
+    batch = assemble([s.trajectory for s in released], uids=[s.uid for s in released])
+    uids, ids = non_tensor_values(batch, "session_uid"), non_tensor_values(batch, "trajectory_id")
+
+    rows = SessionRows.of(uids, ids, batch["side_call"].tolist())
+    by_segment = SessionRows.of(uids, ids)
+
+    rewards = batch["rm_scores"].sum(-1)
+    assert [ids[i] for i in rows.last] == [f"{RUN}/agents/2", f"{RUN}/plain/0"]
+    assert rewards[torch.from_numpy(rows.last)].tolist() == [1.0, 0.0]
+    assert rewards[torch.from_numpy(by_segment.last)].tolist() == [0.0, 0.0]  # the side call's
+    advantages = group_advantages(rewards, non_tensor_values(batch, "uid"), rows).tolist()
+    assert len(set(advantages[:4])) == 1 and advantages[0] > 0
+
+
 @pytest.mark.parametrize("policy", ["count", "tokens"])
 def test_count_and_token_batches_leave_side_calls_out_too(
     policy: Literal["count", "tokens"],
