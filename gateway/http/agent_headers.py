@@ -22,9 +22,10 @@ prompt id                      ``x-claude-code-prompt-id``      metadata ``root_
 =============================  ===============================  ==================================
 
 Any other client names its agents with ``X-Turnstream-Agent`` (and ``X-Turnstream-Parent-Agent``,
-``X-Turnstream-Agent-Kind``, ``X-Turnstream-Request-Class``); these take precedence over the CLIs'
-headers. A request with none of them has no identity (None): the gateway attributes it by its
-tokens alone, as before.
+``X-Turnstream-Agent-Kind``, ``X-Turnstream-Request-Class``); these take precedence over the
+CLIs' headers, and the kind and request class alone relabel a CLI's request (a proxy marking a
+compaction call). A request with none of them has no identity (None): the gateway attributes
+it by its tokens alone, as before.
 
 Input at the edge (issue 35's hostile client): an agent or parent id that is empty after
 trimming counts as absent; one longer than 128 characters or holding a character that is not
@@ -47,6 +48,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from gateway.core.agents import MAIN_AGENT, AgentIdentity
@@ -94,32 +96,42 @@ def agent_identity(headers: Mapping[str, str]) -> AgentIdentity | None:
     """The identity ``headers`` name (ASGI-lowercased names); None: they name none.
 
     Raises InvalidRequest (400, ``param`` the header) for an agent or parent id that is too long
-    or not printable, or turnstream's agent headers without ``X-Turnstream-Agent``.
+    or not printable, or turnstream's agent headers naming no agent.
     """
-    return _turnstream(headers) or _claude_code(headers) or _codex(headers)
+    own = _turnstream(headers)
+    if own is not None:
+        return own
+    cli = _claude_code(headers) or _codex(headers)
+    kind, request_class = _label(headers, AGENT_KIND), _label(headers, REQUEST_CLASS)
+    if _present(headers, PARENT_AGENT) or ((kind or request_class) and cli is None):
+        named = (
+            PARENT_AGENT
+            if _present(headers, PARENT_AGENT)
+            else (AGENT_KIND if kind else REQUEST_CLASS)
+        )
+        raise InvalidRequest(
+            f"the {named} header names no agent: send X-Turnstream-Agent (the agent's id in its "
+            f"session, e.g. 'main') with it",
+            param=AGENT,
+        )
+    if cli is not None and (kind or request_class):
+        # A proxy in front of the CLI labelling its requests (a compaction call, say).
+        return replace(cli, kind=kind or cli.kind, request_class=request_class or cli.request_class)
+    return cli
 
 
 def _turnstream(headers: Mapping[str, str]) -> AgentIdentity | None:
     agent = _agent_id(headers, AGENT)
-    parent = _agent_id(headers, PARENT_AGENT)
-    kind = _label(headers, AGENT_KIND)
-    request_class = _label(headers, REQUEST_CLASS)
     if agent is None:
-        if parent is not None or kind or request_class:
-            named = PARENT_AGENT if parent is not None else AGENT_KIND if kind else REQUEST_CLASS
-            raise InvalidRequest(
-                f"the {named} header names no agent: send X-Turnstream-Agent (the agent's id in "
-                f"its session, e.g. 'main') with it",
-                param=AGENT,
-            )
         return None
+    parent = _agent_id(headers, PARENT_AGENT)
     if parent == agent:
         raise _own_parent(PARENT_AGENT, agent)
     return AgentIdentity(
         agent,
         parent=parent,
-        kind=kind or ("main" if parent is None else ""),
-        request_class=request_class,
+        kind=_label(headers, AGENT_KIND) or ("main" if parent is None else ""),
+        request_class=_label(headers, REQUEST_CLASS),
         source="turnstream",
     )
 

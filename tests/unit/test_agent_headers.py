@@ -299,13 +299,40 @@ def test_turnstream_headers_name_any_clients_agents_and_take_precedence() -> Non
     assert root == AgentIdentity("solo", kind="main", source="turnstream")
 
 
-def test_turnstream_agent_headers_without_the_agent_are_refused() -> None:
+@pytest.mark.parametrize(
+    ("headers", "named"),
+    [
+        ({"x-turnstream-parent-agent": "main"}, "x-turnstream-parent-agent"),
+        ({**CC_BG_FORK, "x-turnstream-parent-agent": "main"}, "x-turnstream-parent-agent"),
+        ({"x-turnstream-request-class": "compaction"}, "x-turnstream-request-class"),
+        ({"x-turnstream-agent-kind": "fork"}, "x-turnstream-agent-kind"),
+    ],
+)
+def test_turnstream_agent_headers_naming_no_agent_are_refused(
+    headers: dict[str, str], named: str
+) -> None:
     with pytest.raises(InvalidRequest) as refused:
-        agent_identity({"x-turnstream-parent-agent": "main"})
+        agent_identity(headers)
 
     assert refused.value.param == "x-turnstream-agent"
-    assert "x-turnstream-parent-agent" in str(refused.value)
+    assert named in str(refused.value)
     assert error_spec(refused.value).status == 400
+
+
+def test_turnstream_labels_alone_relabel_a_clis_request() -> None:
+    """A proxy in front of Claude Code marks a compaction call without renaming the agent."""
+    headers = {**CC_HINT_FRESH, "x-turnstream-request-class": "compaction"}
+
+    identity = agent_identity(headers)
+
+    assert identity is not None and identity.side
+    assert (identity.id, identity.kind, identity.source) == (
+        "a2ffa0b1d8f26260c", "fresh", "claude_code",
+    )  # fmt: skip
+    relabelled = agent_identity({**CODEX_V1_FRESH, "x-turnstream-agent-kind": "fork"})
+    assert relabelled is not None and (relabelled.kind, relabelled.request_class) == (
+        "fork", "subagent",
+    )  # fmt: skip
 
 
 # -- hostile values ---------------------------------------------------------------------------
