@@ -317,12 +317,16 @@ def test_each_trajectory_says_whose_conversation_it_is() -> None:
     for text in filter(None, map(agent_text, view.segments)):
         assert text in shown
     assert "shares no &lt;parent&gt; request" in page and "<parent>" not in page
+    assert dict(view.header())["agents"] == (
+        "main (main), a9e64a5ca0980ef44 (fork), adfda152c31bc96cc (fresh); 1 side call"
+    )
 
 
 def test_a_trajectory_of_a_client_that_names_no_agents_says_nothing_of_agents() -> None:
     view = view_of(tree_session(linear(3)))
 
     assert [agent_text(s) for s in view.segments] == [None]
+    assert "agents" not in dict(view.header())
     assert "agent" not in render_html(view).split("turn tree")[1]
 
 

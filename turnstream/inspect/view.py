@@ -136,6 +136,8 @@ class SessionView:
             ("forks", forks),
             ("trajectories", str(len(self.result.trajectories)) if self.result else "-"),
         ]
+        if agents := self._agents():
+            rows.append(("agents", agents))
         if self.rewards:
             rows.append(("rewards", ", ".join(map(_reward_text, self.rewards))))
         if self.opened is not None and self.opened.metadata:
@@ -147,6 +149,21 @@ class SessionView:
         if self.fold_error is not None:
             rows.append(("not folded", self.fold_error))
         return [(key, printable(value)) for key, value in rows]  # metadata is the agent's
+
+    def _agents(self) -> str:
+        """The agents the session's trajectories name, each once with its kind, and how many
+        side calls: "" for a client that names none."""
+        named: dict[str, str] = {}
+        side = 0
+        for trajectory in self.result.trajectories if self.result is not None else []:
+            m = trajectory.metadata
+            side += m.get("side") is True
+            if isinstance(agent := m.get("agent"), str) and not m.get("side"):
+                named.setdefault(agent, str(m.get("agent_kind") or "?"))
+        text = ", ".join(f"{agent} ({kind})" for agent, kind in named.items())
+        if side:
+            text += f"{'; ' if text else ''}{side} side call{'s' if side != 1 else ''}"
+        return text
 
 
 # -- the view (pure) --------------------------------------------------------------------------
