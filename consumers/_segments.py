@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from consumers.errors import FoldError
+from schemas.agents import is_side_class
 from schemas.delta import (
     EMPTY_CONTEXT,
     Context,
@@ -147,22 +148,38 @@ def rebuild(run: str, session: str, turns: Sequence[TurnCompleted]) -> list[Rebu
 
 
 def split(turns: Sequence[RebuiltTurn], per_turn: bool) -> Chains:
-    """Cut the turns into chains: a turn joins its parent's chain when it extends the parent
-    and the parent is still that chain's last turn (the first continuing child carries the
-    chain on); any other turn starts a chain. The samples are the chains, numbered by their
-    first turn, or (``per_turn``) one per turn; forks are counted on the chains either way."""
+    """Cut the turns into chains: a turn joins its parent's chain when it extends the parent,
+    the parent is still that chain's last turn (the first continuing child carries the chain
+    on), both were asked for by one agent (the same ``agent`` id, or neither has one: a
+    client that names no agents) and the chain is not ended; any other turn starts a chain.
+    A side request (``schemas.agents.SIDE_CLASSES``) starts a chain it ends at once, and a
+    turn whose client went away (``client_gone``) ends its chain: nothing continues either.
+    The samples are the chains, numbered by their first turn, or (``per_turn``) one per turn;
+    forks are counted on the chains either way."""
     chain_of: list[int] = []
     last_of: list[int] = []  # the last turn of each chain so far
+    ended: list[bool] = []  # nothing may continue the chain
     starts: list[int] = []
     for turn in turns:
-        parent = turn.event.parent
-        if parent >= 0 and turn.extends and last_of[chain_of[parent]] == parent:
+        event = turn.event
+        parent = event.parent
+        side = is_side(event)
+        if (
+            parent >= 0
+            and turn.extends
+            and not side
+            and last_of[chain_of[parent]] == parent
+            and not ended[chain_of[parent]]
+            and agent_id(turns[parent].event) == agent_id(event)
+        ):
             chain = chain_of[parent]
-            last_of[chain] = turn.event.turn
+            last_of[chain] = event.turn
         else:
             chain = len(last_of)
-            last_of.append(turn.event.turn)
-            starts.append(turn.event.turn)
+            last_of.append(event.turn)
+            ended.append(False)
+            starts.append(event.turn)
+        ended[chain] = side or event.client_gone
         chain_of.append(chain)
     # A fork is a true divergence: a chain start that does not extend its parent but shares
     # generated tokens with it (an edited or truncated history). A chain start that extends its
@@ -180,6 +197,18 @@ def split(turns: Sequence[RebuiltTurn], per_turn: bool) -> Chains:
     for turn, chain in zip(turns, chain_of, strict=True):
         chains[chain].append(turn)
     return Chains(chains, tuple(chain_of), frozenset(starts), forks)
+
+
+def agent_id(event: TurnCompleted) -> str | None:
+    """The agent the turn's client named (``TurnCompleted.agent["id"]``); None: it named none."""
+    value = event.agent.get("id")
+    return value if isinstance(value, str) and value else None
+
+
+def is_side(event: TurnCompleted) -> bool:
+    """A side request (compaction, auxiliary, side reply, count_tokens): not the agent's own
+    turn, so it continues no chain and no chain continues it."""
+    return is_side_class(event.agent.get("request_class"))
 
 
 def sample_spans(sample: Sequence[RebuiltTurn]) -> SampleSpans:

@@ -19,6 +19,11 @@ schema keeps its own shape. ``arguments`` holds the text the conversation held w
 else that text as a JSON string. Content given as parts is joined into its text. Fields the
 fixed shape has no room for are counted by name (``Conversion.dropped``), not kept.
 
+Side calls. A row the fold made of a side request (metadata ``side: true``: compaction,
+auxiliary, side_reply, count_tokens; ``schemas.agents``) is not the agent's own turn: ``turnstream
+export`` leaves those rows out unless ``--keep-side-calls`` (``without_side_calls``), as the
+trainer sink does; the shards keep them.
+
 Fidelity. A row *round-trips* when its ``messages`` and ``tools``, rendered with the chat template
 (the whole conversation, no generation prompt) and encoded, are exactly
 
@@ -57,8 +62,10 @@ from typing import Any, Literal, Protocol
 import msgspec
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from consumers.errors import ExportError
+from schemas.agents import is_side_call
 from schemas.shards import TRAJECTORY_SCHEMA
 
 __all__ = [
@@ -76,6 +83,7 @@ __all__ = [
     "first_difference",
     "messages_table",
     "tokens_table",
+    "without_side_calls",
 ]
 
 ExportKind = Literal["tokens", "messages"]
@@ -164,6 +172,32 @@ def tokens_table(shard: pa.Table) -> pa.Table:
         for f in TOKENS_SCHEMA
     ]
     return pa.Table.from_arrays(columns, schema=TOKENS_SCHEMA)
+
+
+def without_side_calls(shard: pa.Table) -> tuple[pa.Table, int]:
+    """Shard rows less those of side requests (metadata ``side: true``), and how many those were.
+
+    Only rows whose metadata text mentions ``"side"`` are decoded (a substring scan over the
+    column first): most rows are not, and the metadata is the session's, any size."""
+    metadata = shard.column("metadata")
+    mentions = pc.fill_null(pc.match_substring(metadata, '"side"'), False)
+    if not pc.any(mentions).as_py():
+        return shard, 0
+    texts = metadata.to_pylist()
+    keep = [
+        not (mentioned and _side_text(text))
+        for mentioned, text in zip(mentions.to_pylist(), texts, strict=True)
+    ]
+    kept = shard.filter(pa.array(keep, pa.bool_()))
+    return kept, shard.num_rows - kept.num_rows
+
+
+def _side_text(text: str | None) -> bool:
+    try:
+        metadata = _decode.decode(text) if text is not None else None
+    except msgspec.DecodeError:  # not ours to judge here: the row is exported as it is
+        return False
+    return isinstance(metadata, dict) and is_side_call(metadata)
 
 
 # -- messages ---------------------------------------------------------------------------------

@@ -16,9 +16,13 @@ delta-encoded prompts, cutting segments, rewards) happens in ``finish``.
 
 A session is a tree (DESIGN §5): each turn's delta is taken against its parent turn
 (``TurnCompleted.parent``). Turns are cut into chains, one trajectory each: a turn joins its
-parent's chain when its prompt starts with the parent's whole context and the parent has no
-continuing child yet; any other turn starts a chain. Interleaved sub-agents thus become one
-trajectory per conversation, and a linear session one trajectory, as before.
+parent's chain when its prompt starts with the parent's whole context, the parent has no
+continuing child yet and both turns are one agent's (``TurnCompleted.agent``: the same id, or
+no id on either); any other turn starts a chain. A side request (compaction, auxiliary, ...)
+is a chain of its own, and nothing continues it nor a turn whose client went away
+(``client_gone``). Interleaved sub-agents thus become one trajectory per conversation, a fork
+sub-agent a trajectory whose copy of its parent's history is all prompt, and a linear session
+one trajectory, as before.
 
 A two-turn session, delivered out of order and with turn 1 twice; turn 1 extends turn 0's
 context ``[1, 2] + [3]`` by the tool result ``[4]``:
@@ -59,7 +63,7 @@ from functools import cached_property, reduce
 from itertools import islice
 from typing import Literal, TypeVar
 
-from consumers._segments import Chains, RebuiltTurn, rebuild, sample_spans, split
+from consumers._segments import Chains, RebuiltTurn, is_side, rebuild, sample_spans, split
 from consumers.errors import FoldError, MissingTurns
 from schemas.codec import Codec
 from schemas.events import (
@@ -84,11 +88,19 @@ __all__ = [
     "initial",
 ]
 
-FOLD_VERSION = 4
+FOLD_VERSION = 5
 """Stored in every TrajectoryReady: bump it whenever the same events would fold differently.
 4: a turn's delta and chain follow its ``parent_turn`` (a session is a tree); a fork is a chain
 that begins inside generated history. (Issue 19's ``logprobs_kind: "raw"`` in metadata needed no
-bump: it came with the events that carry it, and every other sample folds as before.)"""
+bump: it came with the events that carry it, and every other sample folds as before.)
+5 (issue 35): the agents the client named cut the chains: a turn joins its parent's chain only
+when both have one agent id (or neither has one), a side request (``schemas.agents``) is a chain
+of its own that nothing continues, and a turn whose client went away ends its chain; the
+metadata names the chain's agent, ``side`` and ``client_gone``, and with
+``final_reward_scope="last"`` the reward goes to the last sample that is not a side request;
+``side_calls`` counts a session's side samples (beside ``segments``).
+Events without agents or those flags fold to the same trajectories as under 4 but for the
+version; a bump all the same, since one version must mean one rule."""
 
 RewardKey = tuple[str, int | None]  # (key, turn); turn None is the episode reward
 
@@ -329,6 +341,38 @@ def _raw_logprobs(sample: list[RebuiltTurn]) -> JSON:
     return {"logprobs_kind": "raw"} if raw else {}
 
 
+# TurnCompleted.agent key -> trajectory metadata key; "kind" is what the client said, read only
+# where the gateway recorded no resolved kind (what the tokens said).
+_AGENT_METADATA = {
+    "id": "agent",
+    "parent": "parent_agent",
+    "resolved_kind": "agent_kind",
+    "kind": "agent_kind",
+    "type": "agent_type",
+    "request_class": "request_class",
+    "source": "agent_source",
+    "mismatch": "agent_mismatch",
+}
+
+
+def _agent_metadata(sample: list[RebuiltTurn]) -> JSON:
+    """The agent whose turns the sample holds, as its client named it and the gateway resolved
+    it (a chain's turns are one agent's; a field is the first of its turns' that says it), and
+    ``side`` / ``client_gone``. Said only where the turns carry them, so a sample of events
+    without agents has the metadata it had before."""
+    metadata: JSON = {}
+    for turn in sample:
+        for key, name in _AGENT_METADATA.items():
+            value = turn.event.agent.get(key)
+            if name not in metadata and isinstance(value, str) and value:
+                metadata[name] = value
+    if any(is_side(turn.event) for turn in sample):
+        metadata["side"] = True
+    if sample[-1].event.client_gone:
+        metadata["client_gone"] = True
+    return metadata
+
+
 def _tools_by_turn(turns: list[TurnCompleted]) -> dict[int, list[JSON]]:
     """The tool schemas each turn's model was given: a turn records them only when they changed
     (None: as its parent turn's; none for a turn without a parent)."""
@@ -398,11 +442,19 @@ def finish(state: SessionState, options: FoldOptions = FoldOptions()) -> FoldRes
     )
     created_at = _created_at(kept, turns, rewards)
     tools = _tools_by_turn(turns)
+    agents = [_agent_metadata(sample) for sample in samples]
+    side_calls = sum(1 for agent in agents if agent.get("side"))
+    if side_calls:  # so a batcher leaving them out knows how many rows a session has without
+        base_metadata["side_calls"] = side_calls
+    # "last": the sample that stands for the session (its last that is not a side request,
+    # which training leaves out by default).
+    rewarded = max(
+        (i for i, agent in enumerate(agents) if not agent.get("side")), default=len(samples) - 1
+    )
 
     def trajectory(index: int, sample: list[RebuiltTurn]) -> CompactTrajectory:
         tokens = sample_spans(sample)
         last = sample[-1]
-        is_last = index == len(samples) - 1
         return CompactTrajectory(
             run=run,
             session=session,
@@ -418,7 +470,9 @@ def finish(state: SessionState, options: FoldOptions = FoldOptions()) -> FoldRes
             prompt_len=sample[0].prompt_len,
             turn_ends=tokens.turn_ends,
             turn_rewards=[turn_rewards.get(turn.event.turn) for turn in sample],
-            reward=final_reward if is_last or options.final_reward_scope == "all" else None,
+            reward=final_reward
+            if index == rewarded or options.final_reward_scope == "all"
+            else None,
             num_turns=len(sample),
             finish_reason=last.event.finish_reason,
             messages=last.conversation.all(),
@@ -427,6 +481,7 @@ def finish(state: SessionState, options: FoldOptions = FoldOptions()) -> FoldRes
                 **base_metadata,
                 "first_turn": sample[0].event.turn,
                 **_tree_metadata(chains, sample),
+                **agents[index],
                 **_temperatures(sample),
                 **_raw_logprobs(sample),
             },

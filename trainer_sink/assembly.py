@@ -23,6 +23,9 @@ R response columns; integer tensors int64::
                                  by the gateway's --allow-raw-logprobs); no importance ratios
     min_weight_version [B]       int64 tensors: the trajectory's oldest / newest weight version
     max_weight_version [B]       of generated tokens (-1: none), before any truncation
+    side_call          [B]       bool: the sample is a side request's (metadata side=true:
+                                 compaction, auxiliary, ...); the batcher leaves those out
+                                 unless ``keep_side_calls``
 
 Non-tensor entries, one value per sample:
 
@@ -36,6 +39,12 @@ Non-tensor entries, one value per sample:
     session, trajectory_id
     __num_turns__      int: the sample's completion turns (model calls), under verl's key. verl's
                        own agent loops count messages instead (2 for one user/assistant exchange)
+    agent              str: the agent whose conversation the sample is, as its client named it
+                       (metadata ``agent``: ``main``, a Claude Code agent id, a Codex thread id);
+                       "" when the client named none
+    agent_kind         str: ``main``, ``fork`` or ``fresh`` (metadata ``agent_kind``: what the
+                       gateway resolved from the tokens, else the client's word); "" unnamed.
+                       For per-agent weighting of a session's one advantage (docs/verl.md)
     multi_modal_inputs an empty dict (``AssemblySettings.multi_modal_inputs``): verl's trainer
                        reads it for every sample, text-only ones included
 
@@ -100,6 +109,7 @@ import numpy.typing as npt
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
+from schemas.agents import is_side_call
 from schemas.events import TrajectoryReady
 from trainer_sink.buffers import BatchBuffers
 from trainer_sink.config import AssemblySettings
@@ -439,6 +449,9 @@ def _annotate(
     batch["raw_logprobs"] = torch.tensor(
         [t.metadata.get("logprobs_kind") == "raw" for t in trajectories], dtype=torch.bool
     )
+    batch["side_call"] = torch.tensor(
+        [is_side_call(t.metadata) for t in trajectories], dtype=torch.bool
+    )
     batch["min_weight_version"] = torch.from_numpy(
         np.fromiter((t.min_weight_version for t in trajectories), np.int64, count)
     )
@@ -452,6 +465,8 @@ def _annotate(
         "session": [t.session for t in trajectories],
         "trajectory_id": [t.trajectory_id for t in trajectories],
         "__num_turns__": [t.num_turns for t in trajectories],
+        "agent": [_text(t.metadata.get("agent")) for t in trajectories],
+        "agent_kind": [_text(t.metadata.get("agent_kind")) for t in trajectories],
     }
     for key, values in entries.items():
         # A stack with one NonTensorData per sample: not set_non_tensor (one value for the whole
@@ -462,3 +477,8 @@ def _annotate(
         # Dicts, which from_list would turn into TensorDicts: wrapped one by one (2x slower).
         batch["multi_modal_inputs"] = NonTensorStack(*(NonTensorData({}) for _ in trajectories))
     return batch
+
+
+def _text(value: object) -> str:
+    """A metadata value as a non-tensor str entry: "" where absent (or not text)."""
+    return value if isinstance(value, str) else ""

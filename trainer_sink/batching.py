@@ -46,6 +46,12 @@ it is ready, since it may have waited ``group_timeout_s``: with ``stale="drop"``
 drops the whole group (a partial group would shift the others' baseline), with ``"flag"`` each
 stale sample is flagged.
 
+Side calls (``keep_side_calls``, off by default): a sample whose metadata says ``side: true``
+(the fold's trajectory of a side request: compaction, auxiliary, side_reply, count_tokens;
+``schemas.agents``) is dropped (``side_call``) rather than trained on; the shards keep it. In
+``groups`` a session is complete without its side calls (the fold counts them in the metadata's
+``side_calls``), so dropping them never holds a group back, redelivered or not.
+
 Duplicates (the live feed is at least once): a trajectory id the batcher holds is always
 recognized; of those it already released or dropped, the last ``dedup_window`` are. A
 duplicate is dropped (``duplicate``). Caution for the live source: a duplicate of a sample still
@@ -86,6 +92,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Generic, Literal, TypeVar
 
+from schemas.agents import is_side_call
 from schemas.events import TrajectoryReady
 from trainer_sink.config import BatchingSettings
 
@@ -103,7 +110,13 @@ H = TypeVar("H")
 _K = TypeVar("_K")
 _V = TypeVar("_V")
 DropReason = Literal[
-    "duplicate", "stale", "over_budget", "incomplete_group", "uniform_group", "late_member"
+    "duplicate",
+    "stale",
+    "over_budget",
+    "incomplete_group",
+    "uniform_group",
+    "late_member",
+    "side_call",
 ]
 _GroupKey = tuple[str, str]  # (run, group)
 _SessionKey = tuple[str, str]  # (run, session)
@@ -218,6 +231,8 @@ class Batcher(Generic[H]):
         trajectory_id = sample.trajectory.trajectory_id
         if trajectory_id in self._held or trajectory_id in self._recent:
             self._drop(sample, "duplicate", out)
+        elif not self.settings.keep_side_calls and is_side_call(sample.trajectory.metadata):
+            self._drop(sample, "side_call", out)
         elif self.settings.policy == "groups":
             self._add_to_group(sample, out)
         else:
@@ -337,10 +352,23 @@ class Batcher(Generic[H]):
                 del self._open[key]  # full: the next session of this key starts a new group
         self._held.add(trajectory.trajectory_id)
         group.samples.append(sample)
-        group.segments[session] = max(group.segments[session], trajectory.expected_segments)
+        group.segments[session] = max(group.segments[session], self._expected_rows(trajectory))
         group.seen[session].add(trajectory.segment)
         if group.complete(self.settings.group_size):
             self._finish_group(group, complete=True, out=out)
+
+    def _expected_rows(self, trajectory: TrajectoryReady) -> int:
+        """The rows of the sample's session this batcher will release: its segments, less
+        those of side requests (the fold's ``side_calls``) unless it keeps them."""
+        expected = trajectory.expected_segments
+        side = trajectory.metadata.get("side_calls")
+        if (
+            not self.settings.keep_side_calls
+            and isinstance(side, int)
+            and not isinstance(side, bool)
+        ):
+            expected -= side
+        return max(expected, 1)
 
     def _expire(self, now: float, out: Decision[H]) -> None:
         # Start times never decrease (see _clock), so the first group not due ends the scan.

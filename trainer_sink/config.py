@@ -42,6 +42,12 @@ class BatchingSettings(BaseModel):
     stale: Literal["drop", "flag"] = Field(
         "drop", description="drop stale samples, or keep them with stale=True"
     )
+    keep_side_calls: bool = Field(
+        False,
+        description="keep samples of side requests (metadata side=true: compaction, auxiliary, "
+        "side_reply, count_tokens) in the batches; by default they are dropped (side_call), "
+        "the shards keep them",
+    )
     dedup_window: int = Field(
         65_536,
         ge=1,

@@ -12,7 +12,9 @@ divided by the std), where the sessions [1, 0, 0, 0] have the baseline 0.25 and 
 turn, which carries the final reward whatever the fold's ``final_reward_scope`` ("all": every
 segment has it; "last": only that one). Per-turn rewards on the session's *other* segments do
 not enter it. When a batch holds only some of a session's rows (count batching split it),
-the last of those stands for it.
+the last of those stands for it. A side request's row (kept by ``keep_side_calls``) stands for
+its session only when the session has no other row in the batch: the fold rewards the last
+sample that is not a side request.
 
 >>> rows = SessionRows.of(
 ...     ["r/a", "r/a", "r/b", "r/a"], ["r/a/0", "r/a/2", "r/b/0", "r/a/1"]
@@ -56,28 +58,39 @@ class SessionRows:
 
     @classmethod
     def of(
-        cls, session_uids: Sequence[str] | npt.NDArray[np.object_], trajectory_ids: Sequence[str]
+        cls,
+        session_uids: Sequence[str] | npt.NDArray[np.object_],
+        trajectory_ids: Sequence[str],
+        side_calls: Sequence[bool] | None = None,
     ) -> SessionRows:
         """The sessions of the rows whose ``session_uid`` and ``trajectory_id`` entries are given
-        (a batch's ``non_tensor_values`` or a ``DataProto``'s ``non_tensor_batch`` arrays)."""
-        if len(session_uids) != len(trajectory_ids):
+        (a batch's ``non_tensor_values`` or a ``DataProto``'s ``non_tensor_batch`` arrays).
+        ``side_calls`` (the batch's ``side_call``, where the batcher kept them): a side
+        request's row never stands for its session while the session has another row."""
+        if len(session_uids) != len(trajectory_ids) or (
+            side_calls is not None and len(side_calls) != len(trajectory_ids)
+        ):
             raise ValueError(
-                f"{len(session_uids)} session uids for {len(trajectory_ids)} trajectory ids: "
-                f"give one of each per row"
+                f"{len(session_uids)} session uids for {len(trajectory_ids)} trajectory ids"
+                + (f" and {len(side_calls)} side_call flags" if side_calls is not None else "")
+                + ": give one of each per row"
             )
+        side = (
+            [False] * len(trajectory_ids) if side_calls is None else [bool(x) for x in side_calls]
+        )
         number: dict[str, int] = {}
         session = np.empty(len(session_uids), dtype=np.int64)
         last: list[int] = []
-        last_segment: list[int] = []
+        last_key: list[tuple[bool, int]] = []  # (not a side call, segment): the highest stands
         for row, (uid, trajectory_id) in enumerate(zip(session_uids, trajectory_ids, strict=True)):
-            segment = segment_of(str(trajectory_id))
+            key = (not side[row], segment_of(str(trajectory_id)))
             found = number.setdefault(str(uid), len(number))
             session[row] = found
             if found == len(last):
                 last.append(row)
-                last_segment.append(segment)
-            elif segment > last_segment[found]:
-                last[found], last_segment[found] = row, segment
+                last_key.append(key)
+            elif key > last_key[found]:
+                last[found], last_key[found] = row, key
         return cls(
             session=session,
             last=np.asarray(last, dtype=np.int64),

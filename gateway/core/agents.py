@@ -21,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from schemas.agents import SIDE_CLASSES
+
 __all__ = ["MAIN_AGENT", "SIDE_CLASSES", "AgentIdentity"]
 
 JSON = dict[str, Any]
@@ -28,10 +30,6 @@ JSON = dict[str, Any]
 MAIN_AGENT = "main"
 """The key of a client's root agent where the client names it by omission (Claude Code's main
 agent sends no agent id)."""
-
-SIDE_CLASSES = frozenset({"compaction", "auxiliary", "side_reply", "count_tokens"})
-"""Request classes that are not the agent's own turns (Claude Code's
-``x-claude-code-request-class``): recorded and labelled, left out of training rows by default."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,6 +29,7 @@ from consumers.export import convert_messages
 from schemas.events import TrajectoryReady
 from schemas.shards import ShardMetadata, trajectories_to_table
 from shardstore import FileShardStore
+from tests.helpers.agent_sessions import claude_code_session
 from tests.helpers.services import shard_table_rows
 from tests.helpers.tiny_model import WEATHER_QUESTION, WEATHER_RESULT, WEATHER_TOOLS
 from tests.helpers.trajectories import folded
@@ -304,6 +305,36 @@ def test_unknown_runs_empty_selections_and_outputs_in_the_way_are_refused(
     assert inside.returncode == 1 and f"cannot write the export to {blocker}" in inside.stderr
     assert "Traceback" not in inside.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "out"]
+
+
+def test_side_calls_are_exported_only_when_asked(tmp_path: Path) -> None:
+    """A coding agent's session: main, a fork, a fresh sub-agent and a compaction call (the
+    fold's side call, segment 3). The export leaves the side call out by default and says so."""
+    root = tmp_path / "shards"
+    rows = list(enumerate(claude_code_session("cc", "s1", 1.0), start=1))
+    meta = ShardMetadata(
+        run="cc", stream="TRAJ", stream_created="t", first_seq=1, last_seq=len(rows),
+        rows=len(rows), fold_versions=(rows[0][1].fold_version,),
+    )  # fmt: skip
+    FileShardStore(str(root)).write(trajectories_to_table(rows, meta), meta)
+    base = ["--shards", str(root), "--run", "cc", "--kind", "tokens"]
+
+    default = export(*base, "-o", str(tmp_path / "default"))
+    kept = export(*base, "-o", str(tmp_path / "kept"), "--keep-side-calls")
+    only = export(*base, "-o", str(tmp_path / "only"), "--where", "segment = 3")
+
+    assert default.returncode == 0 and kept.returncode == 0, default.stderr + kept.stderr
+    assert "1 side-call trajectory (compaction, auxiliary, ...) left out" in default.stderr
+    for name, segments, left_out in (("default", [0, 1, 2], 1), ("kept", [0, 1, 2, 3], 0)):
+        manifest = json.loads((tmp_path / name / "manifest.json").read_text())
+        assert manifest["side_calls"] == {"kept": name == "kept", "left_out": left_out}
+        exported = pl.read_parquet(sorted((tmp_path / name).glob("part-*.parquet")))
+        assert exported["segment"].to_list() == segments
+    side = json.loads(pl.read_parquet(tmp_path / "kept" / "part-00000.parquet")["metadata"][3])
+    assert side["side"] is True and side["request_class"] == "compaction"
+    assert only.returncode == 1 and "--keep-side-calls" in only.stderr
+    assert "all 1 trajectories of run cc that match --where are side calls" in only.stderr
+    assert not (tmp_path / "only").exists()
 
 
 def test_a_damaged_shard_fails_the_export_whole(

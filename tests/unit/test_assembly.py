@@ -42,6 +42,8 @@ NON_TENSOR_KEYS = (
     "session",
     "trajectory_id",
     "__num_turns__",
+    "agent",
+    "agent_kind",
     "multi_modal_inputs",
 )
 # torch's jagged tensors refuse slicing / index tensors on the batch dim; tensordict 0.15 routes

@@ -26,9 +26,11 @@ from consumers.export import (
     first_difference,
     messages_table,
     tokens_table,
+    without_side_calls,
 )
 from consumers.export_formats import dataset_card, jsonl_lines
 from schemas.shards import trajectories_to_table
+from tests.helpers.agent_sessions import claude_code_session
 from tests.helpers.tiny_model import WEATHER_RESULT, WEATHER_TOOLS
 from tests.helpers.trajectories import folded
 from turnstream.data.export import TemplateRenderer, load_renderer
@@ -227,6 +229,25 @@ def test_messages_rows_hold_conversations_tools_and_no_token_column() -> None:
     assert [json.loads(t) for t in rows[1]["tools"]] == WEATHER_TOOLS and rows[0]["tools"] == []
     assert [r["round_trips"] for r in rows] == [None, None]  # not checked: no renderer
     assert dropped == {"thinking": 1}
+
+
+def test_side_calls_are_left_out_by_their_metadata_alone() -> None:
+    agents = claude_code_session("r1", "cc", 1.0)  # main, fork, fresh, a compaction call
+    nested = msgspec.structs.replace(
+        folded("r1", "plain"), metadata={"task": {"side": True}, "side_note": '"side":true'}
+    )
+    untrue = msgspec.structs.replace(folded("r1", "other"), metadata={"side": "true"})
+    shard = trajectories_to_table(list(enumerate([*agents, nested, untrue], start=1)))
+
+    kept, left_out = without_side_calls(shard)
+    plain, none = without_side_calls(_shard_table())
+
+    assert left_out == 1
+    assert kept.column("trajectory_id").to_pylist() == [
+        "r1/cc/0", "r1/cc/1", "r1/cc/2", "r1/plain/0", "r1/other/0",
+    ]  # fmt: skip
+    assert kept.schema == shard.schema
+    assert (none, plain.num_rows) == (0, 2)
 
 
 def test_json_lines_write_json_columns_as_json_and_numbers_exactly() -> None:

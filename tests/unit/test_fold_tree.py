@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from consumers import FoldError, FoldOptions, FoldResult, FoldWorkerSettings, fold
+from consumers import FOLD_VERSION, FoldError, FoldOptions, FoldResult, FoldWorkerSettings, fold
 from eventlog.dispositions import DeadLetterIt, disposition
 from eventlog.pull import ConsumerSpec
 from schemas.codec import Codec
@@ -138,7 +138,7 @@ def test_a_session_recorded_before_parents_folds_as_fold_v3_folded_it(
     assert len(result.trajectories) == len(v3)
     for now, then in zip(result.trajectories, v3, strict=True):
         got, want = plain(now), plain(then)
-        assert (got.pop("fold_version"), want.pop("fold_version")) == (4, 3)
+        assert (got.pop("fold_version"), want.pop("fold_version")) == (FOLD_VERSION, 3)
         added = {k: got["metadata"].pop(k) for k in TREE_KEYS if k in got["metadata"]}
         assert got == want
         # What fold v4 adds: the chain that starts off turn 1 (the rewrite) says where it
@@ -345,9 +345,27 @@ def test_a_delta_that_does_not_fit_its_parent_is_dead_lettered(
 _TOKENS = st.lists(st.integers(0, 3), max_size=3)  # a tiny vocabulary: accidental prefixes
 
 
+_AGENTS = st.one_of(
+    st.just({}),  # a client that names no agents
+    st.fixed_dictionaries(
+        {"id": st.sampled_from(["main", "a1", "a2"])},
+        optional={"request_class": st.sampled_from(["main", "subagent", "compaction"])},
+    ),
+)
+
+
+def turn_agent(node: Node) -> tuple[str | None, bool, bool]:
+    """(agent id, side request, client gone) of a node, as the fold reads its event."""
+    named = node.extra.get("agent", {})
+    side = named.get("request_class") == "compaction"
+    return named.get("id"), side, bool(node.extra.get("client_gone"))
+
+
 @st.composite
 def trees(draw: st.DrawFn) -> list[Node]:
-    """Random trees: each turn continues an earlier turn, keeps part of one, or starts anew."""
+    """Random trees: each turn continues an earlier turn, keeps part of one, or starts anew;
+    asked for by one of a few agents (or none named), some side requests, some turns whose
+    client went away."""
     nodes: list[Node] = []
     for turn in range(draw(st.integers(1, 7))):
         parent = draw(st.integers(-1, turn - 1))
@@ -360,6 +378,7 @@ def trees(draw: st.DrawFn) -> list[Node]:
                 [*context[:kept], *draw(_TOKENS)],
                 draw(_TOKENS),
                 [*messages[: draw(st.integers(0, len(messages)))], user(f"m{turn}")],
+                extra={"agent": draw(_AGENTS), "client_gone": draw(st.booleans())},
             )
         )
     return nodes
@@ -390,12 +409,14 @@ def test_any_order_and_duplication_of_a_trees_events_fold_the_same(data: st.Data
 
 def reference(nodes: Sequence[Node]) -> tuple[list[int], list[int]]:
     """Chains and forks read literally from the design: marks of generated positions follow
-    each context, a turn joins its parent's chain when it extends the parent and the parent
-    is that chain's last turn, and a new chain that does not extend its parent but keeps a
-    generated mark is a fork."""
+    each context, a turn joins its parent's chain when it extends the parent, the parent
+    is that chain's last turn, both name one agent (or none) and neither the parent's chain
+    was ended (by a side request or a client gone) nor the turn is a side request, and a new
+    chain that does not extend its parent but keeps a generated mark is a fork."""
     marks: list[list[bool]] = []
     chain_of: list[int] = []
     last: list[int] = []
+    ended: list[bool] = []
     forks: list[int] = []
     for turn, node in enumerate(nodes):
         context = nodes[node.parent].context if node.parent >= 0 else []
@@ -405,14 +426,23 @@ def reference(nodes: Sequence[Node]) -> tuple[list[int], list[int]]:
         while shared < min(len(prompt), len(context)) and prompt[shared] == context[shared]:
             shared += 1
         extends = node.parent >= 0 and prompt[: len(context)] == context
-        if extends and last[chain_of[node.parent]] == node.parent:
+        who, side, gone = turn_agent(node)
+        if (
+            extends
+            and not side
+            and last[chain_of[node.parent]] == node.parent
+            and not ended[chain_of[node.parent]]
+            and turn_agent(nodes[node.parent])[0] == who
+        ):
             chain_of.append(chain_of[node.parent])
             last[chain_of[-1]] = turn
         else:
             chain_of.append(len(last))
             last.append(turn)
+            ended.append(False)
             if node.parent >= 0 and not extends and any(parent_marks[:shared]):
                 forks.append(turn)
+        ended[chain_of[-1]] = side or gone
         marks.append(
             [*parent_marks[:shared], *[False] * (len(prompt) - shared)]
             + [True] * len(node.completion)
@@ -436,3 +466,10 @@ def test_a_trees_chains_and_forks_are_the_design_read_literally(
         its_turns = [t for t, s in enumerate(result.turn_segments) if s == trajectory.segment]
         assert trajectory.input_ids.tolist() == nodes[its_turns[-1]].context
         assert int(trajectory.loss_mask.sum()) == sum(len(nodes[t].completion) for t in its_turns)
+        # One agent's turns (or turns of none), named in the metadata with the flags.
+        [who] = {turn_agent(nodes[t])[0] for t in its_turns}
+        assert trajectory.metadata.get("agent") == who
+        assert trajectory.metadata.get("side", False) == any(
+            turn_agent(nodes[t])[1] for t in its_turns
+        )
+        assert trajectory.metadata.get("client_gone", False) == turn_agent(nodes[its_turns[-1]])[2]

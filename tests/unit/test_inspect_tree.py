@@ -11,9 +11,10 @@ from rich.console import Console
 
 from schemas.events import SessionEvent, TurnCompleted
 from schemas.trust import VettedSession
+from tests.helpers.agent_sessions import FRESH, claude_code_turns
 from tests.helpers.sessions import reward
 from tests.helpers.tree_sessions import TreeTurn, tree_events, tree_session
-from turnstream.inspect.command import html_tree, render_html, terminal_tree
+from turnstream.inspect.command import html_tree, render_html, render_terminal, terminal_tree
 from turnstream.inspect.text import first_words
 from turnstream.inspect.tree import (
     BRANCH,
@@ -29,7 +30,7 @@ from turnstream.inspect.tree import (
     tree_nodes,
     tree_paths,
 )
-from turnstream.inspect.view import SessionView, session_view, start_text
+from turnstream.inspect.view import SessionView, agent_text, session_view, start_text
 
 SYS = [1, 2]  # a system prompt both conversations start with
 
@@ -282,3 +283,58 @@ def test_a_retry_is_a_branch_of_its_parent_not_a_fork() -> None:
             samples=(0, 0, 1))] == [ROOT, CONTINUES, BRANCH]  # fmt: skip
     marker = start_text(view.segments[1])
     assert marker is not None and marker.startswith("⑃ branch at turn 2")
+
+
+# -- agents (issue 35) -------------------------------------------------------------------------
+
+
+def test_each_trajectory_says_whose_conversation_it_is() -> None:
+    turns = claude_code_turns()  # main, fork, fresh, main, fork, fresh, a compaction call
+    gone = TreeTurn(5, [*turns[5].context, 24], [25], extra={
+        "agent": {**FRESH, "mismatch": "shares no <parent> request"}, "client_gone": True,
+    })  # fmt: skip
+
+    view = view_of(tree_session([*turns, gone]))
+    page = render_html(view)
+    console = Console(width=300, record=True)
+    for part in render_terminal(view):
+        console.print(part)
+    shown = console.export_text()
+
+    assert [agent_text(s) for s in view.segments] == [
+        "agent main (main) · request class main · named by claude_code",
+        "agent a9e64a5ca0980ef44 (fork of main) · type fork · named by claude_code",
+        "agent adfda152c31bc96cc (fresh of main) · type general-purpose · named by claude_code · "
+        "the tokens overruled the client: shares no <parent> request · client gone: it never "
+        "saw the last reply",
+        "agent main (main) · request class compaction · named by claude_code · side call: left "
+        "out of training rows unless kept",
+    ]
+    nodes = {n.turn: node_text(n) for path in _flatten(view.tree) for n in path.nodes}
+    assert "· agent a9e64a5ca0980ef44 ·" in nodes[1]
+    assert "· agent main · side call (compaction) ·" in nodes[6]
+    assert "· client gone ·" in nodes[7]
+    for text in filter(None, map(agent_text, view.segments)):
+        assert text in shown
+    assert "shares no &lt;parent&gt; request" in page and "<parent>" not in page
+    assert dict(view.header())["agents"] == (
+        "main (main), a9e64a5ca0980ef44 (fork), adfda152c31bc96cc (fresh); 1 side call"
+    )
+
+
+def test_a_trajectory_of_a_client_that_names_no_agents_says_nothing_of_agents() -> None:
+    view = view_of(tree_session(linear(3)))
+
+    assert [agent_text(s) for s in view.segments] == [None]
+    assert "agents" not in dict(view.header())
+    assert "agent" not in render_html(view).split("turn tree")[1]
+
+
+def _flatten(paths: list[TreePath]) -> list[TreePath]:
+    out: list[TreePath] = []
+    pending = list(paths)
+    while pending:
+        path = pending.pop()
+        out.append(path)
+        pending.extend(path.branches)
+    return out

@@ -7,6 +7,7 @@ import pytest
 
 from consumers import fold
 from schemas.events import TrajectoryReady
+from tests.helpers.agent_sessions import claude_code_session
 from tests.helpers.sessions import TurnSpec, append_only, session_events
 from turnstream.integrations.errors import AgentFailed, TrajectoryTimeout
 from turnstream.integrations.rollouts import AgentTask, Episode, load_agent
@@ -111,6 +112,24 @@ def test_a_forked_session_gives_its_final_segment_and_names_the_others() -> None
     assert sample.extra_fields["turnstream_forks"] == 1
     assert sample.extra_fields["turnstream_dropped_segments"] == ["r/f/0"]
     assert sample.extra_fields["min_global_steps"] == sample.extra_fields["max_global_steps"] == 3
+
+
+def test_a_side_call_is_never_the_sample() -> None:
+    """A coding agent's session (main, a fork, a fresh sub-agent) whose last segment is a
+    compaction call: the sample is the last segment that is not, with the reward the fold gave
+    it under either reward scope."""
+    for scope in ("all", "last"):
+        segments = claude_code_session(RUN, "cc", 1.0, final_reward_scope=scope)
+        assert segments[-1].metadata["side"] is True
+
+        sample = rollout_sample(episode("cc", segments))
+
+        assert sample is not None
+        assert sample.extra_fields["turnstream_trajectory_id"] == f"{RUN}/cc/2"
+        assert sample.reward == 1.0
+        assert sample.extra_fields["turnstream_dropped_segments"] == [
+            f"{RUN}/cc/0", f"{RUN}/cc/1", f"{RUN}/cc/3",
+        ]  # fmt: skip
 
 
 def test_a_failed_agent_gives_a_sample_that_trains_nothing() -> None:

@@ -2,7 +2,7 @@
 
     turnstream export --run r1 --kind tokens|messages --format parquet|jsonl -o DIR
         [--where "reward > 0 and num_turns >= 3"] [--shards URI] [--overwrite]
-        [--tokenizer MODEL_DIR | --no-fidelity] [--rows-per-part 100000]
+        [--tokenizer MODEL_DIR | --no-fidelity] [--rows-per-part 100000] [--keep-side-calls]
 
 Reads the shards only (``--shards``, default ``<data_dir>/shards``; no log needed). ``--where`` is
 a DuckDB SQL predicate over the shard columns. ``tokens`` keeps the training columns,
@@ -15,6 +15,10 @@ For ``messages``, every row is rendered again with the chat template of ``--toke
 the built-in tiny model, when ``<data_dir>/models`` has it — what the gateway serves by default)
 through the gateway's own rendering, and compared with its tokens: the rows that do not
 round-trip are counted in the summary and the manifest, and flagged in ``round_trips``.
+
+Rows of side requests (metadata ``side: true``: a compaction, auxiliary or side-reply call of a
+coding agent, not its own turn) are left out unless ``--keep-side-calls``; the manifest counts
+them (``side_calls``).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from consumers.export import (
     Fidelity,
     messages_table,
     tokens_table,
+    without_side_calls,
 )
 from consumers.export_files import ExportDirectory, ExportFormat, Selection
 from consumers.export_formats import dataset_card
@@ -76,6 +81,8 @@ class FidelityCheck:
 class _Tally:
     rows: int = 0
     tokens: int = 0
+    read: int = 0  # shard rows read, side calls left out included
+    side_calls: int = 0  # left out
     dropped: Counter[str] = field(default_factory=Counter)
 
 
@@ -92,8 +99,10 @@ def export_run(
     overwrite: bool = False,
     progress: bool = True,
     batch_rows: int = 1024,
+    keep_side_calls: bool = False,
 ) -> JSON:
-    """Export ``run``'s shard rows matching ``where`` to ``output``; the manifest written."""
+    """Export ``run``'s shard rows matching ``where`` to ``output``, those of side requests only
+    with ``keep_side_calls``; the manifest written."""
     selection = Selection(shards, run, where)
     try:
         total = selection.count()
@@ -126,6 +135,10 @@ def export_run(
         ):
             task = bar.add_task("rows", total=total, tokens=0)
             for shard_rows in selection.batches(batch_rows):
+                tally.read += shard_rows.num_rows
+                if not keep_side_calls:
+                    shard_rows, side_calls = without_side_calls(shard_rows)
+                    tally.side_calls += side_calls
                 if kind == "tokens":
                     rows = tokens_table(shard_rows)
                 else:
@@ -138,8 +151,16 @@ def export_run(
                 directory.write(rows)
                 tally.rows += shard_rows.num_rows
                 tally.tokens += _tokens(shard_rows)
-                bar.update(task, completed=tally.rows, tokens=tally.tokens)
+                bar.update(task, completed=tally.read, tokens=tally.tokens)
+            if tally.rows == 0:
+                raise ExportError(
+                    f"all {tally.side_calls} trajectories of run {run} that "
+                    f"{'match --where' if where is not None else 'are there'} are side calls "
+                    f"(compaction, auxiliary, ...); pass --keep-side-calls to export them; "
+                    f"nothing was written"
+                )
             manifest = _manifest(selection, kind, format, tally, directory, fidelity, check)
+            manifest["side_calls"] = {"kept": keep_side_calls, "left_out": tally.side_calls}
             directory.commit(manifest, dataset_card(manifest, schema))
     finally:
         selection.close()
@@ -283,6 +304,11 @@ class ExportCommand(ServiceSettings):
     fidelity: bool = Field(True, description="messages: check the chat-template round trip")
     rows_per_part: int = Field(100_000, ge=1, description="rows per output file")
     overwrite: bool = Field(False, description="replace a non-empty output directory")
+    keep_side_calls: bool = Field(
+        False,
+        description="export the rows of side requests too (metadata side=true: compaction, "
+        "auxiliary, side_reply, count_tokens calls); by default they are left out",
+    )
 
     def _fidelity(self) -> FidelityCheck:
         if self.kind != "messages":
@@ -312,6 +338,7 @@ class ExportCommand(ServiceSettings):
             fidelity=fidelity,
             rows_per_part=self.rows_per_part,
             overwrite=self.overwrite,
+            keep_side_calls=self.keep_side_calls,
         )
         parts = len(manifest["parts"])
         rows = manifest["rows"]
@@ -322,6 +349,12 @@ class ExportCommand(ServiceSettings):
             f"part{'s' if parts != 1 else ''})",
             soft_wrap=True,
         )
+        if left_out := manifest["side_calls"]["left_out"]:
+            console.print(
+                f"{left_out:,} side-call {'trajectory' if left_out == 1 else 'trajectories'} "
+                f"(compaction, auxiliary, ...) left out: --keep-side-calls exports them",
+                soft_wrap=True,
+            )
         if self.kind == "messages":
             console.print(_fidelity_line(manifest["fidelity"]), soft_wrap=True)
             if manifest["dropped_message_fields"]:

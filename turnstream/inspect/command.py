@@ -11,8 +11,10 @@ The session's events are read back from EVENTS (``--log.url``, or the ``stack.js
   whether it continues its parent, forks from it or starts a new conversation, the tokens it
   shares and adds, weight_version, finish reason, reward and the first words of its newest
   message; a chain of only children is drawn at one level, so a linear session is one path;
-- per trajectory (segment): its turns, and what starts it (a fork, a new conversation) marked,
-  with the tokens its first turn shares with its parent's context collapsed;
+- per trajectory (segment): its turns, whose conversation it is (the agent its client named,
+  its kind, parent agent, request class; a side call; a client gone), and what starts it (a
+  fork, a new conversation) marked, with the tokens its first turn shares with its parent's
+  context collapsed;
 - per turn: its boundary (index, weight_version, finish reason, per-turn reward), the messages
   it added, prompt tokens dimmed (loss_mask 0), generated tokens (loss_mask 1) coloured by their
   sampling probability (red: unlikely, green: likely), its tool calls.
@@ -52,6 +54,7 @@ from turnstream.inspect.tree import FORK, ROOT, TreeNode, TreePath, node_text
 from turnstream.inspect.view import (
     SessionView,
     Token,
+    agent_text,
     heat,
     segment_title,
     session_view,
@@ -100,6 +103,8 @@ def render_terminal(view: SessionView) -> list[RenderableType]:
         parts.append(terminal_tree(view))
     for segment in view.segments:
         parts.append(Rule(Text(segment_title(segment), style="bold"), align="left"))
+        if (agent := agent_text(segment)) is not None:
+            parts.append(Text(agent, style="bold green"))
         if (start := start_text(segment)) is not None:
             parts.append(Text(start, style="bold magenta" if segment.fork else "bold blue"))
         for index, turn in enumerate(segment.turns):
@@ -190,6 +195,8 @@ def render_html(view: SessionView) -> str:
     for segment in view.segments:
         out.append(f'<section class="segment" id="segment-{segment.segment}">')
         out.append(f"<h2>{e(segment_title(segment))}</h2>")
+        if (agent := agent_text(segment)) is not None:
+            out.append(f'<p class="agent">{e(agent)}</p>')
         if (start := start_text(segment)) is not None:
             out.append(f'<p class="{"fork" if segment.fork else "start"}">{e(start)}</p>')
         for index, turn in enumerate(segment.turns):

@@ -10,11 +10,12 @@ A session is a tree (DESIGN §5): every turn hangs under its parent (``TurnCompl
 - it starts a *new conversation*: no parent, or a new segment that shares only prompt tokens
   with its parent's context (a sub-agent that shares the system prompt);
 
-with the segment (sample) it was folded into, the tokens it shares with its parent's context
-and adds, its weight_version, finish reason, per-turn reward and the first words of its newest
-message. ``tree_paths`` lays the nodes out compactly: a chain of only children is one path
-drawn at one level, and only a turn with several children opens branches, so a linear session
-is one flat path, not a staircase.
+with the segment (sample) it was folded into, the agent its client named (a side call, a
+client gone), the tokens it shares with its parent's context and adds, its weight_version,
+finish reason, per-turn reward and the first words of its newest message. ``tree_paths``
+lays the nodes out compactly: a chain of only children is one path drawn at one level, and
+only a turn with several children opens branches, so a linear session is one flat path, not a
+staircase.
 
 >>> nodes = [TreeNode(turn=t, parent=p, segment=s, relation=r) for t, p, s, r in
 ...          [(0, -1, 0, ROOT), (1, 0, 0, CONTINUES), (2, 1, 0, CONTINUES), (3, 1, 1, FORK)]]
@@ -29,8 +30,9 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final, Literal
 
+from schemas.agents import is_side_class
 from schemas.events import TurnCompleted
-from turnstream.inspect.text import first_words, message_text, number
+from turnstream.inspect.text import first_words, message_text, number, printable
 
 __all__ = [
     "BRANCH",
@@ -75,6 +77,9 @@ class TreeNode:
     reward: float | None = None  # per-turn reward
     preview: str = ""  # the first words of its newest message
     orphan: bool = False  # its parent is not among the turns (a gap in the log)
+    agent: str = ""  # the agent its client named ("": none)
+    side: str = ""  # the request class of a side request ("": the agent's own turn)
+    client_gone: bool = False  # the client went away before the reply was whole
 
 
 @dataclass(frozen=True)
@@ -131,6 +136,9 @@ def tree_nodes(
                 reward=(rewards or {}).get(t),
                 preview=first_words(message_text(newest), _PREVIEW_WORDS) if newest else "",
                 orphan=p >= 0 and parent is None,
+                agent=_text(event.agent.get("id")),
+                side=_side_class(event),
+                client_gone=event.client_gone,
             )
         )
     return nodes
@@ -148,6 +156,15 @@ def _relation(
     if chains[turn] == chains[parent]:
         return CONTINUES
     return BRANCH if extends else NEW_FROM
+
+
+def _side_class(event: TurnCompleted) -> str:
+    request_class = _text(event.agent.get("request_class"))
+    return request_class if is_side_class(request_class) else ""
+
+
+def _text(value: object) -> str:
+    return value if isinstance(value, str) else ""
 
 
 def _context_len(event: TurnCompleted) -> int:
@@ -207,6 +224,12 @@ def node_text(node: TreeNode) -> str:
     if node.segment is not None:
         parts.append(f"segment {node.segment}")
     parts.append(relation_text(node))
+    if node.agent:
+        parts.append(f"agent {printable(node.agent)}")
+    if node.side:
+        parts.append(f"side call ({printable(node.side)})")
+    if node.client_gone:
+        parts.append("client gone")
     tokens = f"{node.added} prompt + {node.generated} generated tokens"
     parts.append(f"{node.shared} shared + {tokens}" if node.shared else tokens)
     parts.append(f"weight_version {node.weight_version}")

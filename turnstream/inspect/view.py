@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from consumers.config import FoldWorkerSettings
 from consumers.errors import FoldError
@@ -40,6 +41,7 @@ __all__ = [
     "SessionView",
     "Token",
     "TurnView",
+    "agent_text",
     "heat",
     "segment_title",
     "session_view",
@@ -50,6 +52,7 @@ __all__ = [
 ]
 
 _UNFOLDED = "not folded: each turn's prompt delta and completion as stored"
+JSON = dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,7 @@ class SegmentView:
     parent_context: int = 0  # tokens in the parent turn's context (0: no parent)
     parent_segment: int | None = None  # the segment that holds the parent turn
     folded: bool = True  # False: the turns as stored, of a session the fold refused
+    metadata: JSON = field(default_factory=dict)  # the trajectory's (its agent, side, ...)
 
     @property
     def fork(self) -> bool:
@@ -132,6 +136,8 @@ class SessionView:
             ("forks", forks),
             ("trajectories", str(len(self.result.trajectories)) if self.result else "-"),
         ]
+        if agents := self._agents():
+            rows.append(("agents", agents))
         if self.rewards:
             rows.append(("rewards", ", ".join(map(_reward_text, self.rewards))))
         if self.opened is not None and self.opened.metadata:
@@ -143,6 +149,21 @@ class SessionView:
         if self.fold_error is not None:
             rows.append(("not folded", self.fold_error))
         return [(key, printable(value)) for key, value in rows]  # metadata is the agent's
+
+    def _agents(self) -> str:
+        """The agents the session's trajectories name, each once with its kind, and how many
+        side calls: "" for a client that names none."""
+        named: dict[str, str] = {}
+        side = 0
+        for trajectory in self.result.trajectories if self.result is not None else []:
+            m = trajectory.metadata
+            side += m.get("side") is True
+            if isinstance(agent := m.get("agent"), str) and not m.get("side"):
+                named.setdefault(agent, str(m.get("agent_kind") or "?"))
+        text = ", ".join(f"{agent} ({kind})" for agent, kind in named.items())
+        if side:
+            text += f"{'; ' if text else ''}{side} side call{'s' if side != 1 else ''}"
+        return text
 
 
 # -- the view (pure) --------------------------------------------------------------------------
@@ -224,6 +245,7 @@ def session_view(
                 shared=shared,
                 parent_context=parent_context,
                 parent_segment=parent_segment,
+                metadata=sample.metadata,
             )
         )
     return _view(run, session, vetted, turns, result, None, segments, nodes)
@@ -365,6 +387,36 @@ def start_text(segment: SegmentView) -> str | None:
     if node.relation == ROOT:
         return f"↳ new conversation at turn {node.turn}, with no parent: {here}"
     return None
+
+
+def agent_text(segment: SegmentView) -> str | None:
+    """Whose conversation the segment is (issue 35): the agent its client named, its kind and
+    parent agent, type, request class, the headers that named it, where the tokens overruled
+    the client, and whether it is a side call or its client went away. None when the
+    trajectory says none of it (a client that names no agents)."""
+    m = segment.metadata
+    parts: list[str] = []
+    if agent := m.get("agent"):
+        kind, parent = m.get("agent_kind"), m.get("parent_agent")
+        relation = (
+            f"{kind} of {parent}"
+            if kind and parent
+            else kind or (f"under {parent}" if parent else "")
+        )
+        parts.append(f"agent {agent}" + (f" ({relation})" if relation else ""))
+    for key, label in (
+        ("agent_type", "type"),
+        ("request_class", "request class"),
+        ("agent_source", "named by"),
+        ("agent_mismatch", "the tokens overruled the client"),
+    ):
+        if value := m.get(key):
+            parts.append(f"{label} {value}" if key != "agent_mismatch" else f"{label}: {value}")
+    if m.get("side"):
+        parts.append("side call: left out of training rows unless kept")
+    if m.get("client_gone"):
+        parts.append("client gone: it never saw the last reply")
+    return printable(" · ".join(parts)) if parts else None
 
 
 def shared_text(segment: SegmentView) -> str:

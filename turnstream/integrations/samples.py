@@ -7,7 +7,9 @@ mask, rollout log-probs, reward, turns, extra fields), by these rules:
   conversation before it: history dropped, rewritten, summarized). A framework takes ONE sample
   per prompt rollout, so the sample is the *final* segment, the one holding the episode's last
   turn and its reward; the others are named in ``turnstream_dropped_segments`` and counted in
-  ``turnstream_forks``. They stay in the shards for offline use.
+  ``turnstream_forks``. They stay in the shards for offline use. A side request's segment (a
+  coding agent's compaction call: metadata ``side``) is never the sample: the final segment is
+  the last one that is not, as the fold's ``final_reward_scope="last"`` rewards it.
 - **Failures.** An agent that raised, timed out, returned no finite reward or never called the
   model gives a sample that trains nothing: its response mask is all 0 and its reward
   ``failure_reward`` (0.0), with the error in ``turnstream_error``. Its tokens are what the log
@@ -37,6 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from schemas.agents import is_side_call
 from turnstream.integrations.errors import AgentFailed
 from turnstream.integrations.rollouts import Episode
 
@@ -81,7 +84,10 @@ def rollout_sample(
     agent made no turn: use ``failed_sample``)."""
     if not episode.trajectories:
         return None
-    final = episode.trajectories[-1]
+    final = next(
+        (t for t in reversed(episode.trajectories) if not is_side_call(t.metadata)),
+        episode.trajectories[-1],
+    )
     error = episode.error
     if error is None and final.reward is None:
         error = AgentFailed(f"trajectory {final.trajectory_id} carries no reward")
@@ -122,7 +128,9 @@ def rollout_sample(
             "turnstream_trajectory_id": final.trajectory_id,
             "turnstream_session_id": episode.session.session_id,
             "turnstream_forks": forks if isinstance(forks, int) else 0,
-            "turnstream_dropped_segments": [t.trajectory_id for t in episode.trajectories[:-1]],
+            "turnstream_dropped_segments": [
+                t.trajectory_id for t in episode.trajectories if t is not final
+            ],
             "turnstream_status": final.status,
             "turnstream_error": str(error) if error is not None else None,
             "turnstream_truncated": truncated,

@@ -232,8 +232,11 @@ class ReferenceTrainer:
         if "stale" in batch.keys():  # noqa: SIM118  # older tensordict refuses `in` on a TensorDict
             mask &= ~batch["stale"].unsqueeze(-1)
         rewards = batch["rm_scores"].sum(-1)
+        side = batch["side_call"].tolist() if "side_call" in batch.keys() else None  # noqa: SIM118
         sessions = SessionRows.of(
-            non_tensor_values(batch, "session_uid"), non_tensor_values(batch, "trajectory_id")
+            non_tensor_values(batch, "session_uid"),
+            non_tensor_values(batch, "trajectory_id"),
+            side,
         )
         if s.algorithm == "grpo":
             advantages = group_advantages(rewards, non_tensor_values(batch, "uid"), sessions)
