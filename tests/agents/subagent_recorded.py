@@ -227,7 +227,7 @@ class SubagentSession:
         """One trajectory per agent conversation, named by the CLI's own id; nothing else in
         the shards but labelled side calls."""
         named = Counter(self.metadata(r).get("agent") for r in self.agent_rows())
-        assert named == Counter(self.agents), (
+        assert named == Counter(self.agents.keys()), (
             f"rows by agent {dict(named)}, CLI sent {list(self.agents)}"
         )
         for agent in self.agents.values():
