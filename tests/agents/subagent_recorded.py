@@ -45,7 +45,9 @@ class Checks:
             yield
         except AssertionError as exc:
             where = traceback.extract_tb(exc.__traceback__)[-1]
-            self.failures.append(f"{name}: {exc or 'assertion failed'} (line {where.lineno})")
+            said = str(exc) or "assertion failed"
+            said = said if len(said) <= 2000 else said[:2000] + " ..."
+            self.failures.append(f"{name}: {said} (line {where.lineno})")
         else:
             self.passed.append(name)
 
@@ -172,14 +174,15 @@ class SubagentSession:
         and the main agent's last answer names both results."""
         roles = Counter(call["role"] for call in self.served)
         assert roles[FORK.tag] >= 2 and roles[FRESH.tag] >= 2, roles
-        spawns = [c for c in self.served if c["role"] == "main" and "<tool_call>" in c["reply"]]
-        assert len(spawns) == 1 and spawns[0]["reply"].count("<tool_call>") == 2, spawns
+        main = [c["reply"] for c in self.served if c["role"] == "main"]
+        spawns = [reply for reply in main if "spawn_agent" in reply or '"Agent"' in reply]
+        assert len(spawns) == 1 and spawns[0].count("<tool_call>") == 2, main
         for agent in SUBAGENTS:
             finals = [c["reply"] for c in self.served if c["role"] == agent.tag]
             assert f"SUBRESULT-{agent.tag}: saw SUB-{agent.tag}" in finals, finals
-        last_main = [c["reply"] for c in self.served if c["role"] == "main"][-1]
-        assert last_main == main_final_text([a.tag for a in SUBAGENTS]), last_main
-        assert {a.script for a in self.agents.values()} == {None, FORK, FRESH}, self.agents
+        assert main[-1] == main_final_text([a.tag for a in SUBAGENTS]), main
+        scripts = {key: a.script and a.script.tag for key, a in self.agents.items()}
+        assert set(scripts.values()) == {None, FORK.tag, FRESH.tag}, scripts
 
     def check_tokens(self) -> None:
         """Every served request is exactly one turn of one row of the session: its prompt ids,
