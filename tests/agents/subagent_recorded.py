@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import traceback
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,9 +43,10 @@ class Checks:
     def check(self, name: str) -> Iterator[None]:
         try:
             yield
-        except AssertionError as exc:
+        except Exception as exc:  # a check that cannot even run (a missing key) fails too
             where = traceback.extract_tb(exc.__traceback__)[-1]
-            said = str(exc) or "assertion failed"
+            said = str(exc) if isinstance(exc, AssertionError) else repr(exc)
+            said = said or "assertion failed"
             said = said if len(said) <= 2000 else said[:2000] + " ..."
             self.failures.append(f"{name}: {said} (line {where.lineno})")
         else:
@@ -299,7 +300,7 @@ class SubagentSession:
             meta = self.metadata(row)
             assert not meta.get("client_gone") or meta.get("agent") in allowed, meta
 
-    def run_all(self, *extra: tuple[str, Any]) -> Checks:
+    def run_all(self, *extra: tuple[str, Callable[[], None]]) -> Checks:
         checks = self.checks
         for name, check in (
             ("script ran", self.check_script_ran),
