@@ -7,11 +7,14 @@ be done fails the test with the reason: these tests never skip.
 The stack (one per test module): tests/agents/scripted_backend.py on a free port, and
 ``turnstream up --backend vllm`` pointed at it, with the tiny model's tokenizer and template (the
 backend scores with the same model directory), an API key, and ``--max-context`` large enough for
-the agents' 40-50k-token prompts (see the backend's docstring).
+the agents' 40-50k-token prompts (see the backend's docstring). ``slow_stack`` is the same with
+every backend answer held a second, for the sub-agent tests (requests in flight together overlap
+visibly); ``Stack.events`` reads a session's events back from the stack's log.
 """
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import time
@@ -23,21 +26,25 @@ from typing import Any
 import httpx
 import pytest
 
+from eventlog import connect, read_session
 from eventlog.server import free_port
+from schemas import SessionEvent
 from tests.agents.clis import CLAUDE_CODE, CODEX, AgentInstallError, installed_cli
 from tests.helpers.services import shard_table_rows
 from tests.helpers.up_process import UpProcess
 from tests.helpers.waiting import wait_for
+from turnstream.stack.stack_file import read_stack_file
 
 API_KEY = "sk-turnstream-agents"
 RUN = "up"  # UpProcess's --run
 MAX_CONTEXT = 131072
+SUBAGENT_DELAY_S = 1.0
 
 
 class ScriptedBackend:
     """tests/agents/scripted_backend.py as a process; ``requests()`` is what it served."""
 
-    def __init__(self, model_dir: Path, log_dir: Path) -> None:
+    def __init__(self, model_dir: Path, log_dir: Path, delay: float = 0.0) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"scripted-backend-{self.port}.log"
@@ -46,6 +53,7 @@ class ScriptedBackend:
             *("-m", "tests.agents.scripted_backend"),
             *("--model", str(model_dir), "--port", str(self.port)),
             *("--max-model-len", str(MAX_CONTEXT), "--log", str(log_dir / "served.jsonl")),
+            *("--delay", str(delay)),
         ]
         with self.log_path.open("wb") as log_file:
             self.proc = subprocess.Popen(
@@ -67,8 +75,9 @@ class ScriptedBackend:
                 pass
             time.sleep(0.1)
 
-    def requests(self) -> list[dict[str, Any]]:
-        served = httpx.get(f"{self.url}/requests", timeout=10).json()
+    def requests(self, since: int = 0) -> list[dict[str, Any]]:
+        """What it served, in the order answered; ``since``: less the first that many."""
+        served = httpx.get(f"{self.url}/requests", params={"since": since}, timeout=30).json()
         assert isinstance(served, list)
         return served
 
@@ -119,6 +128,21 @@ class Stack:
     def backend_calls(self) -> int:
         return len(self.backend.requests())
 
+    def events(self, session_id: str) -> list[SessionEvent]:
+        """The session's events, read back from the stack's log (``stack.json``'s NATS URL)."""
+        found = read_stack_file(self.data_dir)
+        assert found is not None, f"no stack.json in {self.data_dir}"
+        nats_url = found.nats_url
+
+        async def read() -> list[SessionEvent]:
+            nc = await connect(nats_url, name="agents-test")
+            try:
+                return await read_session(nc.jetstream(), RUN, session_id)
+            finally:
+                await nc.close()
+
+        return asyncio.run(read())
+
     def trajectories(self, session_id: str, within: float = 60) -> list[dict[str, Any]]:
         """The session's shard rows, once its close has been folded and written."""
         rows: list[dict[str, Any]] = []
@@ -139,14 +163,27 @@ class Stack:
 
 @pytest.fixture(scope="module")
 def stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    yield from _stack(tiny_model_dir, tmp_path_factory, delay=0.0)
+
+
+@pytest.fixture(scope="module")
+def slow_stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """The stack with every backend answer held ``SUBAGENT_DELAY_S``: requests of sub-agents
+    served together overlap at the backend by that much, visibly."""
+    yield from _stack(tiny_model_dir, tmp_path_factory, delay=SUBAGENT_DELAY_S)
+
+
+def _stack(
+    model_dir: Path, tmp_path_factory: pytest.TempPathFactory, delay: float
+) -> Iterator[Stack]:
     data_dir = tmp_path_factory.mktemp("agents-data")
-    backend = ScriptedBackend(tiny_model_dir, data_dir)
+    backend = ScriptedBackend(model_dir, data_dir, delay)
     up: UpProcess | None = None
     try:
         backend.wait_ready()
         up = UpProcess(
             data_dir,
-            tiny_model_dir,
+            model_dir,
             *("--backend", "vllm", "--backend-urls", backend.url),
             *("--max-context", str(MAX_CONTEXT), "--api-keys", API_KEY),
         )

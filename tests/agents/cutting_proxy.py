@@ -16,7 +16,9 @@ would:
 Where to cut so that the CLI resends (measured, 2.1.328 / 0.169.0): Claude Code after its first
 ``content_block_delta`` (once a content block is complete it keeps it and moves on); Codex before
 ``response.output_item.done`` (once an item is done it acts on it and moves on, even without
-``response.completed``). ``model_requests`` lists every request seen, cut or not.
+``response.completed``). ``model_requests`` lists every request seen, cut or not, with its
+headers: with ``cut_at=0`` the proxy only records what the CLI sent (the agent ids in its
+headers), for the sub-agent tests.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import contextlib
 import socket
 import struct
 import threading
+import time
 from dataclasses import dataclass, field
 
 from eventlog.server import free_port
@@ -41,6 +44,8 @@ class SeenRequest:
     method: str
     target: str
     body: bytes
+    headers: dict[str, str] = field(default_factory=dict)  # names lower-cased, as sent
+    arrived: float = 0.0  # time.time() when its body was read
     cut: bool = False
     relayed: bytes = b""  # the response bytes the CLI got
 
@@ -48,7 +53,7 @@ class SeenRequest:
 @dataclass
 class CuttingProxy:
     upstream_port: int
-    cut_at: int  # 1-based index among model requests; 0: never cut
+    cut_at: int  # 1-based index among model requests; 0: never cut (a recording proxy)
     after: bytes | None = None
     before: bytes | None = None
     port: int = field(default_factory=free_port)
@@ -56,7 +61,7 @@ class CuttingProxy:
     all_requests: list[SeenRequest] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if (self.after is None) == (self.before is None):
+        if self.cut_at > 0 and (self.after is None) == (self.before is None):
             raise ValueError("give exactly one of after= and before=")
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -114,7 +119,9 @@ class CuttingProxy:
             if name.strip().lower() == b"transfer-encoding":
                 raise ConnectionError("chunked request bodies are not supported by this proxy")
         body = await reader.readexactly(length) if length else b""
-        seen = SeenRequest(method.decode(), target.decode(), body)
+        seen = SeenRequest(
+            method.decode(), target.decode(), body, _header_dict(headers), time.time()
+        )
         self.all_requests.append(seen)
         is_model = method == b"POST" and target.split(b"?")[0].endswith(_MODEL_PATHS)
         if is_model:
@@ -202,3 +209,12 @@ class CuttingProxy:
             return None
         end = buffer.find(b"\n\n", start)
         return None if end < 0 else end + 2
+
+
+def _header_dict(lines: list[bytes]) -> dict[str, str]:
+    """Request header lines as a dict, names lower-cased (a repeated name keeps its last value)."""
+    headers: dict[str, str] = {}
+    for line in lines:
+        name, _, value = line.partition(b":")
+        headers[name.strip().lower().decode("latin-1")] = value.strip().decode("latin-1")
+    return headers

@@ -101,25 +101,45 @@ def run_claude_code(
     *,
     session_id: str | None = None,
     max_turns: int = 6,
+    prompt: str = PROMPT,
+    env: dict[str, str] | None = None,
 ) -> AgentRun:
     """``claude -p`` with ``ANTHROPIC_BASE_URL=base_url`` (a session base URL without ``/v1``,
-    or the gateway's root with ``session_id`` sent as ``X-Claude-Code-Session-Id``)."""
+    or the gateway's root with ``session_id`` sent as ``X-Claude-Code-Session-Id``); ``env``:
+    more of its environment (e.g. ``CLAUDE_CODE_GATEWAY_HINT_HEADERS``). Its temporary files
+    (background agents' output) go under the working directory's parent."""
     home = workdir.parent / "claude-home"
     home.mkdir(exist_ok=True)
+    scratch = workdir.parent / "claude-tmp"
+    scratch.mkdir(exist_ok=True)
     command = [
         str(binary),
-        *("-p", PROMPT, "--max-turns", str(max_turns), "--model", "tiny"),
+        *("-p", prompt, "--max-turns", str(max_turns), "--model", "tiny"),
         *("--allowedTools", "Bash", "Read"),
         *("--output-format", "stream-json", "--verbose"),
     ]
     if session_id is not None:
         command += ["--session-id", session_id]
-    env = _offline_env(home, {"ANTHROPIC_BASE_URL": base_url, "ANTHROPIC_API_KEY": api_key})
-    return _run(command, workdir, env)
+    extra = {
+        "ANTHROPIC_BASE_URL": base_url,
+        "ANTHROPIC_API_KEY": api_key,
+        "CLAUDE_CODE_TMPDIR": str(scratch),
+        **(env or {}),
+    }
+    return _run(command, workdir, _offline_env(home, extra))
 
 
-def run_codex(binary: Path, base_url: str, api_key: str, workdir: Path) -> AgentRun:
-    """``codex exec`` against a custom provider at ``base_url`` (ending in ``/v1``)."""
+def run_codex(
+    binary: Path,
+    base_url: str,
+    api_key: str,
+    workdir: Path,
+    *,
+    prompt: str = PROMPT,
+    features: dict[str, bool] | None = None,
+) -> AgentRun:
+    """``codex exec`` against a custom provider at ``base_url`` (ending in ``/v1``);
+    ``features``: more of its ``[features]`` table (e.g. ``multi_agent_v2``)."""
     home = workdir.parent / "codex-home"
     home.mkdir(exist_ok=True)
     (home / "config.toml").write_text(
@@ -139,6 +159,7 @@ def run_codex(binary: Path, base_url: str, api_key: str, workdir: Path) -> Agent
                 "",
                 "[features]",
                 "plugins = false",
+                *(f"{name} = {str(on).lower()}" for name, on in (features or {}).items()),
                 "",
             ]
         )
@@ -146,7 +167,7 @@ def run_codex(binary: Path, base_url: str, api_key: str, workdir: Path) -> Agent
     command = [
         str(binary),
         *("exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox"),
-        PROMPT,
+        prompt,
     ]
     env = _offline_env(home, {"CODEX_HOME": str(home), "TURNSTREAM_API_KEY": api_key})
     return _run(command, workdir, env)

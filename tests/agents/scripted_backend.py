@@ -29,8 +29,10 @@ last ``--window`` tokens of the prompt (default: the model's positions less the 
 ``--window 0`` conditions on the whole prompt). ``scored_logprobs`` is the one function that
 computes them, so a test can recompute a recorded turn's log-probs from the shard's tokens.
 
-``GET /requests`` lists every completion request served (prompt length, step, reply, streamed),
-so a test counts the model calls that reached the backend. Run::
+``GET /requests`` lists every completion request served (prompt and reply ids, step, scripted
+role, reply, streamed, arrival and answer times), so a test counts the model calls that reached
+the backend, compares the recorded tokens with them, and sees which were in flight together
+(``--delay S`` holds every answer S seconds, so concurrent requests overlap visibly). Run::
 
     .venv/bin/python -m tests.agents.scripted_backend --model DIR --port 8100 --max-model-len 131072
 """
@@ -58,6 +60,7 @@ from starlette.routing import Route
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from tests.agents.script import FINAL_TEXT, claude_bash_call, codex_shell_call, step_for
+from tests.agents.subagent_script import subagent_step
 
 __all__ = ["Scorer", "ScriptedReply", "scored_logprobs", "scripted_reply", "served_app"]
 
@@ -71,12 +74,14 @@ class ScriptedReply:
     step: int  # 1-based model call of the script (tool results seen + 1)
     agent: str  # "claude_code", "codex" or "none" (no shell tool offered)
     text: str  # without the end-of-turn token
+    role: str = "script"  # the sub-agent script's "main", "FORK" or "FRESH"; else "script"
 
 
-def offered_tools(prompt_text: str) -> set[str]:
-    """Names of the tools the rendered prompt's ``<tools>`` section lists (one JSON per line)."""
+def offered_tools(prompt_text: str) -> dict[str, dict[str, Any]]:
+    """The tools the rendered prompt's ``<tools>`` section lists (one JSON per line): their
+    parameter schemas by name."""
     section = _TOOLS_SECTION.search(prompt_text)
-    names: set[str] = set()
+    tools: dict[str, dict[str, Any]] = {}
     for line in section.group(1).splitlines() if section else []:
         try:
             tool = json.loads(line)
@@ -85,12 +90,15 @@ def offered_tools(prompt_text: str) -> set[str]:
         if isinstance(tool, dict):
             function = tool.get("function", tool)
             if isinstance(function, dict) and isinstance(function.get("name"), str):
-                names.add(function["name"])
-    return names
+                parameters = function.get("parameters")
+                tools[function["name"]] = parameters if isinstance(parameters, dict) else {}
+    return tools
 
 
 def scripted_reply(prompt_text: str) -> ScriptedReply:
-    """The scripted step for a decoded prompt (pure).
+    """The scripted step for a decoded prompt (pure): the sub-agent script's
+    (tests/agents/subagent_script.py) when the conversation is one of its agents', else the
+    three-call script's (tests/agents/script.py).
 
     >>> scripted_reply("<|im_start|>user\\nhi<|im_end|>\\n<|im_start|>assistant\\n").text
     'Done: notes.txt read and answer.txt written.'
@@ -102,17 +110,21 @@ def scripted_reply(prompt_text: str) -> ScriptedReply:
     results = conversation.count(_TOOL_RESPONSE)
     if "Bash" in tools:
         agent = "claude_code"
-    elif tools & {"exec_command", "shell_command", "shell"}:
+    elif tools.keys() & {"exec_command", "shell_command", "shell"}:
         agent = "codex"
     else:
         agent = "none"
+    scripted = subagent_step(conversation, tools)
+    if scripted is not None:
+        role, text = scripted
+        return ScriptedReply(results + 1, agent, text, role)
     command = step_for(results) if agent != "none" else None
     if command is None:
         return ScriptedReply(results + 1, agent, FINAL_TEXT)
     if agent == "claude_code":
         name, arguments = claude_bash_call(command)
     else:
-        name, arguments = codex_shell_call(tools, command)
+        name, arguments = codex_shell_call(set(tools), command)
     call = json.dumps({"name": name, "arguments": arguments})
     return ScriptedReply(results + 1, agent, f"<tool_call>\n{call}\n</tool_call>")
 
@@ -192,7 +204,12 @@ class ServedRequest:
     reply: str
     stream: bool
     finish_reason: str
-    at: float
+    role: str  # ScriptedReply.role
+    prompt_ids: list[int]
+    # In flight at the backend from ``arrived`` to at least ``answered`` (the reply computed,
+    # after the --delay): one request arriving before another is answered overlaps it.
+    arrived: float
+    answered: float
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -200,11 +217,18 @@ def _error(status: int, message: str) -> JSONResponse:
 
 
 def served_app(
-    scorer: Scorer, model_name: str, max_model_len: int, log_path: Path | None
+    scorer: Scorer,
+    model_name: str,
+    max_model_len: int,
+    log_path: Path | None,
+    delay: float = 0.0,
 ) -> Starlette:
+    """``delay``: seconds every answer waits before it is computed (requests in flight together
+    at the backend overlap visibly, as they would on a real server)."""
     served: list[ServedRequest] = []
 
     async def completions(request: Request) -> Response:
+        arrived = time.time()
         try:
             body = await request.json()
             prompt = [int(token) for token in body["prompt"]]
@@ -219,6 +243,8 @@ def served_app(
         temperature = float(body.get("temperature", 1.0))
         max_tokens = int(body.get("max_tokens") or 16)
         reply = scripted_reply(scorer.decode(prompt))
+        if delay > 0:
+            await asyncio.sleep(delay)
         ids = [*scorer.encode(reply.text), scorer.end_of_turn]
         finish_reason = "stop" if len(ids) <= max_tokens else "length"
         ids = ids[:max_tokens]
@@ -235,6 +261,9 @@ def served_app(
             reply.text,
             stream,
             finish_reason,
+            reply.role,
+            prompt,
+            arrived,
             time.time(),
         )
         served.append(record)
@@ -291,8 +320,13 @@ def served_app(
     async def health(_: Request) -> Response:
         return Response(status_code=200)
 
-    async def requests(_: Request) -> Response:
-        return JSONResponse([asdict(record) for record in served])
+    async def requests(request: Request) -> Response:
+        """What was served, in the order answered; ``?since=N`` skips the first N."""
+        try:
+            since = max(0, int(request.query_params.get("since", "0")))
+        except ValueError:
+            return _error(400, "since must be an integer")
+        return JSONResponse([asdict(record) for record in served[since:]])
 
     return Starlette(
         routes=[
@@ -355,11 +389,14 @@ def main() -> None:
     )
     parser.add_argument("--log", type=Path, default=None, help="JSON lines, one per request")
     parser.add_argument("--torch-threads", type=int, default=None)
+    parser.add_argument(
+        "--delay", type=float, default=0.0, help="seconds every answer waits before it is made"
+    )
     args = parser.parse_args()
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     scorer = Scorer(args.model, args.window)
-    app = served_app(scorer, args.model_name, args.max_model_len, args.log)
+    app = served_app(scorer, args.model_name, args.max_model_len, args.log, args.delay)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 
 
