@@ -344,7 +344,7 @@ def _raw_logprobs(sample: list[RebuiltTurn]) -> JSON:
 # TurnCompleted.agent key -> trajectory metadata key; "kind" is what the client said, read only
 # where the gateway recorded no resolved kind (what the tokens said).
 _AGENT_METADATA = {
-    "id": "agent",
+    "id": "agent_id",
     "parent": "parent_agent",
     "resolved_kind": "agent_kind",
     "kind": "agent_kind",

@@ -39,8 +39,8 @@ Non-tensor entries, one value per sample:
     session, trajectory_id
     __num_turns__      int: the sample's completion turns (model calls), under verl's key. verl's
                        own agent loops count messages instead (2 for one user/assistant exchange)
-    agent              str: the agent whose conversation the sample is, as its client named it
-                       (metadata ``agent``: ``main``, a Claude Code agent id, a Codex thread id);
+    agent_id           str: the agent whose conversation the sample is, as its client named it
+                       (metadata ``agent_id``: ``main``, a Claude Code agent id, a Codex thread id);
                        "" when the client named none
     agent_kind         str: ``main``, ``fork`` or ``fresh`` (metadata ``agent_kind``: what the
                        gateway resolved from the tokens, else the client's word); "" unnamed.
@@ -465,7 +465,7 @@ def _annotate(
         "session": [t.session for t in trajectories],
         "trajectory_id": [t.trajectory_id for t in trajectories],
         "__num_turns__": [t.num_turns for t in trajectories],
-        "agent": [_text(t.metadata.get("agent")) for t in trajectories],
+        "agent_id": [_text(t.metadata.get("agent_id")) for t in trajectories],
         "agent_kind": [_text(t.metadata.get("agent_kind")) for t in trajectories],
     }
     for key, values in entries.items():

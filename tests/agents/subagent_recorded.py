@@ -164,7 +164,7 @@ class SubagentSession:
         return [row for row in self.rows if not self.metadata(row).get("side")]
 
     def row_of(self, agent: CliAgent) -> dict[str, Any]:
-        rows = [r for r in self.rows if self.metadata(r).get("agent") == agent.key]
+        rows = [r for r in self.rows if self.metadata(r).get("agent_id") == agent.key]
         assert len(rows) == 1, f"{len(rows)} rows name agent {agent.key}"
         return rows[0]
 
@@ -230,7 +230,7 @@ class SubagentSession:
     def check_one_row_per_agent(self) -> None:
         """One trajectory per agent conversation, named by the CLI's own id; nothing else in
         the shards but labelled side calls."""
-        named = Counter(self.metadata(r).get("agent") for r in self.agent_rows())
+        named = Counter(self.metadata(r).get("agent_id") for r in self.agent_rows())
         assert named == Counter(self.agents.keys()), (
             f"rows by agent {dict(named)}, CLI sent {list(self.agents)}"
         )
@@ -243,7 +243,7 @@ class SubagentSession:
                 assert agent.script.marker in row["messages"], f"{agent.key}'s task is not its own"
         for row in self.rows:
             meta = self.metadata(row)
-            assert meta.get("side") or meta.get("agent") in self.agents, meta
+            assert meta.get("side") or meta.get("agent_id") in self.agents, meta
 
     def check_row_identity(self) -> None:
         """Each row's parent and kind as the CLI said and the tokens agree."""
@@ -298,7 +298,7 @@ class SubagentSession:
         assert set(gone) <= allowed, f"turns of {gone} recorded with client_gone"
         for row in self.rows:
             meta = self.metadata(row)
-            assert not meta.get("client_gone") or meta.get("agent") in allowed, meta
+            assert not meta.get("client_gone") or meta.get("agent_id") in allowed, meta
 
     def run_all(self, *extra: tuple[str, Callable[[], None]]) -> Checks:
         checks = self.checks

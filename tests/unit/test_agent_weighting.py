@@ -66,7 +66,7 @@ def test_a_sessions_agents_share_its_one_advantage() -> None:
     assert dropped == {"side_call": 1}
     assert [s.trajectory.session for s in released] == ["agents"] * 3 + ["plain"]
     assert non_tensor_values(batch, "agent_kind") == ["main", "fork", "fresh", ""]
-    assert non_tensor_values(batch, "agent") == [
+    assert non_tensor_values(batch, "agent_id") == [
         "main",
         "a9e64a5ca0980ef44",
         "adfda152c31bc96cc",

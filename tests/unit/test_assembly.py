@@ -42,7 +42,7 @@ NON_TENSOR_KEYS = (
     "session",
     "trajectory_id",
     "__num_turns__",
-    "agent",
+    "agent_id",
     "agent_kind",
     "multi_modal_inputs",
 )

@@ -64,11 +64,11 @@ def test_each_agent_of_a_claude_code_session_is_its_own_trajectory() -> None:
     assert main.input_ids.tolist() == turns[3].context
     assert fork.input_ids.tolist() == turns[4].context
     assert fresh.input_ids.tolist() == turns[5].context
-    assert {k: main.metadata.get(k) for k in ("agent", "parent_agent", "agent_kind")} == {
-        "agent": "main", "parent_agent": None, "agent_kind": "main",
+    assert {k: main.metadata.get(k) for k in ("agent_id", "parent_agent", "agent_kind")} == {
+        "agent_id": "main", "parent_agent": None, "agent_kind": "main",
     }  # fmt: skip
     assert {k: v for k, v in fork.metadata.items() if "agent" in k or k == "request_class"} == {
-        "agent": "a9e64a5ca0980ef44", "parent_agent": "main", "agent_kind": "fork",
+        "agent_id": "a9e64a5ca0980ef44", "parent_agent": "main", "agent_kind": "fork",
         "agent_type": "fork", "request_class": "subagent", "agent_source": "claude_code",
     }  # fmt: skip
     assert fresh.metadata["agent_kind"] == "fresh"
@@ -107,7 +107,7 @@ def test_two_agents_extending_one_context_are_two_chains_whatever_arrives_first(
 
     assert result.turn_segments == (0, 1, 0, 1)
     main, fork = result.trajectories
-    assert main.metadata["agent"] == "main" and fork.metadata["agent"] == FORK["id"]
+    assert main.metadata["agent_id"] == "main" and fork.metadata["agent_id"] == FORK["id"]
     # The fork's copy of main's reply (11, 12) is its prompt; main's chain trains it once.
     assert fork.loss_mask.tolist() == [0] * 7 + [1, 0, 1]
     assert main.loss_mask.tolist() == [0, 0, 0, 0, 1, 1, 0, 1]
@@ -125,8 +125,8 @@ def test_an_agents_turns_never_join_a_chain_without_an_agent() -> None:
     result = fold(tree_session([plain0, named1, plain2]))
 
     assert result.turn_segments == (0, 1, 2)
-    assert "agent" not in result.trajectories[0].metadata
-    assert result.trajectories[1].metadata["agent"] == "main"
+    assert "agent_id" not in result.trajectories[0].metadata
+    assert result.trajectories[1].metadata["agent_id"] == "main"
 
 
 @pytest.mark.parametrize("request_class", sorted(SIDE_CLASSES))

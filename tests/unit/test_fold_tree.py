@@ -468,7 +468,7 @@ def test_a_trees_chains_and_forks_are_the_design_read_literally(
         assert int(trajectory.loss_mask.sum()) == sum(len(nodes[t].completion) for t in its_turns)
         # One agent's turns (or turns of none), named in the metadata with the flags.
         [who] = {turn_agent(nodes[t])[0] for t in its_turns}
-        assert trajectory.metadata.get("agent") == who
+        assert trajectory.metadata.get("agent_id") == who
         assert trajectory.metadata.get("side", False) == any(
             turn_agent(nodes[t])[1] for t in its_turns
         )

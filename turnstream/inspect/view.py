@@ -158,7 +158,7 @@ class SessionView:
         for trajectory in self.result.trajectories if self.result is not None else []:
             m = trajectory.metadata
             side += m.get("side") is True
-            if isinstance(agent := m.get("agent"), str) and not m.get("side"):
+            if isinstance(agent := m.get("agent_id"), str) and not m.get("side"):
                 named.setdefault(agent, str(m.get("agent_kind") or "?"))
         text = ", ".join(f"{agent} ({kind})" for agent, kind in named.items())
         if side:
@@ -396,7 +396,7 @@ def agent_text(segment: SegmentView) -> str | None:
     trajectory says none of it (a client that names no agents)."""
     m = segment.metadata
     parts: list[str] = []
-    if agent := m.get("agent"):
+    if agent := m.get("agent_id"):
         kind, parent = m.get("agent_kind"), m.get("parent_agent")
         relation = (
             f"{kind} of {parent}"
