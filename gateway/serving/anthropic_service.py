@@ -84,7 +84,7 @@ _OFF_LOOP_CHARS = 64 * 1024
 def canonical_messages(req: MessagesRequest | CountTokensRequest) -> list[JSON]:
     """The request's conversation as the turn core's messages."""
     messages: list[JSON] = []
-    system = block_text(req.system)
+    system = block_text(_prompt_blocks(req.system))
     if system:
         messages.append({"role": "system", "content": system})
     for message in req.messages:
@@ -95,6 +95,28 @@ def canonical_messages(req: MessagesRequest | CountTokensRequest) -> list[JSON]:
         else:
             messages.append(_assistant_message(message.content))
     return messages
+
+
+_BILLING_HEADER = "x-anthropic-billing-header:"
+
+
+def _prompt_blocks(system: str | list[TextBlock] | None) -> str | list[TextBlock] | None:
+    """``system`` without Claude Code's billing block (``billing_header``): a header carried in
+    the body, not text for the model. It differs between one session's agents (a sub-agent's
+    adds ``cc_is_subagent=true;``) and between builds of the CLI (its version suffix), so
+    rendering it would make a fork's prompt share nothing with its parent's spawning turn, and
+    a prompt depend on which build sent it. Recorded with the turn instead."""
+    if not isinstance(system, list) or not any(b.text.startswith(_BILLING_HEADER) for b in system):
+        return system
+    return [b for b in system if not b.text.startswith(_BILLING_HEADER)]
+
+
+def billing_header(system: str | list[TextBlock] | None) -> str | None:
+    """The text of Claude Code's billing block in ``system`` (``x-anthropic-billing-header:
+    cc_version=...; cc_entrypoint=...;``), where there is one."""
+    if not isinstance(system, list):
+        return None
+    return next((b.text for b in system if b.text.startswith(_BILLING_HEADER)), None)
 
 
 def _user_messages(content: str | Sequence[TextBlock | ToolResultBlock]) -> list[JSON]:
@@ -177,6 +199,9 @@ def messages_turn_request(req: MessagesRequest) -> TurnRequest:
         extras["output_config"] = req.output_config.model_dump(exclude_none=True)
     if req.server_tools:
         extras["unoffered_tools"] = [t.raw for t in req.server_tools]
+    billing = billing_header(req.system)
+    if billing is not None:
+        extras["billing_header"] = billing
     return TurnRequest(
         api="messages",
         messages=canonical_messages(req),

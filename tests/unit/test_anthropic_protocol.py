@@ -63,7 +63,13 @@ def test_claude_codes_requests_extend_each_other_canonically() -> None:
         assert later.record == earlier.record
     first = turns[0].messages
     assert [m["role"] for m in first] == ["system", "user", "system"]
-    assert first[0]["content"].startswith("x-anthropic-billing-header")
+    # Claude Code's billing block is a header in the body: recorded, not rendered (a sub-agent's
+    # says cc_is_subagent=true; rendered, a fork would share nothing with its parent's turn)
+    assert "x-anthropic-billing-header" not in first[0]["content"]
+    assert turns[0].record["billing_header"].startswith("x-anthropic-billing-header: cc_version=")
+    body = json.loads((FIXTURES / "request_1.json").read_text())["body"]
+    body["system"][0]["text"] += " cc_is_subagent=true;"
+    assert messages_turn_request(MessagesRequest.model_validate(body)).messages == first
     assert "</system-reminder>\nRead notes.txt" in first[1]["content"]  # blocks joined with ""
     assert first[2]["content"].startswith("# Environment")  # blocks in request 1, a string after
     assert [m["role"] for m in turns[2].messages] == [
