@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
@@ -178,3 +179,38 @@ def test_a_namespaces_call_comes_back_namespaced_and_its_echo_continues_the_turn
     assert after.parent_turn == first.turn
     assert after.prefix_len == first.prefix_len + len(first.prompt_ids) + len(first.completion_ids)
     assert [m["role"] for m in after.new_messages] == ["tool"]
+
+
+def test_malformed_namespaces_and_agent_messages_are_400s_naming_the_field(
+    gateway: GatewayProcess,
+) -> None:
+    session = gateway.session()
+    url = f"{session['base_url']}/responses"
+    spawn = V1["tools"][0]
+    cases: list[tuple[dict[str, Any], str, str]] = [
+        ({"tools": [{**V1, "tools": []}]}, "tools.0.namespace.tools", "at least 1"),
+        (
+            {"tools": [{**V1, "tools": [{"type": "custom", "name": "x"}]}]},
+            "tools.0.namespace.tools.0",
+            "'custom' inside a namespace",
+        ),
+        ({"tools": [{**V1, "name": "multi agent"}]}, "tools.0.namespace.name", "characters"),
+        (
+            {"tools": [{**spawn, "name": "multi_agent_v1__spawn_agent"}, V1]},
+            "tools.1",
+            "the name of function tool 'multi_agent_v1__spawn_agent'",
+        ),
+        ({"input": [{**V2_PROMPT, "content": []}]}, "input.list.0.agent_message.content", "1"),
+        (
+            {"input": [{**V2_PROMPT, "content": [{"type": "encrypted_content", "x": 1}]}]},
+            "input.list.0.agent_message.content.list.0.encrypted.encrypted_content",
+            "required",
+        ),
+        ({"input": [{"type": "agent_memo"}]}, "input", "agent_message"),
+    ]
+    for extra, param, words in cases:
+        refused = httpx.post(url, json={"model": "tiny", "input": "hi", **extra})
+        assert refused.status_code == 400, (extra, refused.text)
+        error = refused.json()["error"]
+        assert error["type"] == "invalid_request_error"
+        assert error["param"].startswith(param) and words in error["message"], (extra, error)
