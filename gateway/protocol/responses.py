@@ -36,6 +36,7 @@ from pydantic import (
     Field,
     Tag,
     ValidationError,
+    field_validator,
     model_validator,
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
@@ -237,7 +238,7 @@ class ResponsesRequest(BaseModel):
 
     def _one_function_per_name(self) -> None:
         """A namespace's flattened function may not take the name of another function offered
-        (a call must name one), and namespaces may not offer more than MAX_FUNCTIONS."""
+        (a call must name one)."""
         plain = {t.name for t in self.tools or () if isinstance(t, FunctionTool)}
         flattened: dict[str, str] = {}  # offered name -> which namespace's function it is
         for index, tool in enumerate(self.tools or ()):
@@ -255,13 +256,27 @@ class ResponsesRequest(BaseModel):
                         "rename one (a call names one function)",
                     )
                 flattened[name] = what
-        if len(plain) + len(flattened) > MAX_FUNCTIONS:
-            raise _invalid(
-                "tools",
-                len(flattened),
-                f"{len(plain) + len(flattened)} functions offered (namespaces' included): "
-                f"at most {MAX_FUNCTIONS}",
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _bounded_functions(cls, tools: Any) -> Any:
+        """At most MAX_FUNCTIONS tools, a namespace's functions each counted: counted before
+        they are validated, so that validating one request cannot hold the event loop long."""
+        if isinstance(tools, list):
+            count = sum(
+                len(tool["tools"])
+                if isinstance(tool, dict)
+                and tool.get("type") == "namespace"
+                and isinstance(tool.get("tools"), list)
+                else 1
+                for tool in tools
             )
+            if count > MAX_FUNCTIONS:
+                raise ValueError(
+                    f"{count} tools offered, namespaces' functions each counted: at most "
+                    f"{MAX_FUNCTIONS}"
+                )
+        return tools
 
     @property
     def function_tools(self) -> list[FunctionTool]:

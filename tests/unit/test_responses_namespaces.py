@@ -382,8 +382,8 @@ def namespace(name: str = "ns", tools: Any = None) -> dict[str, Any]:
         ),
         (
             {"tools": [namespace(tools=[{**EXEC, "name": f"f{i}"} for i in range(1025)])]},
-            "tools.0.namespace.tools",
-            "at most 1024",
+            "tools",
+            "1025 tools offered",
         ),
         (
             {
@@ -393,7 +393,7 @@ def namespace(name: str = "ns", tools: Any = None) -> dict[str, Any]:
                 ]
             },
             "tools",
-            "1200 functions offered",
+            "1200 tools offered, namespaces' functions each counted: at most 1024",
         ),
         (
             {"tools": [V1], "tool_choice": {"type": "function", "name": "spawn_agent"}},
