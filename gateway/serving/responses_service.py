@@ -87,7 +87,7 @@ def _function_call(
         name=name,
         arguments=function["arguments"] if arguments is None else arguments,
         status=status,
-        **({} if namespace is None else {"namespace": namespace}),
+        namespace=namespace,  # left out of the item when None
     )
 
 
