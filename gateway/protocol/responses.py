@@ -4,11 +4,16 @@ stream events: ``responses_reply``).
 What Codex CLI and the OpenAI Agents SDK send is accepted or refused by rule:
 
 - Function tools (flat: ``{"type": "function", "name", "description", "parameters",
-  "strict"}``) are offered to the model. Every other tool type (``namespace``, ``web_search``,
-  ...) is accepted and NOT offered: the turn records it in ``unoffered_tools``.
-- Input items: messages (``type`` "message" or omitted; text content only), ``function_call``,
-  ``function_call_output``, and ``reasoning`` (dropped: the gateway never produces reasoning,
-  so a reasoning item can only be another model's). Any other item type is a 400 naming it.
+  "strict"}``) are offered to the model, and so are the function tools of a ``namespace``
+  (Codex's multi-agent tools), flattened to ``<namespace>__<name>`` (``responses_tools``).
+  Every other tool type (``web_search``, ``custom``, ...) is accepted and NOT offered: the turn
+  records it in ``unoffered_tools``.
+- Input items: messages (``type`` "message" or omitted; text content only: ``input_text``,
+  ``output_text`` and ``encrypted_content`` parts, the last as its string), ``function_call``
+  (with its ``namespace``, if any), ``function_call_output``, ``agent_message`` (Codex
+  multi_agent_v2's messages between agents: rendered as a user message) and ``reasoning``
+  (dropped: the gateway never produces reasoning, so a reasoning item can only be another
+  model's). Any other item type is a 400 naming it.
 - Recorded with the turn, never changing the completion: ``reasoning``, ``store``, ``include``
   (but ``message.output_text.logprobs``, which adds logprobs), ``prompt_cache_key``,
   ``metadata``, ``client_metadata``, ``previous_response_id``.
@@ -21,7 +26,6 @@ What Codex CLI and the OpenAI Agents SDK send is accepted or refused by rule:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -32,20 +36,42 @@ from pydantic import (
     Field,
     Tag,
     ValidationError,
+    field_validator,
     model_validator,
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from gateway.protocol.chat import FunctionDefinition
+from gateway.protocol.responses_items import (
+    AgentMessageItem,
+    EncryptedPart,
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    InputItem,
+    InputTextPart,
+    MessageItem,
+    ReasoningItem,
+    ToolOutputPart,
+    item_text,
+    text_or_list,
+)
+from gateway.protocol.responses_tools import (
+    MAX_FUNCTIONS,
+    FunctionChoice,
+    FunctionTool,
+    HostedTool,
+    NamespaceTool,
+    flat_name,
+)
 from gateway.protocol.wire import (
     JSONObject,
     Temperature,
     TokenCount,
     TopP,
-    free_form_extras,
 )
 
 __all__ = [
+    "AgentMessageItem",
+    "EncryptedPart",
     "FunctionCallItem",
     "FunctionCallOutputItem",
     "FunctionChoice",
@@ -53,6 +79,7 @@ __all__ = [
     "HostedTool",
     "InputTextPart",
     "MessageItem",
+    "NamespaceTool",
     "ReasoningItem",
     "ResponsesRequest",
     "ToolOutputPart",
@@ -62,214 +89,27 @@ __all__ = [
 RESPONSE_ID = r"^resp_[A-Za-z0-9_-]{1,64}_[0-9]{1,10}$"
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
-# -- input items --------------------------------------------------------------------------
-
-_BINARY_PARTS = {"input_image", "input_file", "input_audio"}
-
-
-def _text_part(value: Any) -> Any:
-    """Names what is wrong with a content part before the union's generic message would."""
-    if isinstance(value, dict):
-        kind = value.get("type")
-        if kind in _BINARY_PARTS:
-            raise ValueError(
-                f"content part type {kind!r} is not supported: this gateway serves a text "
-                "model; send the content as input_text"
-            )
-        if kind not in ("input_text", "output_text"):
-            raise ValueError(
-                f"content part type {str(kind)[:64]!r} is not supported: send input_text parts "
-                "(output_text for the model's own replies)"
-            )
-    return value
-
-
-class InputTextPart(BaseModel):
-    """``input_text``, or ``output_text`` (a reply echoed back; its annotations and logprobs
-    are kept as extra fields and never reach the prompt)."""
-
-    model_config = ConfigDict(extra="allow", json_schema_extra=free_form_extras)
-
-    type: Literal["input_text", "output_text"]
-    text: str
-
-
-def _text_or_list(value: Any) -> str | None:
-    if isinstance(value, str):
-        return "text"
-    return "list" if isinstance(value, list) else None
-
-
-def text_or_list(items: Any, what: str) -> Any:
-    """``str | list[items]``, whose errors are the branch the value took (a plain union
-    reports every branch's)."""
-    return Annotated[
-        Annotated[str, Tag("text")] | Annotated[items, Tag("list")],
-        Discriminator(
-            _text_or_list,
-            custom_error_type="text_or_list",
-            custom_error_message=f"must be a string or a list of {what}",
-        ),
-    ]
-
-
-TextParts = list[Annotated[InputTextPart, BeforeValidator(_text_part)]]
-TextContent = text_or_list(TextParts, "input_text parts")
-
-
-def item_text(content: str | Sequence[InputTextPart | ToolOutputPart]) -> str:
-    """A message's or tool output's text: a string, or its parts' texts joined (as Chat
-    Completions joins text parts), so both forms of the same text are the same message.
-
-    >>> part = InputTextPart(type="input_text", text="ab")
-    >>> item_text([part, part]), item_text("abab")
-    ('abab', 'abab')
-    """
-    if isinstance(content, str):
-        return content
-    return "".join(part.text for part in content)
-
-
-class MessageItem(BaseModel):
-    # id, status and the like: a client's bookkeeping, never the prompt's
-    model_config = ConfigDict(extra="allow", json_schema_extra=free_form_extras)
-
-    type: Literal["message"] = "message"
-    role: Literal["user", "system", "developer", "assistant"]
-    content: TextContent  # type: ignore[valid-type]
-
-
-class FunctionCallItem(BaseModel):
-    """A function call of the model's, sent back (it joins the assistant message before it)."""
-
-    model_config = ConfigDict(extra="allow", json_schema_extra=free_form_extras)
-
-    type: Literal["function_call"]
-    call_id: str = Field(min_length=1, max_length=256)
-    name: str = Field(min_length=1, max_length=256)
-    arguments: str = Field(description="the call's arguments, a JSON string")
-
-
-def _output_part(value: Any) -> Any:
-    if isinstance(value, dict) and value.get("type") != "input_text":
-        kind = str(value.get("type"))[:64]
-        raise ValueError(
-            f"function_call_output part type {kind!r} is not supported: send the tool's output "
-            "as a string or input_text parts"
-        )
-    return value
-
-
-class ToolOutputPart(BaseModel):
-    model_config = ConfigDict(extra="allow", json_schema_extra=free_form_extras)
-
-    type: Literal["input_text"]
-    text: str
-
-
-class FunctionCallOutputItem(BaseModel):
-    model_config = ConfigDict(extra="allow", json_schema_extra=free_form_extras)
-
-    type: Literal["function_call_output"]
-    call_id: str = Field(min_length=1, max_length=256)
-    output: text_or_list(  # type: ignore[valid-type]
-        list[Annotated[ToolOutputPart, BeforeValidator(_output_part)]], "input_text parts"
-    )
-
-
-class ReasoningItem(BaseModel):
-    """Dropped: the gateway never produces reasoning (it is another model's)."""
-
-    model_config = ConfigDict(extra="allow", json_schema_extra=free_form_extras)
-
-    type: Literal["reasoning"]
-
-
-_ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
-
-
-def _item_kind(value: Any) -> str | None:
-    if isinstance(value, dict):
-        kind = value.get("type", "message")
-        return kind if kind in _ITEM_TYPES else None
-    kind = getattr(value, "type", None)
-    return kind if kind in _ITEM_TYPES else None
-
-
-def _known_item(value: Any) -> Any:
-    """Refuses an item the gateway cannot put in a prompt, saying why and what to send."""
-    if not isinstance(value, dict):
-        return value
-    kind = value.get("type", "message")
-    if kind in _ITEM_TYPES:
-        return value
-    name = str(kind)[:64]
-    if kind == "item_reference":
-        raise ValueError(
-            "input item type 'item_reference' is not supported: the gateway stores no items "
-            "by id; send the item itself, or previous_response_id to continue a response"
-        )
-    if isinstance(kind, str) and (kind.endswith("_call") or kind.endswith("_call_output")):
-        raise ValueError(
-            f"input item type {name!r} is not supported: only function tools are offered to "
-            "the model here; send function_call and function_call_output items"
-        )
-    raise ValueError(
-        f"input item type {name!r} is not supported: send message, function_call, "
-        "function_call_output or reasoning items"
-    )
-
-
-InputItem = Annotated[
-    Annotated[MessageItem, Tag("message")]
-    | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
-    | Annotated[ReasoningItem, Tag("reasoning")],
-    Discriminator(_item_kind),
-    BeforeValidator(_known_item),
-]
-
 # -- tools ----------------------------------------------------------------------------------
-
-
-class FunctionTool(FunctionDefinition):
-    """A function tool, flat as this API sends it; offered to the model as the chat shape
-    ``{"type": "function", "function": {name, description, parameters}}`` (``strict`` is the
-    client's wish for constrained decoding, which the gateway does not do)."""
-
-    type: Literal["function"]
-    strict: bool | None = None
-
-
-class HostedTool(BaseModel):
-    """Any other tool (``namespace``, ``web_search``, ...): recorded, not offered."""
-
-    model_config = ConfigDict(extra="allow", json_schema_extra=free_form_extras)
-
-    type: str = Field(min_length=1, max_length=64)
 
 
 def _tool_kind(value: Any) -> str | None:
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
     if not isinstance(kind, str):
         return None
-    return "function" if kind == "function" else "hosted"
+    return kind if kind in ("function", "namespace") else "hosted"
 
 
 Tool = Annotated[
-    Annotated[FunctionTool, Tag("function")] | Annotated[HostedTool, Tag("hosted")],
+    Annotated[FunctionTool, Tag("function")]
+    | Annotated[NamespaceTool, Tag("namespace")]
+    | Annotated[HostedTool, Tag("hosted")],
     Discriminator(
         _tool_kind,
         custom_error_type="tool_type",
-        custom_error_message="every tool needs a string type: function (offered to the model) "
-        "or another (recorded, not offered)",
+        custom_error_message="every tool needs a string type: function, namespace (of "
+        "functions: offered to the model) or another (recorded, not offered)",
     ),
 ]
-
-
-class FunctionChoice(BaseModel):
-    type: Literal["function"]
-    name: str = Field(min_length=1, max_length=256)
 
 
 def _text_format(value: Any) -> Any:
@@ -311,12 +151,15 @@ class ResponsesRequest(BaseModel):
     input: text_or_list(  # type: ignore[valid-type]
         Annotated[list[InputItem], Field(max_length=10_000)], "input items"
     ) = Field(
-        description="a user message's text, or items: messages, function_call, "
+        description="a user message's text, or items: messages, agent_message, function_call, "
         "function_call_output, reasoning (dropped)"
     )
     instructions: str | None = Field(None, description="a leading system message")
     tools: list[Tool] | None = Field(
-        None, max_length=1024, description="function tools are offered; other types recorded"
+        None,
+        max_length=1024,
+        description="function tools and namespaces' functions (as <namespace>__<name>) are "
+        "offered; other types recorded",
     )
     tool_choice: Literal["auto", "none", "required"] | FunctionChoice | None = Field(
         None,
@@ -372,30 +215,101 @@ class ResponsesRequest(BaseModel):
                 f"parameter {name[:64]!r} is not supported by this gateway's Responses API "
                 "(see /docs for the fields it takes)",
             )
+        self._one_function_per_name()
         names = [t.name for t in self.function_tools]
         choice = self.tool_choice
-        if isinstance(choice, FunctionChoice) and choice.name not in names:
+        if isinstance(choice, FunctionChoice) and choice.function not in names:
+            hint = ""
+            bare = [name for _, name in self.namespaced_functions.values()]
+            if choice.namespace is None and choice.name in bare:
+                hint = (
+                    "; a namespace's function is named with its namespace: "
+                    '{"type": "function", "namespace": ..., "name": ...}, or flattened'
+                )
             raise _invalid(
                 "tool_choice",
-                choice.model_dump(),
-                f"tool_choice names function {choice.name!r}, not among the function tools {names}",
+                choice.model_dump(exclude_none=True),
+                f"tool_choice names function {choice.function!r}, not among the function tools "
+                f"{names}{hint}",
             )
         if choice == "required" and not names:
             raise _invalid("tool_choice", choice, "tool_choice 'required' needs function tools")
         return self
 
+    def _one_function_per_name(self) -> None:
+        """A namespace's flattened function may not take the name of another function offered
+        (a call must name one)."""
+        plain = {t.name for t in self.tools or () if isinstance(t, FunctionTool)}
+        flattened: dict[str, str] = {}  # offered name -> which namespace's function it is
+        for index, tool in enumerate(self.tools or ()):
+            if not isinstance(tool, NamespaceTool):
+                continue
+            for function in tool.tools:
+                name = flat_name(tool.name, function.name)
+                what = f"function {function.name!r} of namespace {tool.name!r}"
+                other = f"function tool {name!r}" if name in plain else flattened.get(name)
+                if other is not None:
+                    raise _invalid(
+                        ("tools", index),
+                        name,
+                        f"{what} is offered to the model as {name!r}, the name of {other}: "
+                        "rename one (a call names one function)",
+                    )
+                flattened[name] = what
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _bounded_functions(cls, tools: Any) -> Any:
+        """At most MAX_FUNCTIONS tools, a namespace's functions each counted: counted before
+        they are validated, so that validating one request cannot hold the event loop long."""
+        if isinstance(tools, list):
+            count = sum(
+                len(tool["tools"])
+                if isinstance(tool, dict)
+                and tool.get("type") == "namespace"
+                and isinstance(tool.get("tools"), list)
+                else 1
+                for tool in tools
+            )
+            if count > MAX_FUNCTIONS:
+                raise ValueError(
+                    f"{count} tools offered, namespaces' functions each counted: at most "
+                    f"{MAX_FUNCTIONS}"
+                )
+        return tools
+
     @property
     def function_tools(self) -> list[FunctionTool]:
-        return [t for t in self.tools or () if isinstance(t, FunctionTool)]
+        """The functions offered to the model, in order: function tools, and each namespace's
+        under its flattened name."""
+        offered: list[FunctionTool] = []
+        for tool in self.tools or ():
+            if isinstance(tool, FunctionTool):
+                offered.append(tool)
+            elif isinstance(tool, NamespaceTool):
+                offered += tool.flattened()
+        return offered
+
+    @property
+    def namespaced_functions(self) -> dict[str, tuple[str, str]]:
+        """Each namespace's function by the name it is offered under: (namespace, name), the
+        fields of the ``function_call`` item that calls it."""
+        return {
+            flat_name(tool.name, function.name): (tool.name, function.name)
+            for tool in self.tools or ()
+            if isinstance(tool, NamespaceTool)
+            for function in tool.tools
+        }
 
     @property
     def logprobs(self) -> bool:
         return LOGPROBS_INCLUDE in (self.include or ())
 
 
-def _invalid(field: str, value: object, message: str) -> ValidationError:
+def _invalid(field: str | tuple[str | int, ...], value: object, message: str) -> ValidationError:
     """A validation error located at ``field`` (the 400 names it as its param)."""
     error = PydanticCustomError("invalid_field", "{message}", {"message": message})
+    loc = field if isinstance(field, tuple) else (field,)
     return ValidationError.from_exception_data(
-        "ResponsesRequest", [InitErrorDetails(type=error, loc=(field,), input=value)]
+        "ResponsesRequest", [InitErrorDetails(type=error, loc=loc, input=value)]
     )

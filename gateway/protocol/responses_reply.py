@@ -50,12 +50,16 @@ class OutputMessage(Wire):
 
 
 class OutputFunctionCall(Wire):
+    """A call of the model's; of a namespace's function: its ``namespace`` and bare ``name``,
+    as the client offered it (left out for any other function)."""
+
     type: Literal["function_call"] = "function_call"
     id: str
     call_id: str
     name: str
     arguments: str
     status: Literal["in_progress", "completed", "incomplete"]
+    namespace: str | None = Field(None, exclude_if=lambda value: value is None)
 
 
 class InputTokensDetails(Wire):

@@ -4,9 +4,13 @@
 
 Input items become chat messages: a message item is a message (its text parts joined), the
 ``function_call`` items that follow an assistant message item (or each other) join it as ONE
-assistant message with tool calls, a ``function_call_output`` is a tool message, ``reasoning``
-items are dropped. So the output items of a response, echoed back verbatim or re-serialized,
-are exactly the reply the turn recorded, and the next turn extends it token for token.
+assistant message with tool calls, a ``function_call_output`` is a tool message, an
+``agent_message`` a user message, ``reasoning`` items are dropped. A namespace's function is
+called by its flattened name (``<namespace>__<name>``), as it was offered to the model,
+whether or not this request offers the namespace (a Codex sub-agent's copy of its parent's
+history holds the parent's calls, not its tools). So the output items of a response, echoed
+back verbatim or re-serialized, are exactly the reply the turn recorded, and the next turn
+extends it token for token.
 
 Response ids name the session and the turn (``resp_<session>_<turn>``); a resent request gets
 its turn again under the same id.
@@ -30,11 +34,13 @@ from gateway.core.conversation import TurnRequest
 from gateway.errors import InvalidRequest
 from gateway.protocol.responses import (
     RESPONSE_ID,
+    AgentMessageItem,
     FunctionCallItem,
     FunctionCallOutputItem,
     FunctionChoice,
     HostedTool,
     MessageItem,
+    NamespaceTool,
     ResponsesRequest,
     item_text,
 )
@@ -119,9 +125,12 @@ def input_messages(items: str | Sequence[object]) -> list[JSON]:
                 {
                     "id": item.call_id,
                     "type": "function",
-                    "function": {"name": item.name, "arguments": item.arguments},
+                    "function": {"name": item.function, "arguments": item.arguments},
                 }
             )
+        elif isinstance(item, AgentMessageItem):
+            flush()
+            messages.append({"role": "user", "content": item_text(item.content)})
         elif isinstance(item, FunctionCallOutputItem):
             flush()
             messages.append(
@@ -177,12 +186,15 @@ def responses_turn_request(req: ResponsesRequest, previous: Sequence[JSON] = ())
     unoffered = [t.model_dump() for t in req.tools or () if isinstance(t, HostedTool)]
     if unoffered:
         extras["unoffered_tools"] = unoffered
+    namespaces = [_namespace_record(t) for t in req.tools or () if isinstance(t, NamespaceTool)]
+    if namespaces:
+        extras["tool_namespaces"] = namespaces
     return TurnRequest(
         api="responses",
         messages=messages,
         tools=tools or None,
         tool_choice=(
-            {"type": "function", "function": {"name": choice.name}}
+            {"type": "function", "function": {"name": choice.function}}
             if isinstance(choice, FunctionChoice)
             else choice
         ),
@@ -194,6 +206,15 @@ def responses_turn_request(req: ResponsesRequest, previous: Sequence[JSON] = ())
         top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
         extras=extras,
     )
+
+
+def _namespace_record(tool: NamespaceTool) -> JSON:
+    """What a turn records of a namespace (its functions are offered, flattened): which
+    functions it grouped, and its description, which the model does not read."""
+    record: JSON = {"name": tool.name, "functions": [f.name for f in tool.tools]}
+    if tool.description is not None:
+        record["description"] = tool.description
+    return record
 
 
 def previous_conversation(state: SessionState, req: ResponsesRequest) -> list[JSON]:

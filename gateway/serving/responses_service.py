@@ -52,6 +52,7 @@ from gateway.serving.turn_service import TurnServing, TurnStream
 __all__ = ["ResponsesServing"]
 
 JSON = dict[str, Any]
+Namespaced = dict[str, tuple[str, str]]  # offered name -> (namespace, name)
 
 
 def _item_id(call_id: str) -> str:
@@ -73,14 +74,20 @@ def _usage(result: TurnResult) -> ResponseUsage:
     )
 
 
-def _function_call(call: JSON, status: str, arguments: str | None = None) -> OutputFunctionCall:
+def _function_call(
+    call: JSON, status: str, namespaced: Namespaced, arguments: str | None = None
+) -> OutputFunctionCall:
+    """The item of a parsed call; a call of a namespace's function (by its flattened name)
+    gets its namespace and bare name back, as Codex offered and reads them."""
     function = call["function"]
+    namespace, name = namespaced.get(function["name"], (None, function["name"]))
     return OutputFunctionCall.build(
         id=_item_id(call["id"]),
         call_id=call["id"],
-        name=function["name"],
+        name=name,
         arguments=function["arguments"] if arguments is None else arguments,
         status=status,
+        namespace=namespace,  # left out of the item when None
     )
 
 
@@ -90,13 +97,14 @@ class _Frame:
     def __init__(self, engine: TurnEngine, req: ResponsesRequest) -> None:
         self.model = engine.model_name
         self.created_at = int(time.time())
+        self.namespaced: Namespaced = req.namespaced_functions
         choice = req.tool_choice
         self.echo: JSON = {
             "instructions": req.instructions,
             "metadata": req.metadata or {},
             "parallel_tool_calls": req.parallel_tool_calls,
             "previous_response_id": req.previous_response_id,
-            "tool_choice": choice.model_dump()
+            "tool_choice": choice.model_dump(exclude_none=True)
             if isinstance(choice, FunctionChoice)
             else choice or "auto",
             "tools": [t.model_dump(exclude_none=True) for t in req.tools or ()],
@@ -156,8 +164,8 @@ class ResponsesServing:
             output.append(
                 OutputMessage.build(id=f"msg_{sid}_{result.index}", status=status, content=[text])
             )
-        output += [_function_call(c, "completed") for c in result.tool_calls]
         frame = _Frame(self.engine, req)
+        output += [_function_call(c, "completed", frame.namespaced) for c in result.tool_calls]
         return frame.response(response_id(sid, result.index), status, output, _usage(result))
 
     async def stream(self, session: Session, req: ResponsesRequest) -> TurnStream:
@@ -274,13 +282,13 @@ class _ResponsesEncoder:
                 ),
                 self._item("response.output_item.done", 0, message),
             ]
+        namespaced = self.frame.namespaced
         for call in result.tool_calls:
-            index, item = len(output), _function_call(call, "completed")
+            index, item = len(output), _function_call(call, "completed", namespaced)
             output.append(item)
+            opened = _function_call(call, "in_progress", namespaced, "")
             out += [
-                self._item(
-                    "response.output_item.added", index, _function_call(call, "in_progress", "")
-                ),
+                self._item("response.output_item.added", index, opened),
                 self._event(
                     ArgumentsDeltaEvent.build(
                         sequence_number=self.sequence,

@@ -10,6 +10,7 @@ agents send them.)
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -137,13 +138,23 @@ def cap_generation(case: Any) -> None:
         # a named tool_choice names a function tool, "required" needs one, the input holds
         # a message, previous_response_id names a response of the session (tested in
         # tests/e2e/test_responses_api.py).
-        names = [
-            t.get("name")
-            for t in body.get("tools") or []
-            if isinstance(t, dict) and t.get("type") == "function"
-        ]
+        # A namespace's functions are offered as <namespace>__<name>: each such name once,
+        # none a function tool's (tests/unit/test_responses_namespaces.py).
+        tools = [t for t in body.get("tools") or [] if isinstance(t, dict)]
+        functions = [t for t in tools if t.get("type") == "function"]
+        for tool in functions:
+            if isinstance(tool.get("name"), str):
+                tool["name"] = re.sub("_+", "_", tool["name"])
+        names = [t.get("name") for t in functions]
+        namespaces = [t for t in tools if t.get("type") == "namespace"]
+        for k, tool in enumerate(namespaces):
+            tool["name"] = f"ns{k}"
+            for j, function in enumerate(tool.get("tools") or []):
+                if isinstance(function, dict):
+                    function["name"] = f"f{j}"
         choice = body.get("tool_choice")
         if isinstance(choice, dict):
+            choice.pop("namespace", None)
             if names:
                 choice["name"] = names[0]
             else:

@@ -107,9 +107,11 @@ def test_codexs_requests_extend_each_other_and_record_the_same_parameters() -> N
 def test_codexs_tools_offer_the_functions_and_record_the_rest() -> None:
     request = canonical(codex_bodies()[0])
     names = [t["function"]["name"] for t in request.tools or ()]
-    assert "exec_command" in names and len(names) == 7
+    # 7 function tools, and multi_agent_v1's 5 flattened (tests/unit/test_responses_namespaces.py)
+    assert "exec_command" in names and "multi_agent_v1__spawn_agent" in names
+    assert len(names) == 12
     assert all(set(t) == {"type", "function"} for t in request.tools or ())
-    assert [t["type"] for t in request.extras["unoffered_tools"]] == ["namespace", "web_search"]
+    assert [t["type"] for t in request.extras["unoffered_tools"]] == ["web_search"]
     assert request.tool_choice == "auto" and request.parallel_tool_calls
     assert request.extras["reasoning"] == {"summary": "auto"}
     assert request.extras["include"] == ["reasoning.encrypted_content"]
