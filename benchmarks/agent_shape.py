@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import itertools
 import json
 import os
 import shutil
@@ -227,7 +228,7 @@ def tokenized(name: str, model_dir: Path) -> Tokenized:
 class Session:
     sid: str
     history: list[bytes]
-    turns: list[int] = field(default_factory=list)
+    turns: list[str] = field(default_factory=list)  # the replies' ids (TurnCompleted.reply)
     prompt_tokens: list[int] = field(default_factory=list)
 
 
@@ -271,7 +272,7 @@ class AgentLoad:
             )
         answer = response.json()
         reply = self.surface.reply(answer)
-        session.turns.append(int(answer["id"].rsplit("-", 1)[1]))
+        session.turns.append(harness.reply_of(answer["id"]))
         session.prompt_tokens.append(int(answer["usage"]["prompt_tokens"]))
         if answer["usage"]["completion_tokens"] != len(self.tok.completion):
             raise RuntimeError(f"session {session.sid}: {answer['usage']} (a reply cut short?)")
@@ -333,8 +334,10 @@ async def check(js: Any, load: AgentLoad) -> int:
     checked = 0
     for session in load.sessions:
         events = await read_session(js, harness.RUN, session.sid, stream=harness.STREAM)
-        turns = {e.turn: e for e in events if isinstance(e, TurnCompleted)}
-        for previous, index in zip(session.turns, session.turns[1:], strict=False):
+        by_reply = {e.reply: e for e in events if isinstance(e, TurnCompleted)}
+        indices = [by_reply[reply].turn for reply in session.turns]
+        turns = {e.turn: e for e in by_reply.values()}
+        for previous, index in itertools.pairwise(indices):
             event, parent = turns[index], turns[previous]
             whole = parent.prefix_len + len(parent.prompt_ids) + len(parent.completion_ids)
             if event.parent_turn != previous or event.prefix_len != whole:

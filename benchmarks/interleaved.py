@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import statistics
 import tempfile
 import time
@@ -62,7 +63,7 @@ class Conversation:
     """One conversation's history (encoded items) and the turn indices the gateway gave it."""
 
     history: list[bytes]
-    turns: list[int] = field(default_factory=list)
+    turns: list[str] = field(default_factory=list)  # the replies' ids (TurnCompleted.reply)
     prompt_tokens: list[int] = field(default_factory=list)
 
 
@@ -117,7 +118,7 @@ class InterleavedLoad:
             )
         answer = response.json()
         reply = self.surface.reply(answer)
-        conversation.turns.append(int(answer["id"].rsplit("-", 1)[1]))
+        conversation.turns.append(harness.reply_of(answer["id"]))
         conversation.prompt_tokens.append(int(answer["usage"]["prompt_tokens"]))
         conversation.history += [dumps(item) for item in reply.echo]
         result = self.surface.tool_result(reply.call_id, tool_output(len(conversation.turns)))
@@ -140,11 +141,13 @@ async def check(js: Any, load: InterleavedLoad) -> JSON:
     for sid, conversations in load.sessions.items():
         events = await read_session(js, harness.RUN, sid, stream=harness.STREAM)
         turns = {e.turn: e for e in events if isinstance(e, TurnCompleted)}
+        index_of = {e.reply: e.turn for e in turns.values()}
         context = {
             t: e.prefix_len + len(e.prompt_ids) + len(e.completion_ids) for t, e in turns.items()
         }
         for c, conversation in enumerate(conversations):
-            for previous, index in zip(conversation.turns, conversation.turns[1:], strict=False):
+            indices = [index_of[reply] for reply in conversation.turns]
+            for previous, index in itertools.pairwise(indices):
                 event = turns[index]
                 if event.parent_turn != previous or event.prefix_len != context[previous]:
                     raise RuntimeError(

@@ -26,6 +26,7 @@ from harness.load import (
     PhaseCounts,
     build_conversation,
     conversation_messages,
+    reply_of,
 )
 from harness.load_processes import LoadProcesses, LoadSpec, http_clients, load_paths
 from harness.options import gateway_arguments, plan_of, run_gateway_mode
@@ -119,6 +120,7 @@ __all__ = [
     "print_profile",
     "profile_breakdown",
     "reply_ids",
+    "reply_of",
     "run_gateway_mode",
     "run_phase",
     "say",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import abc
 import json
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -150,9 +151,29 @@ class Direct(LoadPath):
         return step
 
 
+_REPLY_ID = re.compile(r"[0-9a-f]{12}")  # TurnCompleted.reply_id
+
+
+def reply_of(answer_id: str) -> str:
+    """The reply id an answer's id ends with, on any surface (``chatcmpl-<session>-<reply>``,
+    ``msg_<session>_<reply>``, ``resp_<session>_<reply>``): ``TurnCompleted.reply`` of its turn.
+
+    >>> reply_of("chatcmpl-s-1-9f3a0c17e2b4"), reply_of("msg_s_1_9f3a0c17e2b4")
+    ('9f3a0c17e2b4', '9f3a0c17e2b4')
+    """
+    return re.split(r"[-_]", answer_id)[-1]
+
+
+def _ours(answer_id: str, sid: str) -> bool:
+    """Whether ``answer_id`` is this gateway's id of a reply in session ``sid``."""
+    head, _, reply = answer_id.rpartition("-")
+    return head == f"chatcmpl-{sid}" and _REPLY_ID.fullmatch(reply) is not None
+
+
 class Gateway(LoadPath):
-    """``check_id``: also check the answer's id (``chatcmpl-<session>-<turn>``), which is this
-    gateway's convention, not part of the OpenAI contract (``--compare-with`` leaves it out)."""
+    """``check_id``: also check the answer's id (``chatcmpl-<session>-<reply>``, the reply a
+    per-request id of 12 hex digits), which is this gateway's convention, not part of the OpenAI
+    contract (``--compare-with`` leaves it out)."""
 
     def __init__(
         self,
@@ -196,7 +217,7 @@ class Gateway(LoadPath):
             answer = response.json()
             content = answer["choices"][0]["message"]["content"]
             wrong_reply = self.reply is not None and content != self.reply
-            if wrong_reply or (self.check_id and answer["id"] != f"chatcmpl-{sid}-{turn}"):
+            if wrong_reply or (self.check_id and not _ours(answer["id"], sid)):
                 raise RuntimeError(f"{self.name}: unexpected answer {answer}")
             self.counts.requests += 1
             # .get: --compare-with may run a revision whose answers lack usage.
