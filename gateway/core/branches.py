@@ -127,7 +127,8 @@ def placement(
         return Placement(continued_turn(state, messages, tools, keys))
     own = [node for node in state.nodes.values() if owned_by(node, agent.id)]
     if own:
-        kind = str(max(own, key=_turn).event.agent.get("resolved_kind", ""))
+        # As its latest kept turn resolved it (turns recorded without an identity: main's).
+        kind = str(max(own, key=_turn).event.agent.get("resolved_kind") or "main")
         mine = continued_turn(state, messages, tools, keys, own)
         if mine is not None:
             return Placement(mine, resolved_kind=kind)
