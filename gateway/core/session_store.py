@@ -202,8 +202,8 @@ class SessionStore:
 
     def hold(self, session: Session) -> Callable[[], None]:
         """Hold ``session`` (not evicted) until the returned release is called; a second call
-        of it does nothing. Requests hold their session; a streamed reply holds it until its
-        last chunk."""
+        of it does nothing. Requests hold their session; a streamed turn holds it until it has
+        appended (whether or not its client stayed), a replayed one until its last chunk."""
         session.users += 1
         released = False
 

@@ -198,10 +198,11 @@ class TurnEngine:
             # Every request's randomness is its own (issue 19): without one a replica draws from
             # its engine's generator, and replicas started alike sample alike. The number is the
             # request's among the session's started ones (Session.started: from its turns, so a
-            # session served one request at a time derives seed t for turn t), never shared by
-            # two requests in flight together. The event's index is assigned at its append and
-            # may differ (turns appended in another order, an earlier attempt answered 503 that
-            # took an index): the recorded seed is the one sent, and a replay sends it.
+            # session served one request at a time, none failing, derives seed t for turn t),
+            # never shared by two requests in flight together. The event's index is assigned at
+            # its append and may differ (turns appended in another order, an earlier attempt
+            # answered 503 that took an index): the recorded seed is the one sent, and a replay
+            # sends it.
             seed = derived_seed(session.state.run, session.state.id, started)
         # max_tokens is a cap (DESIGN §4): agents ask for 32k-64k whatever the model, so a cap
         # past the room left is lowered to fit (the sampling record keeps both values).
@@ -402,10 +403,12 @@ _SEED_MASK = (1 << 63) - 1  # derived seeds are non-negative int64s (derived_see
 
 def derived_seed(run: str, session: str, turn: int) -> int:
     """The seed of a turn whose request sets none: BLAKE2b with an 8-byte digest of
-    ``turnstream/seed/<run>/<session>/<turn>``, read big-endian, masked to 63 bits.
+    ``turnstream/seed/<run>/<session>/<turn>``, read big-endian, masked to 63 bits; ``turn``
+    is the request's number among the session's started requests (``Session.next_request``:
+    the turn index where the session serves one request at a time).
 
     Stable across processes, hosts and Python versions (no ``hash()``), and distinct per
-    session and turn, so the sessions of a GRPO group (one prompt) never share a sample stream,
+    session and request, so the sessions of a GRPO group (one prompt) never share a sample stream,
     wherever they are routed. 63 bits: vLLM takes an int64 seed (its OpenAI server bounds it to
     ``torch.long``), torch's ``Generator.manual_seed`` one below 2**64; a non-negative int64
     suits both, and the gateway's own ``seed`` field (int64).

@@ -177,11 +177,12 @@ class TurnServing:
             agent=chat.agent,
         )
 
-    async def _answered(self, session: Session, req: TurnRequest) -> TurnResult | None:
-        """The recorded answer of a request its agent sent before: a kept tip's (the log's), or
-        that of the same request still in flight, awaited (None where it fails: this request
-        then runs itself). None: a new turn."""
-        asked = _asked(req)
+    async def _answered(
+        self, session: Session, req: TurnRequest, asked: Asked
+    ) -> TurnResult | None:
+        """The recorded answer of a request its agent sent before (``asked``: what makes it
+        that request): a kept tip's (the log's), or that of the same request still in flight,
+        awaited (None where it fails: this request then runs itself). None: a new turn."""
         while True:
             session.ensure_open()
             event = resent_turn(
@@ -205,10 +206,11 @@ class TurnServing:
         """A whole turn. A client that leaves meanwhile is not noticed (uvicorn does not cancel
         a request handler on disconnect): the turn is recorded as any other, ``client_gone``
         False, and a retry of it gets it from the log."""
-        recorded = await self._answered(session, req)
+        asked = _asked(req)
+        recorded = await self._answered(session, req, asked)
         if recorded is not None:
             return recorded
-        flight = session.take_off(_asked(req))  # no await since _answered: no twin slips in
+        flight = session.take_off(asked)  # no await since _answered: no twin slips in
         result = None
         try:
             turn = await self.prepare(session, req)
@@ -223,11 +225,12 @@ class TurnServing:
         turn has appended (or the replay of a recorded one has been sent)."""
         release_hold = self.store.hold(session)
         try:
-            recorded = await self._answered(session, req)
+            asked = _asked(req)
+            recorded = await self._answered(session, req, asked)
             if recorded is not None:
                 replay = self._replayed(recorded, encoder, release_hold)
                 return TurnStream(replay, release_hold)
-            flight = session.take_off(_asked(req))
+            flight = session.take_off(asked)
             try:
                 turn = await self.prepare(session, req)
             except BaseException:
