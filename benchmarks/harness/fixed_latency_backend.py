@@ -20,7 +20,7 @@ or, with ``stream: false``, all tokens in one JSON body (one choice, after ``--t
 ``--itl-ms`` per further token); plus ``GET /health``, ``GET /v1/models`` (the model and its
 ``max_model_len``, as vLLM lists them) and ``GET /stats`` (connections accepted, completions
 served: a client that opens a new connection per request shows up as connections ~
-completions).
+completions; completions in flight, and the most at once).
 
 Timing: the response headers go out at once (as a streaming server sends them); the first event
 after ``--ttft-ms``, each further event ``--itl-ms`` after the previous one. With ``--itl-ms 0``
@@ -70,6 +70,12 @@ class Stats:
     open_connections: int = 0
     completions: int = 0
     bad_requests: int = 0
+    in_flight: int = 0  # completions started and not yet answered
+    most_in_flight: int = 0  # the most at once (tests assert overlap by it, not by time)
+
+    def started(self) -> None:
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
 
 
 class Completions:
@@ -217,6 +223,8 @@ class HTTPConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.stats.open_connections -= 1
+        if self.busy:
+            self.stats.in_flight -= 1  # a completion its client gave up on
         if self.timer is not None:
             self.timer.cancel()
         self.transport = None
@@ -326,6 +334,7 @@ class HTTPConnection(asyncio.Protocol):
             n = max(1, min(len(self.config.tokens), max_tokens))
             delay = self.config.ttft_s + max(n - 1, 0) * self.config.itl_s
             self.busy = True
+            self.stats.started()
             self.timer = asyncio.get_running_loop().call_later(delay, self._send_whole, data, close)
             return
         events = self.completions.events(prompt, k, max_tokens, ids)
@@ -334,6 +343,7 @@ class HTTPConnection(asyncio.Protocol):
             b"cache-control: no-cache\r\ntransfer-encoding: chunked\r\n\r\n"
         )
         self.busy = True
+        self.stats.started()
         loop = asyncio.get_running_loop()
         if self.config.itl_s <= 0:
             payload = b"".join(events)
@@ -359,6 +369,7 @@ class HTTPConnection(asyncio.Protocol):
             return
         self.transport.write(b"".join(_chunk(p) for p in parts) + b"0\r\n\r\n")
         self.stats.completions += 1
+        self.stats.in_flight -= 1
         self.busy = False
         if close:
             self.transport.close()
@@ -375,6 +386,7 @@ class HTTPConnection(asyncio.Protocol):
             b"content-length: %d\r\n\r\n%b" % (len(data), data)
         )
         self.stats.completions += 1
+        self.stats.in_flight -= 1
         self.busy = False
         if close:
             self.transport.close()

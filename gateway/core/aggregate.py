@@ -14,9 +14,12 @@ full context ids, the conversation, the tools); a request continues, token for t
 turn whose conversation it extends furthest (``gateway.core.branches.continued_turn``), and a
 request that extends none is delta-encoded against the turn sharing the longest token prefix
 (``prefix_parent``).
-Applying turn t touches t and its parent; beyond ``Kept.turns`` turns, or ``Kept.tokens`` tokens
-in the arrays they hold, the least recently touched turn is forgotten (still counted, no longer
-continuable), the same way live and in recovery.
+A side request (``TurnCompleted.agent["request_class"]`` in ``SIDE_CLASSES``: a compaction, an
+auxiliary call) is a turn like any other but leaves its parent the tip of its conversation
+(``TurnNode.continued`` stays False). Applying turn t touches t and its parent; beyond
+``Kept.turns`` turns, or ``Kept.tokens`` tokens in the arrays they hold, the least recently
+touched turn is forgotten (still counted, no longer continuable), the same way live and in
+recovery.
 
 A worked example (token ids only; one message per turn):
 
@@ -61,6 +64,7 @@ from typing import Any
 
 import numpy as np
 
+from gateway.core.agents import SIDE_CLASSES
 from gateway.core.conversation import MessageKey, message_key, message_keys
 from gateway.frozen import evolved
 from schemas.delta import (
@@ -205,6 +209,9 @@ class TurnDraft:
     # ``message_key`` of each of ``messages``, where the caller has them (the request's,
     # ``TurnRequest.keys``); None: computed here.
     keys: Sequence[MessageKey] | None = None
+    reply_id: str = ""  # TurnCompleted.reply_id: the request's own id, made before its index
+    agent: JSON = field(default_factory=dict)  # TurnCompleted.agent
+    client_gone: bool = False  # TurnCompleted.client_gone
 
 
 # -- the delta base of a turn that continues none ------------------------------------------
@@ -275,6 +282,9 @@ def turn_event(state: SessionState, draft: TurnDraft) -> TurnCompleted:
             "prompt_tokens": len(draft.prompt_ids),
             "completion_tokens": len(draft.completion_ids),
         },
+        reply_id=draft.reply_id,
+        agent=draft.agent,
+        client_gone=draft.client_gone,
     )
 
 
@@ -392,7 +402,10 @@ def _node(
             for turn, other in nodes.items():
                 if other.context_ids.base is context:
                     nodes[turn] = evolved(other, context_ids=ids[: len(other.context_ids)])
-        parent = evolved(parent, context_ids=shared, continued=True)
+        # A side request (compaction, an auxiliary call) leaves its parent the tip of its
+        # conversation: the agent's next own turn continues it, a resend still finds it.
+        side = event.agent.get("request_class") in SIDE_CLASSES
+        parent = evolved(parent, context_ids=shared, continued=parent.continued or not side)
     return node, parent
 
 

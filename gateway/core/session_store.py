@@ -1,15 +1,19 @@
 """The sessions a gateway holds in memory, keyed by (run, session id), bounded.
 
 A ``Session`` is a handle: the session's state (``gateway.core.aggregate.SessionState``, changed
-only by applying its events), the lock that serializes its turns (an agent's turn t+1 depends on
-turn t's reply) and the number of requests using it. The store:
+only by applying its events), the lock that serializes its appends (turns of one session are
+generated concurrently, DESIGN §4: sub-agents run together; only building, publishing and
+applying each turn's event, where its index is assigned, is one at a time), the requests in
+flight (``Flight``: a client's retry of one waits for it), the count of requests started (the
+derived seeds') and the number of requests using it. The store:
 
 - loads a session atomically per key: concurrent requests for a session not in memory wait for
   one load (from the log, or a creation), so they all share one handle and one lock;
 - holds beside each state the caches its live turns leave (``ContextCache``): the state stays
   data only, and what the log does not say is not in it;
 - evicts closed sessions after a grace period, and open ones least-recently-used beyond
-  ``max_sessions``; a session in use is never evicted (two handles would mean two locks). An
+  ``max_sessions``; a session in use (``users``: a request, a streamed turn until it has
+  appended) is never evicted (two handles would mean two locks). An
   evicted session is recovered from the log on its next request, by the same fold (keeping the
   same ``kept`` turns of it continuable as the live session kept).
 """
@@ -22,12 +26,12 @@ from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from gateway.core.aggregate import Kept, SessionState, apply, fold
+from gateway.core.aggregate import JSON, Kept, SessionState, apply, fold
 from gateway.core.conversation import MessageKey
 from gateway.errors import SessionClosed
-from schemas.events import SessionEvent
+from schemas.events import SessionEvent, TurnCompleted
 
-__all__ = ["ContextCache", "Session", "SessionKey", "SessionStore"]
+__all__ = ["Asked", "ContextCache", "Flight", "Session", "SessionKey", "SessionStore"]
 
 SessionKey = tuple[str, str]  # (run, session id)
 Recover = Callable[[str, str], Awaitable[Sequence[SessionEvent]]]
@@ -54,14 +58,77 @@ class ContextCache:
     json_head: tuple[bytes | memoryview, ...] = ()  # gateway.backends.interface.JsonHead
 
 
+@dataclass(frozen=True)
+class Asked:
+    """What makes two requests of a session the same request: the agent that sent it (None:
+    none named), its record (``TurnRequest.record``), the tools offered, its messages' keys."""
+
+    agent: str | None
+    request: JSON
+    tools: list[JSON] | None
+    keys: tuple[MessageKey, ...]
+
+
+@dataclass(eq=False)
+class Flight:
+    """A turn being generated, findable by a same-agent retry of its request (a client that
+    timed out and sent it again), which waits for it rather than sampling a second time.
+
+    ``landed`` resolves to its event once appended, None if it failed (the retry then runs
+    itself); ``joined`` counts the retries waiting for it: they will show the client its reply,
+    so a streamed turn whose first client left is not recorded as ``client_gone``."""
+
+    asked: Asked
+    landed: asyncio.Future[TurnCompleted | None] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future(), repr=False
+    )
+    joined: int = 0
+
+    def land(self, event: TurnCompleted | None) -> None:
+        if not self.landed.done():
+            self.landed.set_result(event)
+
+
 @dataclass(eq=False)
 class Session:
     state: SessionState
+    # Serializes appends (an event's index is the state's turns when it is built) with each
+    # other and with a close or a reward; held from building a turn's event to applying it.
     lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
     users: int = 0  # requests holding this handle: never evicted while > 0
     closed_at: float | None = None
     # The caches of kept turns, by turn index (beside the state, not in its frozen nodes).
     contexts: dict[int, ContextCache] = field(default_factory=dict, repr=False)
+    flights: list[Flight] = field(default_factory=list, repr=False)  # turns in flight
+    # Requests started (each its own derived seed, TurnEngine.params): from the turns the
+    # state holds, so a session served one request at a time derives seed t for turn t.
+    started: int = field(default=-1, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.started < 0:
+            self.started = self.state.turns
+
+    def next_request(self) -> int:
+        """The number of this request among the session's started ones (its seed's)."""
+        n = self.started
+        self.started += 1
+        return n
+
+    def flight(self, asked: Asked) -> Flight | None:
+        """The turn in flight whose request this one repeats, else None."""
+        return next((f for f in self.flights if f.asked == asked), None)
+
+    def take_off(self, asked: Asked) -> Flight:
+        """Register a turn as in flight until it lands (``landed``)."""
+        flight = Flight(asked)
+        self.flights.append(flight)
+        return flight
+
+    def landed(self, flight: Flight, event: TurnCompleted | None) -> None:
+        """``flight`` appended ``event`` (None: it failed); its waiters get it."""
+        if flight in self.flights:
+            self.flights.remove(flight)
+        flight.land(event)
 
     def apply(self, event: SessionEvent, keys: Sequence[MessageKey] | None = None) -> None:
         """The live path: ``event``, published and acknowledged, applied to the state (the same
@@ -77,9 +144,10 @@ class Session:
 
     def recovered(self, state: SessionState) -> None:
         """The log's state replaces this one (read back when the log is ahead); the caches go,
-        as for a session loaded from the log."""
+        as for a session loaded from the log. Requests started count on from the log's turns."""
         self.state = state
         self.contexts.clear()
+        self.started = max(self.started, state.turns)
 
     def keep_context(self, turn: int, cache: ContextCache) -> None:
         """What kept turn ``turn`` leaves for the turn that will continue it."""
@@ -134,8 +202,8 @@ class SessionStore:
 
     def hold(self, session: Session) -> Callable[[], None]:
         """Hold ``session`` (not evicted) until the returned release is called; a second call
-        of it does nothing. Requests hold their session; a streamed reply holds it until its
-        last chunk."""
+        of it does nothing. Requests hold their session; a streamed turn holds it until it has
+        appended (whether or not its client stayed), a replayed one until its last chunk."""
         session.users += 1
         released = False
 

@@ -22,7 +22,7 @@ _HEADER_NAMES = tuple(h.lower().encode() for h in SESSION_HEADERS)
 BODY_NAMED = {b"/v1/sessions": "session_id", b"/v1/responses": "previous_response_id"}
 """Routes whose session may be named in the body only (no session in the path or a header), and
 the member that names it."""
-_RESPONSE_ID = re.compile(r"^resp_([A-Za-z0-9_-]+)_\d+$")
+_RESPONSE_ID = re.compile(r"^resp_([A-Za-z0-9_-]+)_[0-9a-f]+$")  # resp_<session>_<reply>
 
 
 def session_of(target: bytes, headers: dict[bytes, bytes], body: bytes | None = None) -> str | None:
@@ -37,7 +37,7 @@ def session_of(target: bytes, headers: dict[bytes, bytes], body: bytes | None = 
     's-1'
     >>> session_of(b"/v1/chat/completions", {b"session-id": b"c", b"x-session-id": b"x"})
     'x'
-    >>> session_of(b"/v1/responses", {}, b'{"previous_response_id": "resp_a_b_3"}')
+    >>> session_of(b"/v1/responses", {}, b'{"previous_response_id": "resp_a_b_9f3a0c17e2b4"}')
     'a_b'
     >>> session_of(b"/v1/models", {}) is None
     True

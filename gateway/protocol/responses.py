@@ -86,7 +86,8 @@ __all__ = [
     "item_text",
 ]
 
-RESPONSE_ID = r"^resp_[A-Za-z0-9_-]{1,64}_[0-9]{1,10}$"
+# resp_<session>_<reply>: the reply a per-request id (12 hex digits), or a turn index (older ids)
+RESPONSE_ID = r"^resp_[A-Za-z0-9_-]{1,64}_[0-9a-f]{1,12}$"
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
 # -- tools ----------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ import json
 from collections.abc import Sequence
 from typing import Any, cast
 
+from gateway.core.agents import AgentIdentity
 from gateway.core.conversation import TurnRequest, arguments_object
 from gateway.core.session_store import Session
 from gateway.decoding import Detokenizer
@@ -186,9 +187,10 @@ def _tool_choice(req: MessagesRequest | CountTokensRequest) -> tuple[str | JSON 
     return {"type": "function", "function": {"name": choice.name}}, parallel
 
 
-def messages_turn_request(req: MessagesRequest) -> TurnRequest:
-    """A Messages request as the canonical turn request. ``extras`` records what the turn
-    cannot honour but a client's retry resends unchanged (never ``stream``)."""
+def messages_turn_request(req: MessagesRequest, agent: AgentIdentity | None = None) -> TurnRequest:
+    """A Messages request as the canonical turn request (``agent``: who asks, from its
+    headers). ``extras`` records what the turn cannot honour but a client's retry resends
+    unchanged (never ``stream``)."""
     choice, parallel = _tool_choice(req)
     extras: JSON = {}
     for name in ("metadata", "thinking", "context_management"):
@@ -213,6 +215,7 @@ def messages_turn_request(req: MessagesRequest) -> TurnRequest:
         top_p=req.top_p,
         stop=list(req.stop_sequences or ()),
         extras=extras,
+        agent=agent,
     )
 
 
@@ -264,9 +267,10 @@ def _content(result: TurnResult) -> list[TextContent | ToolUseContent]:
     return blocks
 
 
-def message_id(session: Session, index: int) -> str:
-    """One id per turn of a session: a resent request gets its message again, same id."""
-    return f"msg_{session.state.id}_{index}"
+def message_id(session: Session, reply: str) -> str:
+    """One id per turn of a session, from its ``reply`` id (``TurnCompleted.reply``): a resent
+    request gets its message again, same id."""
+    return f"msg_{session.state.id}_{reply}"
 
 
 class AnthropicServing:
@@ -276,13 +280,15 @@ class AnthropicServing:
         self.turns = turns
         self.engine = turns.engine
 
-    async def complete(self, session: Session, req: MessagesRequest) -> Message:
-        request = messages_turn_request(req)
+    async def complete(
+        self, session: Session, req: MessagesRequest, agent: AgentIdentity | None = None
+    ) -> Message:
+        request = messages_turn_request(req, agent)
         result = await self.turns.complete(session, request)
         sequence = stop_sequence(self.engine, result, request.stop)
         prompt, completion = result.usage
         return Message.build(
-            id=message_id(session, result.index),
+            id=message_id(session, result.reply),
             model=self.engine.model_name,
             content=_content(result),
             stop_reason=stop_reason(self.engine, result, sequence),
@@ -290,13 +296,15 @@ class AnthropicServing:
             usage=MessageUsage.build(input_tokens=prompt, output_tokens=completion),
         )
 
-    async def stream(self, session: Session, req: MessagesRequest) -> TurnStream:
-        request = messages_turn_request(req)
+    async def stream(
+        self, session: Session, req: MessagesRequest, agent: AgentIdentity | None = None
+    ) -> TurnStream:
+        request = messages_turn_request(req, agent)
         return await self.turns.stream(
             session,
             request,
-            lambda index, prompt_tokens: _MessagesEncoder(
-                self.engine, message_id(session, index), request, prompt_tokens
+            lambda reply, prompt_tokens: _MessagesEncoder(
+                self.engine, message_id(session, reply), request, prompt_tokens
             ),
         )
 

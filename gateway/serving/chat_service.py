@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from gateway.core.agents import AgentIdentity
 from gateway.core.conversation import TurnRequest
 from gateway.core.session_store import Session
 from gateway.decoding import Detokenizer
@@ -44,8 +45,10 @@ def usage(result: TurnResult) -> Usage:
     )
 
 
-def chat_turn_request(req: ChatCompletionRequest) -> TurnRequest:
-    """A chat request as the canonical turn request."""
+def chat_turn_request(
+    req: ChatCompletionRequest, agent: AgentIdentity | None = None
+) -> TurnRequest:
+    """A chat request as the canonical turn request (``agent``: who asks, from its headers)."""
     choice = req.tool_choice
     return TurnRequest(
         api="chat.completions",
@@ -63,6 +66,7 @@ def chat_turn_request(req: ChatCompletionRequest) -> TurnRequest:
         stop=req.stop_strings,
         logprobs=req.logprobs,
         top_logprobs=req.top_logprobs or 0,
+        agent=agent,
     )
 
 
@@ -73,8 +77,10 @@ class ChatServing:
         self.turns = turns
         self.engine = turns.engine
 
-    async def complete(self, session: Session, req: ChatCompletionRequest) -> ChatCompletion:
-        request = chat_turn_request(req)
+    async def complete(
+        self, session: Session, req: ChatCompletionRequest, agent: AgentIdentity | None = None
+    ) -> ChatCompletion:
+        request = chat_turn_request(req, agent)
         result = await self.turns.complete(session, request)
         message = AssistantMessage.build(
             content=result.content, tool_calls=_tool_calls(result) or None
@@ -94,13 +100,15 @@ class ChatServing:
             usage=usage(result),
         )
 
-    async def stream(self, session: Session, req: ChatCompletionRequest) -> TurnStream:
-        request = chat_turn_request(req)
+    async def stream(
+        self, session: Session, req: ChatCompletionRequest, agent: AgentIdentity | None = None
+    ) -> TurnStream:
+        request = chat_turn_request(req, agent)
         return await self.turns.stream(
             session,
             request,
-            lambda index, _prompt_tokens: _ChatEncoder(
-                self.engine, f"chatcmpl-{session.state.id}-{index}", request, req.include_usage
+            lambda reply, _prompt_tokens: _ChatEncoder(
+                self.engine, f"chatcmpl-{session.state.id}-{reply}", request, req.include_usage
             ),
         )
 

@@ -1,12 +1,17 @@
-"""Completions: a turn from a text or token-id prompt (not streamed)."""
+"""Completions: a turn from a text or token-id prompt (not streamed), generated concurrently with
+the session's other turns (``TurnEngine.finish`` appends it under the session's lock). Its
+parent is the kept turn sharing the longest token prefix, found at the append; the agent
+identity is recorded as sent (a raw prompt has no conversation to resolve it against)."""
 
 from __future__ import annotations
 
+import secrets
 import time
 
 import numpy as np
 
 from gateway.backends.interface import Prompt
+from gateway.core.agents import AgentIdentity
 from gateway.core.session_store import Session
 from gateway.errors import InvalidRequest
 from gateway.protocol.completions import (
@@ -26,7 +31,9 @@ class CompletionServing:
     def __init__(self, engine: TurnEngine) -> None:
         self.engine = engine
 
-    def prepare(self, session: Session, req: CompletionRequest) -> Turn:
+    def prepare(
+        self, session: Session, req: CompletionRequest, agent: AgentIdentity | None = None
+    ) -> Turn:
         engine = self.engine
         if isinstance(req.prompt, str):
             prompt_ids = engine.template.encode(req.prompt)
@@ -55,13 +62,16 @@ class CompletionServing:
             top,
             sampling_record(params, req.stop_strings, None, req.max_tokens, asked_seed=req.seed),
             request={"api": "completions"},
+            reply_id=secrets.token_hex(6),
+            agent={} if agent is None else agent.record(),
         )
 
-    async def complete(self, session: Session, req: CompletionRequest) -> Completion:
-        async with session.lock:
-            session.ensure_open()
-            turn = self.prepare(session, req)
-            result = await self.engine.run(turn)
+    async def complete(
+        self, session: Session, req: CompletionRequest, agent: AgentIdentity | None = None
+    ) -> Completion:
+        session.ensure_open()
+        turn = self.prepare(session, req, agent)
+        result = await self.engine.run(turn)
         choice = CompletionChoice.build(
             text=result.text,
             finish_reason=result.finish_reason,

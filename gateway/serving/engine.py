@@ -2,10 +2,16 @@
 
 For a turn of a session: build the prompt ids (extending, token for token, the kept turn whose
 conversation the request extends furthest: a session is a tree of conversations, e.g. a main
-agent's and its sub-agents'), generate on the backend, parse tool calls, publish
-``TurnCompleted`` (delta-encoded against that parent turn) and wait for JetStream's ack, and
-only then apply the event to the session. The caller holds the session's lock from ``prepare``
-to ``finish``.
+agent's and its sub-agents', attributed by the agent identity the client sent where it sent one:
+``gateway.core.branches.placement``), generate on the backend, parse tool calls, then append:
+publish ``TurnCompleted`` (delta-encoded against that parent turn) and wait for JetStream's ack,
+and only then apply the event to the session.
+
+Turns of one session run concurrently (DESIGN §4): preparing reads a snapshot of the session's
+state (immutable), generating holds nothing, and only the append holds the session's lock
+(``Session.lock``): the event is built against the state as it is then, which assigns the turn's
+index. Nothing a client sees before depends on that index: every id derives from the request's
+own ``reply_id``.
 """
 
 from __future__ import annotations
@@ -23,8 +29,9 @@ import numpy as np
 
 from eventlog import Publisher
 from gateway.backends.interface import Backend, GenerationChunk, Prompt, SamplingParams
-from gateway.core.aggregate import TurnDraft, fold, prefix_parent, turn_event
-from gateway.core.branches import attachment, continued_turn
+from gateway.core.agents import AgentIdentity
+from gateway.core.aggregate import SessionState, TurnDraft, fold, prefix_parent, turn_event
+from gateway.core.branches import attachment, placement
 from gateway.core.conversation import MessageKey
 from gateway.core.session_store import ContextCache, Session
 from gateway.decoding import Detokenizer
@@ -72,6 +79,25 @@ class TurnEngine:
         self._recover = recover
         # --allow-raw-logprobs: a raw-mode replica serves any sampling, its turns marked "raw".
         self.allow_raw_logprobs = allow_raw_logprobs
+        # Streamed turns generating on their own (their client may have gone): see detach.
+        self._detached: set[asyncio.Task[None]] = set()
+
+    def detach(self, work: Awaitable[None], name: str) -> asyncio.Task[None]:
+        """Run ``work`` (a streamed turn's generation and append) as its own task, outliving
+        the request that started it; ``close`` cancels what is left."""
+        task: asyncio.Task[None] = asyncio.ensure_future(work)
+        task.set_name(name)
+        self._detached.add(task)
+        task.add_done_callback(self._detached.discard)
+        return task
+
+    async def close(self) -> None:
+        """Cancel the turns still generating (the gateway is stopping: none of them is
+        appended, so none is half-written) and wait for them to end."""
+        tasks = list(self._detached)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -89,11 +115,14 @@ class TurnEngine:
         messages: list[JSON],
         tools: list[JSON] | None,
         keys: Sequence[MessageKey],
+        agent: AgentIdentity | None = None,
     ) -> ChatPrompt:
-        """The prompt and the parent turn: the kept turn the conversation extends furthest,
+        """The prompt and the parent turn, from a snapshot of the session's state: the kept turn
+        the request continues (``placement``: by ``agent``'s identity, then its tokens),
         continued token for token (its context ids, as an array, + the new messages' ids; its
-        cached JSON text too), else the rendered conversation and the kept turn sharing the
-        longest token prefix with it (-1: none). ``keys``: the messages' (``TurnRequest.keys``)."""
+        cached JSON text too), else the rendered conversation and its delta base (a fork's
+        spawning turn; else the kept turn sharing the longest token prefix with it; -1: none).
+        ``keys``: the messages' (``TurnRequest.keys``)."""
         chars = sum(len(m.get("content") or "") for m in messages)
         least = self.template.min_tokens(chars)
         if least > self.backend.max_context:
@@ -102,19 +131,25 @@ class TurnEngine:
                 f"model's context length of {self.backend.max_context} tokens",
                 param="messages",
             )
+        state = session.state  # immutable: the snapshot this turn is prepared from
         if chars > _OFF_LOOP_CHARS or len(messages) > _OFF_LOOP_MESSAGES:
-            return await asyncio.to_thread(self._chat_prompt, session, messages, tools, keys)
-        return self._chat_prompt(session, messages, tools, keys)
+            return await asyncio.to_thread(
+                self._chat_prompt, session, state, messages, tools, keys, agent
+            )
+        return self._chat_prompt(session, state, messages, tools, keys, agent)
 
     def _chat_prompt(
         self,
         session: Session,
+        state: SessionState,
         messages: list[JSON],
         tools: list[JSON] | None,
         keys: Sequence[MessageKey],
+        agent: AgentIdentity | None,
     ) -> ChatPrompt:
-        state = session.state
-        node = continued_turn(state, messages, tools, keys)
+        place = placement(state, messages, tools, keys, agent)
+        recorded = place.record(agent)
+        node = place.continued
         full: str | None = None
         if node is not None:
             # Taken: this turn's context will hold the next turn's cache (one per chain).
@@ -133,11 +168,13 @@ class TurnEngine:
                 context = node.context_ids
                 ids = np.concatenate([context, np.asarray(suffix, dtype=np.int32)])
                 prompt = Prompt(ids, head=head, head_len=len(context) if head else 0)
-                return ChatPrompt(prompt, node.turn, len(context), full if rendered else None)
+                said = full if rendered else None
+                return ChatPrompt(prompt, node.turn, len(context), said, recorded)
         if full is None:
             full = self.template.render(messages, tools, generation=True)
         prompt = Prompt(self.template.encode(full))
-        return ChatPrompt(prompt, prefix_parent(state, prompt.ids), None, full)
+        base = place.base if place.base is not None else prefix_parent(state, prompt.ids)
+        return ChatPrompt(prompt, base, None, full, recorded)
 
     def params(
         self,
@@ -156,14 +193,17 @@ class TurnEngine:
                 f"model's context length of {self.backend.max_context} tokens",
                 param="messages",
             )
+        started = session.next_request()
         if seed is None:
             # Every request's randomness is its own (issue 19): without one a replica draws from
-            # its engine's generator, and replicas started alike sample alike. The index is the
-            # session's next one, read under the session lock the caller holds. Should the event
-            # land at another index (TurnEngine._taken_by_earlier_attempt: an earlier attempt,
-            # answered 503, took this one, sampled with this same seed), the recorded seed is
-            # still the one sent: a replay sends the recorded seed, never one derived again.
-            seed = derived_seed(session.state.run, session.state.id, session.state.turns)
+            # its engine's generator, and replicas started alike sample alike. The number is the
+            # request's among the session's started ones (Session.started: from its turns, so a
+            # session served one request at a time, none failing, derives seed t for turn t),
+            # never shared by two requests in flight together. The event's index is assigned at
+            # its append and may differ (turns appended in another order, an earlier attempt
+            # answered 503 that took an index): the recorded seed is the one sent, and a replay
+            # sends it.
+            seed = derived_seed(session.state.run, session.state.id, started)
         # max_tokens is a cap (DESIGN §4): agents ask for 32k-64k whatever the model, so a cap
         # past the room left is lowered to fit (the sampling record keeps both values).
         return SamplingParams(
@@ -216,7 +256,7 @@ class TurnEngine:
             detok.finish()
 
     async def run(self, turn: Turn) -> TurnResult:
-        """A whole turn, not streamed; the caller holds the session lock.
+        """A whole turn, not streamed (generated concurrently with the session's others).
 
         Nothing reads this turn token by token, so without stop strings the backend is asked
         for the completion in one response (``SamplingParams.stream``), decoded and detokenized
@@ -228,8 +268,13 @@ class TurnEngine:
             pass
         return await self.finish(turn, gen)
 
-    async def finish(self, turn: Turn, gen: Generation) -> TurnResult:
-        """Parse, publish (awaiting the ack), apply the event to the session."""
+    async def finish(
+        self, turn: Turn, gen: Generation, client_gone: Callable[[], bool] | None = None
+    ) -> TurnResult:
+        """Parse, then append: under the session's lock, build the event against the state as
+        it is now (its index: the turns so far), publish it (awaiting the ack) and apply it. A
+        session closed meanwhile records nothing (SessionClosed: 409). ``client_gone``, asked at
+        the append: the client left before the reply was whole (``TurnCompleted.client_gone``)."""
         session = turn.session
         detok = gen.detok
         text = detok.text
@@ -278,7 +323,31 @@ class TurnEngine:
             parent_turn=turn.parent,
             prefix_len=turn.prefix_len,
             keys=turn.keys,
+            reply_id=turn.reply_id,
+            agent=turn.agent,
         )
+        async with session.lock:
+            session.ensure_open()  # closed while this turn generated: it is not recorded
+            if client_gone is not None and client_gone():
+                draft = replace(draft, client_gone=True)
+            event = await self._append(session, draft)
+            # What the turn continuing this one will reuse of it (beside the state, not in it).
+            if session.state.nodes.get(event.turn) is not None:
+                text_parts = None
+                if turn.prompt_text is not None:
+                    sampled = self.template.decode(detok.ids, skip_special_tokens=False)
+                    text_parts = (turn.prompt_text, turn.forced_text, sampled)
+                head = turn.prompt.extended_json_head(detok.ids) if turn.prompt.encoded else ()
+                if text_parts is not None or head:
+                    session.keep_context(event.turn, ContextCache(text_parts, head))
+        self.metrics.tokens_in.inc(len(turn.prompt))
+        self.metrics.tokens_out.inc(len(detok.ids))
+        self.metrics.turns.labels(turn.kind).inc()
+        return TurnResult.of(event, detok, tools_parsed=turn.parse_tools)
+
+    async def _append(self, session: Session, draft: TurnDraft) -> TurnCompleted:
+        """``draft`` as the session's next turn: published, acknowledged, applied. The caller
+        holds the session's lock."""
         event = turn_event(session.state, draft)
         with self.metrics.publish_latency.time():
             receipt = await self.publisher.publish(event)
@@ -291,20 +360,8 @@ class TurnEngine:
             event = turn_event(session.state, draft)
             receipt = await self.publisher.publish(event)
         self.metrics.attached.labels(attachment(session.state, event)).inc()
-        session.apply(event, turn.keys)
-        # What the turn continuing this one will reuse of it (beside the state, not in it).
-        if session.state.nodes.get(event.turn) is not None:
-            text_parts = None
-            if turn.prompt_text is not None:
-                sampled = self.template.decode(detok.ids, skip_special_tokens=False)
-                text_parts = (turn.prompt_text, turn.forced_text, sampled)
-            head = turn.prompt.extended_json_head(detok.ids) if turn.prompt.encoded else ()
-            if text_parts is not None or head:
-                session.keep_context(event.turn, ContextCache(text_parts, head))
-        self.metrics.tokens_in.inc(len(turn.prompt))
-        self.metrics.tokens_out.inc(len(detok.ids))
-        self.metrics.turns.labels(turn.kind).inc()
-        return TurnResult.of(event, detok, tools_parsed=turn.parse_tools)
+        session.apply(event, draft.keys)
+        return event
 
     def recorded(self, event: TurnCompleted, *, tools_parsed: bool) -> TurnResult:
         """The result of a turn already in the log (a resent request gets it again)."""
@@ -346,10 +403,12 @@ _SEED_MASK = (1 << 63) - 1  # derived seeds are non-negative int64s (derived_see
 
 def derived_seed(run: str, session: str, turn: int) -> int:
     """The seed of a turn whose request sets none: BLAKE2b with an 8-byte digest of
-    ``turnstream/seed/<run>/<session>/<turn>``, read big-endian, masked to 63 bits.
+    ``turnstream/seed/<run>/<session>/<turn>``, read big-endian, masked to 63 bits; ``turn``
+    is the request's number among the session's started requests (``Session.next_request``:
+    the turn index where the session serves one request at a time).
 
     Stable across processes, hosts and Python versions (no ``hash()``), and distinct per
-    session and turn, so the sessions of a GRPO group (one prompt) never share a sample stream,
+    session and request, so the sessions of a GRPO group (one prompt) never share a sample stream,
     wherever they are routed. 63 bits: vLLM takes an int64 seed (its OpenAI server bounds it to
     ``torch.long``), torch's ``Generator.manual_seed`` one below 2**64; a non-negative int64
     suits both, and the gateway's own ``seed`` field (int64).

@@ -12,8 +12,10 @@ history holds the parent's calls, not its tools). So the output items of a respo
 back verbatim or re-serialized, are exactly the reply the turn recorded, and the next turn
 extends it token for token.
 
-Response ids name the session and the turn (``resp_<session>_<turn>``); a resent request gets
-its turn again under the same id.
+Response ids name the session and the request (``resp_<session>_<reply>``: the turn's
+``TurnCompleted.reply``, its per-request ``reply_id``, made before the turn's index is known;
+events older than it use the turn index, and their ids keep working); a resent request gets its
+turn again under the same id.
 
 ``previous_response_id`` continues that response's conversation (its messages, its reply, then
 the new input), token for token. It is served from the session's state, which keeps the session's
@@ -64,30 +66,31 @@ _RESPONSE_ID = re.compile(RESPONSE_ID)
 _RECORDED = ("reasoning", "store", "prompt_cache_key", "metadata", "client_metadata")
 
 
-def response_id(session: str, turn: int) -> str:
-    """The id of a session's turn's response (a resend of it gets the same id).
+def response_id(session: str, reply: str) -> str:
+    """The id of a session's turn's response, from its ``reply`` id (a resend of it gets the
+    same id).
 
-    >>> response_id("s_1", 3)
-    'resp_s_1_3'
+    >>> response_id("s_1", "9f3a0c17e2b4")
+    'resp_s_1_9f3a0c17e2b4'
     """
-    return f"resp_{session}_{turn}"
+    return f"resp_{session}_{reply}"
 
 
-def parse_response_id(value: str) -> tuple[str, int]:
-    """The session and turn a response id names (session ids may hold ``_``: the turn is
+def parse_response_id(value: str) -> tuple[str, str]:
+    """The session and reply id a response id names (session ids may hold ``_``: the reply is
     what follows the last one).
 
-    >>> parse_response_id("resp_s_1_3")
-    ('s_1', 3)
+    >>> parse_response_id("resp_s_1_9f3a0c17e2b4"), parse_response_id("resp_s_3")
+    (('s_1', '9f3a0c17e2b4'), ('s', '3'))
     """
     if not _RESPONSE_ID.match(value):
         raise InvalidRequest(
             f"previous_response_id {value[:80]!r} is not a response id of this gateway "
-            "(resp_<session>_<turn>)",
+            "(resp_<session>_<reply>)",
             param="previous_response_id",
         )
-    session, _, turn = value[len("resp_") :].rpartition("_")
-    return session, int(turn)
+    session, _, reply = value[len("resp_") :].rpartition("_")
+    return session, reply
 
 
 def input_messages(items: str | Sequence[object]) -> list[JSON]:
@@ -227,26 +230,20 @@ def previous_conversation(state: SessionState, req: ResponsesRequest) -> list[JS
     previous = req.previous_response_id
     if previous is None:
         return []
-    session, turn = parse_response_id(previous)
+    session, reply = parse_response_id(previous)
     if session != state.id:
         raise InvalidRequest(
             f"previous_response_id {previous!r} is a response of session {session!r}, not of "
             f"this request's session {state.id!r}",
             param="previous_response_id",
         )
-    if turn >= state.turns:
-        raise InvalidRequest(
-            f"previous_response_id {previous!r}: session {state.id!r} has no turn {turn} "
-            f"(it has {state.turns})",
-            param="previous_response_id",
-        )
-    node = state.nodes.get(turn)
+    node = next((n for n in state.nodes.values() if n.event.reply == reply), None)
     if node is None:
         raise InvalidRequest(
-            f"previous_response_id {previous!r}: turn {turn} of session {state.id!r} is no "
-            f"longer held by the gateway (it keeps a session's {state.kept.turns} most recently "
-            f"used turns, {state.kept.tokens} tokens at most); resend the full conversation as "
-            "input, without previous_response_id",
+            f"previous_response_id {previous!r}: session {state.id!r} holds no such response "
+            f"(the gateway keeps a session's {state.kept.turns} most recently used turns, "
+            f"{state.kept.tokens} tokens at most, of its {state.turns}); resend the full "
+            "conversation as input, without previous_response_id",
             param="previous_response_id",
         )
     if node.event.request.get("api") == "completions":

@@ -2,15 +2,18 @@
 ``response.*`` events (the request's side, input items to a ``TurnRequest``, response ids and
 ``previous_response_id``: ``responses_input``).
 
-Response ids name the session and the turn (``resp_<session>_<turn>``), and so do item ids;
-a resent request gets its turn again under the same ids.
+Response ids name the session and the request (``resp_<session>_<reply>``, the turn's
+``TurnCompleted.reply``), and so do item ids; a resent request gets its turn again under the
+same ids.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any
 
+from gateway.core.agents import AgentIdentity
 from gateway.core.conversation import TurnRequest
 from gateway.core.session_store import Session
 from gateway.decoding import Detokenizer
@@ -146,11 +149,16 @@ class ResponsesServing:
         self.turns = turns
         self.engine = turns.engine
 
-    def turn_request(self, session: Session, req: ResponsesRequest) -> TurnRequest:
-        return responses_turn_request(req, previous_conversation(session.state, req))
+    def turn_request(
+        self, session: Session, req: ResponsesRequest, agent: AgentIdentity | None = None
+    ) -> TurnRequest:
+        request = responses_turn_request(req, previous_conversation(session.state, req))
+        return request if agent is None else replace(request, agent=agent)
 
-    async def complete(self, session: Session, req: ResponsesRequest) -> ResponseObject:
-        request = self.turn_request(session, req)
+    async def complete(
+        self, session: Session, req: ResponsesRequest, agent: AgentIdentity | None = None
+    ) -> ResponseObject:
+        request = self.turn_request(session, req, agent)
         result = await self.turns.complete(session, request)
         sid, status = session.state.id, _status(result)
         output: list[OutputMessage | OutputFunctionCall] = []
@@ -162,20 +170,22 @@ class ResponsesServing:
                 )
             text = OutputText.build(text=result.content, annotations=[], logprobs=logprobs)
             output.append(
-                OutputMessage.build(id=f"msg_{sid}_{result.index}", status=status, content=[text])
+                OutputMessage.build(id=f"msg_{sid}_{result.reply}", status=status, content=[text])
             )
         frame = _Frame(self.engine, req)
         output += [_function_call(c, "completed", frame.namespaced) for c in result.tool_calls]
-        return frame.response(response_id(sid, result.index), status, output, _usage(result))
+        return frame.response(response_id(sid, result.reply), status, output, _usage(result))
 
-    async def stream(self, session: Session, req: ResponsesRequest) -> TurnStream:
-        request = self.turn_request(session, req)
+    async def stream(
+        self, session: Session, req: ResponsesRequest, agent: AgentIdentity | None = None
+    ) -> TurnStream:
+        request = self.turn_request(session, req, agent)
         frame, sid = _Frame(self.engine, req), session.state.id
         return await self.turns.stream(
             session,
             request,
-            lambda index, _prompt_tokens: _ResponsesEncoder(
-                self.engine, frame, sid, index, request
+            lambda reply, _prompt_tokens: _ResponsesEncoder(
+                self.engine, frame, sid, reply, request
             ),
         )
 
@@ -186,13 +196,13 @@ class _ResponsesEncoder:
     after the turn is durable."""
 
     def __init__(
-        self, engine: TurnEngine, frame: _Frame, session: str, index: int, request: TurnRequest
+        self, engine: TurnEngine, frame: _Frame, session: str, reply: str, request: TurnRequest
     ) -> None:
         self.engine = engine
         self.frame = frame
         self.request = request
-        self.id = response_id(session, index)
-        self.message_id = f"msg_{session}_{index}"
+        self.id = response_id(session, reply)
+        self.message_id = f"msg_{session}_{reply}"
         self.sequence = 0
         self.opened = False  # the message item
         self.logprobs: list[TokenLogprob] = []

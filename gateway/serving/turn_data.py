@@ -36,6 +36,7 @@ class ChatPrompt(NamedTuple):
     parent: int  # the kept turn it continues, else the one sharing the longest prefix (-1: none)
     prefix_len: int | None  # a continued turn's: the parent's whole context; None: not known
     text: str | None  # what the prompt's ids stand for (the render), where it is that exactly
+    agent: JSON  # TurnCompleted.agent: the identity and how the tokens resolved it ({}: none)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,10 +66,10 @@ class Turn:
     prompt_text: str | None = None  # ChatPrompt.text (the forced_text follows it)
     # message_key of each of ``messages`` (TurnRequest.keys); None: computed where needed.
     keys: Sequence[MessageKey] | None = None
-
-    @property
-    def index(self) -> int:
-        return self.session.state.turns
+    # The request's own id, every client-visible id's (TurnCompleted.reply_id): made when the
+    # turn is prepared, its index only when it is appended.
+    reply_id: str = ""
+    agent: JSON = field(default_factory=dict)  # TurnCompleted.agent (Placement.record)
 
 
 @dataclass(slots=True, eq=False)
@@ -85,7 +86,7 @@ class Generation:
 
 @dataclass
 class TurnResult:
-    index: int  # the turn's index in its session
+    reply: str  # the id the client's ids derive from (TurnCompleted.reply)
     completion_id: str
     text: str
     content: str | None
@@ -95,6 +96,7 @@ class TurnResult:
     detok: Detokenizer
     prompt_tokens: int
     weight_version: int
+    event: TurnCompleted  # what the log holds of the turn
 
     @property
     def usage(self) -> tuple[int, int]:
@@ -110,8 +112,8 @@ class TurnResult:
         sampled, "" included."""
         prefix = "cmpl" if event.request.get("api") == "completions" else "chatcmpl"
         return cls(
-            event.turn,
-            f"{prefix}-{event.session}-{event.turn}",
+            event.reply,
+            f"{prefix}-{event.session}-{event.reply}",
             detok.text,
             (event.text or None) if tools_parsed else event.text,
             list(event.tool_calls),
@@ -120,4 +122,5 @@ class TurnResult:
             detok,
             int(event.usage.get("prompt_tokens", 0)),
             event.weight_version,
+            event,
         )

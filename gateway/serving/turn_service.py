@@ -2,30 +2,46 @@
 
 Each API adapter (Chat Completions, Anthropic Messages, OpenAI Responses) translates its request
 into a ``TurnRequest`` and the ``TurnResult`` back into its response; a streamed reply is the
-same token loop with the adapter's ``StreamEncoder`` writing the events. A streamed turn sends
+same generation with the adapter's ``StreamEncoder`` writing the events. A streamed turn sends
 text as it is generated; its closing events (tool calls, finish reason, usage) follow JetStream's
 ack of the turn, and a failed publish ends the stream with the API's error event instead.
 
-A request equal to the request of a kept turn that no later turn continued (a conversation's
-tip: ``gateway.core.branches.resent_turn``) is a client's retry: it gets the recorded turn
-again, whole or streamed, and adds no turn.
+Turns of one session are served concurrently (DESIGN §4): nothing here holds the session while a
+turn generates; ``TurnEngine.finish`` appends under the session's lock.
+
+A request equal to the request of a kept turn of the same agent that no later turn continued
+(a conversation's tip: ``gateway.core.branches.resent_turn``) is a client's retry: it gets the
+recorded turn again, whole or streamed, and adds no turn. A retry that arrives while its
+original is still generating (a client that timed out) waits for it and gets its answer
+(``gateway.core.session_store.Flight``); if the original fails, the retry runs itself. Two
+agents' identical requests are two turns.
+
+A streamed turn generates in its own task (``TurnEngine.detach``), which the SSE stream only
+watches: a client that goes away (Starlette cancels the response on ``http.disconnect``) leaves
+the turn running, and it is appended when the backend finishes it, flagged ``client_gone``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import secrets
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from gateway.backends.interface import needs_processed_logprobs
 from gateway.core.branches import resent_turn
 from gateway.core.conversation import TurnRequest
-from gateway.core.session_store import Session, SessionStore
+from gateway.core.session_store import Asked, Flight, Session, SessionStore
 from gateway.decoding import Detokenizer
 from gateway.errors import InvalidRequest
 from gateway.serving.engine import TurnEngine, sampling_record
-from gateway.serving.turn_data import Turn, TurnResult
+from gateway.serving.turn_data import Generation, Turn, TurnResult
 
 __all__ = ["StreamEncoder", "TurnServing", "TurnStream", "named_tool_choice"]
+
+log = logging.getLogger(__name__)
 
 
 class StreamEncoder(Protocol):
@@ -49,41 +65,54 @@ class StreamEncoder(Protocol):
         ...
 
 
-MakeEncoder = Callable[[int, int], StreamEncoder]  # (turn index, prompt tokens) -> encoder
+MakeEncoder = Callable[[str, int], StreamEncoder]  # (reply id, prompt tokens) -> encoder
 
 
 class TurnStream:
-    """The SSE events of one streamed turn, owning the session's lock and a hold on it.
+    """The SSE events of one streamed turn, and what to do once its response is done
+    (``ended``, the response's background task): a live turn learns whether its client stayed
+    to the end, a replayed one gives its session back (its generator's ``finally`` does not run
+    where the client left before the first event was pulled)."""
 
-    The generator gives both back when it ends; ``release_if_unstarted`` (run by the response
-    once it is done) gives them back when the client left before the first event was pulled,
-    where the generator's ``finally`` never runs and the session would stay locked."""
-
-    def __init__(
-        self,
-        chunks: Callable[[Callable[[], None], Callable[[], None]], AsyncIterator[bytes]],
-        session: Session,
-        release_hold: Callable[[], None],
-    ) -> None:
-        self._started = False
-        self._session = session
-        self._release_hold = release_hold
-        self._chunks = chunks(self._mark_started, self._release)
-
-    def _mark_started(self) -> None:
-        self._started = True
-
-    def _release(self) -> None:
-        if self._session.lock.locked():
-            self._session.lock.release()
-        self._release_hold()
+    def __init__(self, chunks: AsyncIterator[bytes], ended: Callable[[], None]) -> None:
+        self._chunks = chunks
+        self._ended = ended
 
     def __aiter__(self) -> AsyncIterator[bytes]:
         return self._chunks
 
-    async def release_if_unstarted(self) -> None:
-        if not self._started:
-            self._release()
+    async def ended(self) -> None:
+        self._ended()
+
+
+@dataclass(eq=False, slots=True)
+class _LiveTurn:
+    """A streamed turn between its generating task (the producer: it fills ``gen``, marks how
+    much of its text may be sent and sets ``progress`` when that grows, then appends) and the
+    SSE stream (the consumer: it wakes on ``progress`` and sends the text up to the latest mark,
+    however many chunks that covers)."""
+
+    turn: Turn
+    gen: Generation
+    flight: Flight
+    progress: asyncio.Event = field(default_factory=asyncio.Event)
+    # The text that may be sent (its length) and the completion tokens it covers.
+    chars: int = 0
+    tokens: int = 0
+    done: bool = False  # appended, or failed
+    result: TurnResult | None = None
+    error: Exception | None = None
+    closed: bool = False  # the stream wrote its closing events
+    gone: bool = False  # the client left before the stream's end
+
+    def client_gone(self) -> bool:
+        """Asked at the append: the client left and no retry waits for the reply."""
+        return self.gone and not self.flight.joined
+
+    def left(self) -> None:
+        """The response ended: without its closing events, the client left."""
+        if not self.closed:
+            self.gone = True
 
 
 class TurnServing:
@@ -92,11 +121,13 @@ class TurnServing:
         self.store = store
 
     async def prepare(self, session: Session, req: TurnRequest) -> Turn:
+        """The turn, prepared from a snapshot of the session's state (no lock: the state is
+        immutable, and the parent chosen here is checked again at the append)."""
         engine = self.engine
         use_tools = bool(req.tools) and req.tool_choice != "none"
         tools = req.tools if use_tools else None
         named = named_tool_choice(req)
-        chat = await engine.chat_prompt(session, req.messages, tools, req.keys)
+        chat = await engine.chat_prompt(session, req.messages, tools, req.keys, req.agent)
         prompt = chat.prompt
         # "required" / a named function: open the call in the prompt, so the model cannot
         # decline it; these tokens are the gateway's: prompt tokens, not the policy's actions.
@@ -142,63 +173,81 @@ class TurnServing:
             prefix_len=chat.prefix_len,
             prompt_text=chat.text,
             keys=req.keys,
+            reply_id=secrets.token_hex(6),
+            agent=chat.agent,
         )
 
-    def _resent(self, session: Session, req: TurnRequest) -> TurnResult | None:
-        tools = req.tools if req.tools and req.tool_choice != "none" else None
-        event = resent_turn(session.state, req.messages, tools, req.record, req.keys)
-        if event is None:
-            return None
-        self.engine.metrics.resent.labels(req.api).inc()
-        return self.engine.recorded(event, tools_parsed=tools is not None)
+    async def _answered(
+        self, session: Session, req: TurnRequest, asked: Asked
+    ) -> TurnResult | None:
+        """The recorded answer of a request its agent sent before (``asked``: what makes it
+        that request): a kept tip's (the log's), or that of the same request still in flight,
+        awaited (None where it fails: this request then runs itself). None: a new turn."""
+        while True:
+            session.ensure_open()
+            event = resent_turn(
+                session.state, req.messages, asked.tools, asked.request, asked.keys, asked.agent
+            )
+            if event is None:
+                flight = session.flight(asked)
+                if flight is None:
+                    return None
+                flight.joined += 1
+                try:
+                    event = await asyncio.shield(flight.landed)
+                finally:
+                    flight.joined -= 1
+                if event is None:
+                    continue  # the original failed: asked again, from the top
+            self.engine.metrics.resent.labels(req.api).inc()
+            return self.engine.recorded(event, tools_parsed=asked.tools is not None)
 
     async def complete(self, session: Session, req: TurnRequest) -> TurnResult:
-        async with session.lock:
-            session.ensure_open()
-            recorded = self._resent(session, req)
-            if recorded is not None:
-                return recorded
+        """A whole turn. A client that leaves meanwhile is not noticed (uvicorn does not cancel
+        a request handler on disconnect): the turn is recorded as any other, ``client_gone``
+        False, and a retry of it gets it from the log."""
+        asked = _asked(req)
+        recorded = await self._answered(session, req, asked)
+        if recorded is not None:
+            return recorded
+        flight = session.take_off(asked)  # no await since _answered: no twin slips in
+        result = None
+        try:
             turn = await self.prepare(session, req)
-            return await self.engine.run(turn)
+            result = await self.engine.run(turn)
+            return result
+        finally:
+            session.landed(flight, None if result is None else result.event)
 
     async def stream(self, session: Session, req: TurnRequest, encoder: MakeEncoder) -> TurnStream:
-        """Validate and prepare the turn now (errors get their status code), then return the
-        SSE stream, which holds the session (lock and hold) until it ends."""
+        """Validate and prepare the turn now (errors get their status code), start its
+        generation, and return the SSE stream that watches it. The session is held until the
+        turn has appended (or the replay of a recorded one has been sent)."""
         release_hold = self.store.hold(session)
-        await session.lock.acquire()
         try:
-            session.ensure_open()
-            recorded = self._resent(session, req)
-            turn = None if recorded is not None else await self.prepare(session, req)
+            asked = _asked(req)
+            recorded = await self._answered(session, req, asked)
+            if recorded is not None:
+                replay = self._replayed(recorded, encoder, release_hold)
+                return TurnStream(replay, release_hold)
+            flight = session.take_off(asked)
+            try:
+                turn = await self.prepare(session, req)
+            except BaseException:
+                session.landed(flight, None)
+                raise
         except BaseException:
-            session.lock.release()
             release_hold()
             raise
-        if recorded is not None:
-            replay = recorded
-            return TurnStream(
-                lambda started, release: self._replayed(replay, encoder, started, release),
-                session,
-                release_hold,
-            )
-        assert turn is not None
-        live = turn
-        return TurnStream(
-            lambda started, release: self._chunks(live, encoder, started, release),
-            session,
-            release_hold,
-        )
+        live = _LiveTurn(turn, self.engine.generation(turn), flight)
+        self.engine.detach(self._produce(live, release_hold), f"turn {session.name}")
+        return TurnStream(self._chunks(live, encoder), live.left)
 
     async def _replayed(
-        self,
-        result: TurnResult,
-        make_encoder: MakeEncoder,
-        started: Callable[[], None],
-        release: Callable[[], None],
+        self, result: TurnResult, make_encoder: MakeEncoder, release: Callable[[], None]
     ) -> AsyncIterator[bytes]:
-        started()
         try:
-            encoder = make_encoder(result.index, result.prompt_tokens)
+            encoder = make_encoder(result.reply, result.prompt_tokens)
             yield encoder.opening()
             content, detok = result.content or "", result.detok
             end = len(detok.ids)
@@ -210,47 +259,69 @@ class TurnServing:
         finally:
             release()
 
-    async def _chunks(
-        self,
-        turn: Turn,
-        make_encoder: MakeEncoder,
-        started: Callable[[], None],
-        release: Callable[[], None],
-    ) -> AsyncIterator[bytes]:
-        engine = self.engine
-        started()
+    async def _produce(self, live: _LiveTurn, release: Callable[[], None]) -> None:
+        """Generate and append a streamed turn, whether or not its client still reads."""
+        engine, turn, progress = self.engine, live.turn, live.progress
+        parser, detok = engine.parser, live.gen.detok
         try:
-            encoder = make_encoder(turn.index, len(turn.prompt))
-            gen = engine.generation(turn)
-            detok = gen.detok
+            async for _ in engine.tokens(turn, live.gen):
+                limit = None
+                if turn.parse_tools:  # hold back what may still turn out to be a tool call
+                    forced = turn.forced_text
+                    safe = parser.content_safe_prefix_len(forced + detok.text)
+                    limit = max(safe - len(forced), 0)
+                chars = len(detok.streamable(limit))
+                if chars > live.chars:
+                    live.chars, live.tokens = chars, len(detok.ids)
+                    progress.set()
+            live.result = await engine.finish(turn, live.gen, live.client_gone)
+        except Exception as exc:
+            # A backend failure: the turn, which nobody got whole, is not recorded.
+            live.error = exc
+            if live.gone:
+                log.warning(
+                    "session %s: a turn whose client had left failed and is not recorded: %s",
+                    turn.session.name,
+                    exc,
+                )
+        finally:
+            turn.session.landed(live.flight, None if live.result is None else live.result.event)
+            live.done = True
+            progress.set()
+            release()
+
+    async def _chunks(self, live: _LiveTurn, make_encoder: MakeEncoder) -> AsyncIterator[bytes]:
+        """The SSE events: the text marked sendable since the last wake, then the closing
+        events (never cancels the generation: see ``_LiveTurn.left``)."""
+        turn, detok, progress = live.turn, live.gen.detok, live.progress
+        try:
+            encoder = make_encoder(turn.reply_id, len(turn.prompt))
             yield encoder.opening()
             sent, sent_tokens = 0, 0
-            try:
-                async for _ in engine.tokens(turn, gen):
-                    limit = None
-                    if turn.parse_tools:  # hold back what may still turn out to be a tool call
-                        forced = turn.forced_text
-                        safe = engine.parser.content_safe_prefix_len(forced + detok.text)
-                        limit = max(safe - len(forced), 0)
-                    text = detok.streamable(limit)
-                    if len(text) > sent:
-                        yield encoder.text(text[sent:], detok, range(sent_tokens, len(detok.ids)))
-                        sent, sent_tokens = len(text), len(detok.ids)
-            except Exception as exc:
-                # The status line is gone: the backend's failure ends the stream as an error
-                # event, and the turn, which the client never got whole, is not recorded.
-                yield encoder.failure(exc)
-                return
-            try:
-                result = await engine.finish(turn, gen)
-            except Exception as exc:
-                yield encoder.failure(exc)
+            while not live.done:
+                await progress.wait()
+                progress.clear()
+                chars, tokens = live.chars, live.tokens
+                if chars > sent:
+                    yield encoder.text(detok.text[sent:chars], detok, range(sent_tokens, tokens))
+                    sent, sent_tokens = chars, tokens
+            result = live.result
+            if result is None:
+                # The status line is gone: the failure ends the stream as an error event.
+                live.closed = True
+                yield encoder.failure(live.error or RuntimeError("the turn did not finish"))
                 return
             content = result.content or ""
             rest = content[sent:] if content.startswith(detok.text[:sent]) else ""
+            live.closed = True
             yield encoder.closing(result, rest, detok, range(sent_tokens, len(detok.ids)))
         finally:
-            release()
+            live.left()  # cancelled (the client went away) or closed before the end
+
+
+def _asked(req: TurnRequest) -> Asked:
+    tools = req.tools if req.tools and req.tool_choice != "none" else None
+    return Asked(None if req.agent is None else req.agent.id, req.record, tools, req.keys)
 
 
 def named_tool_choice(req: TurnRequest) -> str | None:

@@ -35,7 +35,7 @@ REQUEST_TIMEOUT_S = 30.0
 class Completion:
     """One 200 answer as the client received it."""
 
-    turn: int  # from the completion id, chatcmpl-<session>-<turn>
+    reply: str  # from the completion id, chatcmpl-<session>-<reply> (TurnCompleted.reply)
     text: str
     tokens: list[str]
     logprobs: list[float]
@@ -205,12 +205,9 @@ class Agent:
 def _completion(reply: Any, fallback_turn: int) -> Completion:
     choice = reply.choices[0]
     entries = choice.logprobs.content if choice.logprobs is not None else []
-    try:
-        turn = int(str(reply.id).rsplit("-", 1)[1])
-    except (IndexError, ValueError):
-        turn = fallback_turn
+    _, dash, named = str(reply.id).rpartition("-")
     return Completion(
-        turn=turn,
+        reply=named if dash else str(fallback_turn),
         text=choice.message.content or "",
         tokens=[e.token for e in entries or []],
         logprobs=[float(e.logprob) for e in entries or []],

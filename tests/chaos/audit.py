@@ -266,23 +266,25 @@ class Auditor:
         agent: AgentSession | None,
         shard_tids: set[str],
     ) -> None:
-        first_turns: dict[int, TurnCompleted] = {}
+        # A reply's id names its turn by the request's reply id (TurnCompleted.reply); the
+        # first stored event of one wins, as the fold keeps the first of one turn index.
+        first_turns: dict[str, TurnCompleted] = {}
         for event in events:
             if isinstance(event, TurnCompleted):
-                first_turns.setdefault(event.turn, event)
+                first_turns.setdefault(event.reply, event)
         close = next((e for e in events if isinstance(e, SessionClosed)), None)
         for completion in agent.completions if agent else []:
-            stored = first_turns.get(completion.turn)
+            stored = first_turns.get(completion.reply)
             if stored is None:
-                report.lost_completions.append(f"{name} turn {completion.turn}: not in EVENTS")
+                report.lost_completions.append(f"{name} reply {completion.reply}: not in EVENTS")
             elif not self._same(stored, completion):
                 report.lost_completions.append(
-                    f"{name} turn {completion.turn}: EVENTS holds other tokens "
+                    f"{name} turn {stored.turn}: EVENTS holds other tokens "
                     f"({len(stored.completion_ids)} stored, {len(completion.tokens)} received)"
                 )
-            elif close and close.num_turns is not None and completion.turn >= close.num_turns:
+            elif close and close.num_turns is not None and stored.turn >= close.num_turns:
                 report.late_turns.append(
-                    f"{name} turn {completion.turn}: served after the session was closed "
+                    f"{name} turn {stored.turn}: served after the session was closed "
                     f"({close.status}, {close.num_turns} turns)"
                 )
         if close is None:

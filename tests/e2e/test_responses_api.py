@@ -57,6 +57,13 @@ def turns_of(server: NatsServer, session: str) -> list[TurnCompleted]:
     return sorted((e for e in events if isinstance(e, TurnCompleted)), key=lambda e: e.turn)
 
 
+def response_id_of(turn: TurnCompleted) -> str:
+    """The id of the response a turn answered: its session and its reply id (12 hex digits,
+    made per request, never the turn index)."""
+    assert len(turn.reply_id) == 12 and int(turn.reply_id, 16) >= 0, turn.reply_id
+    return f"resp_{turn.session}_{turn.reply_id}"
+
+
 def assert_extends(turns: list[TurnCompleted], new_roles: list[str]) -> None:
     """Each turn's prompt is the previous prompt + its completion + only the new messages."""
     context: list[int] = []
@@ -94,7 +101,7 @@ def test_a_tool_call_turn_then_its_answer_extend_one_conversation(
     history: list[Any] = [{"role": "user", "content": QUESTION}]
 
     first = client.responses.create(input=history, **ASK)
-    assert first.id == f"resp_{sid}_0" and first.status == "completed"
+    assert first.status == "completed"
     [call] = [item for item in first.output if item.type == "function_call"]
     assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
 
@@ -106,11 +113,11 @@ def test_a_tool_call_turn_then_its_answer_extend_one_conversation(
     assert kinds[:2] == ["response.created", "response.in_progress"]
     assert kinds[-1] == "response.completed"
     second = events[-1].response
-    assert second.id == f"resp_{sid}_1"
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert text == second.output_text and "18" in text
 
     turns = turns_of(nats_server, sid)
+    assert [first.id, second.id] == [response_id_of(turn) for turn in turns]
     assert_extends(turns, ["tool"])
     assert turns[1].request["api"] == "responses"
     for response, turn in zip((first, second), turns, strict=True):
@@ -140,7 +147,8 @@ def test_streamed_tool_calls_come_as_items_and_the_echo_extends_the_turn(
     assert calls and calls[0].name == "get_weather"
     # Codex resends a request whose stream broke: the recorded turn again, same ids.
     resent = list(client.responses.create(input=history, stream=True, **ask))
-    assert resent[-1].response.id == events[-1].response.id == f"resp_{sid}_0"
+    [turn] = turns_of(nats_server, sid)
+    assert resent[-1].response.id == events[-1].response.id == response_id_of(turn)
     assert [i.call_id for i in resent[-1].response.output if i.type == "function_call"] == [
         c.call_id for c in calls
     ]
@@ -149,7 +157,7 @@ def test_streamed_tool_calls_come_as_items_and_the_echo_extends_the_turn(
     history += tool_outputs(events[-1].response)
 
     answer = client.responses.create(input=history, **ask | {"tool_choice": "auto"})
-    assert answer.id == f"resp_{sid}_1"
+    assert answer.id == response_id_of(turns_of(nats_server, sid)[1])
     assert_extends(turns_of(nats_server, sid), ["tool"])
 
 
@@ -163,7 +171,7 @@ def test_previous_response_id_continues_its_turn_and_a_resend_adds_none(
     follow = {"previous_response_id": first.id, "input": tool_outputs(first), **ASK}
 
     second = client.responses.create(**follow)
-    assert second.id == f"resp_{sid}_1" and second.previous_response_id == first.id
+    assert second.previous_response_id == first.id
     again = client.responses.create(**follow)  # the same body: a client's retry
     assert again.id == second.id and again.output_text == second.output_text
     streamed = list(client.responses.create(**follow, stream=True))
@@ -171,15 +179,17 @@ def test_previous_response_id_continues_its_turn_and_a_resend_adds_none(
 
     turns = turns_of(nats_server, sid)
     assert len(turns) == 2, "a resent request is answered with its turn, not a new one"
+    assert [first.id, second.id] == [response_id_of(turn) for turn in turns]
     assert_extends(turns, ["tool"])
     assert turns[1].request["previous_response_id"] == first.id
 
     # An earlier response, other input: a branch off it (the session is a tree).
     branch = client.responses.create(**{**follow, "input": "And tomorrow?"})
-    assert branch.id == f"resp_{sid}_2"
+    assert branch.id == response_id_of(turns_of(nats_server, sid)[2])
     assert turns_of(nats_server, sid)[2].parent_turn == 0
     for bad, why in (
-        (f"resp_{sid}_9", "has no turn 9"),
+        (f"resp_{sid}_9", "holds no such response"),  # an index, not its id
+        (f"resp_{sid}_0123456789ab", "holds no such response"),
         ("resp_other_0", "of session 'other'"),
         ("nope", "previous_response_id"),
     ):
@@ -201,13 +211,13 @@ def test_the_global_route_takes_codexs_session_header_or_the_previous_response(
         default_headers={"session-id": sid},
     )
     first = codex.responses.create(input=QUESTION, **ASK)
-    assert first.id == f"resp_{sid}_0"
+    assert first.id == response_id_of(turns_of(nats_server, sid)[0])
     # No header: the session is the one previous_response_id names.
     anonymous = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="x", max_retries=0)
     second = anonymous.responses.create(
         previous_response_id=first.id, input=tool_outputs(first), **ASK
     )
-    assert second.id == f"resp_{sid}_1"
+    assert second.id == response_id_of(turns_of(nats_server, sid)[1])
     assert_extends(turns_of(nats_server, sid), ["tool"])
 
     missing = httpx.post(

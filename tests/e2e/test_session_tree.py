@@ -263,12 +263,13 @@ def test_more_conversations_than_kept_turns_concurrent_and_hostile(
         client.chat.completions.create(messages=asked, **{**ASK, "temperature": temperature})
     responses = openai.OpenAI(base_url=f"{small_gateway.url}/v1", api_key="x", max_retries=0)
     headers = {"X-Session-Id": sid}
-    for turn, why in ((0, "no longer held"), (10_000, "has no turn")):
+    forgotten = turns_of(events_of(nats_server, sid))[0].reply_id  # no longer kept
+    for reply, why in ((forgotten, "resend the full conversation"), ("0123456789ab", "no such")):
         with pytest.raises(openai.BadRequestError) as refused:
             responses.responses.create(
                 model="tiny",
                 input="and then?",
-                previous_response_id=f"resp_{sid}_{turn}",
+                previous_response_id=f"resp_{sid}_{reply}",
                 max_output_tokens=8,
                 extra_headers=headers,
             )

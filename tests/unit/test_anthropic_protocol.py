@@ -32,6 +32,7 @@ from gateway.serving.anthropic_service import (
 from gateway.serving.engine import TurnEngine
 from gateway.serving.turn_data import TurnResult
 from schemas.errors import EventLogUnavailable
+from schemas.events import TurnCompleted
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "agents" / "claude_code"
 USER = [{"role": "user", "content": "hi"}]
@@ -392,6 +393,9 @@ def call(cid: str, name: str, arguments: str) -> dict[str, Any]:
     return {"id": cid, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
+REPLY = "9f3a0c17e2b4"  # the turn's reply id (TurnCompleted.reply_id): its ids derive from it
+
+
 def turn_result(
     content: str | None = "Hello.",
     tool_calls: list[dict[str, Any]] | None = None,
@@ -403,9 +407,18 @@ def turn_result(
     detok = Detokenizer(decode)
     detok.add(ids, [0.0] * len(ids))
     detok.finish()
+    event = TurnCompleted(
+        run="r",
+        session="s",
+        turn=3,
+        prompt_ids=[],
+        completion_ids=ids,
+        logprobs=[0.0] * len(ids),
+        reply_id=REPLY,
+    )
     return TurnResult(
-        index=3,
-        completion_id="chatcmpl-s-3",
+        reply=REPLY,
+        completion_id=f"chatcmpl-s-{REPLY}",
         text=text,
         content=content,
         tool_calls=tool_calls or [],
@@ -414,6 +427,7 @@ def turn_result(
         detok=detok,
         prompt_tokens=11,
         weight_version=0,
+        event=event,
     )
 
 
@@ -431,7 +445,7 @@ def sent_message(result: TurnResult, stops: list[str] | None = None) -> dict[str
     body = request(messages=USER, stop_sequences=stops or None)
     message = asyncio.run(serving.complete(session, body))
     parsed = anthropic.types.Message.model_validate_json(message.json_bytes())
-    assert parsed.id == "msg_s_3" and parsed.model == "tiny"
+    assert parsed.id == f"msg_s_{REPLY}" and parsed.model == "tiny"
     return cast(dict[str, Any], json.loads(message.json_bytes()))
 
 
@@ -507,7 +521,7 @@ def streamed(
     result: TurnResult, pieces: list[str], rest: str, stops: list[str] | None = None
 ) -> bytes:
     turn = messages_turn_request(request(messages=USER, stop_sequences=stops or None))
-    encoder = _MessagesEncoder(ENGINE, "msg_s_3", turn, result.prompt_tokens)
+    encoder = _MessagesEncoder(ENGINE, f"msg_s_{REPLY}", turn, result.prompt_tokens)
     detok = result.detok
     raw = encoder.opening()
     for piece in pieces:
@@ -534,7 +548,8 @@ def test_a_streamed_reply_is_anthropics_event_sequence() -> None:
         "message_stop",
     ]
     start = seen[0][1]["message"]
-    assert start["content"] == [] and start["id"] == "msg_s_3" and start["stop_reason"] is None
+    assert start["content"] == [] and start["id"] == f"msg_s_{REPLY}"
+    assert start["stop_reason"] is None
     assert start["usage"]["input_tokens"] == 11  # the prompt's length, from the first event
     text = "".join(
         d["delta"]["text"] for n, d in seen if d.get("delta", {}).get("type") == "text_delta"
@@ -576,6 +591,6 @@ def test_a_stream_ended_by_a_stop_sequence_says_which() -> None:
 )
 def test_a_failure_after_the_start_is_an_error_event(error: Exception, kind: str) -> None:
     turn = messages_turn_request(request(messages=USER))
-    raw = _MessagesEncoder(ENGINE, "msg_s_3", turn, 11).failure(error)
+    raw = _MessagesEncoder(ENGINE, f"msg_s_{REPLY}", turn, 11).failure(error)
     [(name, data)] = events(raw)
     assert name == "error" and data["error"]["type"] == kind and data["error"]["message"]

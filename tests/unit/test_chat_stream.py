@@ -1,10 +1,11 @@
-"""A streamed turn owns its session's lock and a hold on it, and gives both back even if the
-client never pulled a chunk."""
+"""A streamed turn's stream gives its session back however it ends: a replayed turn's hold is
+released even if the client never pulled a chunk; a live turn's is its generation's (see
+tests/unit/test_concurrent_turns.py)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -21,26 +22,19 @@ from gateway.templates import ChatTemplate
 from gateway.tools import get_parser
 
 
-def chunks(started: Callable[[], None], release: Callable[[], None]) -> AsyncIterator[bytes]:
-    """The generator factory ChatServing hands the stream: it releases in its finally."""
-
-    async def generate() -> AsyncIterator[bytes]:
-        started()
-        try:
-            yield b"data: x\n\n"
-        finally:
-            release()
-
-    return generate()
-
-
-async def streamed_session() -> tuple[TurnStream, Session]:
+async def replayed_session() -> tuple[TurnStream, Session]:
     store = SessionStore()
     session = await store.load(("run", "s"), _create)
     assert session is not None
-    release_hold = store.hold(session)
-    await session.lock.acquire()  # as ChatServing.stream does before returning the stream
-    return TurnStream(chunks, session, release_hold), session
+    release_hold = store.hold(session)  # as TurnServing.stream does before a replay
+
+    async def generate() -> AsyncIterator[bytes]:
+        try:
+            yield b"data: x\n\n"
+        finally:
+            release_hold()
+
+    return TurnStream(generate(), release_hold), session
 
 
 async def _create() -> SessionState:
@@ -48,24 +42,21 @@ async def _create() -> SessionState:
 
 
 async def test_a_stream_the_client_never_pulled_releases_the_session() -> None:
-    stream, session = await streamed_session()
+    stream, session = await replayed_session()
 
-    await stream.release_if_unstarted()
+    await stream.ended()
 
-    assert not session.lock.locked(), "the next turn of this session would wait forever"
     assert session.users == 0, "the session could never be evicted"
 
 
-async def test_a_started_stream_leaves_the_lock_to_its_generator() -> None:
-    stream, session = await streamed_session()
+async def test_a_started_stream_releases_the_session_once() -> None:
+    stream, session = await replayed_session()
     iterator = aiter(stream)
     assert await anext(iterator) == b"data: x\n\n"
 
-    await stream.release_if_unstarted()
-    assert session.lock.locked()  # the generator's own finally releases it when it ends
-
     await iterator.aclose()  # type: ignore[attr-defined]
-    assert not session.lock.locked() and session.users == 0
+    await stream.ended()
+    assert session.users == 0
 
 
 class _Receipt:
@@ -76,9 +67,9 @@ class _Publisher:
     """Records what would be published (the log itself is tested in integration)."""
 
     def __init__(self) -> None:
-        self.events: list[object] = []
+        self.events: list[Any] = []
 
-    async def publish(self, event: object) -> _Receipt:
+    async def publish(self, event: Any) -> _Receipt:
         self.events.append(event)
         return _Receipt()
 
@@ -129,4 +120,5 @@ async def test_a_backend_failure_mid_stream_ends_it_with_an_error_event(
     error = json.loads(events[-1].removeprefix(b"data: "))["error"]
     assert error["code"] == "backend_error" and "mid-generation" in error["message"]
     assert publisher.events == [] and session.state.turns == 0
+    await stream.ended()
     assert not session.lock.locked() and session.users == 0

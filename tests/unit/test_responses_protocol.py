@@ -9,6 +9,7 @@ response, echoed back verbatim or re-serialized, must be exactly the reply the t
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -354,7 +355,7 @@ def test_tools_and_tool_choice_take_the_chat_shape() -> None:
         ({"temperature": float("nan")}, "temperature", ""),
         ({"metadata": {"k": 1}}, "metadata", ""),
         ({"include": "reasoning.encrypted_content"}, "include", ""),
-        ({"previous_response_id": "resp_s_99999999999"}, "previous_response_id", ""),
+        ({"previous_response_id": "resp_s_9999999999999"}, "previous_response_id", ""),
         ({"previous_response_id": "msg_s_0"}, "previous_response_id", ""),
         ({"conversation": "conv_1"}, "conversation", "not supported"),
         ({"background": True}, "background", "not supported"),
@@ -417,14 +418,22 @@ def test_any_input_is_translated_or_refused_by_rule(
 
 @pytest.mark.parametrize(
     ("value", "parsed"),
-    [("resp_s_0", ("s", 0)), ("resp_a_b-c_12", ("a_b-c", 12)), ("resp_a__3", ("a_", 3))],
+    [
+        ("resp_s_9f3a0c17e2b4", ("s", "9f3a0c17e2b4")),  # a reply id
+        ("resp_s_0", ("s", "0")),  # older ids: the turn index
+        ("resp_a_b-c_12", ("a_b-c", "12")),
+        ("resp_a__3", ("a_", "3")),
+    ],
 )
-def test_a_response_id_names_its_session_and_turn(value: str, parsed: tuple[str, int]) -> None:
+def test_a_response_id_names_its_session_and_reply(value: str, parsed: tuple[str, str]) -> None:
     assert parse_response_id(value) == parsed
     assert response_id(*parsed) == value
 
 
-@pytest.mark.parametrize("value", ["resp_", "resp_s", "resp_s_", "resp__1", "resp_s_x", "s_1"])
+@pytest.mark.parametrize(
+    "value",
+    ["resp_", "resp_s", "resp_s_", "resp__1", "resp_s_x", "s_1", "resp_s_9F3A", "resp_s_g1"],
+)
 def test_a_malformed_response_id_is_a_400_naming_the_field(value: str) -> None:
     with pytest.raises(InvalidRequest) as refused:
         parse_response_id(value)
@@ -480,10 +489,32 @@ def test_previous_response_id_may_name_an_earlier_kept_response() -> None:
     assert [m["content"] for m in previous_conversation(state, req)] == ["hi", "reply 0"]
 
 
+def test_previous_response_id_names_a_reply_id_not_a_turn_index() -> None:
+    """Ids derive from the request's reply id (made before its turn index is known); the turn
+    is found by it, and its index is not an id of it."""
+    state, _ = session_with_two_turns()
+    asked = canonical({"input": "third"})
+    draft = TurnDraft(
+        prompt_ids=[7],
+        messages=asked.messages,
+        tools=None,
+        completion_ids=[8],
+        logprobs=[-0.1],
+        text="reply 2",
+        request=asked.record,
+        reply_id="9f3a0c17e2b4",
+    )
+    state = apply(state, turn_event(state, draft))
+    req = ResponsesRequest(input="x", previous_response_id="resp_s_9f3a0c17e2b4")
+    assert [m["content"] for m in previous_conversation(state, req)] == ["third", "reply 2"]
+    with pytest.raises(InvalidRequest, match="holds no such response"):
+        previous_conversation(state, ResponsesRequest(input="x", previous_response_id="resp_s_2"))
+
+
 def test_a_response_no_longer_kept_is_a_400_asking_for_the_full_input() -> None:
     state, _ = session_with_two_turns(turns_kept=1)
     req = ResponsesRequest(input="something else", previous_response_id="resp_s_0")
-    with pytest.raises(InvalidRequest, match=r"no longer held.*resend the full conversation"):
+    with pytest.raises(InvalidRequest, match=r"holds no such response.*resend the full conv"):
         previous_conversation(state, req)
     assert previous_conversation(
         state, ResponsesRequest(input="x", previous_response_id="resp_s_1")
@@ -493,7 +524,7 @@ def test_a_response_no_longer_kept_is_a_400_asking_for_the_full_input() -> None:
 @pytest.mark.parametrize(
     ("previous", "words"),
     [
-        ("resp_s_2", "has no turn 2"),
+        ("resp_s_2", "holds no such response"),
         ("resp_other_1", "of session 'other'"),
     ],
 )
@@ -601,10 +632,12 @@ async def test_a_response_echoed_back_is_the_reply_the_turn_recorded(tiny_model_
     serving, session, publisher = await serving_for(tiny_model_dir, REPLY)
     response = await serving.complete(session, ResponsesRequest(**ASK))
     parsed = SDKResponse.model_validate_json(response.json_bytes())
-    assert parsed.id == "resp_s_0" and parsed.status == "completed"
+    [event] = publisher.events
+    assert re.fullmatch("[0-9a-f]{12}", event.reply_id), "a per-request id, not the turn index"
+    assert parsed.id == f"resp_s_{event.reply_id}" and parsed.status == "completed"
+    assert parsed.output[0].id == f"msg_s_{event.reply_id}"
     assert [item.type for item in parsed.output] == ["message", "function_call"]
     assert parsed.output_text == "Let me check."
-    [event] = publisher.events
     assert parsed.usage is not None and parsed.usage.output_tokens == len(event.completion_ids)
     message = parsed.output[0]
     assert message.type == "message" and len(message.content[0].logprobs or []) == len(  # type: ignore[union-attr]
@@ -648,9 +681,9 @@ async def test_a_streamed_response_is_typed_events_ending_in_the_response(
     text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
     assert text == "Let me check."
     final = SDKResponse.model_validate(events[-1]["response"])
-    assert final.output_text == text and final.id == "resp_s_0"
-    assert final.output[1].type == "function_call" and final.output[1].name == "get_weather"
     [event] = publisher.events
+    assert final.output_text == text and final.id == f"resp_s_{event.reply_id}"
+    assert final.output[1].type == "function_call" and final.output[1].name == "get_weather"
     assert final.output[1].call_id == event.tool_calls[0]["id"]
     done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
     [reply] = canonical({"input": done}).messages
@@ -663,7 +696,7 @@ async def test_a_streamed_response_is_typed_events_ending_in_the_response(
     # The same request again is a retry: the recorded turn, under the same ids.
     again = await serving.stream(session, ResponsesRequest(**ASK, stream=True))
     replayed = parse_sse([chunk async for chunk in again])
-    assert replayed[-1]["response"]["id"] == "resp_s_0"
+    assert replayed[-1]["response"]["id"] == f"resp_s_{event.reply_id}"
     # (a replay's one text delta carries all the turn's logprobs: compare the items)
     assert (
         canonical({"input": replayed[-1]["response"]["output"]}).messages

@@ -46,7 +46,7 @@ def add_openai_routes(
     async def completion_turn(where: SessionRef, body: CompletionRequest) -> Response:
         chat.engine.check_model(body.model)
         async with sessions.use(where.run, where.session, open_missing=where.open_missing) as s:
-            return json_response(await completions.complete(s, body))
+            return json_response(await completions.complete(s, body, where.agent))
 
     async def session_models(where: SessionRef, _: None) -> Response:
         async with sessions.use(where.run, where.session):  # the session must exist

@@ -319,23 +319,27 @@ class TurnAPI(Protocol[Body]):
     @property
     def engine(self) -> TurnEngine: ...
 
-    async def complete(self, session: Session, req: Body) -> Wire: ...
+    async def complete(
+        self, session: Session, req: Body, agent: AgentIdentity | None = None
+    ) -> Wire: ...
 
-    async def stream(self, session: Session, req: Body) -> TurnStream: ...
+    async def stream(
+        self, session: Session, req: Body, agent: AgentIdentity | None = None
+    ) -> TurnStream: ...
 
 
 async def serve_turn(
     sessions: SessionService, api: TurnAPI[Body], where: SessionRef, body: Body
 ) -> Response:
-    """A turn of any API: the model checked before a session is opened for it, the session held
-    for the turn, the reply whole or as the API's SSE stream (which holds it until it ends)."""
+    """A turn of any API, for the agent its headers name: the model checked before a session is
+    opened for it, the session held for the turn, the reply whole or as the API's SSE stream
+    (its turn holds the session until it has appended; ``TurnStream.ended`` runs once the
+    response is done, however it ended)."""
     api.engine.check_model(body.model)
     async with sessions.use(where.run, where.session, open_missing=where.open_missing) as session:
         if body.stream:
-            stream = await api.stream(session, body)
+            stream = await api.stream(session, body, where.agent)
             return StreamingResponse(
-                stream,
-                media_type="text/event-stream",
-                background=BackgroundTask(stream.release_if_unstarted),
+                stream, media_type="text/event-stream", background=BackgroundTask(stream.ended)
             )
-        return json_response(await api.complete(session, body))
+        return json_response(await api.complete(session, body, where.agent))

@@ -239,6 +239,7 @@ async def build_gateway(settings: GatewaySettings, event_log: EventLog) -> Async
         watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await watcher
+        await engine.close()  # streamed turns whose clients left: never a hang at shutdown
         await publisher.close()
         await backend.close()
         if outbox is not None:

@@ -1,0 +1,179 @@
+"""Turns of one session served at once, and a streamed turn whose client went away (issue 35):
+a real gateway (``--backend vllm``) in front of the benchmarks' fixed-latency backend, whose own
+counters say how many completions it had in flight at once, and a real nats-server.
+
+Overlap is asserted by the backend's count, never by wall-clock time: with the session lock
+held across generation (as before issue 35) it never sees two completions of one session at
+once.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from transformers import AutoTokenizer
+
+from eventlog.server import NatsServer, free_port
+from schemas import TurnCompleted
+from tests.e2e.test_gateway import events_of, turns_of
+from tests.helpers.gateway_process import GatewayProcess
+
+pytestmark = pytest.mark.integration
+
+BACKEND = (
+    Path(__file__).resolve().parents[2] / "benchmarks" / "harness" / "fixed_latency_backend.py"
+)
+CONVERSATIONS = 4
+# The backend answers after this long, then a token every ITL_MS: long enough that a client can
+# read the stream's first event and leave while the backend still generates.
+TTFT_MS, ITL_MS = 2000, 50
+
+
+@dataclass
+class Stack:
+    gateway: GatewayProcess
+    backend: str
+    completion: list[int]
+
+
+@pytest.fixture(scope="module")
+def stack(
+    nats_server: NatsServer, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    completion = [*tokenizer.encode("Done, all of it.", add_special_tokens=False)]
+    completion.append(int(tokenizer.eos_token_id))
+    port = free_port()
+    backend = f"http://127.0.0.1:{port}"
+    data = tmp_path_factory.mktemp("concurrent")
+    command = [sys.executable, str(BACKEND), "--port", str(port), "--model", "tiny"]
+    command += ["--tokens", ",".join(map(str, completion))]
+    command += ["--ttft-ms", str(TTFT_MS), "--itl-ms", str(ITL_MS)]
+    with (data / "backend.log").open("wb") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    gateway = None
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                httpx.get(f"{backend}/health", timeout=1).raise_for_status()
+                break
+            except httpx.HTTPError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise
+                time.sleep(0.1)
+        gateway = GatewayProcess(
+            nats_server.url,
+            tiny_model_dir,
+            data / "gateway",
+            "--backend",
+            "vllm",
+            "--backend-urls",
+            json.dumps([backend]),
+            "--max-context",
+            "4096",
+        )
+        yield Stack(gateway, backend, completion)
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        proc.terminate()
+        proc.wait(10)
+
+
+def backend_stats(stack: Stack) -> dict[str, int]:
+    return dict(httpx.get(f"{stack.backend}/stats", timeout=5).json())
+
+
+def chat(stack: Stack, sid: str, content: str, **extra: Any) -> httpx.Response:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": content}], **extra}
+    return httpx.post(
+        f"{stack.gateway.url}/v1/chat/completions",
+        json=body,
+        headers={"X-Session-Id": sid},
+        timeout=120,
+    )
+
+
+def test_conversations_of_one_session_are_in_flight_together(
+    stack: Stack, nats_server: NatsServer
+) -> None:
+    sid = f"together-{uuid.uuid4().hex[:8]}"
+    chat(stack, sid, "open the session").raise_for_status()  # one turn, alone
+    before = backend_stats(stack)
+    assert before["most_in_flight"] == 1
+
+    with ThreadPoolExecutor(CONVERSATIONS) as pool:
+        answers = list(pool.map(lambda i: chat(stack, sid, f"sub-task {i}"), range(CONVERSATIONS)))
+
+    assert [a.status_code for a in answers] == [200] * CONVERSATIONS
+    assert backend_stats(stack)["most_in_flight"] == CONVERSATIONS
+    turns = turns_of(events_of(nats_server, sid))
+    assert [t.turn for t in turns] == list(range(CONVERSATIONS + 1))
+    ids = sorted(a.json()["id"] for a in answers)
+    assert ids == sorted(f"chatcmpl-{sid}-{t.reply_id}" for t in turns[1:])
+    assert len({t.sampling["seed"] for t in turns}) == len(turns)
+
+
+def test_a_streamed_turn_whose_client_left_is_recorded_whole_as_client_gone(
+    stack: Stack, nats_server: NatsServer
+) -> None:
+    sid = f"gone-{uuid.uuid4().hex[:8]}"
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "a long task"}],
+        "stream": True,
+    }
+    payload = json.dumps(body).encode()
+    host, port = stack.gateway.url.removeprefix("http://").split(":")
+    # A raw socket: read the stream's first event, then close the connection (what a client
+    # that times out, or Codex `exec` exiting mid-sub-agent, does).
+    with socket.create_connection((host, int(port)), timeout=30) as conn:
+        conn.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: gateway\r\n"
+            b"content-type: application/json\r\nx-session-id: " + sid.encode() + b"\r\n"
+            b"content-length: %d\r\n\r\n%b" % (len(payload), payload)
+        )
+        received = b""
+        while b"data: " not in received:
+            chunk = conn.recv(65536)
+            assert chunk, "the gateway closed the stream before its first event"
+            received += chunk
+    assert b" 200 " in received.split(b"\r\n", 1)[0]
+    assert backend_stats(stack)["in_flight"] == 1, "the backend is still generating"
+
+    turn = _recorded_turn(nats_server, sid)
+    assert turn.client_gone, "the client left before the reply was whole"
+    assert turn.completion_ids.tolist() == stack.completion  # the whole completion
+    assert turn.finish_reason == "stop" and turn.reply_id.encode() in received
+
+    # The client's retry of that request samples anew: the turn it never saw is no tip to
+    # answer a resend with (nor a conversation to continue).
+    again = chat(stack, sid, "a long task")
+    assert again.status_code == 200
+    turns = turns_of(events_of(nats_server, sid))
+    assert len(turns) == 2 and not turns[1].client_gone
+    assert again.json()["id"] == f"chatcmpl-{sid}-{turns[1].reply_id}"
+
+
+def _recorded_turn(nats_server: NatsServer, sid: str) -> TurnCompleted:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        turns = turns_of(events_of(nats_server, sid))
+        if turns:
+            [turn] = turns
+            return turn
+        time.sleep(0.2)
+    raise AssertionError(f"no turn of session {sid} in the log after its client left")
