@@ -154,8 +154,18 @@ def split(turns: Sequence[RebuiltTurn], per_turn: bool) -> Chains:
     client that names no agents) and the chain is not ended; any other turn starts a chain.
     A side request (``schemas.agents.SIDE_CLASSES``) starts a chain it ends at once, and a
     turn whose client went away (``client_gone``) ends its chain: nothing continues either.
+    A turn whose client went away carries its parent's chain on only where no turn of its agent
+    whose client stayed extends that parent: a client that retries after a cut stream goes on
+    from the retry, which carries the conversation; the cut turn is a branch of its own.
     The samples are the chains, numbered by their first turn, or (``per_turn``) one per turn;
     forks are counted on the chains either way."""
+    # (parent, agent) of the turns that extend their parent and whose client stayed: where one
+    # exists, it carries the chain on, not a sibling whose client went away.
+    stayed = {
+        (turn.event.parent, agent_id(turn.event))
+        for turn in turns
+        if turn.extends and not turn.event.client_gone and not is_side(turn.event)
+    }
     chain_of: list[int] = []
     last_of: list[int] = []  # the last turn of each chain so far
     ended: list[bool] = []  # nothing may continue the chain
@@ -171,6 +181,7 @@ def split(turns: Sequence[RebuiltTurn], per_turn: bool) -> Chains:
             and last_of[chain_of[parent]] == parent
             and not ended[chain_of[parent]]
             and agent_id(turns[parent].event) == agent_id(event)
+            and not (event.client_gone and (parent, agent_id(event)) in stayed)
         ):
             chain = chain_of[parent]
             last_of[chain] = event.turn

@@ -190,6 +190,24 @@ def test_a_turn_whose_client_went_away_ends_its_trajectory() -> None:
     ]  # fmt: skip
 
 
+def test_a_retry_after_a_cut_stream_carries_the_conversation_on() -> None:
+    """The client's stream was cut (turn 1: recorded, client_gone); it resent the request
+    (turn 2, sampled anew) and went on from that answer (turn 3): the conversation is one
+    trajectory through the retry, the cut turn a branch of its own."""
+    main0 = turn(-1, [*SYS, 10], [11], MAIN)
+    cut1 = turn(0, [*SYS, 10, 11, 12], [13], MAIN, client_gone=True)
+    retry2 = turn(0, [*SYS, 10, 11, 12], [14], MAIN)
+    main3 = turn(2, [*SYS, 10, 11, 12, 14, 15], [16], MAIN)
+
+    result = fold(tree_session([main0, cut1, retry2, main3]))
+
+    assert result.turn_segments == (0, 1, 0, 0)
+    main, cut = result.trajectories
+    assert main.input_ids.tolist() == [*SYS, 10, 11, 12, 14, 15, 16]
+    assert cut.metadata["client_gone"] is True and cut.metadata["branch_of"]["turn"] == 0
+    assert "client_gone" not in main.metadata
+
+
 def test_the_clients_kind_stands_in_where_the_gateway_resolved_none() -> None:
     claimed = {"id": "t1", "parent": "root", "kind": "fork", "source": "codex"}
     resolved = {**claimed, "resolved_kind": "fresh", "mismatch": "shares no parent request"}

@@ -418,6 +418,17 @@ def reference(nodes: Sequence[Node]) -> tuple[list[int], list[int]]:
     last: list[int] = []
     ended: list[bool] = []
     forks: list[int] = []
+
+    def extends_parent(node: Node) -> bool:
+        context = nodes[node.parent].context if node.parent >= 0 else []
+        return node.parent >= 0 and node.prompt[: len(context)] == context
+
+    # A cut turn gives way to a sibling of its agent whose client stayed (a retry).
+    stayed = {
+        (node.parent, turn_agent(node)[0])
+        for node in nodes
+        if extends_parent(node) and not turn_agent(node)[1] and not turn_agent(node)[2]
+    }
     for turn, node in enumerate(nodes):
         context = nodes[node.parent].context if node.parent >= 0 else []
         parent_marks = marks[node.parent] if node.parent >= 0 else []
@@ -433,6 +444,7 @@ def reference(nodes: Sequence[Node]) -> tuple[list[int], list[int]]:
             and last[chain_of[node.parent]] == node.parent
             and not ended[chain_of[node.parent]]
             and turn_agent(nodes[node.parent])[0] == who
+            and not (gone and (node.parent, who) in stayed)
         ):
             chain_of.append(chain_of[node.parent])
             last[chain_of[-1]] = turn
