@@ -97,12 +97,14 @@ def backend_stats(stack: Stack) -> dict[str, int]:
     return dict(httpx.get(f"{stack.backend}/stats", timeout=5).json())
 
 
-def chat(stack: Stack, sid: str, content: str, **extra: Any) -> httpx.Response:
+def chat(
+    stack: Stack, sid: str, content: str, headers: dict[str, str] | None = None, **extra: Any
+) -> httpx.Response:
     body = {"model": "tiny", "messages": [{"role": "user", "content": content}], **extra}
     return httpx.post(
         f"{stack.gateway.url}/v1/chat/completions",
         json=body,
-        headers={"X-Session-Id": sid},
+        headers={"X-Session-Id": sid, **(headers or {})},
         timeout=120,
     )
 
@@ -177,3 +179,58 @@ def _recorded_turn(nats_server: NatsServer, sid: str) -> TurnCompleted:
             return turn
         time.sleep(0.2)
     raise AssertionError(f"no turn of session {sid} in the log after its client left")
+
+
+def _stream_and_leave(stack: Stack, sid: str, content: str, agent: str) -> bytes:
+    """A streamed request whose client reads the status line and leaves."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": content}], "stream": True}
+    payload = json.dumps(body).encode()
+    host, port = stack.gateway.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as conn:
+        conn.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: gateway\r\n"
+            b"content-type: application/json\r\nx-session-id: " + sid.encode() + b"\r\n"
+            b"x-turnstream-agent: " + agent.encode() + b"\r\n"
+            b"content-length: %d\r\n\r\n%b" % (len(payload), payload)
+        )
+        return conn.recv(65536).split(b"\r\n", 1)[0]
+
+
+def test_a_burst_of_retries_fan_outs_and_cut_streams_in_one_session_adds_up(
+    stack: Stack, nats_server: NatsServer
+) -> None:
+    """At once, in one session: one agent's request sent 6 times (a client retrying while the
+    first still generates: one turn), 6 agents' identical requests (a fan-out: 6 turns), and 4
+    streams whose clients leave at once (4 turns, client_gone). No 5xx, every turn once, the
+    indices the log's 0..n-1 however they interleaved, each seed its own."""
+    sid = f"burst-{uuid.uuid4().hex[:8]}"
+
+    def retried(_: int) -> httpx.Response:
+        return chat(stack, sid, "the same task", headers={"X-Turnstream-Agent": "retrier"})
+
+    def fanned(i: int) -> httpx.Response:
+        return chat(stack, sid, "the same task", headers={"X-Turnstream-Agent": f"explorer-{i}"})
+
+    with ThreadPoolExecutor(16) as pool:
+        retries = [pool.submit(retried, i) for i in range(6)]
+        fan_out = [pool.submit(fanned, i) for i in range(6)]
+        cut = [pool.submit(_stream_and_leave, stack, sid, f"cut {i}", f"cut-{i}") for i in range(4)]
+        answers = [f.result() for f in (*retries, *fan_out)]
+        status_lines = [f.result() for f in cut]
+
+    assert [a.status_code for a in answers] == [200] * 12, [a.text for a in answers]
+    assert all(b" 200 " in line for line in status_lines), status_lines
+    assert len({a.json()["id"] for a in answers[:6]}) == 1  # one model call, one turn
+    assert len({a.json()["id"] for a in answers[6:]}) == 6  # six agents, six samples
+    deadline = time.monotonic() + 60
+    while len(turns := turns_of(events_of(nats_server, sid))) < 11:
+        assert time.monotonic() < deadline, f"{len(turns)} turns in the log, not 11"
+        time.sleep(0.2)
+    assert [t.turn for t in turns] == list(range(11))
+    by_agent: dict[str, list[TurnCompleted]] = {}
+    for t in turns:
+        by_agent.setdefault(t.agent["id"], []).append(t)
+    assert len(by_agent["retrier"]) == 1 and not by_agent["retrier"][0].client_gone
+    assert all(len(by_agent[f"explorer-{i}"]) == 1 for i in range(6))
+    assert all(by_agent[f"cut-{i}"][0].client_gone for i in range(4))
+    assert len({t.sampling["seed"] for t in turns}) == 11
