@@ -1,9 +1,20 @@
 """Codex's multi-agent tools through a real gateway (issue 35, point 3): the real ``openai``
 SDK sends what Codex 0.169.0 sends -- a ``namespace`` tool (v1 ``multi_agent_v1``, v2
-``collaboration``), v2's task as an ``agent_message`` with an ``encrypted_content`` part -- to
-a gateway serving the tiny model, fitted here to call ``<namespace>__spawn_agent`` as the
-gateway offers it (flattened). Both namespaces are offered in every request, so that one model
-fitted to both versions' calls sees the very prompt it was fitted on.
+``collaboration``), v2's task as an ``agent_message`` with an ``encrypted_content`` part, a
+``tool_choice`` naming the namespace's function -- to a real gateway (``--backend vllm``) in
+front of the benchmarks' fixed-latency vLLM stand-in (benchmarks/harness/fixed_latency_backend.py),
+one per version, scripted (``--tokens``) to call ``<namespace>__spawn_agent`` as the gateway
+offers it (flattened). Both namespaces are offered in every request.
+
+Why a scripted backend: the tiny model emits noise and never decides to spawn an agent. Only
+the *choice* of tokens is scripted -- the tokenizer's ids of the template's hermes call text
+and ``<|im_end|>``, as tests/agents/scripted_backend.py writes them; since the tool_choice
+makes the gateway open the call in the prompt (the parser's ``forced_prefix``), the reply is
+the rest of the call. Everything else is real: the gateway's rendering, the forced opening, the
+parsing of the call, the namespace restored on the items, the recording of the turns. (This
+test used to fit the tiny model to both versions' calls, ~50 s of its fixture.) The backend
+answers every request alike: the second turn's reply is that text again, read as content (no
+call opens it), which nothing here looks at.
 
 The model's call must come back as the item Codex reads (``namespace`` and the bare name, in
 the stream's items and the response), and those items sent back must continue the turn token
@@ -12,7 +23,11 @@ for token: the second turn's ``prefix_len`` is the first turn's whole context.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,11 +35,12 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from transformers import AutoTokenizer
 
-from eventlog.server import NatsServer
+from eventlog.server import NatsServer, free_port
+from gateway.tools.hermes import HermesParser
 from tests.e2e.test_responses_api import turns_of
 from tests.helpers.gateway_process import GatewayProcess
-from tests.helpers.tiny_model import overfit_tool_calls
 
 pytestmark = pytest.mark.integration
 
@@ -79,59 +95,95 @@ SPAWNS = {
 }
 
 
-def offered(namespaces: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The tools as the model is offered them: each namespace's functions, flattened."""
-    return [
-        {
-            "type": "function",
-            "function": {
-                "name": f"{ns['name']}__{function['name']}",
-                "description": function["description"],
-                "parameters": function["parameters"],
-            },
-        }
-        for ns in namespaces
-        for function in ns["tools"]
-    ]
+TOOLS = [V1, V2]  # two namespaces in one request: both recorded, each call restored to its own
+BACKEND = (
+    Path(__file__).resolve().parents[2] / "benchmarks" / "harness" / "fixed_latency_backend.py"
+)
 
 
-def transcript(ns: str, prompt: str) -> list[dict[str, Any]]:
-    call = {"name": f"{ns}__spawn_agent", "arguments": json.dumps(SPAWNS[ns])}
-    return [
-        {"role": "user", "content": prompt},
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [{"id": "call_0", "type": "function", "function": call}],
-        },
-    ]
+def forced_rest(tokenizer: Any, ns: str) -> list[int]:
+    """The scripted reply to a turn whose tool_choice names ``<ns>__spawn_agent``: what the
+    model writes after the call opening the gateway appends to the prompt (the hermes parser's
+    ``forced_prefix``: ``<tool_call>\\n{"name": "<ns>__spawn_agent", "arguments": ``), i.e. the
+    arguments and the call's close, in the template's format, then the end-of-turn token."""
+    name = f"{ns}__spawn_agent"
+    call = f'<tool_call>\n{{"name": {json.dumps(name)}, "arguments": {json.dumps(SPAWNS[ns])}}}'
+    forced = HermesParser().forced_prefix(name)
+    assert call.startswith(forced)
+    rest = call.removeprefix(forced) + "\n</tool_call>"
+    ids = [*tokenizer.encode(rest, add_special_tokens=False)]
+    return [*ids, int(tokenizer.convert_tokens_to_ids("<|im_end|>"))]
 
 
-TOOLS = [V1, V2]  # one model fitted to both versions' calls: the same tools for both
+@contextlib.contextmanager
+def served(
+    nats_url: str, model_dir: Path, data: Path, tokens: list[int]
+) -> Iterator[GatewayProcess]:
+    """A gateway (``--backend vllm``) in front of the fixed-latency backend answering
+    ``tokens`` to every completion, started as tests/e2e/test_concurrent_turns.py starts it."""
+    port = free_port()
+    backend = f"http://127.0.0.1:{port}"
+    command = [sys.executable, str(BACKEND), "--port", str(port), "--model", "tiny"]
+    command += ["--tokens", ",".join(map(str, tokens))]
+    with (data / "backend.log").open("wb") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    gateway = None
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                httpx.get(f"{backend}/health", timeout=1).raise_for_status()
+                break
+            except httpx.HTTPError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise
+                time.sleep(0.1)
+        gateway = GatewayProcess(
+            nats_url,
+            model_dir,
+            data / "gateway",
+            "--backend",
+            "vllm",
+            "--backend-urls",
+            json.dumps([backend]),
+            "--max-context",
+            "4096",
+        )
+        yield gateway
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        proc.terminate()
+        proc.wait(10)
 
 
 @pytest.fixture(scope="module")
-def gateway(
+def gateways(
     nats_server: NatsServer, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[GatewayProcess]:
-    """The tiny model fitted to spawn in either version, served."""
-    fitted = overfit_tool_calls(
-        tiny_model_dir,
-        tmp_path_factory.mktemp("codex-model") / "model",
-        [transcript("multi_agent_v1", TASK), transcript("collaboration", HEADER + TASK)],
-        offered(TOOLS),
-    )
-    process = GatewayProcess(nats_server.url, fitted, tmp_path_factory.mktemp("gateway"))
-    yield process
-    process.stop()
+) -> Iterator[dict[str, GatewayProcess]]:
+    """One stack per version, by namespace: its backend scripted to spawn in that version."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    with contextlib.ExitStack() as stacks:
+        yield {
+            ns: stacks.enter_context(
+                served(
+                    nats_server.url,
+                    tiny_model_dir,
+                    tmp_path_factory.mktemp(f"codex-{ns}"),
+                    forced_rest(tokenizer, ns),
+                )
+            )
+            for ns in SPAWNS
+        }
 
 
 @pytest.mark.parametrize(("tools", "prompt"), [(V1, V1_PROMPT), (V2, V2_PROMPT)], ids=["v1", "v2"])
 def test_a_namespaces_call_comes_back_namespaced_and_its_echo_continues_the_turn(
-    gateway: GatewayProcess, nats_server: NatsServer, tools: dict[str, Any], prompt: Any
+    gateways: dict[str, GatewayProcess], nats_server: NatsServer, tools: dict[str, Any], prompt: Any
 ) -> None:
-    session = gateway.session()
-    sid, ns = str(session["session_id"]), tools["name"]
+    ns = tools["name"]
+    session = gateways[ns].session()
+    sid = str(session["session_id"])
     client = openai.OpenAI(base_url=str(session["base_url"]), api_key="x", max_retries=0)
     ask: dict[str, Any] = {
         "model": "tiny",
@@ -182,9 +234,9 @@ def test_a_namespaces_call_comes_back_namespaced_and_its_echo_continues_the_turn
 
 
 def test_malformed_namespaces_and_agent_messages_are_400s_naming_the_field(
-    gateway: GatewayProcess,
+    gateways: dict[str, GatewayProcess],
 ) -> None:
-    session = gateway.session()
+    session = gateways["multi_agent_v1"].session()
     url = f"{session['base_url']}/responses"
     spawn = V1["tools"][0]
     cases: list[tuple[dict[str, Any], str, str]] = [
