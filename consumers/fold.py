@@ -63,7 +63,8 @@ from functools import cached_property, reduce
 from itertools import islice
 from typing import Literal, TypeVar
 
-from consumers._segments import Chains, RebuiltTurn, is_side, rebuild, sample_spans, split
+from consumers._metadata import agent_metadata, raw_logprobs, temperatures, tree_metadata
+from consumers._segments import RebuiltTurn, rebuild, sample_spans, split
 from consumers.errors import FoldError, MissingTurns
 from schemas.codec import Codec
 from schemas.events import (
@@ -321,58 +322,6 @@ def _turn_rewards(per_turn: list[RewardAssigned]) -> dict[int, float]:
     return {turn: math.fsum(components) for turn, components in values.items()}
 
 
-def _temperatures(sample: list[RebuiltTurn]) -> JSON:
-    """The sampling temperatures of the sample's turns, where the gateway recorded them: the
-    logprobs are those of the tempered distribution, so a trainer must divide by the same."""
-    recorded = {
-        turn.event.sampling["temperature"]
-        for turn in sample
-        if "temperature" in turn.event.sampling
-    }
-    return {"temperatures": sorted(recorded)} if recorded else {}
-
-
-def _raw_logprobs(sample: list[RebuiltTurn]) -> JSON:
-    """``logprobs_kind: "raw"`` when a turn of the sample recorded the model's raw log-probs
-    instead of the sampled distribution's (a vLLM replica in its default --logprobs-mode, let
-    through by the gateway's --allow-raw-logprobs): a trainer must not take importance ratios
-    against them. Said only then, so every other sample folds to the same bytes as before."""
-    raw = any(turn.event.logprobs_kind == "raw" for turn in sample)
-    return {"logprobs_kind": "raw"} if raw else {}
-
-
-# TurnCompleted.agent key -> trajectory metadata key; "kind" is what the client said, read only
-# where the gateway recorded no resolved kind (what the tokens said).
-_AGENT_METADATA = {
-    "id": "agent_id",
-    "parent": "parent_agent",
-    "resolved_kind": "agent_kind",
-    "kind": "agent_kind",
-    "type": "agent_type",
-    "request_class": "request_class",
-    "source": "agent_source",
-    "mismatch": "agent_mismatch",
-}
-
-
-def _agent_metadata(sample: list[RebuiltTurn]) -> JSON:
-    """The agent whose turns the sample holds, as its client named it and the gateway resolved
-    it (a chain's turns are one agent's; a field is the first of its turns' that says it), and
-    ``side`` / ``client_gone``. Said only where the turns carry them, so a sample of events
-    without agents has the metadata it had before."""
-    metadata: JSON = {}
-    for turn in sample:
-        for key, name in _AGENT_METADATA.items():
-            value = turn.event.agent.get(key)
-            if name not in metadata and isinstance(value, str) and value:
-                metadata[name] = value
-    if any(is_side(turn.event) for turn in sample):
-        metadata["side"] = True
-    if sample[-1].event.client_gone:
-        metadata["client_gone"] = True
-    return metadata
-
-
 def _tools_by_turn(turns: list[TurnCompleted]) -> dict[int, list[JSON]]:
     """The tool schemas each turn's model was given: a turn records them only when they changed
     (None: as its parent turn's; none for a turn without a parent)."""
@@ -381,25 +330,6 @@ def _tools_by_turn(turns: list[TurnCompleted]) -> dict[int, list[JSON]]:
         inherited = by_turn[turn.parent] if turn.parent >= 0 else []
         by_turn[turn.turn] = turn.tools if turn.tools is not None else inherited
     return by_turn
-
-
-def _tree_metadata(chains: Chains, sample: list[RebuiltTurn]) -> JSON:
-    """Where a sample sits in the session's tree, said only where it is not a plain line:
-    ``branch_of`` when its first turn starts a chain off a parent turn, ``turns`` when its turns
-    are not consecutive (interleaved sub-agents)."""
-    metadata: JSON = {}
-    first = sample[0]
-    parent = first.event.parent
-    if parent >= 0 and first.event.turn in chains.chain_starts:
-        metadata["branch_of"] = {
-            "turn": parent,
-            "segment": chains.turn_samples[parent],
-            "shared_tokens": first.shared,
-        }
-    indices = [turn.event.turn for turn in sample]
-    if indices != list(range(indices[0], indices[0] + len(indices))):
-        metadata["turns"] = indices
-    return metadata
 
 
 def _created_at(kept: _Kept, turns: list[TurnCompleted], rewards: list[RewardAssigned]) -> float:
@@ -442,7 +372,7 @@ def finish(state: SessionState, options: FoldOptions = FoldOptions()) -> FoldRes
     )
     created_at = _created_at(kept, turns, rewards)
     tools = _tools_by_turn(turns)
-    agents = [_agent_metadata(sample) for sample in samples]
+    agents = [agent_metadata(sample) for sample in samples]
     side_calls = sum(1 for agent in agents if agent.get("side"))
     if side_calls:  # so a batcher leaving them out knows how many rows a session has without
         base_metadata["side_calls"] = side_calls
@@ -480,10 +410,10 @@ def finish(state: SessionState, options: FoldOptions = FoldOptions()) -> FoldRes
             metadata={
                 **base_metadata,
                 "first_turn": sample[0].event.turn,
-                **_tree_metadata(chains, sample),
+                **tree_metadata(chains, sample),
                 **agents[index],
-                **_temperatures(sample),
-                **_raw_logprobs(sample),
+                **temperatures(sample),
+                **raw_logprobs(sample),
             },
             fold_version=FOLD_VERSION,
         )
