@@ -9,9 +9,11 @@ only, and the one place in turnstream that imports nats-py. Running a server of 
   API), ``map_nats_errors`` turns a direct request's nats errors into ours;
   ``provision`` makes the streams and buckets (an admin client's job, any server).
 - publishing: the ``Publisher`` port and ``JetStreamPublisher`` (acked, retried with one
-  Msg-Id, spooled to the ``Outbox``); reading: ``read_session`` / ``read_session_messages``
-  (one session, direct get), ``reader``'s scans (``read_subject``, ``read_range``,
-  ``msg_id_counts``, ``stored_msg_ids``); ``follow``: a subject from now on.
+  Msg-Id, spooled to the ``Outbox``), an append's ``Expectation`` (refused:
+  ``AppendRefused``); reading: ``read_session`` / ``read_session_messages`` (one session, direct
+  get), ``read_session_after`` (what follows a sequence: a catch-up), ``reader``'s scans
+  (``read_subject``, ``read_range``, ``msg_id_counts``, ``stored_msg_ids``); ``follow``: a
+  subject from now on.
 - consuming: a ``ConsumerSpec`` run by the one ``PullLoop``; handlers take a ``Delivery`` and
   return an ``Outcome`` (``ACK``, ``HOLD``, ``Reject``); ``dispositions`` decides retries and
   dead letters, ``metrics`` counts them; ``commits`` (``CommitLedger``), ``seqset`` and
@@ -37,18 +39,26 @@ from eventlog.connection import (
     connect,
     map_nats_errors,
 )
-from eventlog.errors import PublishForbidden
+from eventlog.errors import AppendRefused, PublishForbidden
+from eventlog.expectation import Expectation
 from eventlog.follow import Following, follow
 from eventlog.loop import ACK, HOLD, BatchHandler, Delivery, Handler, Outcome, PullLoop, Reject
 from eventlog.outbox import Outbox
 from eventlog.provision import ProvisionAction, provision
 from eventlog.publisher import JetStreamPublisher, Publisher, PublishReceipt
 from eventlog.pull import ConsumerSpec
-from eventlog.reader import StoredMessage, read_session, read_session_messages
+from eventlog.reader import (
+    SessionTail,
+    StoredMessage,
+    read_session,
+    read_session_after,
+    read_session_messages,
+)
 
 __all__ = [
     "ACK",
     "HOLD",
+    "AppendRefused",
     "BatchHandler",
     "Bucket",
     "Connection",
@@ -56,6 +66,7 @@ __all__ = [
     "ConsumerSpec",
     "Delivery",
     "Entry",
+    "Expectation",
     "Following",
     "Handler",
     "JetStream",
@@ -70,6 +81,7 @@ __all__ = [
     "PublisherSettings",
     "PullLoop",
     "Reject",
+    "SessionTail",
     "StoredMessage",
     "StreamNames",
     "answered",
@@ -80,5 +92,6 @@ __all__ = [
     "map_nats_errors",
     "provision",
     "read_session",
+    "read_session_after",
     "read_session_messages",
 ]

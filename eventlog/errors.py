@@ -4,8 +4,10 @@
     └── EventLogError                (schemas.errors)
         ├── EventLogUnavailable      (schemas.errors) the log did not answer: retry
         ├── ProvisioningError        (schemas.errors) JetStream refused a configuration
-        └── PublishForbidden         the log refused a publish: these credentials' role may not
-                                     write that subject (permissions violation); never spooled
+        ├── PublishForbidden         the log refused a publish: these credentials' role may not
+        │                            write that subject (permissions violation); never spooled
+        └── AppendRefused            an append's expectation (the last sequence on its subjects)
+                                     was stale: the caller must catch up; never retried/spooled
 
 Operating an embedded server has its own (``eventlog.server.errors``: StoreInUse,
 ServerCrashLoop, LogSecurityError), as has the shard store (``shardstore.errors``).
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 from schemas.errors import EventLogError
 
-__all__ = ["PublishForbidden"]
+__all__ = ["AppendRefused", "PublishForbidden"]
 
 
 class PublishForbidden(EventLogError):
@@ -28,3 +30,38 @@ class PublishForbidden(EventLogError):
     reason = "publish_forbidden"
     # Not permanent: the same message goes through once the credentials or the server's
     # permissions are fixed, so a worker retries it instead of dead-lettering good data.
+
+
+class AppendRefused(EventLogError):
+    """The log refused an append because the caller's ``Expectation`` was stale: messages were
+    stored on ``subjects`` after ``expected_seq`` (the last is at ``last_seq``; None if the
+    server's answer did not say). Retrying the same append cannot help: the caller reads what
+    follows ``expected_seq`` (``eventlog.reader.read_session_after``), applies it, and appends
+    again with the new expectation.
+
+    ``after_retry``: an earlier try of this same publish got no ack, so it may have landed; the
+    event that moved the sequence may then be this very one (its Msg-Id ``msg_id`` is among
+    those the catch-up read returns), and the caller takes it as appended.
+    """
+
+    reason = "append_refused"
+
+    def __init__(
+        self,
+        msg_id: str,
+        subjects: str,
+        expected_seq: int,
+        last_seq: int | None,
+        after_retry: bool = False,
+    ) -> None:
+        self.msg_id = msg_id
+        self.subjects = subjects
+        self.expected_seq = expected_seq
+        self.last_seq = last_seq
+        self.after_retry = after_retry
+        now = f"is at {last_seq}" if last_seq is not None else "has moved on"
+        super().__init__(
+            f"the log refused {msg_id}: it expected the last message on {subjects} at stream "
+            f"sequence {expected_seq}, but that {now}; read the events after {expected_seq}, "
+            f"apply them and append again"
+        )

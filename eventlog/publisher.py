@@ -10,6 +10,13 @@ every event in the order it was acknowledged to the caller. A publish the server
 refuse (the wrong role's credentials) raises ``PublishForbidden``: retries and the outbox
 cannot help it.
 
+An append may state what it expects (``expect``, an ``Expectation``: the last stream sequence
+on the session's subjects as the caller knows it); JetStream refuses it when that is stale, and
+``AppendRefused`` says so at once, never retried nor spooled (the caller must catch up). An
+expectation can only be checked by the log at the moment of the append, so an expected append
+is never spooled either: with the outbox holding events, or the log not answering, it raises
+``EventLogUnavailable`` and stores nothing.
+
 ``publish_many`` pipelines: it sends a window of events (bounded by in-flight bytes) before
 waiting for their acks, and sends the stragglers through the retry path.
 """
@@ -29,7 +36,8 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from eventlog.config import PublisherSettings
-from eventlog.errors import PublishForbidden
+from eventlog.errors import AppendRefused, PublishForbidden
+from eventlog.expectation import Expectation, refusal
 from eventlog.outbox import Outbox, OutboxRecord
 from schemas.codec import Codec
 from schemas.errors import EventLogError, EventLogUnavailable, OutboxFull, PayloadTooLarge
@@ -57,11 +65,15 @@ class PublishReceipt:
 class Publisher(Protocol):
     """The port the gateway and the workers publish through."""
 
-    async def publish(self, event: Event) -> PublishReceipt: ...
+    async def publish(
+        self, event: Event, *, expect: Expectation | None = None
+    ) -> PublishReceipt: ...
 
     async def publish_many(self, events: Sequence[Event]) -> list[PublishReceipt]: ...
 
-    async def publish_raw(self, subject: str, payload: bytes, msg_id: str) -> PublishReceipt: ...
+    async def publish_raw(
+        self, subject: str, payload: bytes, msg_id: str, *, expect: Expectation | None = None
+    ) -> PublishReceipt: ...
 
 
 @dataclass
@@ -72,6 +84,7 @@ class PublisherStats:
     spooled: int = 0  # appended to the outbox
     drained: int = 0  # outbox records acknowledged by JetStream
     failed: int = 0  # raised to the caller: nothing stored, the caller must answer an error
+    refused: int = 0  # expected appends the log refused (stale expectation; failed too)
 
 
 class _PubAck(msgspec.Struct):
@@ -141,15 +154,20 @@ class JetStreamPublisher:
         if future is not None and not future.done():
             future.set_result(msg.data)
 
-    async def _send(self, subject: str, payload: bytes, msg_id: str) -> asyncio.Future[bytes]:
+    async def _send(
+        self, subject: str, payload: bytes, msg_id: str, expect: Expectation | None = None
+    ) -> asyncio.Future[bytes]:
         """Publish once with a reply subject; the future gets the raw ack."""
+        headers = {_MSG_ID: msg_id}
+        if expect is not None:
+            headers.update(expect.headers())
         self._next_token += 1
         token = str(self._next_token)
         future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         self._waiting[token] = future
         try:
             await self._nc.publish(
-                subject, payload, reply=f"{self._inbox}.{token}", headers={_MSG_ID: msg_id}
+                subject, payload, reply=f"{self._inbox}.{token}", headers=headers
             )
         except nats.errors.MaxPayloadError as exc:
             self._waiting.pop(token, None)
@@ -159,20 +177,36 @@ class JetStreamPublisher:
             future.set_exception(_Transient(f"{type(exc).__name__}: {exc}"))
         return future
 
-    def _receipt(self, msg_id: str, raw: bytes) -> PublishReceipt:
+    def _receipt(
+        self,
+        msg_id: str,
+        raw: bytes,
+        expect: Expectation | None = None,
+        after_retry: bool = False,
+    ) -> PublishReceipt:
         ack = _ack_decoder.decode(raw) if raw else _PubAck(error={"description": "no responders"})
         if ack.error is not None:
             code = ack.error.get("code")
             text = f"JetStream error {code}: {ack.error.get('description')}"
             if code == 503 or not raw:  # JetStream recovering / no stream listening yet
                 raise _Transient(text)
+            refused = (
+                refusal(ack.error, msg_id, expect, after_retry=after_retry) if expect else None
+            )
+            if refused is not None:
+                raise refused
             raise EventLogError(f"publish of {msg_id} refused: {text}")
         self.stats.published += 1
         self.stats.duplicates += ack.duplicate
         return PublishReceipt(msg_id, ack.stream, ack.seq, ack.duplicate)
 
     async def _await_ack(
-        self, future: asyncio.Future[bytes], subject: str, msg_id: str
+        self,
+        future: asyncio.Future[bytes],
+        subject: str,
+        msg_id: str,
+        expect: Expectation | None = None,
+        after_retry: bool = False,
     ) -> PublishReceipt:
         try:
             async with asyncio.timeout(self.settings.ack_timeout_s):
@@ -180,7 +214,7 @@ class JetStreamPublisher:
         except TimeoutError as exc:
             self._raise_if_forbidden(subject, msg_id)
             raise _Transient(f"no ack within {self.settings.ack_timeout_s}s") from exc
-        return self._receipt(msg_id, raw)
+        return self._receipt(msg_id, raw, expect, after_retry)
 
     def _raise_if_forbidden(self, subject: str, msg_id: str) -> None:
         """A publish the server's permissions refuse gets no ack: the refusal comes as an
@@ -195,7 +229,7 @@ class JetStreamPublisher:
             )
 
     async def _publish_with_retry(
-        self, subject: str, payload: bytes, msg_id: str
+        self, subject: str, payload: bytes, msg_id: str, expect: Expectation | None = None
     ) -> PublishReceipt:
         s = self.settings
         last = ""
@@ -204,8 +238,10 @@ class JetStreamPublisher:
                 self.stats.retried += 1
                 await asyncio.sleep(min(s.backoff_initial_s * 2 ** (attempt - 1), s.backoff_max_s))
             try:
-                sent = await self._send(subject, payload, msg_id)
-                return await self._await_ack(sent, subject, msg_id)
+                sent = await self._send(subject, payload, msg_id, expect)
+                # A refusal after a try without an ack may be that try's own landing: the
+                # expectation is checked before the Msg-Id's de-duplication (AppendRefused).
+                return await self._await_ack(sent, subject, msg_id, expect, attempt > 0)
             except _Transient as exc:
                 last = str(exc)
         raise EventLogUnavailable(
@@ -215,12 +251,23 @@ class JetStreamPublisher:
 
     # -- public -----------------------------------------------------------------------------
 
-    async def publish(self, event: Event) -> PublishReceipt:
-        """Publish ``event``; returns once JetStream (or the outbox) holds it durably."""
-        subject, msg_id = route(event)
-        return await self.publish_raw(subject, self.codec.encode(event), msg_id)
+    async def publish(self, event: Event, *, expect: Expectation | None = None) -> PublishReceipt:
+        """Publish ``event``; returns once JetStream (or the outbox) holds it durably.
 
-    async def publish_raw(self, subject: str, payload: bytes, msg_id: str) -> PublishReceipt:
+        With ``expect``, JetStream stores it only if the last message on ``expect.subjects`` is
+        still at ``expect.last_seq``; else ``AppendRefused`` (carrying the actual last
+        sequence), at once. An expected append is never spooled: while the outbox holds events
+        (this one would land behind them, unchecked) or when the log does not answer, it raises
+        ``EventLogUnavailable`` and nothing is stored (the gateway answers 503).
+        """
+        subject, msg_id = route(event)
+        return await self.publish_raw(subject, self.codec.encode(event), msg_id, expect=expect)
+
+    async def publish_raw(
+        self, subject: str, payload: bytes, msg_id: str, *, expect: Expectation | None = None
+    ) -> PublishReceipt:
+        if expect is not None:
+            return await self._publish_expected(subject, payload, msg_id, expect)
         if self.outbox is not None and self.outbox.pending_bytes:
             return await self._spool(subject, payload, msg_id)  # keep order behind the backlog
         try:
@@ -231,6 +278,26 @@ class JetStreamPublisher:
                 raise
             return await self._spool(subject, payload, msg_id)
         except EventLogError:
+            self.stats.failed += 1
+            raise
+
+    async def _publish_expected(
+        self, subject: str, payload: bytes, msg_id: str, expect: Expectation
+    ) -> PublishReceipt:
+        if self.outbox is not None and self.outbox.pending_bytes:
+            self.stats.failed += 1
+            raise EventLogUnavailable(
+                f"{msg_id} expects the last message on {expect.subjects} at stream sequence "
+                f"{expect.last_seq}, which only the log can check, and the outbox still holds "
+                f"events the log has not taken; not spooled, try again once it has drained"
+            )
+        try:
+            return await self._publish_with_retry(subject, payload, msg_id, expect)
+        except AppendRefused:
+            self.stats.refused += 1
+            self.stats.failed += 1
+            raise
+        except EventLogError:  # EventLogUnavailable included: an expectation is not spooled
             self.stats.failed += 1
             raise
 

@@ -5,6 +5,8 @@ allow_direct): one request ``{"seq": s, "next_by_subj": "ts.ev.<run>.<session>.*
 answered by up to ``n`` messages and an end-of-batch status, served by any replica, with no
 consumer state on the server. A session is usually one round trip. Fold workers rehydrate a
 closed session with it; the gateway recovers a session it does not hold in memory.
+``read_session_after`` reads only what follows a stream sequence (the same request, starting
+there): what an append refused for a stale expectation must catch up on (issue 36).
 (benchmarks/pipeline_throughput.py compares it with one direct get per event and with an
 ordered consumer.)
 
@@ -21,6 +23,7 @@ import contextlib
 import datetime
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Collection
+from dataclasses import dataclass
 from typing import Any
 
 import nats.errors
@@ -36,10 +39,12 @@ from schemas.ids import session_subjects
 from schemas.trust import StoredMessage, vet_session
 
 __all__ = [
+    "SessionTail",
     "StoredMessage",
     "msg_id_counts",
     "read_range",
     "read_session",
+    "read_session_after",
     "read_session_messages",
     "read_subject",
     "stored_msg_ids",
@@ -57,13 +62,15 @@ async def read_session_messages(
     session: str,
     *,
     stream: str = "EVENTS",
+    after_seq: int = 0,
     batch: int = 1024,
     max_bytes: int = 16 * 1024 * 1024,
     timeout_s: float = 5.0,
 ) -> list[StoredMessage]:
-    """Every message of ``run``/``session`` in ``stream``, undecoded, in stream order.
-    ``run`` None matches the session in any run (session ids are unique). ``timeout_s``: the
-    longest wait for the next message of a batch."""
+    """Every message of ``run``/``session`` in ``stream`` stored after stream sequence
+    ``after_seq`` (0: all), undecoded, in stream order. ``run`` None matches the session in any
+    run (session ids are unique). ``timeout_s``: the longest wait for the next message of a
+    batch."""
     # nats-py has no batched direct get; the request is plain core NATS on its connection. The
     # answers are taken by a callback on the subscription's own task: ``next_msg`` per message
     # made two tasks and a timer each (~75 us; 2.15 -> 1.23 ms of CPU per 11-event session).
@@ -96,7 +103,7 @@ async def read_session_messages(
                 EventLogUnavailable(f"reading {where}: an answer without its headers: {exc!r}")
             )
 
-    seq = 1
+    seq = after_seq + 1
     try:
         sub = await nc.subscribe(nc.new_inbox(), cb=take)
     except (nats.errors.Error, OSError) as exc:
@@ -149,6 +156,44 @@ async def read_session(
     with an earlier turn are left out; bytes that are no event raise ``PoisonEvent``)."""
     stored = await read_session_messages(js, run, session, stream=stream)
     return vet_session(stored, codec or Codec()).events
+
+
+@dataclass(frozen=True)
+class SessionTail:
+    """A session's trusted events stored after ``after_seq``, each with its stream sequence,
+    in stream order; ``last_seq``: the last stream sequence the read saw on the session's
+    subjects, trusted or not (``after_seq`` if none). ``last_seq``, not the last event's, is
+    what the next append expects: the log counts every message there, untrusted ones too."""
+
+    after_seq: int
+    events: list[tuple[int, SessionEvent]]
+    last_seq: int
+
+
+async def read_session_after(
+    js: JetStreamContext,
+    run: str | None,
+    session: str,
+    after_seq: int = 0,
+    *,
+    stream: str = "EVENTS",
+    codec: Codec | None = None,
+) -> SessionTail:
+    """The trusted events of ``run``/``session`` stored after stream sequence ``after_seq``
+    (0: the whole session), with their sequences; one batched direct get from ``after_seq + 1``
+    on the session's subjects, so a catch-up costs what follows, not the session.
+
+    The trust rules are ``read_session``'s over what is read: a message under another subject
+    or without a Msg-Id is left out, undecodable bytes raise ``PoisonEvent``; a second, different
+    turn is left out only against turns read here: one that conflicts with a turn at or before
+    ``after_seq`` is returned, and the caller, which holds those, keeps the first."""
+    stored = await read_session_messages(js, run, session, stream=stream, after_seq=after_seq)
+    vetted = vet_session(stored, codec or Codec())
+    return SessionTail(
+        after_seq,
+        list(zip(vetted.seqs, vetted.events, strict=True)),
+        stored[-1].seq if stored else after_seq,
+    )
 
 
 async def stored_msg_ids(

@@ -81,6 +81,7 @@ class VettedSession:
 
     events: list[SessionEvent] = field(default_factory=list)
     rejected: list[tuple[StoredMessage, UntrustedEvent]] = field(default_factory=list)
+    seqs: list[int] = field(default_factory=list)  # each event's stream sequence
 
     @property
     def conflicting_turns(self) -> int:
@@ -141,6 +142,7 @@ def vet_session(stored: Sequence[StoredMessage], codec: Codec) -> VettedSession:
                 continue
             turns[event.turn] = message
         vetted.events.append(event)
+        vetted.seqs.append(message.seq)
     return vetted
 
 
