@@ -190,11 +190,10 @@ class JetStreamPublisher:
             text = f"JetStream error {code}: {ack.error.get('description')}"
             if code == 503 or not raw:  # JetStream recovering / no stream listening yet
                 raise _Transient(text)
-            refused = (
-                refusal(ack.error, msg_id, expect, after_retry=after_retry) if expect else None
-            )
-            if refused is not None:
-                raise refused
+            if expect is not None:
+                refused = refusal(ack.error, msg_id, expect, after_retry=after_retry)
+                if refused is not None:  # a stale expectation: the caller must catch up
+                    raise refused
             raise EventLogError(f"publish of {msg_id} refused: {text}")
         self.stats.published += 1
         self.stats.duplicates += ack.duplicate
