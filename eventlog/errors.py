@@ -39,9 +39,10 @@ class AppendRefused(EventLogError):
     follows ``expected_seq`` (``eventlog.reader.read_session_after``), applies it, and appends
     again with the new expectation.
 
-    ``after_retry``: an earlier try of this same publish got no ack, so it may have landed; the
-    event that moved the sequence may then be this very one (its Msg-Id ``msg_id`` is among
-    those the catch-up read returns), and the caller takes it as appended.
+    ``after_retry``: an earlier try of this same publish got no ack. The publisher looks for
+    ``msg_id`` after ``expected_seq`` then, and answers a receipt if it had landed; raised with
+    ``after_retry``, it had not, unless that look-up failed (the log stopped answering; logged):
+    a caller that finds ``msg_id`` in its catch-up read takes it as appended.
     """
 
     reason = "append_refused"

@@ -39,15 +39,18 @@ _LAST_SEQ = re.compile(r"wrong last sequence:\s*(\d+)")
 @dataclass(frozen=True)
 class Expectation:
     """``last_seq``: the stream sequence of the last message on ``subjects`` (a subject filter,
-    wildcards allowed) as the caller knows it; 0: the caller knows of none there."""
+    wildcards allowed) as the caller knows it; 0: the caller knows of none there. ``stream``
+    holds those subjects (where the publisher looks, after a lost ack, whether its own try
+    landed)."""
 
     subjects: str
     last_seq: int
+    stream: str = "EVENTS"
 
     @classmethod
-    def session(cls, run: str, session: str, last_seq: int) -> Expectation:
+    def session(cls, run: str, session: str, last_seq: int, stream: str = "EVENTS") -> Expectation:
         """The expectation over every event of ``run``/``session``."""
-        return cls(session_subjects(run, session), last_seq)
+        return cls(session_subjects(run, session), last_seq, stream)
 
     def headers(self) -> dict[str, str]:
         return {

@@ -12,7 +12,10 @@ cannot help it.
 
 An append may state what it expects (``expect``, an ``Expectation``: the last stream sequence
 on the session's subjects as the caller knows it); JetStream refuses it when that is stale, and
-``AppendRefused`` says so at once, never retried nor spooled (the caller must catch up). An
+``AppendRefused`` says so at once, never retried nor spooled (the caller must catch up). A
+retry after a lost ack is refused too when the first try had landed (the expectation is checked
+before the Msg-Id's de-duplication): the publisher then looks for its Msg-Id after the expected
+sequence and, found, answers the stored event's receipt (``duplicate``) instead. An
 expectation can only be checked by the log at the moment of the append, so an expected append
 is never spooled either: with the outbox holding events, or the log not answering, it raises
 ``EventLogUnavailable`` and stores nothing.
@@ -39,6 +42,7 @@ from eventlog.config import PublisherSettings
 from eventlog.errors import AppendRefused, PublishForbidden
 from eventlog.expectation import Expectation, refusal
 from eventlog.outbox import Outbox, OutboxRecord
+from eventlog.reader import read_subjects_after
 from schemas.codec import Codec
 from schemas.errors import EventLogError, EventLogUnavailable, OutboxFull, PayloadTooLarge
 from schemas.events import Event
@@ -292,13 +296,36 @@ class JetStreamPublisher:
             )
         try:
             return await self._publish_with_retry(subject, payload, msg_id, expect)
-        except AppendRefused:
+        except AppendRefused as refused:
+            if refused.after_retry:
+                try:
+                    landed = await self._landed(msg_id, expect)
+                except EventLogUnavailable as exc:  # the refusal stands, after_retry says why
+                    log.warning("cannot tell whether %s landed before its refusal: %s", msg_id, exc)
+                    landed = None
+                if landed is not None:
+                    return landed
             self.stats.refused += 1
             self.stats.failed += 1
             raise
         except EventLogError:  # EventLogUnavailable included: an expectation is not spooled
             self.stats.failed += 1
             raise
+
+    async def _landed(self, msg_id: str, expect: Expectation) -> PublishReceipt | None:
+        """The receipt of ``msg_id`` if it is stored on ``expect.subjects`` after
+        ``expect.last_seq``: a try whose ack was lost had landed, and the retry was refused
+        because the expectation is checked before the Msg-Id's de-duplication. None: it was not
+        stored (another append moved the sequence); the refusal stands."""
+        stored = await read_subjects_after(
+            self._nc.jetstream(), expect.stream, expect.subjects, expect.last_seq
+        )
+        for message in stored:
+            if message.msg_id == msg_id:
+                self.stats.published += 1
+                self.stats.duplicates += 1
+                return PublishReceipt(msg_id, expect.stream, message.seq, duplicate=True)
+        return None
 
     async def publish_many(self, events: Sequence[Event]) -> list[PublishReceipt]:
         """Publish ``events`` pipelined; same guarantees as ``publish`` for each."""

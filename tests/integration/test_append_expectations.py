@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from nats.aio.msg import Msg
 
 from eventlog import (
     AppendRefused,
@@ -114,6 +115,61 @@ async def test_republishing_a_stored_event_with_a_stale_expectation_is_refused(l
         await pub.close()
     assert exc.value.last_seq == 2
     assert (again.seq, again.duplicate) == (1, True)
+    assert await stored(log) == 2
+
+
+class _LosesAcks(JetStreamPublisher):
+    """The real publisher on a real server, but the acks of its first ``lost`` tries never
+    arrive (as when the connection drops right after the server stored the event)."""
+
+    lost = 1
+
+    async def _on_ack(self, msg: Msg) -> None:
+        if self.lost:
+            self.lost -= 1
+            return
+        await super()._on_ack(msg)
+
+
+LOSSY = PublisherSettings(ack_timeout_s=0.3, max_attempts=3, backoff_initial_s=0.01)
+
+
+async def test_a_retry_refused_because_its_lost_first_try_landed_is_that_event(log: Log) -> None:
+    pub = await JetStreamPublisher(log.nc).start()
+    lossy = await _LosesAcks(log.nc, LOSSY).start()
+    try:
+        await pub.publish(opened("s"), expect=at("s", 0))
+        receipt = await lossy.publish(turn("s", 0), expect=at("s", 1))
+    finally:
+        await lossy.close()
+        await pub.close()
+    assert (receipt.seq, receipt.duplicate, receipt.stream) == (2, True, "EVENTS")
+    assert (lossy.stats.retried, lossy.stats.refused, lossy.stats.failed) == (1, 0, 0)
+    assert await stored(log) == 2, "stored once"
+
+
+async def test_a_retry_refused_for_another_append_is_still_refused(log: Log) -> None:
+    # The sequence moved for another gateway's append, not this one's lost try: after the
+    # publisher has looked for its own Msg-Id and not found it, the refusal stands.
+    pub = await JetStreamPublisher(log.nc).start()
+    await pub.publish(opened("s"), expect=at("s", 0))
+    lossy = await _LosesAcks(log.nc, LOSSY).start()
+    lossy.lost = 0
+    try:
+        await pub.publish(turn("s", 0), expect=at("s", 1))  # the other gateway's turn 0
+        with pytest.raises(AppendRefused) as exc:
+            # expects 1, sees 2: refused on the first try, with no retry to blame
+            await lossy.publish(turn("s", 1), expect=at("s", 1))
+        assert not exc.value.after_retry
+        lossy.lost = 1
+        with pytest.raises(AppendRefused) as exc:
+            # the first try (lost ack) was refused too; the retry's refusal is looked into
+            await lossy.publish(turn("s", 1), expect=at("s", 1))
+    finally:
+        await lossy.close()
+        await pub.close()
+    assert exc.value.after_retry
+    assert exc.value.last_seq == 2
     assert await stored(log) == 2
 
 
