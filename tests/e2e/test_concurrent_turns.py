@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import socket
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -25,16 +23,14 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from eventlog.server import NatsServer, free_port
+from eventlog.server import NatsServer
 from schemas import TurnCompleted
 from tests.e2e.test_gateway import events_of, turns_of
 from tests.helpers.gateway_process import GatewayProcess
+from tests.helpers.scripted_gateway import scripted_gateway
 
 pytestmark = pytest.mark.integration
 
-BACKEND = (
-    Path(__file__).resolve().parents[2] / "benchmarks" / "harness" / "fixed_latency_backend.py"
-)
 CONVERSATIONS = 4
 # The backend answers after this long, then a token every ITL_MS: long enough that a client can
 # read the stream's first event and leave while the backend still generates.
@@ -55,42 +51,13 @@ def stack(
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     completion = [*tokenizer.encode("Done, all of it.", add_special_tokens=False)]
     completion.append(int(tokenizer.eos_token_id))
-    port = free_port()
-    backend = f"http://127.0.0.1:{port}"
     data = tmp_path_factory.mktemp("concurrent")
-    command = [sys.executable, str(BACKEND), "--port", str(port), "--model", "tiny"]
-    command += ["--tokens", ",".join(map(str, completion))]
-    command += ["--ttft-ms", str(TTFT_MS), "--itl-ms", str(ITL_MS)]
-    with (data / "backend.log").open("wb") as log:
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    gateway = None
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                httpx.get(f"{backend}/health", timeout=1).raise_for_status()
-                break
-            except httpx.HTTPError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise
-                time.sleep(0.1)
-        gateway = GatewayProcess(
-            nats_server.url,
-            tiny_model_dir,
-            data / "gateway",
-            "--backend",
-            "vllm",
-            "--backend-urls",
-            json.dumps([backend]),
-            "--max-context",
-            "4096",
-        )
+    timing = ("--ttft-ms", str(TTFT_MS), "--itl-ms", str(ITL_MS))
+    with scripted_gateway(nats_server.url, tiny_model_dir, data, completion, *timing) as (
+        gateway,
+        backend,
+    ):
         yield Stack(gateway, backend, completion)
-    finally:
-        if gateway is not None:
-            gateway.stop()
-        proc.terminate()
-        proc.wait(10)
 
 
 def backend_stats(stack: Stack) -> dict[str, int]:

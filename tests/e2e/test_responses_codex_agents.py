@@ -25,9 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -37,10 +34,11 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from eventlog.server import NatsServer, free_port
+from eventlog.server import NatsServer
 from gateway.tools.hermes import HermesParser
 from tests.e2e.test_responses_api import turns_of
 from tests.helpers.gateway_process import GatewayProcess
+from tests.helpers.scripted_gateway import scripted_gateway
 
 pytestmark = pytest.mark.integration
 
@@ -96,9 +94,6 @@ SPAWNS = {
 
 
 TOOLS = [V1, V2]  # two namespaces in one request: both recorded, each call restored to its own
-BACKEND = (
-    Path(__file__).resolve().parents[2] / "benchmarks" / "harness" / "fixed_latency_backend.py"
-)
 
 
 def forced_rest(tokenizer: Any, ns: str) -> list[int]:
@@ -115,48 +110,6 @@ def forced_rest(tokenizer: Any, ns: str) -> list[int]:
     return [*ids, int(tokenizer.convert_tokens_to_ids("<|im_end|>"))]
 
 
-@contextlib.contextmanager
-def served(
-    nats_url: str, model_dir: Path, data: Path, tokens: list[int]
-) -> Iterator[GatewayProcess]:
-    """A gateway (``--backend vllm``) in front of the fixed-latency backend answering
-    ``tokens`` to every completion, started as tests/e2e/test_concurrent_turns.py starts it."""
-    port = free_port()
-    backend = f"http://127.0.0.1:{port}"
-    command = [sys.executable, str(BACKEND), "--port", str(port), "--model", "tiny"]
-    command += ["--tokens", ",".join(map(str, tokens))]
-    with (data / "backend.log").open("wb") as log:
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    gateway = None
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                httpx.get(f"{backend}/health", timeout=1).raise_for_status()
-                break
-            except httpx.HTTPError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise
-                time.sleep(0.1)
-        gateway = GatewayProcess(
-            nats_url,
-            model_dir,
-            data / "gateway",
-            "--backend",
-            "vllm",
-            "--backend-urls",
-            json.dumps([backend]),
-            "--max-context",
-            "4096",
-        )
-        yield gateway
-    finally:
-        if gateway is not None:
-            gateway.stop()
-        proc.terminate()
-        proc.wait(10)
-
-
 @pytest.fixture(scope="module")
 def gateways(
     nats_server: NatsServer, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
@@ -166,13 +119,13 @@ def gateways(
     with contextlib.ExitStack() as stacks:
         yield {
             ns: stacks.enter_context(
-                served(
+                scripted_gateway(
                     nats_server.url,
                     tiny_model_dir,
                     tmp_path_factory.mktemp(f"codex-{ns}"),
                     forced_rest(tokenizer, ns),
                 )
-            )
+            )[0]
             for ns in SPAWNS
         }
 
