@@ -29,6 +29,9 @@ T = TypeVar("T")
 LEAVE_OPEN = 0.1  # share of sessions the agent abandons: the reaper must close them
 GIVE_UP_S = 120.0  # one request retried this long: the agent abandons its session
 REQUEST_TIMEOUT_S = 30.0
+# No connection kept alive: each request is a new connection, so a per-connection balancer
+# spreads requests, not clients.
+FRESH_CONNECTIONS = httpx.Limits(max_keepalive_connections=0)
 
 
 @dataclass
@@ -95,7 +98,16 @@ async def _post(http: httpx.AsyncClient, url: str, body: dict[str, Any]) -> http
 
 
 class Agent:
-    def __init__(self, index: int, gateway_url: str, seed: int, http: httpx.AsyncClient) -> None:
+    def __init__(
+        self,
+        index: int,
+        gateway_url: str,
+        seed: int,
+        http: httpx.AsyncClient,
+        fresh_connections: bool = False,
+    ) -> None:
+        """``http``: for the session API; ``fresh_connections``: the SDK's requests too go on a
+        new connection each (``http`` must then be made with ``FRESH_CONNECTIONS``)."""
         self.index = index
         self.gateway_url = gateway_url
         self.rng = random.Random(f"{seed}-agent-{index}")
@@ -105,6 +117,11 @@ class Agent:
             api_key="unused",
             max_retries=0,  # ours, so every fault and every answer is seen here
             timeout=REQUEST_TIMEOUT_S,
+            http_client=(
+                openai.DefaultAsyncHttpxClient(limits=FRESH_CONNECTIONS)
+                if fresh_connections
+                else None
+            ),
         )
         self.sessions: list[AgentSession] = []
 
