@@ -11,10 +11,10 @@ side closes or resets the other is closed too: a gateway killed mid-request is a
 for its client, as behind a real load balancer.
 
 Per connection is per request here: the soak's agents open a fresh connection for every request
-(``httpx.Limits(max_keepalive_connections=0)``, ``tests.chaos.agents``), so consecutive turns of
-one session land on alternate gateways, and no HTTP parsing stands between what a gateway
-answered and what its client saw. Why not HAProxy itself: it is a Debian package, and ``make
-test`` installs nothing with apt-get (the deploy test's compose fleet runs it in a container).
+(``Limits(max_keepalive_connections=0)``, ``tests.chaos.agents``), so the turns of one session
+land on either gateway as the proxy's turn falls, and no HTTP parsing stands between what a
+gateway answered and what its client saw. Why not HAProxy itself: it is a Debian package, and
+``make test`` installs nothing with apt-get.
 
 ``--stats`` is rewritten once a second with the connections each backend took and the refused
 connects, for the soak's summary.

@@ -27,6 +27,7 @@ class SoakRecord:
     faults: list[Fault]
     exits: list[Exit]
     gateways: int = 1  # behind a round-robin proxy when 2
+    gateway_counters: dict[str, int] = dataclasses.field(default_factory=dict)  # summed
 
     def save(self, data_dir: Path) -> None:
         body = dataclasses.asdict(self)
@@ -52,4 +53,5 @@ class SoakRecord:
             faults=[Fault(**f) for f in body["faults"]],
             exits=[Exit(**e) for e in body["exits"]],
             gateways=body.get("gateways", 1),  # records older than two gateways: one
+            gateway_counters=body.get("gateway_counters", {}),
         )

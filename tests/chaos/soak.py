@@ -157,6 +157,8 @@ async def soak(settings: SoakSettings) -> dict[str, Any]:
         record.save(data_dir)  # already, for --reaudit should the rest fail
         await _all_up(stack, within=180.0)
         report, settled = await _settle_and_audit(stack.nats.url, model_dir, record, settings)
+        await stack.read_gateway_counters()
+        record.gateway_counters = dict(sorted(stack.gateway_counters.items()))
         record.save(data_dir)  # with the exits seen while settling
         summary = summarize(record, report, settled, read_proxy_stats(data_dir))
         print_tables(record, report, summary)

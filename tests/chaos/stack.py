@@ -18,6 +18,7 @@ import os
 import random
 import signal
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,7 @@ from pathlib import Path
 import httpx
 
 from eventlog.server import NatsServer, free_port
+from tests.chaos.gateway_counters import read_counters
 from tests.chaos.targets import (
     PIDS_FILE,
     SINK_JOURNAL,
@@ -64,6 +66,8 @@ class Stack:
     started: float = field(default_factory=time.monotonic)
     targets: list[Target] = field(default_factory=list)
     exits: list[Exit] = field(default_factory=list)
+    # Summed over the soak (tests.chaos.gateway_counters): read before each kill, and at the end.
+    gateway_counters: Counter[str] = field(default_factory=Counter)
 
     def __post_init__(self) -> None:
         self.nats = NatsServer(self.data_dir / "nats", port=free_port())
@@ -85,7 +89,12 @@ class Stack:
         self.targets = [
             Target("nats", "nats", server=self.nats),
             *(
-                Target(name, name, Service("gateway", url, self.data_dir, *self._gateway_flags(i)))
+                Target(
+                    name,
+                    name,
+                    Service("gateway", url, self.data_dir, *self._gateway_flags(i)),
+                    url=f"http://127.0.0.1:{self.gateway_ports[i]}",
+                )
                 for i, name in enumerate(names)
             ),
             *(
@@ -271,6 +280,8 @@ class Stack:
                 continue
             target = rng.choice(up)
             pid = target.pid or -1
+            if target.url:  # its counters die with it
+                await self.read_gateway_counters([target])
             target.wanted = False
             target.kill()
             fault = Fault(
@@ -289,6 +300,12 @@ class Stack:
             task.add_done_callback(restarts.discard)
         await asyncio.gather(*restarts)
         return faults
+
+    async def read_gateway_counters(self, targets: Sequence[Target] | None = None) -> None:
+        """Add ``targets``' (default: every gateway's) counters to ``gateway_counters``."""
+        async with httpx.AsyncClient() as client:
+            for target in targets or [t for t in self.targets if t.url]:
+                self.gateway_counters.update(await read_counters(client, target.url))
 
     async def _fleet_listening(self, kind: str) -> bool:
         """Whether a target of ``kind`` may be killed now: with two gateways, one only while

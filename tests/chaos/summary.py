@@ -67,6 +67,7 @@ def summarize(
         "dead_letters": report.dead_letters,
         "untrusted_events": dict(sorted(report.untrusted.items())),
         "proxy": proxy or {},
+        "gateway_counters": record.gateway_counters,  # lower bounds: see gateway_counters.py
         "settled": settled,
     }
 
@@ -100,6 +101,8 @@ def print_tables(record: SoakRecord, report: Report, summary: dict[str, Any]) ->
         counts.add_row(f"dead letters: {subject}", str(n))
     for backend, n in summary["proxy"].get("connections", {}).items():
         counts.add_row(f"proxy connections to {backend}", str(n))
+    for name, n in record.gateway_counters.items():
+        counts.add_row(f"gateways: {name}", str(n))
     console.print(counts)
     never = report.sink.never_committed if report.sink else []
     for line in [

@@ -52,6 +52,7 @@ class Target:
     service: Service | None = None
     server: NatsServer | None = None
     faulted: bool = True  # the controller may kill it (the proxy: only supervised)
+    url: str = ""  # a gateway's own address (its /metrics)
     wanted: bool = True
     killed_by_us: bool = False
     exits_in_a_row: int = 0

@@ -13,6 +13,7 @@ from schemas.events import SessionClosed, SessionEvent, SessionOpened, TurnCompl
 from schemas.trust import VettedSession
 from tests.chaos.agents import AgentSession, Completion
 from tests.chaos.audit import Auditor, Report, SinkAudit, SinkJournal, audit_sink
+from tests.chaos.gateway_counters import parse_counters
 from tests.chaos.seams import retokenized_continuations, served_after_close
 
 TRAJ = {1: "r/a/0", 2: "r/b/0", 3: "r/c/0"}
@@ -293,3 +294,24 @@ def test_the_auditor_reports_both_from_a_session_s_stored_events() -> None:
     assert len(report.retokenized) == 1 and "turn 2" in report.retokenized[0]
     assert len(report.served_after_close) == 1 and "turn 3" in report.served_after_close[0]
     assert len(report.late_turns) == 1  # the older count, by turn index against num_turns
+
+
+def test_the_gateways_counters_are_read_by_name_and_label_and_nothing_else() -> None:
+    page = """\
+# HELP turnstream_gateway_appends_refused_total appends the log refused
+# TYPE turnstream_gateway_appends_refused_total counter
+turnstream_gateway_appends_refused_total{event="turn"} 4.0
+turnstream_gateway_appends_refused_total{event="close"} 1.0
+# HELP turnstream_gateway_appends_refused_created appends the log refused
+# TYPE turnstream_gateway_appends_refused_created gauge
+turnstream_gateway_appends_refused_created{event="turn"} 1.7e9
+# TYPE turnstream_gateway_stale_prompts_total counter
+turnstream_gateway_stale_prompts_total 0.0
+# TYPE turnstream_gateway_turns_total counter
+turnstream_gateway_turns_total 12.0
+"""
+    assert parse_counters(page) == {
+        "appends_refused_total{event=turn}": 4,
+        "appends_refused_total{event=close}": 1,
+        "stale_prompts_total": 0,
+    }
