@@ -264,21 +264,12 @@ class Stack:
                 await asyncio.wait_for(stop.wait(), rng.uniform(0.3, 1.7) * mean_interval_s)
             if stop.is_set():
                 break
-            # Kinds in shuffled rounds: each kind equally often, whatever its process count,
-            # and every kind hit in any run of len(kinds) faults.
+            # Kinds in shuffled rounds: each kind equally often, whatever its process count.
             if not order:
                 order = rng.sample(kinds, len(kinds))
-            kind = order.pop()
-            up = [
-                t
-                for t in self.targets
-                if t.kind == kind and t.wanted and t.running and not t.starting
-            ]
-            # Still down from an earlier fault, or its fleet not whole: later in this round.
-            if not up or not await self._fleet_listening(kind):
-                order.insert(0, kind)
+            target = await self._next_target(order, rng)
+            if target is None:  # every kind left in this round is down: at the next moment
                 continue
-            target = rng.choice(up)
             pid = target.pid or -1
             if target.url:  # its counters die with it
                 await self.read_gateway_counters([target])
@@ -300,6 +291,22 @@ class Stack:
             task.add_done_callback(restarts.discard)
         await asyncio.gather(*restarts)
         return faults
+
+    async def _next_target(self, order: list[str], rng: random.Random) -> Target | None:
+        """A target of the next kind in ``order`` (popped from its end) that can be killed now.
+        A kind still down from an earlier fault, or a gateway whose fleet is not whole
+        (``_fleet_listening``), keeps its place and comes as soon as it can in this round;
+        the next kind is hit meanwhile, so the faults keep their pace."""
+        for i in reversed(range(len(order))):
+            up = [
+                t
+                for t in self.targets
+                if t.kind == order[i] and t.wanted and t.running and not t.starting
+            ]
+            if up and await self._fleet_listening(order[i]):
+                del order[i]
+                return rng.choice(up)
+        return None
 
     async def read_gateway_counters(self, targets: Sequence[Target] | None = None) -> None:
         """Add ``targets``' (default: every gateway's) counters to ``gateway_counters``."""
