@@ -268,7 +268,14 @@ class Stack:
             if not order:
                 order = rng.sample(kinds, len(kinds))
             target = await self._next_target(order, rng)
-            if target is None:  # every kind left in this round is down: at the next moment
+            if target is None and len(order) < len(kinds):
+                # Every kind left in this round is down (a gateway loading its model: tens of
+                # seconds on a busy machine): the next round starts, so the faults keep their
+                # pace; the kinds left are in it once, at the head of the line.
+                others = [k for k in kinds if k not in order]
+                order[:0] = rng.sample(others, len(others))
+                target = await self._next_target(order, rng)
+            if target is None:  # every kind is down: at the next moment
                 continue
             pid = target.pid or -1
             if target.url:  # its counters die with it
