@@ -195,7 +195,12 @@ async def build_gateway(settings: GatewaySettings, event_log: EventLog) -> Async
     # sequence, and every append states the last one this gateway knows.
     read_after = functools.partial(read_session_after, event_log.js, stream=events_stream)
     store = SessionStore(
-        log=SessionLog(read_after, stream=events_stream, metrics=metrics),
+        log=SessionLog(
+            read_after,
+            stream=events_stream,
+            metrics=metrics,
+            idle_sync_s=settings.session_idle_sync_s,
+        ),
         max_sessions=settings.max_open_sessions,
         closed_grace_s=settings.closed_session_grace_s,
         kept=Kept(settings.session_turns_kept, settings.session_tokens_kept),
