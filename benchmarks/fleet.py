@@ -377,6 +377,12 @@ def cpu_keys(item: str, routing: str) -> list[str]:
 # -- the report and the check -------------------------------------------------------------------
 
 
+def table_order(name: str) -> tuple[bool, int, bool]:
+    """gateways_1 .. N, then the workers; round robin (any) above affinity (owner)."""
+    item, routing = name.split("/")
+    return item.startswith("workers"), int(item.rsplit("_", 1)[1]), routing in ("affinity", "owner")
+
+
 def cpu_per_turn(phase: harness.Phase, keys: list[str]) -> float:
     return sum(phase.cpu_s[k] for k in keys) / max(phase.requests, 1)
 
@@ -387,11 +393,12 @@ def report(phases: list[harness.Phase]) -> JSON:
     rows: JSON = {}
     by = {(p.path, p.round): p for p in phases}
     rounds = sorted({p.round for p in phases})
-    for name in dict.fromkeys(p.path for p in phases):
+    for name in sorted({p.path for p in phases}, key=table_order):
         item, routing = name.split("/")
         mine = [p for p in phases if p.path == name]
         turns = sum(p.requests for p in mine)
         keys = cpu_keys(item, routing)
+        wall = sum(p.wall[1] - p.wall[0] for p in mine)
         counted = {k: sum(p.gateway_metrics[k] for p in mine) for k in COUNTERS.values()}
         rows[name] = {
             "cpu_ms_per_turn": round(1000 * sum(p.cpu_s[k] for p in mine for k in keys) / turns, 3),
@@ -404,6 +411,16 @@ def report(phases: list[harness.Phase]) -> JSON:
             "stale_prompts": counted["stale_prompts"],
             "turns": turns,
             "round_cpu_ms_per_turn": [round(1000 * cpu_per_turn(p, keys), 3) for p in mine],
+            # Cores each kept busy over the phases: on 2 cores, which one ran out.
+            "busy_cores": {
+                group: round(sum(p.cpu_s[k] for p in mine for k in members) / wall, 2)
+                for group, members in (
+                    ("gateways", keys),
+                    ("backend", ["backend"]),
+                    ("nats", ["nats"]),
+                    ("loadgen", ["loadgen"]),
+                )
+            },
         }
     figures: JSON = {"rows": rows}
     pairs = [("gateways", "round_robin", "affinity"), ("workers", "any", "owner")]
@@ -427,13 +444,14 @@ def report(phases: list[harness.Phase]) -> JSON:
     }
     say(
         f"\n{'configuration':<26}{'CPU ms/turn':>12}{'turns/s':>9}{'catch-up/turn':>15}"
-        f"{'refused/1k':>12}{'stale':>7}{'turns':>8}"
+        f"{'refused/1k':>12}{'stale':>7}{'turns':>8}  busy cores (gateways/loadgen)"
     )
     for name, row in rows.items():
         say(
             f"{name:<26}{row['cpu_ms_per_turn']:>12.2f}{row['turns_per_s']:>9.1f}"
             f"{row['catch_up_reads_per_turn']:>15.3f}{row['appends_refused_per_1000_turns']:>12.1f}"
-            f"{row['stale_prompts']:>7.0f}{row['turns']:>8}"
+            f"{row['stale_prompts']:>7.0f}{row['turns']:>8}  {row['busy_cores']['gateways']:.2f}"
+            f"/{row['busy_cores']['loadgen']:.2f}"
         )
     for key, value in figures.items():
         if key.startswith(("cpu_ratio", "throughput_ratio")):
