@@ -8,11 +8,11 @@ gateway) is an optimization, and this measures how much it buys.
 * One nats-server, one fixed-latency backend (``--ttft-ms``, default 20; every answer is the same
   Bash tool call), and ``--gateways`` (default 1,2,4) ``turnstream gateway`` processes on it,
   started once: a configuration of N uses the first N.
-* Agent-shaped sessions, closed loop, ``--concurrency`` (default 32) in flight: Chat Completions
-  (httpx), 4,000 characters of Claude Code's system text and four of its tools; each request
-  the whole history: every answer is a tool call, answered by a tool result; 6 turns a session;
-  every 4th session also runs a sub-agent (its own task, ``X-Turnstream-Agent: sub-1``) whose 3
-  turns interleave with its main agent's.
+* Agent-shaped sessions (``harness.routed_sessions``), closed loop, ``--concurrency`` (default
+  32) in flight: Chat Completions (httpx), 4,000 characters of Claude Code's system text and four
+  of its tools; each request the whole history: every answer is a tool call, answered by a tool
+  result; 6 turns a session; every 4th session also runs a sub-agent (its own task,
+  ``X-Turnstream-Agent: sub-1``) whose 3 turns interleave with its main agent's.
 * The client routes each request: **round robin** (the fleet's next gateway, whatever the
   session: a load balancer without affinity) or **affinity** (the gateway of the session id's
   CRC-32 mod N, ``schemas.ids.session_owner``). N = 1 is the control (both the same).
@@ -25,10 +25,12 @@ gateway) is an optimization, and this measures how much it buys.
   (``turnstream_gateway_appends_refused_total``), stale prompts
   (``turnstream_gateway_stale_prompts_total``, must be 0). A counter a gateway lacks reads 0.
   ``cpu_ratio_gateways_N``: CPU per turn round robin / affinity (target <= 1.3).
-* ``--workers`` section: one ``turnstream gateway --workers 2`` per ``--worker-routing`` (owner:
-  connections handed to the session's worker; any: SO_REUSEPORT, any worker serves any session
-  and catches up), the same load to its one port (a keep-alive pool shared by all sessions);
-  ``workers_cpu_ratio_any_to_owner`` and ``workers_throughput_ratio_any_to_owner``.
+* The workers section (``--only workers``: it alone; ``--only fleet``: the above alone): one
+  ``turnstream gateway --workers 2`` per ``--worker-routing`` (owner: each connection handed to
+  its session's worker; any: SO_REUSEPORT, any worker serves any session and catches up), the
+  same load to its one port (one keep-alive pool for all sessions, so a session's requests ride
+  whichever connection is free); ``cpu_ratio_workers_2_any_to_owner`` and
+  ``throughput_ratio_workers_2_any_to_owner``, paired the same way.
 * Checked from EVENTS at the end (exit 1 otherwise, after the report): every answered turn of
   every conversation continues that conversation's previous turn token for token (its
   ``parent_turn``, its whole context as ``prefix_len``); the count of those that do not is
@@ -43,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import logging
 import os
 import signal
@@ -51,24 +52,19 @@ import statistics
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import harness
 import httpx
-from harness import LoadPath, PhaseCounts, banner, finish, reply_ids, say, tool_output
-from harness.continuation import session_turns, turn_of, whole_context
-from harness.surfaces import CALL_NAME, claude_code_shape, function
+from harness import banner, finish, reply_ids, say
+from harness.routed_sessions import AgentSessions, RoutedLoad, check_continued
 
 from eventlog import connect
 from eventlog.server import NatsServer, free_port
-from schemas.ids import session_owner
 
 JSON = dict[str, Any]
-SYSTEM_CHARS = 4_000
-TOOLS = ("Bash", "Edit", "Read", "Write")
-TURNS, SUB_TURNS, SUB_EVERY = 6, 3, 4
 MAX_CONTEXT = 32_768
 TARGET_RATIO = 1.3
 ROUTINGS = ("round_robin", "affinity")
@@ -81,126 +77,6 @@ COUNTERS = {
     "turnstream_gateway_caught_up_events_total": "caught_up_events",
     "turnstream_gateway_stale_prompts_total": "stale_prompts",
 }
-
-
-# -- the sessions -------------------------------------------------------------------------------
-
-
-@dataclass
-class AgentSession:
-    """One session's conversations (``main``, and ``sub-1`` for a session with a sub-agent):
-    their messages, their answers' ids, and the order its requests are sent in."""
-
-    sid: str
-    steps: list[str]
-    messages: dict[str, list[JSON]]
-    answers: dict[str, list[str]] = field(default_factory=dict)
-
-    @property
-    def done(self) -> bool:
-        return not self.steps
-
-
-class Sessions:
-    """What every request carries (system text, tools) and each session's opening."""
-
-    def __init__(self, model: str) -> None:
-        shape = claude_code_shape()
-        self.model = model
-        self.system = {"role": "system", "content": "\n".join(shape.system)[:SYSTEM_CHARS]}
-        self.tools = [
-            {"type": "function", "function": function(t)} for t in shape.tools if t["name"] in TOOLS
-        ]
-        self.task = "\n".join(shape.user)
-
-    def open(self, sid: str, number: int) -> AgentSession:
-        steps = ["main"] * TURNS
-        messages = {"main": [self.system, {"role": "user", "content": f"[{sid}] {self.task}"}]}
-        if number % SUB_EVERY == SUB_EVERY - 1:
-            # main, main, then the sub-agent's turns each after one of main's, then main's rest
-            steps = ["main", "main"] + ["sub-1", "main"] * SUB_TURNS
-            steps += ["main"] * (TURNS - 2 - SUB_TURNS)
-            task = f"[{sid} sub-agent] Explore the sources and report what the tests cover."
-            messages["sub-1"] = [self.system, {"role": "user", "content": task}]
-        return AgentSession(sid, steps, messages)
-
-    def body(self, session: AgentSession, agent: str) -> JSON:
-        return {
-            "model": self.model,
-            "messages": session.messages[agent],
-            "tools": self.tools,
-            "max_tokens": 64,
-        }
-
-
-class Fleet(LoadPath):
-    """Closed-loop workers, each running sessions one after the other, every request sent to
-    the gateway the routing picks."""
-
-    def __init__(
-        self, name: str, client: httpx.AsyncClient, urls: list[str], routing: str, load: Sessions
-    ) -> None:
-        self.name, self.client, self.urls, self.routing, self.load = (
-            name,
-            client,
-            urls,
-            routing,
-            load,
-        )
-        self.sent = 0
-        self.sessions: list[AgentSession] = []
-        self.counts = PhaseCounts()
-
-    def url(self, sid: str) -> str:
-        if self.routing in ("affinity", "owner", "any"):  # one URL for the last two
-            return self.urls[session_owner(sid, len(self.urls))]
-        self.sent += 1
-        return self.urls[self.sent % len(self.urls)]
-
-    def worker(self, wid: int, tag: str) -> Any:
-        session: AgentSession | None = None
-        number = 0
-
-        async def step() -> None:
-            nonlocal session, number
-            if session is None or session.done:
-                session = self.load.open(f"{tag}-w{wid}-s{number}", number)
-                self.sessions.append(session)
-                self.counts.sessions += 1
-                number += 1
-            await self.turn(session)
-            self.counts.requests += 1
-
-        return step
-
-    async def turn(self, session: AgentSession) -> None:
-        agent = session.steps[0]
-        headers = {"X-Session-Id": session.sid}
-        if agent != "main":
-            headers["X-Turnstream-Agent"] = agent
-        url = f"{self.url(session.sid)}/v1/chat/completions"
-        body = self.load.body(session, agent)
-        response = await self.client.post(url, json=body, headers=headers)
-        if response.status_code != 200:
-            raise RuntimeError(
-                f"{url}: HTTP {response.status_code} for {session.sid} {agent}: "
-                f"{response.text[:300]}"
-            )
-        answer = response.json()
-        message = answer["choices"][0]["message"]
-        calls = message.get("tool_calls") or []
-        if len(calls) != 1 or calls[0]["function"]["name"] != CALL_NAME:
-            raise RuntimeError(f"{session.sid}: expected the {CALL_NAME} call, got {answer}")
-        history = session.messages[agent]
-        turn = len(session.answers.get(agent, ()))
-        session.messages[agent] = [
-            *history,
-            {"role": "assistant", "content": message.get("content"), "tool_calls": calls},
-            {"role": "tool", "tool_call_id": calls[0]["id"], "content": tool_output(turn)},
-        ]
-        session.answers.setdefault(agent, []).append(answer["id"])
-        session.steps.pop(0)
-        self.counts.tokens += int(answer["usage"]["completion_tokens"])
 
 
 # -- the processes ------------------------------------------------------------------------------
@@ -247,7 +123,7 @@ async def counters(client: httpx.AsyncClient, url: str) -> dict[str, float]:
 
 
 async def metered_phase(
-    path: Fleet,
+    path: RoutedLoad,
     client: httpx.AsyncClient,
     args: argparse.Namespace,
     plan: harness.Plan,
@@ -296,8 +172,8 @@ async def run(args: argparse.Namespace, plan: harness.Plan, tmp: Path) -> JSON:
     gw_args = argparse.Namespace(**{**vars(args), "max_inflight_per_replica": args.concurrency})
     meter = Gateways({}, {}, backend, nats)
     phases: list[harness.Phase] = []
-    paths: list[Fleet] = []
-    load = Sessions(model_dir.name)
+    paths: list[RoutedLoad] = []
+    load = AgentSessions(model_dir.name)
     try:
         await harness.wait_http(f"{backend_url}/health", backend, "fixed-latency backend", 30)
         t0 = time.perf_counter()
@@ -315,13 +191,13 @@ async def run(args: argparse.Namespace, plan: harness.Plan, tmp: Path) -> JSON:
         say(f"{len(meter.procs)} gateways up in {time.perf_counter() - t0:.1f} s")
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
         async with httpx.AsyncClient(timeout=120, limits=limits) as client:
-            warm = Fleet("warm-up", client, list(meter.urls.values()), "round_robin", load)
+            warm = RoutedLoad("warm-up", client, list(meter.urls.values()), "round_robin", load)
             await asyncio.gather(*(warm.worker(w, "warm")() for w in range(len(meter.urls))))
             for rnd in range(plan.rounds):
                 line = []
                 for item, routing in schedule(args, rnd):
                     urls = fleet_urls(meter, item, routing)
-                    path = Fleet(f"{item}/{routing}", client, urls, routing, load)
+                    path = RoutedLoad(f"{item}/{routing}", client, urls, routing, load)
                     phase = await metered_phase(
                         path, client, args, plan, f"{item}-{routing}-r{rnd}", meter, rnd
                     )
@@ -457,35 +333,6 @@ def report(phases: list[harness.Phase]) -> JSON:
         if key.startswith(("cpu_ratio", "throughput_ratio")):
             say(f"  {key}: {value:.3f}")
     return figures
-
-
-async def check_continued(js: Any, paths: list[Fleet]) -> tuple[int, int]:
-    """(continued token for token, not) over every conversation's answered turns after its
-    first: each must continue the conversation's previous turn (its ``parent_turn``, its whole
-    context as ``prefix_len``). An answer without a turn in EVENTS raises."""
-    limit = asyncio.Semaphore(8)
-
-    async def one(session: AgentSession) -> tuple[int, int]:
-        async with limit:
-            turns = await session_turns(js, session.sid)
-        exact = forked = 0
-        for answers in session.answers.values():
-            events = [turn_of(turns, answer) for answer in answers]
-            for previous, event in itertools.pairwise(events):
-                whole = whole_context(previous)
-                if event.parent_turn == previous.turn and event.prefix_len == whole:
-                    exact += 1
-                else:
-                    forked += 1
-        return exact, forked
-
-    found = await asyncio.gather(*(one(s) for path in paths for s in path.sessions))
-    exact, forked = sum(e for e, _ in found), sum(f for _, f in found)
-    say(
-        f"checked: {exact:,} later turns continue their conversation token for token, "
-        f"{forked:,} do not (re-tokenized or forked)"
-    )
-    return exact, forked
 
 
 async def bench(args: argparse.Namespace) -> JSON:

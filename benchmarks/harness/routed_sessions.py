@@ -1,0 +1,183 @@
+"""Agent-shaped sessions whose every request the client sends to the gateway a routing picks
+(``benchmarks/fleet.py``: round robin over several gateways, or by the session's hash), and the
+check that every conversation's turns continued one another token for token in EVENTS.
+
+A session: Chat Completions, 4,000 characters of Claude Code's system text and four of its
+tools, each request the whole history; every answer is a tool call (the fixed-latency backend's
+one answer), answered by a tool result; 6 turns; every 4th session also runs a sub-agent (its
+own task, ``X-Turnstream-Agent: sub-1``) whose 3 turns interleave with its main agent's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from harness.continuation import session_turns, turn_of, whole_context
+from harness.load import LoadPath, PhaseCounts
+from harness.reporting import say
+from harness.surfaces import CALL_NAME, claude_code_shape, function, tool_output
+from schemas.ids import session_owner
+
+JSON = dict[str, Any]
+SYSTEM_CHARS = 4_000
+TOOLS = ("Bash", "Edit", "Read", "Write")
+TURNS, SUB_TURNS, SUB_EVERY = 6, 3, 4
+BY_SESSION = ("affinity", "owner", "any")
+"""Routings that send a session's every request to one URL (``owner`` and ``any``: the one
+port of a ``--workers`` gateway, which routes inside)."""
+
+
+@dataclass
+class AgentSession:
+    """One session's conversations (``main``, and ``sub-1`` for a session with a sub-agent):
+    their messages, their answers' ids, and the order its requests are sent in."""
+
+    sid: str
+    steps: list[str]
+    messages: dict[str, list[JSON]]
+    answers: dict[str, list[str]] = field(default_factory=dict)
+
+    @property
+    def done(self) -> bool:
+        return not self.steps
+
+
+class AgentSessions:
+    """What every request carries (system text, tools) and each session's opening."""
+
+    def __init__(self, model: str) -> None:
+        shape = claude_code_shape()
+        self.model = model
+        self.system = {"role": "system", "content": "\n".join(shape.system)[:SYSTEM_CHARS]}
+        self.tools = [
+            {"type": "function", "function": function(t)} for t in shape.tools if t["name"] in TOOLS
+        ]
+        self.task = "\n".join(shape.user)
+
+    def open(self, sid: str, number: int) -> AgentSession:
+        steps = ["main"] * TURNS
+        messages = {"main": [self.system, {"role": "user", "content": f"[{sid}] {self.task}"}]}
+        if number % SUB_EVERY == SUB_EVERY - 1:
+            # main, main, then the sub-agent's turns each after one of main's, then main's rest
+            steps = ["main", "main"] + ["sub-1", "main"] * SUB_TURNS
+            steps += ["main"] * (TURNS - 2 - SUB_TURNS)
+            task = f"[{sid} sub-agent] Explore the sources and report what the tests cover."
+            messages["sub-1"] = [self.system, {"role": "user", "content": task}]
+        return AgentSession(sid, steps, messages)
+
+    def body(self, session: AgentSession, agent: str) -> JSON:
+        return {
+            "model": self.model,
+            "messages": session.messages[agent],
+            "tools": self.tools,
+            "max_tokens": 64,
+        }
+
+
+class RoutedLoad(LoadPath):
+    """Closed-loop workers, each running sessions one after the other, every request sent to
+    the gateway the routing picks."""
+
+    def __init__(
+        self,
+        name: str,
+        client: httpx.AsyncClient,
+        urls: list[str],
+        routing: str,
+        load: AgentSessions,
+    ) -> None:
+        self.name, self.client, self.urls, self.routing, self.load = (
+            name,
+            client,
+            urls,
+            routing,
+            load,
+        )
+        self.sent = 0
+        self.sessions: list[AgentSession] = []
+        self.counts = PhaseCounts()
+
+    def url(self, sid: str) -> str:
+        if self.routing in BY_SESSION:
+            return self.urls[session_owner(sid, len(self.urls))]
+        self.sent += 1
+        return self.urls[self.sent % len(self.urls)]
+
+    def worker(self, wid: int, tag: str) -> Any:
+        session: AgentSession | None = None
+        number = 0
+
+        async def step() -> None:
+            nonlocal session, number
+            if session is None or session.done:
+                session = self.load.open(f"{tag}-w{wid}-s{number}", number)
+                self.sessions.append(session)
+                self.counts.sessions += 1
+                number += 1
+            await self.turn(session)
+            self.counts.requests += 1
+
+        return step
+
+    async def turn(self, session: AgentSession) -> None:
+        agent = session.steps[0]
+        headers = {"X-Session-Id": session.sid}
+        if agent != "main":
+            headers["X-Turnstream-Agent"] = agent
+        url = f"{self.url(session.sid)}/v1/chat/completions"
+        body = self.load.body(session, agent)
+        response = await self.client.post(url, json=body, headers=headers)
+        if response.status_code != 200:
+            raise RuntimeError(
+                f"{url}: HTTP {response.status_code} for {session.sid} {agent}: "
+                f"{response.text[:300]}"
+            )
+        answer = response.json()
+        message = answer["choices"][0]["message"]
+        calls = message.get("tool_calls") or []
+        if len(calls) != 1 or calls[0]["function"]["name"] != CALL_NAME:
+            raise RuntimeError(f"{session.sid}: expected the {CALL_NAME} call, got {answer}")
+        history = session.messages[agent]
+        turn = len(session.answers.get(agent, ()))
+        session.messages[agent] = [
+            *history,
+            {"role": "assistant", "content": message.get("content"), "tool_calls": calls},
+            {"role": "tool", "tool_call_id": calls[0]["id"], "content": tool_output(turn)},
+        ]
+        session.answers.setdefault(agent, []).append(answer["id"])
+        session.steps.pop(0)
+        self.counts.tokens += int(answer["usage"]["completion_tokens"])
+
+
+async def check_continued(js: Any, paths: list[RoutedLoad]) -> tuple[int, int]:
+    """(continued token for token, not) over every conversation's answered turns after its
+    first: each must continue the conversation's previous turn (its ``parent_turn``, its whole
+    context as ``prefix_len``). An answer without a turn in EVENTS raises."""
+    limit = asyncio.Semaphore(8)
+
+    async def one(session: AgentSession) -> tuple[int, int]:
+        async with limit:
+            turns = await session_turns(js, session.sid)
+        exact = forked = 0
+        for answers in session.answers.values():
+            events = [turn_of(turns, answer) for answer in answers]
+            for previous, event in itertools.pairwise(events):
+                whole = whole_context(previous)
+                if event.parent_turn == previous.turn and event.prefix_len == whole:
+                    exact += 1
+                else:
+                    forked += 1
+        return exact, forked
+
+    found = await asyncio.gather(*(one(s) for path in paths for s in path.sessions))
+    exact, forked = sum(e for e, _ in found), sum(f for _, f in found)
+    say(
+        f"checked: {exact:,} later turns continue their conversation token for token, "
+        f"{forked:,} do not (re-tokenized or forked)"
+    )
+    return exact, forked
