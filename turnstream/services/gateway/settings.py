@@ -104,6 +104,12 @@ class GatewaySettings(PublishingSettings):
     backend_wait_s: float = Field(
         120.0, ge=0, description="remote: how long to wait for the backend's /v1/models at start"
     )
+    instance_id: str | None = Field(
+        None,
+        description="this gateway's name among a fleet's on one log, mixed into the seeds it "
+        "derives so that two gateways never derive one; unset: <hostname>:<port> "
+        "(--workers: /<worker> appended)",
+    )
     workers: int = Field(
         1,
         ge=1,
