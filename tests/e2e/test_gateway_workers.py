@@ -256,9 +256,6 @@ def post(conn: http.client.HTTPConnection, path: str, body: Any, session: str) -
     return response.status, json.loads(response.read())
 
 
-@pytest.mark.xfail(
-    strict=True, reason="a worker's stale copy is caught up from the log only with issue 36's core"
-)
 def test_with_routing_any_a_session_continues_token_exact_on_both_workers(
     any_gateway: GatewayProcess, nats_server: NatsServer
 ) -> None:
