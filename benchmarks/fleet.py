@@ -12,7 +12,8 @@ gateway) is an optimization, and this measures how much it buys.
   32) in flight: Chat Completions (httpx), 4,000 characters of Claude Code's system text and four
   of its tools; each request the whole history: every answer is a tool call, answered by a tool
   result; 6 turns a session; every 4th session also runs a sub-agent (its own task,
-  ``X-Turnstream-Agent: sub-1``) whose 3 turns interleave with its main agent's.
+  ``X-Turnstream-Agent: sub-1``) whose 3 turns are each sent together with one of its main
+  agent's (a background agent: round robin sends the two to different gateways at once).
 * The client routes each request: **round robin** (the fleet's next gateway, whatever the
   session: a load balancer without affinity) or **affinity** (the gateway of the session id's
   CRC-32 mod N, ``schemas.ids.session_owner``). N = 1 is the control (both the same).
@@ -77,6 +78,7 @@ COUNTERS = {
     "turnstream_gateway_caught_up_events_total": "caught_up_events",
     "turnstream_gateway_stale_prompts_total": "stale_prompts",
 }
+REASONS = ("refused", "unsure", "idle")  # turnstream_gateway_catch_up_reads_total{reason=...}
 
 
 # -- the processes ------------------------------------------------------------------------------
@@ -113,12 +115,17 @@ def gateway_specs(args: argparse.Namespace) -> dict[str, list[str]]:
 
 
 async def counters(client: httpx.AsyncClient, url: str) -> dict[str, float]:
-    """The issue-36 counters of one gateway's /metrics, summed over their labels (0: absent)."""
-    out = dict.fromkeys(COUNTERS.values(), 0.0)
+    """The issue-36 counters of one gateway's /metrics, summed over their labels (0: absent),
+    and the catch-up reads by reason."""
+    out = dict.fromkeys([*COUNTERS.values(), *(f"catch_up_reads_{r}" for r in REASONS)], 0.0)
     for line in (await client.get(f"{url}/metrics")).text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
         if name in COUNTERS:
-            out[COUNTERS[name]] += float(line.rsplit(" ", 1)[1])
+            value = float(line.rsplit(" ", 1)[1])
+            out[COUNTERS[name]] += value
+            for reason in REASONS:
+                if f'reason="{reason}"' in line:
+                    out[f"catch_up_reads_{reason}"] += value
     return out
 
 
@@ -220,7 +227,7 @@ async def run(args: argparse.Namespace, plan: harness.Plan, tmp: Path) -> JSON:
         harness.stop_process(backend, signal.SIGTERM)
         nats.stop()
     return {
-        **report(phases),
+        **report(phases, {id(p): path.landings() for p, path in zip(phases, paths, strict=True)}),
         "continuations_checked": checked,
         "retokenized_continuations": forked,
     }
@@ -263,7 +270,7 @@ def cpu_per_turn(phase: harness.Phase, keys: list[str]) -> float:
     return sum(phase.cpu_s[k] for k in keys) / max(phase.requests, 1)
 
 
-def report(phases: list[harness.Phase]) -> JSON:
+def report(phases: list[harness.Phase], landings: dict[int, tuple[int, int]]) -> JSON:
     """Per configuration its figures; per pair of routings the ratios (median over rounds of
     each round's ratio, the two phases of a round run back to back)."""
     rows: JSON = {}
@@ -275,13 +282,24 @@ def report(phases: list[harness.Phase]) -> JSON:
         turns = sum(p.requests for p in mine)
         keys = cpu_keys(item, routing)
         wall = sum(p.wall[1] - p.wall[0] for p in mine)
-        counted = {k: sum(p.gateway_metrics[k] for p in mine) for k in COUNTERS.values()}
+        counted = {k: sum(p.gateway_metrics[k] for p in mine) for k in mine[0].gateway_metrics}
+        moved, new = (sum(x) for x in zip(*(landings[id(p)] for p in mine), strict=True))
         rows[name] = {
             "cpu_ms_per_turn": round(1000 * sum(p.cpu_s[k] for p in mine for k in keys) / turns, 3),
             "turns_per_s": round(
                 sum(p.completed_in_window for p in mine) / sum(p.window_s for p in mine), 1
             ),
             "catch_up_reads_per_turn": round(counted["catch_up_reads"] / turns, 3),
+            "catch_up_reads_per_turn_by_reason": {
+                r: round(counted[f"catch_up_reads_{r}"] / turns, 3) for r in REASONS
+            },
+            # Client-side, N gateways only: turns sent to another gateway than their session's
+            # previous one, and first requests of a session on a gateway after its first (the
+            # gateway loads the session whole: not a catch-up read).
+            "moved_per_turn": None if item.startswith("workers") else round(moved / turns, 3),
+            "session_loads_elsewhere_per_turn": (
+                None if item.startswith("workers") else round(new / turns, 3)
+            ),
             "appends_refused_per_1000_turns": round(1000 * counted["appends_refused"] / turns, 1),
             "caught_up_events_per_turn": round(counted["caught_up_events"] / turns, 3),
             "stale_prompts": counted["stale_prompts"],
@@ -319,12 +337,14 @@ def report(phases: list[harness.Phase]) -> JSON:
         "met": all(r <= TARGET_RATIO for r in fleet),
     }
     say(
-        f"\n{'configuration':<26}{'CPU ms/turn':>12}{'turns/s':>9}{'catch-up/turn':>15}"
-        f"{'refused/1k':>12}{'stale':>7}{'turns':>8}  busy cores (gateways/loadgen)"
+        f"\n{'configuration':<26}{'CPU ms/turn':>12}{'turns/s':>9}{'moved/turn':>11}"
+        f"{'catch-up/turn':>15}{'refused/1k':>12}{'stale':>7}{'turns':>8}"
+        "  busy cores (gateways/loadgen)"
     )
     for name, row in rows.items():
         say(
             f"{name:<26}{row['cpu_ms_per_turn']:>12.2f}{row['turns_per_s']:>9.1f}"
+            f"{'-' if row['moved_per_turn'] is None else row['moved_per_turn']:>11}"
             f"{row['catch_up_reads_per_turn']:>15.3f}{row['appends_refused_per_1000_turns']:>12.1f}"
             f"{row['stale_prompts']:>7.0f}{row['turns']:>8}  {row['busy_cores']['gateways']:.2f}"
             f"/{row['busy_cores']['loadgen']:.2f}"

@@ -5,7 +5,8 @@ check that every conversation's turns continued one another token for token in E
 A session: Chat Completions, 4,000 characters of Claude Code's system text and four of its
 tools, each request the whole history; every answer is a tool call (the fixed-latency backend's
 one answer), answered by a tool result; 6 turns; every 4th session also runs a sub-agent (its
-own task, ``X-Turnstream-Agent: sub-1``) whose 3 turns interleave with its main agent's.
+own task, ``X-Turnstream-Agent: sub-1``) whose 3 turns are each in flight together with one of
+its main agent's (a background agent: two appends to one session at once).
 """
 
 from __future__ import annotations
@@ -38,9 +39,10 @@ class AgentSession:
     their messages, their answers' ids, and the order its requests are sent in."""
 
     sid: str
-    steps: list[str]
+    steps: list[tuple[str, ...]]  # the agents whose next requests are sent together
     messages: dict[str, list[JSON]]
     answers: dict[str, list[str]] = field(default_factory=dict)
+    sent_to: list[str] = field(default_factory=list)  # the URL of each request, in order
 
     @property
     def done(self) -> bool:
@@ -60,12 +62,15 @@ class AgentSessions:
         self.task = "\n".join(shape.user)
 
     def open(self, sid: str, number: int) -> AgentSession:
-        steps = ["main"] * TURNS
+        """Session ``sid``, the ``number``-th its load opens (every SUB_EVERY-th with a
+        sub-agent)."""
+        steps: list[tuple[str, ...]] = [("main",)] * TURNS
         messages = {"main": [self.system, {"role": "user", "content": f"[{sid}] {self.task}"}]}
         if number % SUB_EVERY == SUB_EVERY - 1:
-            # main, main, then the sub-agent's turns each after one of main's, then main's rest
-            steps = ["main", "main"] + ["sub-1", "main"] * SUB_TURNS
-            steps += ["main"] * (TURNS - 2 - SUB_TURNS)
+            # After main's second turn the sub-agent runs in the background: its turns and
+            # main's in flight together (Claude Code's background agents), then main's rest.
+            steps = [("main",)] * 2 + [("main", "sub-1")] * SUB_TURNS
+            steps += [("main",)] * (TURNS - 2 - SUB_TURNS)
             task = f"[{sid} sub-agent] Explore the sources and report what the tests cover."
             messages["sub-1"] = [self.system, {"role": "user", "content": task}]
         return AgentSession(sid, steps, messages)
@@ -108,6 +113,14 @@ class RoutedLoad(LoadPath):
         self.sent += 1
         return self.urls[self.sent % len(self.urls)]
 
+    def landings(self) -> tuple[int, int]:
+        """(requests sent to another gateway than their session's previous one, gateways that
+        got a session's request for the first time after its first): what the routing made
+        the fleet read from the log, as the client sees it."""
+        moved = sum(sum(a != b for a, b in itertools.pairwise(s.sent_to)) for s in self.sessions)
+        new = sum(len(set(s.sent_to)) - 1 for s in self.sessions if s.sent_to)
+        return moved, new
+
     def worker(self, wid: int, tag: str) -> Any:
         session: AgentSession | None = None
         number = 0
@@ -115,21 +128,26 @@ class RoutedLoad(LoadPath):
         async def step() -> None:
             nonlocal session, number
             if session is None or session.done:
-                session = self.load.open(f"{tag}-w{wid}-s{number}", number)
+                # Every SUB_EVERY-th session the path opens has a sub-agent (counted over the
+                # path, not the worker: a short phase runs only one or two sessions a worker).
+                sid = f"{tag}-w{wid}-s{number}"
+                session = self.load.open(sid, len(self.sessions))
                 self.sessions.append(session)
                 self.counts.sessions += 1
                 number += 1
-            await self.turn(session)
-            self.counts.requests += 1
+            agents = session.steps.pop(0)
+            await asyncio.gather(*(self.turn(session, agent) for agent in agents))
+            self.counts.requests += len(agents)
 
         return step
 
-    async def turn(self, session: AgentSession) -> None:
-        agent = session.steps[0]
+    async def turn(self, session: AgentSession, agent: str) -> None:
         headers = {"X-Session-Id": session.sid}
         if agent != "main":
             headers["X-Turnstream-Agent"] = agent
-        url = f"{self.url(session.sid)}/v1/chat/completions"
+        gateway = self.url(session.sid)
+        session.sent_to.append(gateway)
+        url = f"{gateway}/v1/chat/completions"
         body = self.load.body(session, agent)
         response = await self.client.post(url, json=body, headers=headers)
         if response.status_code != 200:
@@ -150,7 +168,6 @@ class RoutedLoad(LoadPath):
             {"role": "tool", "tool_call_id": calls[0]["id"], "content": tool_output(turn)},
         ]
         session.answers.setdefault(agent, []).append(answer["id"])
-        session.steps.pop(0)
         self.counts.tokens += int(answer["usage"]["completion_tokens"])
 
 
