@@ -196,22 +196,26 @@ async def run(args: argparse.Namespace, plan: harness.Plan, tmp: Path) -> JSON:
         for name, proc in meter.procs.items():
             await harness.wait_http(f"{meter.urls[name]}/health", proc, name, 300)
         say(f"{len(meter.procs)} gateways up in {time.perf_counter() - t0:.1f} s")
+        # A client (its connection pool) per phase: a pooled connection left idle past the
+        # gateway's keep-alive (uvicorn: 5 s) while other phases run may be closed by it just as
+        # it is reused, a ReadError no retry covers for a POST.
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
         async with httpx.AsyncClient(timeout=120, limits=limits) as client:
             warm = RoutedLoad("warm-up", client, list(meter.urls.values()), "round_robin", load)
             await asyncio.gather(*(warm.worker(w, "warm")() for w in range(len(meter.urls))))
-            for rnd in range(plan.rounds):
-                line = []
-                for item, routing in schedule(args, rnd):
-                    urls = fleet_urls(meter, item, routing)
+        for rnd in range(plan.rounds):
+            line = []
+            for item, routing in schedule(args, rnd):
+                urls = fleet_urls(meter, item, routing)
+                async with httpx.AsyncClient(timeout=120, limits=limits) as client:
                     path = RoutedLoad(f"{item}/{routing}", client, urls, routing, load)
                     phase = await metered_phase(
                         path, client, args, plan, f"{item}-{routing}-r{rnd}", meter, rnd
                     )
-                    phases.append(phase)
-                    paths.append(path)
-                    line.append(f"{path.name} {phase.throughput:6.1f}/s")
-                say(f"  round {rnd + 1}/{plan.rounds}: " + ", ".join(line))
+                phases.append(phase)
+                paths.append(path)
+                line.append(f"{path.name} {phase.throughput:6.1f}/s")
+            say(f"  round {rnd + 1}/{plan.rounds}: " + ", ".join(line))
         nc = await connect(nats.url, name="fleet-bench")
         try:
             checked, forked = await check_continued(nc.jetstream(), paths)
