@@ -233,7 +233,8 @@ async def run(args: argparse.Namespace, plan: harness.Plan, tmp: Path) -> JSON:
     return {
         **report(phases, {id(p): path.landings() for p, path in zip(phases, paths, strict=True)}),
         "continuations_checked": checked,
-        "retokenized_continuations": forked,
+        "retokenized_continuations": len(forked),
+        "retokenized_examples": forked[:20],
     }
 
 

@@ -171,30 +171,44 @@ class RoutedLoad(LoadPath):
         self.counts.tokens += int(answer["usage"]["completion_tokens"])
 
 
-async def check_continued(js: Any, paths: list[RoutedLoad]) -> tuple[int, int]:
-    """(continued token for token, not) over every conversation's answered turns after its
-    first: each must continue the conversation's previous turn (its ``parent_turn``, its whole
-    context as ``prefix_len``). An answer without a turn in EVENTS raises."""
+async def check_continued(js: Any, paths: list[RoutedLoad]) -> tuple[int, list[JSON]]:
+    """Over every conversation's answered turns after its first, each of which must continue
+    the conversation's previous turn (its ``parent_turn``, its whole context as
+    ``prefix_len``): how many do, and what each that does not was recorded as (with where its
+    session's requests went). An answer without a turn in EVENTS raises."""
     limit = asyncio.Semaphore(8)
 
-    async def one(session: AgentSession) -> tuple[int, int]:
+    async def one(session: AgentSession) -> tuple[int, list[JSON]]:
         async with limit:
             turns = await session_turns(js, session.sid)
-        exact = forked = 0
-        for answers in session.answers.values():
+        exact, forked = 0, []
+        for agent, answers in session.answers.items():
             events = [turn_of(turns, answer) for answer in answers]
             for previous, event in itertools.pairwise(events):
                 whole = whole_context(previous)
                 if event.parent_turn == previous.turn and event.prefix_len == whole:
                     exact += 1
-                else:
-                    forked += 1
+                    continue
+                forked.append(
+                    {
+                        "session": session.sid,
+                        "agent": agent,
+                        "turn": event.turn,
+                        "parent_turn": event.parent_turn,
+                        "prefix_len": event.prefix_len,
+                        "expected_parent": previous.turn,
+                        "expected_prefix_len": whole,
+                        "sent_to": session.sent_to,
+                    }
+                )
         return exact, forked
 
     found = await asyncio.gather(*(one(s) for path in paths for s in path.sessions))
-    exact, forked = sum(e for e, _ in found), sum(f for _, f in found)
+    exact, forked = sum(e for e, _ in found), [f for _, fs in found for f in fs]
     say(
         f"checked: {exact:,} later turns continue their conversation token for token, "
-        f"{forked:,} do not (re-tokenized or forked)"
+        f"{len(forked):,} do not (re-tokenized or forked)"
     )
+    for turn in forked[:5]:
+        say(f"  not continued: {turn}")
     return exact, forked
