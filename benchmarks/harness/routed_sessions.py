@@ -199,6 +199,17 @@ async def check_continued(js: Any, paths: list[RoutedLoad]) -> tuple[int, list[J
                         "expected_parent": previous.turn,
                         "expected_prefix_len": whole,
                         "sent_to": session.sent_to,
+                        # (turn, parent, agent, prefix_len, whole context) as recorded
+                        "recorded": [
+                            (
+                                t.turn,
+                                t.parent_turn,
+                                t.agent.get("id"),
+                                t.prefix_len,
+                                whole_context(t),
+                            )
+                            for t in sorted(turns.values(), key=lambda t: t.turn)
+                        ],
                     }
                 )
         return exact, forked
