@@ -203,6 +203,12 @@ class Session:
 class SessionLog:
     """What a gateway asks the log about the sessions it holds, over ``read_after``."""
 
+    # Appends of one event refused in a row (each after a catch-up) before the client gets a
+    # 503. Each refusal means another writer's append landed, so an event is refused at most as
+    # often as others append to its session meanwhile: a fan-out of parallel sub-agents over a
+    # fleet stays well inside it.
+    max_refusals = 32
+
     def __init__(
         self,
         read_after: ReadAfter,

@@ -33,7 +33,7 @@ from gateway.core.agents import AgentIdentity
 from gateway.core.aggregate import SessionState, TurnDraft, prefix_parent, turn_event
 from gateway.core.branches import attachment, continued_turn, placement
 from gateway.core.conversation import MessageKey
-from gateway.core.session_store import ContextCache, Session, SessionStore
+from gateway.core.session_store import ContextCache, Session, SessionLog, SessionStore
 from gateway.decoding import Detokenizer
 from gateway.errors import ContextLengthExceeded, ModelNotFound
 from gateway.frozen import evolved
@@ -53,8 +53,6 @@ JSON = dict[str, Any]
 _OFF_LOOP_CHARS = 64 * 1024
 _OFF_LOOP_MESSAGES = 512
 _NO_CACHE = ContextCache()
-# Appends of one turn refused in a row (each after a catch-up) before the client gets a 503.
-_APPEND_TRIES = 8
 
 
 class TurnEngine:
@@ -363,7 +361,7 @@ class TurnEngine:
         nothing (409). An earlier attempt of this very request found in the catch-up (stored,
         its ack lost) is the turn."""
         log_ = None if self.store is None else self.store.log
-        for _ in range(_APPEND_TRIES):
+        for _ in range(SessionLog.max_refusals):
             event = turn_event(session.state, draft)
             try:
                 with self.metrics.publish_latency.time():
@@ -388,8 +386,8 @@ class TurnEngine:
             session.apply(event, draft.keys)
             return event
         raise EventLogUnavailable(
-            f"session {session.name}: {_APPEND_TRIES} appends in a row were refused, other "
-            "writers appending to it each time; nothing was recorded, send the request again"
+            f"session {session.name}: {SessionLog.max_refusals} appends in a row were refused, "
+            "other writers appending to it each time; nothing was recorded, send the request again"
         )
 
     def _rebased(

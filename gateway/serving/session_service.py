@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 from eventlog import AppendRefused, Publisher, PublishReceipt
 from gateway.core.aggregate import SessionState, apply
-from gateway.core.session_store import Session, SessionKey, SessionStore
+from gateway.core.session_store import Session, SessionKey, SessionLog, SessionStore
 from gateway.errors import InvalidRequest, SessionExists, SessionNotFound
 from gateway.errors import SessionClosed as ClosedAlready
 from gateway.metrics import GatewayMetrics
@@ -36,8 +36,6 @@ from schemas.ids import new_session_id
 __all__ = ["SessionService", "session_info"]
 
 log = logging.getLogger(__name__)
-# Appends of one close or reward refused in a row (each after a catch-up) before a 503.
-_APPEND_TRIES = 8
 _E = TypeVar("_E", bound=Event)
 
 
@@ -187,7 +185,7 @@ class SessionService:
         log holds closed is a 409 (``ensure_open``). The caller holds the session's lock and
         applies the event."""
         log_ = self.store.log
-        for _ in range(_APPEND_TRIES):
+        for _ in range(SessionLog.max_refusals):
             event = build(session.state)
             if log_ is None:
                 return await self.publisher.publish(event), event
@@ -206,8 +204,8 @@ class SessionService:
             log_.appended(session, receipt)
             return receipt, event
         raise EventLogUnavailable(
-            f"session {session.name}: {_APPEND_TRIES} appends of its {kind} in a row were "
-            "refused, other writers appending to it each time; send the request again"
+            f"session {session.name}: {SessionLog.max_refusals} appends of its {kind} in a row "
+            "were refused, other writers appending to it each time; send the request again"
         )
 
     def _closed_elsewhere(self, session: Session, *, closing: bool) -> None:

@@ -64,10 +64,12 @@ def client(gateway: GatewayProcess, session: str, agent: dict[str, str] | None =
     )
 
 
-def ask(gateway: GatewayProcess, session: str, messages: list[Any], **agent: str) -> Any:
+def ask(
+    gateway: GatewayProcess, session: str, messages: list[Any], tokens: int = 48, **agent: str
+) -> Any:
     headers = {f"X-Turnstream-{k.replace('_', '-').title()}": v for k, v in agent.items()}
     reply = client(gateway, session, headers).chat.completions.create(
-        model="tiny", messages=messages, tools=TOOLS, temperature=1.0, max_tokens=48
+        model="tiny", messages=messages, tools=TOOLS, temperature=1.0, max_tokens=tokens
     )
     message = reply.choices[0].message
     messages.append(assistant_turn(message))
@@ -187,3 +189,26 @@ def test_sub_agents_on_different_gateways_at_once_keep_identity_and_chains(
     seeds = [t.sampling["seed"] for t in turns]
     assert len(set(seeds)) == len(seeds), "no two requests share a derived seed"
     assert len(fold(events_of(nats_server, sid)).trajectories) == 3
+
+
+def test_a_burst_of_one_sessions_agents_over_both_gateways_lands_every_turn_once(
+    fleet: tuple[GatewayProcess, GatewayProcess], nats_server: NatsServer
+) -> None:
+    """Twelve agents of one session at once, alternating gateways: the appends contend for the
+    session's sequence (whether they collide is the machine's timing: not asserted), each
+    refused one catches up and lands under the next index."""
+    a, b = fleet
+    sid = "fleet-burst"
+    ask(a, sid, [*WEATHER_QUESTION])  # the main agent's turn: the sub-agents' parent
+
+    def one(i: int) -> str:
+        gateway = (a, b)[i % 2]
+        messages = [{"role": "user", "content": f"part {i} of the task, in 文字 too"}]
+        reply = ask(gateway, sid, messages, 8, agent=f"worker-{i}", parent_agent="main")
+        return str(reply.id)
+
+    with ThreadPoolExecutor(12) as pool:
+        ids = list(pool.map(one, range(12)))
+    turns = turns_of(events_of(nats_server, sid))
+    assert [t.turn for t in turns] == list(range(13)), "every answered turn once, no gap"
+    assert {f"chatcmpl-{sid}-{t.reply_id}" for t in turns[1:]} == set(ids)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 
-from eventlog import Bucket, JetStreamPublisher, Outbox, read_session_after
+from eventlog import Bucket, DirectReader, JetStreamPublisher, Outbox
 from gateway.backends.interface import Backend
 from gateway.backends.policy_watch import PolicyTarget, PolicyVersion, watch_policy
 from gateway.core.aggregate import Kept
@@ -192,10 +192,17 @@ async def build_gateway(settings: GatewaySettings, event_log: EventLog) -> Async
     policy: PolicyTarget = backend if isinstance(backend, PolicyTarget) else PolicyVersion()
     watcher = asyncio.create_task(watch_policy(kv, settings.run, policy), name="policy-watch")
     # The log decides (DESIGN §4): sessions are loaded and caught up by reading what follows a
-    # sequence, and every append states the last one this gateway knows.
-    read_after = functools.partial(read_session_after, event_log.js, stream=events_stream)
+    # sequence, and every append states the last one this gateway knows. One held reader: a
+    # catch-up that finds nothing then costs about a publish (benchmarks/catch_up_read.py).
+    reader = await DirectReader(event_log.nc, publisher.codec).start()
+    read_after = functools.partial(reader.read_session_after, stream=events_stream)
     store = SessionStore(
-        log=SessionLog(read_after, stream=events_stream, metrics=metrics),
+        log=SessionLog(
+            read_after,
+            stream=events_stream,
+            metrics=metrics,
+            idle_sync_s=settings.session_idle_sync_s,
+        ),
         max_sessions=settings.max_open_sessions,
         closed_grace_s=settings.closed_session_grace_s,
         kept=Kept(settings.session_turns_kept, settings.session_tokens_kept),
@@ -246,6 +253,7 @@ async def build_gateway(settings: GatewaySettings, event_log: EventLog) -> Async
             await watcher
         await engine.close()  # streamed turns whose clients left: never a hang at shutdown
         await publisher.close()
+        await reader.close()
         await backend.close()
         if outbox is not None:
             outbox.close()
