@@ -196,10 +196,13 @@ async def run(args: argparse.Namespace, plan: harness.Plan, tmp: Path) -> JSON:
         for name, proc in meter.procs.items():
             await harness.wait_http(f"{meter.urls[name]}/health", proc, name, 300)
         say(f"{len(meter.procs)} gateways up in {time.perf_counter() - t0:.1f} s")
-        # A client (its connection pool) per phase: a pooled connection left idle past the
-        # gateway's keep-alive (uvicorn: 5 s) while other phases run may be closed by it just as
-        # it is reused, a ReadError no retry covers for a POST.
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        # A pooled connection idle as long as the gateway keeps it (uvicorn: 5 s, httpx's
+        # default expiry too) may be closed by the gateway just as it is reused: a ReadError
+        # no retry covers for a POST. Idle ones are dropped well before, and each phase starts
+        # with a pool of its own.
+        limits = httpx.Limits(
+            max_connections=None, max_keepalive_connections=None, keepalive_expiry=2.0
+        )
         async with httpx.AsyncClient(timeout=120, limits=limits) as client:
             warm = RoutedLoad("warm-up", client, list(meter.urls.values()), "round_robin", load)
             await asyncio.gather(*(warm.worker(w, "warm")() for w in range(len(meter.urls))))
