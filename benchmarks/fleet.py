@@ -53,6 +53,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -238,6 +239,7 @@ async def run(args: argparse.Namespace, plan: harness.Plan, tmp: Path) -> JSON:
         "continuations_checked": checked,
         "retokenized_continuations": len(forked),
         "retokenized_examples": forked[:20],
+        "requests_sent_again": dict(Counter(p.name for p in paths for _ in range(p.retried))),
     }
 
 

@@ -104,6 +104,7 @@ class RoutedLoad(LoadPath):
             load,
         )
         self.sent = 0
+        self.retried = 0  # requests sent again after their connection closed under them
         self.sessions: list[AgentSession] = []
         self.counts = PhaseCounts()
 
@@ -149,7 +150,16 @@ class RoutedLoad(LoadPath):
         session.sent_to.append(gateway)
         url = f"{gateway}/v1/chat/completions"
         body = self.load.body(session, agent)
-        response = await self.client.post(url, json=body, headers=headers)
+        for attempt in (1, 2):
+            try:
+                response = await self.client.post(url, json=body, headers=headers)
+                break
+            except (httpx.ReadError, httpx.RemoteProtocolError) as exc:
+                # A connection closed under a request: sent again once, as an SDK would (a
+                # gateway answers a request it has recorded with the recorded turn); counted.
+                if attempt == 2:
+                    raise RuntimeError(f"{url}: {exc!r} twice for {session.sid} {agent}") from exc
+                self.retried += 1
         if response.status_code != 200:
             raise RuntimeError(
                 f"{url}: HTTP {response.status_code} for {session.sid} {agent}: "
