@@ -37,8 +37,8 @@ gateway) is an optimization, and this measures how much it buys.
   ``parent_turn``, its whole context as ``prefix_len``); the count of those that do not is
   reported as ``retokenized_continuations``.
 
-    .venv/bin/python benchmarks/fleet.py            # ~5 min
-    .venv/bin/python benchmarks/fleet.py --quick    # ~1.5 min
+    .venv/bin/python benchmarks/fleet.py            # ~4.5 min
+    .venv/bin/python benchmarks/fleet.py --quick    # ~70 s
     .venv/bin/python benchmarks/fleet.py --only workers --quick
 """
 
