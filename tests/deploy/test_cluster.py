@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import subprocess
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,17 +27,22 @@ from transformers import AutoTokenizer
 
 from eventlog import LogSettings, connect
 from tests.chaos.agents import Agent, AgentSession
-from tests.chaos.audit import Auditor, Report, SinkAudit, SinkJournal, audit_sink, log_sessions
+from tests.chaos.audit import Auditor, Report, SinkAudit, SinkJournal, audit_sink
 from tests.chaos.stack import with_flag
-from tests.deploy.cluster import ClusterMember, LocalCluster, container_nodes
+from tests.deploy.cluster import (
+    REPLICAS,
+    ClusterMember,
+    LocalCluster,
+    provision,
+    wait_pipeline_idle,
+)
 from tests.helpers.gateway_process import GatewayProcess
-from tests.helpers.services import LAUNCHER, WORKER_FLAGS, WRITER_FLAGS, Service, shard_table_rows
+from tests.helpers.services import WORKER_FLAGS, WRITER_FLAGS, Service, shard_table_rows
 
 # The NATS image may be built first (minutes on a fresh machine).
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(2400)]
 
 RUN = "e2e"  # GatewayProcess's run
-REPLICAS = ("--log.replicas", "3")
 AGENTS = 4
 WARM_TURNS = 12  # completions before the kill: the whole pipeline is busy by then
 DOWN_S = 10.0  # agents keep driving this long on two nodes
@@ -82,21 +86,6 @@ class Outage:
 
 
 @pytest.fixture
-def cluster(nats_image: str, tmp_path: Path) -> Iterator[LocalCluster]:
-    """The shipped 3-node cluster in containers of the locally built NATS image."""
-    started = LocalCluster(container_nodes(nats_image, tmp_path / "nats"))
-    try:
-        started.start()
-    except AssertionError as exc:
-        started.stop()
-        pytest.fail(
-            f"the 3-node NATS cluster (infra/nats/cluster-node-*.conf) did not start: {exc}"
-        )
-    yield started
-    started.stop()
-
-
-@pytest.fixture
 async def js(cluster: LocalCluster) -> AsyncIterator[JetStreamContext]:
     await asyncio.to_thread(cluster.wait_meta_leader, 60)
     nc = await connect(cluster.urls, TEST_LOG, name="cluster-test")
@@ -107,19 +96,6 @@ async def js(cluster: LocalCluster) -> AsyncIterator[JetStreamContext]:
 async def _close(nc: NATS) -> None:
     with contextlib.suppress(OSError):  # nats-py raises if the socket died mid-reconnect
         await nc.close()
-
-
-def provision(urls: str, data_dir: Path) -> None:
-    result = subprocess.run(
-        [*LAUNCHER, "provision", "--log.url", urls, *REPLICAS, "--data-dir", str(data_dir)],
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert result.returncode == 0, (
-        f"turnstream provision --log.replicas 3 failed on the cluster:\n"
-        f"{result.stdout[-3000:]}{result.stderr[-3000:]}"
-    )
 
 
 async def replica_counts(js: JetStreamContext) -> dict[str, tuple[int, int]]:
@@ -200,39 +176,6 @@ async def wait_caught_up(js: JetStreamContext, node: str, within: float) -> floa
         await asyncio.sleep(0.2)
 
 
-async def wait_pipeline_idle(
-    js: JetStreamContext, services: Sequence[Service], within: float
-) -> None:
-    """Every session in EVENTS closed (by its agent or the reaper) and folded, every trajectory
-    written: the fold and shard-writer consumers have nothing pending or unacked."""
-    deadline = time.monotonic() + within
-    while True:
-        why = await _busy(js)
-        if why is None:
-            return
-        for service in services:
-            assert service.running, f"{service.command} exited:\n{service.output()}"
-        if time.monotonic() > deadline:
-            logs = "\n".join(f"--- {s.command}\n{s.output()}" for s in services)
-            raise AssertionError(f"the pipeline was not idle within {within:g}s: {why}\n{logs}")
-        await asyncio.sleep(0.5)
-
-
-async def _busy(js: JetStreamContext) -> str | None:
-    try:
-        sessions, closed = await log_sessions(js, RUN)
-        if sessions - closed:
-            return f"{len(sessions - closed)} session(s) not closed yet"
-        for stream, durable in (("EVENTS", "fold"), ("TRAJ", "shard-writer")):
-            info = await js.consumer_info(stream, durable)
-            if info.num_pending or info.num_ack_pending:
-                pending, unacked = info.num_pending, info.num_ack_pending
-                return f"{stream}/{durable}: {pending} pending, {unacked} unacked"
-    except (nats.errors.Error, TimeoutError) as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return None
-
-
 async def test_killing_the_events_leader_loses_no_completion_and_duplicates_no_trajectory(
     cluster: LocalCluster, js: JetStreamContext, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -262,7 +205,7 @@ async def test_killing_the_events_leader_loses_no_completion_and_duplicates_no_t
             stopping.set()
             await asyncio.wait_for(asyncio.gather(*driving), timeout=240)
 
-        await wait_pipeline_idle(js, services, within=240)
+        await wait_pipeline_idle(js, RUN, services, within=240)
         await asyncio.sleep(3.0)  # a trajectory written twice would show by now
         tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
         report = await ShardAuditor(js, RUN, tokenizer).audit(
