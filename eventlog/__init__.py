@@ -11,7 +11,9 @@ only, and the one place in turnstream that imports nats-py. Running a server of 
 - publishing: the ``Publisher`` port and ``JetStreamPublisher`` (acked, retried with one
   Msg-Id, spooled to the ``Outbox``), an append's ``Expectation`` (refused:
   ``AppendRefused``); reading: ``read_session`` / ``read_session_messages`` (one session, direct
-  get), ``read_session_after`` (what follows a sequence: a catch-up), ``reader``'s scans
+  get), ``read_session_after`` (what follows a sequence: a catch-up), the same as methods of a
+  held ``DirectReader`` (one inbox subscription for every read: a process that reads often,
+  like the gateway catching up, holds one), ``reader``'s scans
   (``read_subject``, ``read_range``, ``msg_id_counts``, ``stored_msg_ids``); ``follow``: a
   subject from now on.
 - consuming: a ``ConsumerSpec`` run by the one ``PullLoop``; handlers take a ``Delivery`` and
@@ -39,6 +41,7 @@ from eventlog.connection import (
     connect,
     map_nats_errors,
 )
+from eventlog.direct import DirectReader
 from eventlog.errors import AppendRefused, PublishForbidden
 from eventlog.expectation import Expectation
 from eventlog.follow import Following, follow
@@ -65,6 +68,7 @@ __all__ = [
     "ConsumerSettings",
     "ConsumerSpec",
     "Delivery",
+    "DirectReader",
     "Entry",
     "Expectation",
     "Following",

@@ -1,44 +1,43 @@
-"""Reading one session's events back from the EVENTS stream, in stream order.
+"""Reading back what the streams hold: one session's events in stream order, and scans.
 
-Uses JetStream's *batched* direct get (nats-server >= 2.11; the stream is provisioned with
-allow_direct): one request ``{"seq": s, "next_by_subj": "ts.ev.<run>.<session>.*", "batch": n}``
-answered by up to ``n`` messages and an end-of-batch status, served by any replica, with no
-consumer state on the server. A session is usually one round trip. Fold workers rehydrate a
-closed session with it; the gateway recovers a session it does not hold in memory.
-``read_session_after`` reads only what follows a stream sequence (the same request, starting
-there): what an append refused for a stale expectation must catch up on (issue 36).
-(benchmarks/pipeline_throughput.py compares it with one direct get per event and with an
-ordered consumer.)
+A session (or what follows a stream sequence on it) is read by batched direct get,
+``eventlog.direct.DirectReader``: the functions here (``read_session``,
+``read_session_messages``, ``read_session_after``, ``read_subjects_after``) are its methods on
+a reader of their own for the one read. Fold workers rehydrate a closed session with them and
+the tools read one; a process that reads often (the gateway's catch-up reads, issue 36) holds
+one ``DirectReader`` instead. (benchmarks/pipeline_throughput.py compares the read with one
+direct get per event and with an ordered consumer; benchmarks/catch_up_read.py a held reader
+with one per read.)
 
 ``stored_msg_ids`` answers the other question a redelivered fold asks: which of these Msg-Ids
 does a subject already hold, past the stream's duplicate window? ``msg_id_counts`` (how many
-copies of each) is what a replay asks.
+copies of each) is what a replay asks. ``read_range`` and ``read_subject`` read with an ordered
+consumer.
 """
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import contextlib
 import datetime
-import json
 from collections.abc import AsyncGenerator, AsyncIterator, Collection
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Unpack
 
 import nats.errors
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js import api as js_api
 
+from eventlog.direct import DirectReader, ReadLimits, SessionTail
 from eventlog.pull import fetch, release
 from schemas.codec import Codec
 from schemas.errors import EventLogUnavailable
 from schemas.events import SessionEvent
-from schemas.ids import session_subjects
-from schemas.trust import StoredMessage, vet_session
+from schemas.trust import StoredMessage
 
 __all__ = [
+    "DirectReader",
+    "ReadLimits",
     "SessionTail",
     "StoredMessage",
     "msg_id_counts",
@@ -51,10 +50,14 @@ __all__ = [
     "stored_msg_ids",
 ]
 
-_STATUS = "Status"
-_END_OF_BATCH = "204"
-_NOT_FOUND = "404"
 _MSG_ID = "Nats-Msg-Id"
+
+
+def _reader(js: JetStreamContext, codec: Codec | None = None) -> DirectReader:
+    """A reader of its own for one read on ``js``'s connection: a subscription per read, what
+    a process that reads rarely may pay (one that reads often holds a ``DirectReader``)."""
+    nc: Any = js._nc
+    return DirectReader(nc, codec)
 
 
 async def read_session_messages(
@@ -64,24 +67,13 @@ async def read_session_messages(
     *,
     stream: str = "EVENTS",
     after_seq: int = 0,
-    batch: int = 1024,
-    max_bytes: int = 16 * 1024 * 1024,
-    timeout_s: float = 5.0,
+    **limits: Unpack[ReadLimits],
 ) -> list[StoredMessage]:
-    """Every message of ``run``/``session`` in ``stream`` stored after stream sequence
-    ``after_seq`` (0: all), undecoded, in stream order. ``run`` None matches the session in any
-    run (session ids are unique). ``timeout_s``: the longest wait for the next message of a
-    batch."""
-    return await read_subjects_after(
-        js,
-        stream,
-        session_subjects(run or "*", session),
-        after_seq,
-        where=f"session {run or '*'}/{session} in {stream}",
-        batch=batch,
-        max_bytes=max_bytes,
-        timeout_s=timeout_s,
-    )
+    """``DirectReader.read_session_messages`` for one read."""
+    async with _reader(js) as reader:
+        return await reader.read_session_messages(
+            run, session, stream=stream, after_seq=after_seq, **limits
+        )
 
 
 async def read_subjects_after(
@@ -91,81 +83,11 @@ async def read_subjects_after(
     after_seq: int = 0,
     *,
     where: str = "",
-    batch: int = 1024,
-    max_bytes: int = 16 * 1024 * 1024,
-    timeout_s: float = 5.0,
+    **limits: Unpack[ReadLimits],
 ) -> list[StoredMessage]:
-    """Every message on ``subject`` (a filter) in ``stream`` after ``after_seq``, undecoded, in
-    stream order, by batched direct get; ``where`` names the read in errors."""
-    # nats-py has no batched direct get; the request is plain core NATS on its connection. The
-    # answers are taken by a callback on the subscription's own task: ``next_msg`` per message
-    # made two tasks and a timer each (~75 us; 2.15 -> 1.23 ms of CPU per 11-event session).
-    nc: Any = js._nc
-    where = where or f"{subject} in {stream}"
-    api = f"$JS.API.DIRECT.GET.{stream}"
-    found: list[StoredMessage] = []
-    loop = asyncio.get_running_loop()
-    ended: asyncio.Future[dict[str, str]] = loop.create_future()  # a batch's closing status
-
-    async def take(msg: Msg) -> None:
-        if ended.done():
-            return
-        headers = msg.headers or {}
-        try:
-            if _STATUS in headers:
-                ended.set_result(headers)
-            else:
-                found.append(
-                    StoredMessage(
-                        int(headers["Nats-Sequence"]),
-                        headers["Nats-Subject"],
-                        msg.data,
-                        headers.get(_MSG_ID),
-                    )
-                )
-        except (KeyError, ValueError) as exc:  # a malformed answer fails the read, named
-            ended.set_exception(
-                EventLogUnavailable(f"reading {where}: an answer without its headers: {exc!r}")
-            )
-
-    seq = after_seq + 1
-    try:
-        sub = await nc.subscribe(nc.new_inbox(), cb=take)
-    except (nats.errors.Error, OSError) as exc:
-        raise EventLogUnavailable(f"reading {where}: {exc}") from exc
-    try:
-        while True:
-            # max_bytes: the batch arrives as one burst; past the server's slow-consumer limit
-            # it would cut the connection.
-            request = {"seq": seq, "next_by_subj": subject, "batch": batch, "max_bytes": max_bytes}
-            await nc.publish(api, json.dumps(request).encode(), reply=sub.subject)
-            taken = -1
-            while not ended.done():
-                if len(found) == taken:  # nothing came for timeout_s
-                    raise TimeoutError(f"no answer within {timeout_s} s")
-                taken = len(found)
-                await asyncio.wait((ended,), timeout=timeout_s)
-            headers = ended.result()
-            status = headers[_STATUS]
-            if status == _NOT_FOUND:
-                return found
-            if status != _END_OF_BATCH:
-                raise EventLogUnavailable(
-                    f"reading {where} at seq {seq}: JetStream answered {status} "
-                    f"{headers.get('Description', '')}"
-                )
-            if not found or int(headers.get("Nats-Num-Pending", 0)) == 0:
-                return found
-            seq = found[-1].seq + 1
-            ended = loop.create_future()
-    except (TimeoutError, nats.errors.Error, OSError) as exc:
-        raise EventLogUnavailable(
-            f"reading {where} at seq {seq}: {type(exc).__name__}: {exc}"
-        ) from exc
-    finally:
-        # A failed unsubscribe means the connection is gone, and the subscription with it.
-        with contextlib.suppress(nats.errors.Error, OSError):
-            await sub.unsubscribe()
+    """``DirectReader.read_after`` for one read."""
+    async with _reader(js) as reader:
+        return await reader.read_after(stream, subject, after_seq, where=where, **limits)
 
 
 async def read_session(
@@ -176,23 +98,9 @@ async def read_session(
     stream: str = "EVENTS",
     codec: Codec | None = None,
 ) -> list[SessionEvent]:
-    """The trusted events of ``run``/``session`` in ``stream``, decoded, in stream order
-    (``schemas.trust``: events stored under another subject, without a Msg-Id, or conflicting
-    with an earlier turn are left out; bytes that are no event raise ``PoisonEvent``)."""
-    stored = await read_session_messages(js, run, session, stream=stream)
-    return vet_session(stored, codec or Codec()).events
-
-
-@dataclass(frozen=True)
-class SessionTail:
-    """A session's trusted events stored after ``after_seq``, each with its stream sequence,
-    in stream order; ``last_seq``: the last stream sequence the read saw on the session's
-    subjects, trusted or not (``after_seq`` if none). ``last_seq``, not the last event's, is
-    what the next append expects: the log counts every message there, untrusted ones too."""
-
-    after_seq: int
-    events: list[tuple[int, SessionEvent]]
-    last_seq: int
+    """``DirectReader.read_session`` for one read."""
+    async with _reader(js, codec) as reader:
+        return await reader.read_session(run, session, stream=stream)
 
 
 async def read_session_after(
@@ -204,21 +112,9 @@ async def read_session_after(
     stream: str = "EVENTS",
     codec: Codec | None = None,
 ) -> SessionTail:
-    """The trusted events of ``run``/``session`` stored after stream sequence ``after_seq``
-    (0: the whole session), with their sequences; one batched direct get from ``after_seq + 1``
-    on the session's subjects, so a catch-up costs what follows, not the session.
-
-    The trust rules are ``read_session``'s over what is read: a message under another subject
-    or without a Msg-Id is left out, undecodable bytes raise ``PoisonEvent``; a second, different
-    turn is left out only against turns read here: one that conflicts with a turn at or before
-    ``after_seq`` is returned, and the caller, which holds those, keeps the first."""
-    stored = await read_session_messages(js, run, session, stream=stream, after_seq=after_seq)
-    vetted = vet_session(stored, codec or Codec())
-    return SessionTail(
-        after_seq,
-        list(zip(vetted.seqs, vetted.events, strict=True)),
-        stored[-1].seq if stored else after_seq,
-    )
+    """``DirectReader.read_session_after`` for one read."""
+    async with _reader(js, codec) as reader:
+        return await reader.read_session_after(run, session, after_seq, stream=stream)
 
 
 async def stored_msg_ids(

@@ -70,6 +70,32 @@ class GatewayMetrics:
             multiprocess_mode="livesum",  # --workers: their total
             registry=self.registry,
         )
+        # The log decides (DESIGN §4): how often this gateway's copy of a session was stale.
+        self.appends_refused = Counter(
+            "turnstream_gateway_appends_refused",
+            "appends the log refused because another writer had stored events on the session "
+            "since this gateway's last known sequence (each followed by a catch-up read)",
+            ["event"],
+            registry=self.registry,
+        )
+        self.catch_up_reads = Counter(
+            "turnstream_gateway_catch_up_reads",
+            "reads of a session's events after this gateway's last known sequence: after a "
+            "refused append, before a turn its copy may be stale for, or after it was idle",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.caught_up_events = Counter(
+            "turnstream_gateway_caught_up_events",
+            "events the catch-up reads applied (stored by another writer)",
+            registry=self.registry,
+        )
+        self.stale_prompts = Counter(
+            "turnstream_gateway_stale_prompts",
+            "turns recorded whose prompt was built from a stale copy: they continue a turn "
+            "another writer stored, but not token for token (should stay 0)",
+            registry=self.registry,
+        )
         self.resent = Counter(
             "turnstream_gateway_resent_requests",
             "requests equal to a kept turn's (a conversation's tip), answered with the recorded "

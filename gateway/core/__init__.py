@@ -3,7 +3,8 @@ applying events), where a request joins the session's tree and which kept turn i
 resends (``branches``: by the client's agent identity, then its tokens), the canonical
 conversation every API translates into (``conversation``) and the sessions held in memory
 (``session_store``: each state with its append lock, its requests in flight and the caches its
-live turns leave). Knows no HTTP, no API surface and no backend."""
+live turns leave; ``SessionLog``: what the gateway asks the log, which decides). Knows no HTTP,
+no API surface and no backend."""
 
 from gateway.core.aggregate import Kept, SessionState, TurnDraft, TurnNode, apply, fold, turn_event
 from gateway.core.branches import (
@@ -19,8 +20,10 @@ from gateway.core.session_store import (
     Asked,
     ContextCache,
     Flight,
+    ReadAfter,
     Session,
     SessionKey,
+    SessionLog,
     SessionStore,
 )
 
@@ -31,8 +34,10 @@ __all__ = [
     "Kept",
     "MessageKey",
     "Placement",
+    "ReadAfter",
     "Session",
     "SessionKey",
+    "SessionLog",
     "SessionState",
     "SessionStore",
     "TurnDraft",

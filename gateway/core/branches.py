@@ -14,7 +14,7 @@ tokens disagree the tokens decide and the disagreement is recorded (``Placement.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from gateway.core.agents import MAIN_AGENT, AgentIdentity
@@ -92,6 +92,9 @@ class Placement:
     base: int | None = None
     resolved_kind: str = ""  # "main" | "fork" | "fresh"; "" without an identity
     mismatch: str = ""  # how the tokens contradicted the client's claim; "" where they agreed
+    # A turn this copy of the session lacks (another gateway's) could place it otherwise: ask
+    # the log first (``unsure``).
+    unsure: bool = False
 
     def record(self, agent: AgentIdentity | None) -> JSON:
         """``TurnCompleted.agent``: the identity as sent, and how the tokens resolved it."""
@@ -104,6 +107,27 @@ class Placement:
 
 
 def placement(
+    state: SessionState,
+    messages: Sequence[JSON],
+    tools: list[JSON] | None,
+    keys: Sequence[MessageKey],
+    agent: AgentIdentity | None,
+) -> Placement:
+    """``_placement``, with whether a turn this copy lacks could change it (``unsure``): the
+    messages after the conversation it continues hold an assistant message (a reply this copy
+    may not know: a turn another gateway served), or it is a sub-agent's first turn here (its
+    parent's spawning turn, or its own earlier turns, may be another gateway's). Where neither
+    holds, no turn the log may hold beyond this copy extends further than the one chosen: a
+    turn's conversation ends with its reply."""
+    place = _placement(state, messages, tools, keys, agent)
+    done = 0 if place.continued is None else len(place.continued.conversation)
+    unsure = any(m.get("role") == "assistant" for m in messages[done:])
+    if not unsure and agent is not None and agent.parent is not None:
+        unsure = not any(owned_by(node, agent.id) for node in state.nodes.values())
+    return replace(place, unsure=True) if unsure else place
+
+
+def _placement(
     state: SessionState,
     messages: Sequence[JSON],
     tools: list[JSON] | None,

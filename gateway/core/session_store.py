@@ -16,6 +16,17 @@ derived seeds') and the number of requests using it. The store:
   appended) is never evicted (two handles would mean two locks). An
   evicted session is recovered from the log on its next request, by the same fold (keeping the
   same ``kept`` turns of it continuable as the live session kept).
+
+The log decides, not this memory (DESIGN §4): a held state is a cache of the log. Beside it the
+handle keeps ``Session.seq``, the stream sequence of the last message on the session's subjects
+that this gateway knows of (from the read that loaded it, its own appends' acks, its catch-up
+reads). ``SessionLog`` is what the gateway asks the log: every append states that sequence
+(``expectation``; JetStream checks it), and an append refused because another writer (a second
+gateway, the reaper, a client's close elsewhere) stored something after it is followed by
+``catch_up``: one read of only what follows ``seq``, applied with the same ``apply`` recovery
+folds; the caller re-derives its event and appends again. Any number of gateways, any routing:
+affinity only saves catch-up reads. A catch-up is also asked for before a turn is prepared where
+the copy may not be enough to build its prompt token for token (``gateway.serving.turn_service``).
 """
 
 from __future__ import annotations
@@ -26,16 +37,33 @@ from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
+from eventlog import Expectation, PublishReceipt, SessionTail
 from gateway.core.aggregate import JSON, Kept, SessionState, apply, fold
 from gateway.core.conversation import MessageKey
 from gateway.errors import SessionClosed
+from gateway.metrics import GatewayMetrics
 from schemas.events import SessionEvent, TurnCompleted
 
-__all__ = ["Asked", "ContextCache", "Flight", "Session", "SessionKey", "SessionStore"]
+__all__ = [
+    "Asked",
+    "ContextCache",
+    "Flight",
+    "ReadAfter",
+    "Session",
+    "SessionKey",
+    "SessionLog",
+    "SessionStore",
+]
 
 SessionKey = tuple[str, str]  # (run, session id)
-Recover = Callable[[str, str], Awaitable[Sequence[SessionEvent]]]
-Create = Callable[[], Awaitable[SessionState]]
+# (run, session, after_seq) -> the session's events stored after after_seq (0: all of them)
+ReadAfter = Callable[[str, str, int], Awaitable[SessionTail]]
+# Opens a session the log does not hold: its state and the stream sequence of its open (0: unknown)
+Create = Callable[[], Awaitable[tuple[SessionState, int]]]
+# A catch-up that must reach a sequence the log named (a refusal's ``last_seq``) reads again
+# this many times: a replica answering direct gets may be a moment behind the stream's leader.
+_REACH_TRIES = 5
+_REACH_BACKOFF_S = 0.02
 
 
 @dataclass(frozen=True)
@@ -103,6 +131,10 @@ class Session:
     # Requests started (each its own derived seed, TurnEngine.params): from the turns the
     # state holds, so a session served one request at a time derives seed t for turn t.
     started: int = field(default=-1, repr=False)
+    # The stream sequence of the last message on the session's subjects this gateway knows of
+    # (what its next append expects), and when it last heard from the log about it (monotonic).
+    seq: int = 0
+    synced_at: float = field(default=0.0, repr=False)
 
     def __post_init__(self) -> None:
         if self.started < 0:
@@ -142,13 +174,6 @@ class Session:
             for turn in [t for t in contexts if t not in state.nodes]:
                 del contexts[turn]
 
-    def recovered(self, state: SessionState) -> None:
-        """The log's state replaces this one (read back when the log is ahead); the caches go,
-        as for a session loaded from the log. Requests started count on from the log's turns."""
-        self.state = state
-        self.contexts.clear()
-        self.started = max(self.started, state.turns)
-
     def keep_context(self, turn: int, cache: ContextCache) -> None:
         """What kept turn ``turn`` leaves for the turn that will continue it."""
         if turn in self.state.nodes:
@@ -175,11 +200,82 @@ class Session:
             )
 
 
+class SessionLog:
+    """What a gateway asks the log about the sessions it holds, over ``read_after``."""
+
+    # Appends of one event refused in a row (each after a catch-up) before the client gets a
+    # 503. Each refusal means another writer's append landed, so an event is refused at most as
+    # often as others append to its session meanwhile: a fan-out of parallel sub-agents over a
+    # fleet stays well inside it.
+    max_refusals = 32
+
+    def __init__(
+        self,
+        read_after: ReadAfter,
+        *,
+        stream: str = "EVENTS",
+        metrics: GatewayMetrics | None = None,
+        idle_sync_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._read_after = read_after
+        self.stream = stream
+        self.metrics = metrics
+        self.idle_sync_s = idle_sync_s
+        self._clock = clock
+
+    async def load(self, key: SessionKey, kept: Kept) -> tuple[SessionState | None, int]:
+        """The session's state as the log holds it (None: no events), and its last sequence."""
+        tail = await self._read_after(*key, 0)
+        return fold((event for _, event in tail.events), kept=kept), tail.last_seq
+
+    def expectation(self, session: Session) -> Expectation:
+        """What the session's next append states: the last sequence this gateway knows."""
+        return Expectation.session(session.state.run, session.state.id, session.seq, self.stream)
+
+    def appended(self, session: Session, receipt: PublishReceipt) -> None:
+        """An expected append of the session was stored at ``receipt.seq``: nothing else was
+        stored in between (JetStream checked), so that is the session's last sequence now."""
+        if receipt.seq is not None:
+            session.seq = max(session.seq, receipt.seq)
+        session.synced_at = self._clock()
+
+    def idle(self, session: Session) -> bool:
+        """Whether this gateway has not heard from the log about the session for
+        ``idle_sync_s``: another writer may have taken turns or closed it meanwhile."""
+        return self._clock() - session.synced_at >= self.idle_sync_s
+
+    async def catch_up(
+        self, session: Session, reason: str, *, reach: int | None = None
+    ) -> list[SessionEvent]:
+        """Apply what the log stored on the session after ``session.seq`` (the caller holds
+        ``session.lock``); returns those events. ``reach``: a sequence the log said it holds (a
+        refusal's ``last_seq``), read again (briefly) until reached. ``reason``: the metric's
+        label (refused, unsure, idle)."""
+        events: list[SessionEvent] = []
+        for attempt in range(_REACH_TRIES):
+            tail = await self._read_after(session.state.run, session.state.id, session.seq)
+            if self.metrics is not None:
+                self.metrics.catch_up_reads.labels(reason).inc()
+            for _, event in tail.events:
+                session.apply(event)  # a turn the copy holds already changes nothing
+                events.append(event)
+            session.seq = max(session.seq, tail.last_seq)
+            if reach is None or session.seq >= reach:
+                break
+            await asyncio.sleep(_REACH_BACKOFF_S * 2**attempt)
+        session.synced_at = self._clock()
+        session.started = max(session.started, session.state.turns)
+        if self.metrics is not None and events:
+            self.metrics.caught_up_events.inc(len(events))
+        return events
+
+
 class SessionStore:
     def __init__(
         self,
         *,
-        recover: Recover | None = None,
+        log: SessionLog | None = None,
         max_sessions: int = 10_000,
         closed_grace_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
@@ -188,7 +284,7 @@ class SessionStore:
         if max_sessions < 1:
             raise ValueError(f"max_sessions must be >= 1: {max_sessions}")
         self.kept = kept or Kept()  # what each session keeps continuable (SessionState.kept)
-        self._recover = recover  # reads one session's events from the log
+        self.log = log  # None: no log to read (sessions live only here; tests of the core)
         self._max = max_sessions
         self._grace_s = closed_grace_s
         self._clock = clock
@@ -243,14 +339,14 @@ class SessionStore:
             del self._loading[key]
 
     async def _load(self, key: SessionKey, create: Create | None) -> Session | None:
-        state = None
-        if self._recover is not None:
-            state = fold(await self._recover(*key), kept=self.kept)
+        state, seq = None, 0
+        if self.log is not None:
+            state, seq = await self.log.load(key, self.kept)
         if state is None and create is not None:
-            state = await create()
+            state, seq = await create()
         if state is None:
             return None
-        session = Session(state)
+        session = Session(state, seq=seq, synced_at=self._clock())
         if state.closed:
             session.closed_at = self._clock()
             self._closed.append(session)
@@ -258,9 +354,24 @@ class SessionStore:
         self._evict()
         return session
 
+    async def catch_up(
+        self, session: Session, reason: str, *, reach: int | None = None
+    ) -> list[SessionEvent]:
+        """``SessionLog.catch_up`` (nothing without a log); a session it finds closed is
+        closed here too (held for the grace period, then evicted)."""
+        if self.log is None:
+            return []
+        was_closed = session.state.closed
+        events = await self.log.catch_up(session, reason, reach=reach)
+        if session.state.closed and not was_closed:
+            self.closed(session)
+        return events
+
     def closed(self, session: Session) -> None:
         """``session`` was closed: it stays for the grace period (a retried close is answered
         from memory), then goes."""
+        if session.closed_at is not None:
+            return  # already in the closed queue
         session.closed_at = self._clock()
         self._closed.append(session)
         self._evict()

@@ -27,13 +27,13 @@ from typing import Any
 
 import numpy as np
 
-from eventlog import Publisher
+from eventlog import AppendRefused, Publisher
 from gateway.backends.interface import Backend, GenerationChunk, Prompt, SamplingParams
 from gateway.core.agents import AgentIdentity
-from gateway.core.aggregate import SessionState, TurnDraft, fold, prefix_parent, turn_event
-from gateway.core.branches import attachment, placement
+from gateway.core.aggregate import SessionState, TurnDraft, prefix_parent, turn_event
+from gateway.core.branches import attachment, continued_turn, placement
 from gateway.core.conversation import MessageKey
-from gateway.core.session_store import ContextCache, Session
+from gateway.core.session_store import ContextCache, Session, SessionLog, SessionStore
 from gateway.decoding import Detokenizer
 from gateway.errors import ContextLengthExceeded, ModelNotFound
 from gateway.frozen import evolved
@@ -41,13 +41,13 @@ from gateway.metrics import GatewayMetrics
 from gateway.serving.turn_data import ChatPrompt, Generation, Turn, TurnResult
 from gateway.templates import ChatTemplate
 from gateway.tools import ToolCallParser
+from schemas.errors import EventLogUnavailable
 from schemas.events import SessionEvent, TurnCompleted
 
 __all__ = ["TurnEngine", "derived_seed", "sampling_record"]
 
 log = logging.getLogger(__name__)
 JSON = dict[str, Any]
-Recover = Callable[[str, str], Awaitable[Sequence[SessionEvent]]]
 # Prompts with more text or messages than this are rendered and tokenized on a worker thread,
 # so that the event loop (and /health) stays responsive while a huge prompt is built or refused.
 _OFF_LOOP_CHARS = 64 * 1024
@@ -66,8 +66,9 @@ class TurnEngine:
         model_name: str,
         metrics: GatewayMetrics,
         weight_version: Callable[[], int] = lambda: 0,
-        recover: Recover | None = None,
+        store: SessionStore | None = None,
         allow_raw_logprobs: bool = False,
+        instance: str = "",
     ) -> None:
         self.template = template
         self.backend = backend
@@ -76,7 +77,11 @@ class TurnEngine:
         self.model_name = model_name
         self.metrics = metrics
         self.weight_version = weight_version
-        self._recover = recover
+        # The sessions and the log behind them: appends state what they expect of it, and a
+        # refused one catches up (None: no log, as in tests of the core).
+        self.store = store
+        # This gateway's name among a fleet's, mixed into derived seeds (derived_seed).
+        self.instance = instance
         # --allow-raw-logprobs: a raw-mode replica serves any sampling, its turns marked "raw".
         self.allow_raw_logprobs = allow_raw_logprobs
         # Streamed turns generating on their own (their client may have gone): see detach.
@@ -169,12 +174,12 @@ class TurnEngine:
                 ids = np.concatenate([context, np.asarray(suffix, dtype=np.int32)])
                 prompt = Prompt(ids, head=head, head_len=len(context) if head else 0)
                 said = full if rendered else None
-                return ChatPrompt(prompt, node.turn, len(context), said, recorded)
+                return ChatPrompt(prompt, node.turn, len(context), said, recorded, place.unsure)
         if full is None:
             full = self.template.render(messages, tools, generation=True)
         prompt = Prompt(self.template.encode(full))
         base = place.base if place.base is not None else prefix_parent(state, prompt.ids)
-        return ChatPrompt(prompt, base, None, full, recorded)
+        return ChatPrompt(prompt, base, None, full, recorded, place.unsure)
 
     def params(
         self,
@@ -203,7 +208,7 @@ class TurnEngine:
             # its append and may differ (turns appended in another order, an earlier attempt
             # answered 503 that took an index): the recorded seed is the one sent, and a replay
             # sends it.
-            seed = derived_seed(session.state.run, session.state.id, started)
+            seed = derived_seed(session.state.run, session.state.id, started, self.instance)
         # max_tokens is a cap (DESIGN §4): agents ask for 32k-64k whatever the model, so a cap
         # past the room left is lowered to fit (the sampling record keeps both values).
         return SamplingParams(
@@ -346,22 +351,77 @@ class TurnEngine:
         return TurnResult.of(event, detok, tools_parsed=turn.parse_tools)
 
     async def _append(self, session: Session, draft: TurnDraft) -> TurnCompleted:
-        """``draft`` as the session's next turn: published, acknowledged, applied. The caller
-        holds the session's lock."""
-        event = turn_event(session.state, draft)
-        with self.metrics.publish_latency.time():
-            receipt = await self.publisher.publish(event)
-        while receipt.duplicate and await self._taken_by_earlier_attempt(session, event):
-            # An earlier attempt at this turn, answered with a 503 (its ack never came), reached
-            # the log after all: that index holds tokens the client never received. The session
-            # now holds the log's turns, and this reply is its next turn, so the log holds what
-            # the client gets.
-            draft = replace(draft, prefix_len=None)  # the state changed: compared again
+        """``draft`` as the session's next turn: published stating the session's last sequence
+        as this gateway knows it, acknowledged, applied. The caller holds the session's lock.
+
+        The log decides (DESIGN §4): refused because another writer stored events meanwhile
+        (a turn of a sibling agent on another gateway, a close), the session catches up on
+        those only, and the turn is built again against it (its index; its parent, where the
+        prompt extends a turn it did not know token for token): a closed session records
+        nothing (409). An earlier attempt of this very request found in the catch-up (stored,
+        its ack lost) is the turn."""
+        log_ = None if self.store is None else self.store.log
+        for _ in range(SessionLog.max_refusals):
             event = turn_event(session.state, draft)
-            receipt = await self.publisher.publish(event)
-        self.metrics.attached.labels(attachment(session.state, event)).inc()
-        session.apply(event, draft.keys)
-        return event
+            try:
+                with self.metrics.publish_latency.time():
+                    if log_ is None:
+                        receipt = await self.publisher.publish(event)
+                    else:
+                        expect = log_.expectation(session)
+                        receipt = await self.publisher.publish(event, expect=expect)
+            except AppendRefused as refused:
+                assert self.store is not None  # only an expected append is refused
+                self.metrics.appends_refused.labels("turn").inc()
+                caught = await self.store.catch_up(session, "refused", reach=refused.last_seq)
+                ours = _own_event(caught, draft.reply_id)
+                if ours is not None:
+                    return ours  # applied by the catch-up
+                session.ensure_open()  # closed by another writer: not recorded (409)
+                draft = self._rebased(session, draft, caught)
+                continue
+            if log_ is not None:
+                log_.appended(session, receipt)
+            self.metrics.attached.labels(attachment(session.state, event)).inc()
+            session.apply(event, draft.keys)
+            return event
+        raise EventLogUnavailable(
+            f"session {session.name}: {SessionLog.max_refusals} appends in a row were refused, "
+            "other writers appending to it each time; nothing was recorded, send the request again"
+        )
+
+    def _rebased(
+        self, session: Session, draft: TurnDraft, caught: Sequence[SessionEvent]
+    ) -> TurnDraft:
+        """``draft`` after a catch-up: where its prompt starts with the whole context of a turn
+        it did not know (another gateway's), longer than its parent's, that turn is its parent
+        (the delta against it is exact). A prompt that continues such a turn by its messages
+        but not token for token was built from a stale copy: counted, recorded as it is."""
+        state, prompt = session.state, np.asarray(draft.prompt_ids)
+        parent, shared = draft.parent_turn, draft.prefix_len
+        if parent is None or parent not in state.nodes or shared is None:
+            parent, shared = -1, 0
+        for node in state.nodes.values():
+            n = len(node.context_ids)
+            if (
+                shared < n <= len(prompt)
+                and not node.event.client_gone
+                and np.array_equal(node.context_ids, prompt[:n])
+            ):
+                parent, shared = node.turn, n
+        unknown = {e.turn for e in caught if isinstance(e, TurnCompleted)}
+        by_messages = continued_turn(state, draft.messages, draft.tools, draft.keys)
+        if by_messages is not None and by_messages.turn in unknown and by_messages.turn != parent:
+            self.metrics.stale_prompts.inc()
+            log.warning(
+                "session %s: a turn continues turn %d, which this gateway did not know when it "
+                "built the prompt, not token for token (recorded as generated)",
+                session.name,
+                by_messages.turn,
+            )
+        if parent == draft.parent_turn:
+            return draft
+        return replace(draft, parent_turn=parent, prefix_len=shared if parent >= 0 else None)
 
     def recorded(self, event: TurnCompleted, *, tools_parsed: bool) -> TurnResult:
         """The result of a turn already in the log (a resent request gets it again)."""
@@ -370,42 +430,27 @@ class TurnEngine:
         detok.finish()
         return TurnResult.of(event, detok, tools_parsed=tools_parsed)
 
-    async def _taken_by_earlier_attempt(self, session: Session, event: TurnCompleted) -> bool:
-        """Whether the log holds another event under ``event``'s turn index (its publish was a
-        duplicate of an earlier attempt's); if so the session takes the log's state."""
-        if self._recover is None:
-            return False
-        events = await self._recover(*session.key)
-        stored = next(
-            (e for e in events if isinstance(e, TurnCompleted) and e.turn == event.turn), None
-        )
-        if stored is None or (
-            stored.created_at == event.created_at
-            and np.array_equal(stored.completion_ids, event.completion_ids)
-        ):
-            return False  # ours: a retry of this very publish
-        logged = fold(events, kept=session.state.kept)
-        if logged is None or logged.turns <= event.turn:
-            return False
-        log.warning(
-            "session %s turn %d: the log holds an earlier attempt (answered 503, stored late); "
-            "this reply becomes turn %d",
-            session.name,
-            event.turn,
-            logged.turns,
-        )
-        session.recovered(logged)
-        return True
+
+def _own_event(events: Sequence[SessionEvent], reply_id: str) -> TurnCompleted | None:
+    """The turn among ``events`` that this request's own reply id names (None: none)."""
+    if not reply_id:
+        return None
+    return next(
+        (e for e in events if isinstance(e, TurnCompleted) and e.reply_id == reply_id), None
+    )
 
 
 _SEED_MASK = (1 << 63) - 1  # derived seeds are non-negative int64s (derived_seed)
 
 
-def derived_seed(run: str, session: str, turn: int) -> int:
+def derived_seed(run: str, session: str, turn: int, instance: str = "") -> int:
     """The seed of a turn whose request sets none: BLAKE2b with an 8-byte digest of
-    ``turnstream/seed/<run>/<session>/<turn>``, read big-endian, masked to 63 bits; ``turn``
-    is the request's number among the session's started requests (``Session.next_request``:
-    the turn index where the session serves one request at a time).
+    ``turnstream/seed/<run>/<session>/<turn>`` (``/<instance>`` appended where given), read
+    big-endian, masked to 63 bits; ``turn`` is the request's number among the session's started
+    requests (``Session.next_request``: the turn index where the session serves one request at a
+    time), ``instance`` the gateway's name among a fleet's (``GatewaySettings.instance_id``): two
+    gateways serving one session count its requests apart, and would otherwise derive one seed
+    for two requests started at once.
 
     Stable across processes, hosts and Python versions (no ``hash()``), and distinct per
     session and request, so the sessions of a GRPO group (one prompt) never share a sample stream,
@@ -416,7 +461,7 @@ def derived_seed(run: str, session: str, turn: int) -> int:
     >>> derived_seed("r1", "s1", 0), derived_seed("r1", "s1", 1)
     (4799148068869229546, 6702576449194413337)
     """
-    key = f"turnstream/seed/{run}/{session}/{turn}".encode()
+    key = f"turnstream/seed/{run}/{session}/{turn}{'/' + instance if instance else ''}".encode()
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big") & _SEED_MASK
 
 

@@ -37,6 +37,7 @@ class ChatPrompt(NamedTuple):
     prefix_len: int | None  # a continued turn's: the parent's whole context; None: not known
     text: str | None  # what the prompt's ids stand for (the render), where it is that exactly
     agent: JSON  # TurnCompleted.agent: the identity and how the tokens resolved it ({}: none)
+    unsure: bool = False  # a turn this copy lacks could place it otherwise (Placement.unsure)
 
 
 @dataclass(frozen=True, slots=True)

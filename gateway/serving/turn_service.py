@@ -9,6 +9,15 @@ ack of the turn, and a failed publish ends the stream with the API's error event
 Turns of one session are served concurrently (DESIGN §4): nothing here holds the session while a
 turn generates; ``TurnEngine.finish`` appends under the session's lock.
 
+The log decides, not this gateway's memory (DESIGN §4): the append states the session's last
+sequence as known here and is refused if another gateway (or the reaper) stored something since.
+So that the prompt is right the first time, token for token, the session first catches up on the
+log (one read of what follows its sequence: ``SessionStore.catch_up``) where its copy may not be
+enough: it has not heard from the log about the session for ``SessionLog.idle_sync_s`` (a close
+elsewhere is then a 409 before anything is generated), or the request may continue a turn this
+copy lacks (``Placement.unsure``: a reply it does not know among the messages, a sub-agent new
+here). With affinity (one gateway per session) neither happens while an agent is busy.
+
 A request equal to the request of a kept turn of the same agent that no later turn continued
 (a conversation's tip: ``gateway.core.branches.resent_turn``) is a client's retry: it gets the
 recorded turn again, whole or streamed, and adds no turn. A retry that arrives while its
@@ -120,14 +129,28 @@ class TurnServing:
         self.engine = engine
         self.store = store
 
+    async def _sync(self, session: Session, reason: str) -> bool:
+        """Catch the session up on the log (under its lock); whether anything was new."""
+        async with session.lock:
+            return bool(await self.store.catch_up(session, reason))
+
+    async def _sync_if_idle(self, session: Session) -> None:
+        log_ = self.store.log
+        if log_ is not None and log_.idle(session):
+            await self._sync(session, "idle")
+
     async def prepare(self, session: Session, req: TurnRequest) -> Turn:
         """The turn, prepared from a snapshot of the session's state (no lock: the state is
-        immutable, and the parent chosen here is checked again at the append)."""
+        immutable, and the parent chosen here is checked again at the append); where a turn
+        this copy lacks could place it otherwise, from the state caught up on the log."""
         engine = self.engine
         use_tools = bool(req.tools) and req.tool_choice != "none"
         tools = req.tools if use_tools else None
         named = named_tool_choice(req)
         chat = await engine.chat_prompt(session, req.messages, tools, req.keys, req.agent)
+        if chat.unsure and self.store.log is not None and await self._sync(session, "unsure"):
+            session.ensure_open()
+            chat = await engine.chat_prompt(session, req.messages, tools, req.keys, req.agent)
         prompt = chat.prompt
         # "required" / a named function: open the call in the prompt, so the model cannot
         # decline it; these tokens are the gateway's: prompt tokens, not the policy's actions.
@@ -206,6 +229,7 @@ class TurnServing:
         """A whole turn. A client that leaves meanwhile is not noticed (uvicorn does not cancel
         a request handler on disconnect): the turn is recorded as any other, ``client_gone``
         False, and a retry of it gets it from the log."""
+        await self._sync_if_idle(session)
         asked = _asked(req)
         recorded = await self._answered(session, req, asked)
         if recorded is not None:
@@ -225,6 +249,7 @@ class TurnServing:
         turn has appended (or the replay of a recorded one has been sent)."""
         release_hold = self.store.hold(session)
         try:
+            await self._sync_if_idle(session)
             asked = _asked(req)
             recorded = await self._answered(session, req, asked)
             if recorded is not None:

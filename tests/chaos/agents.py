@@ -6,6 +6,10 @@ it was given, then close it, or, about one session in ten, walk away and leave i
 A request that meets a fault (connection refused or cut, a timeout, a 5xx such as the 503 of a
 log that is down) is retried with a short backoff; every 200 answer is recorded as the client
 saw it, for the auditor.
+
+Behind the soak's round-robin proxy (two gateways) every request goes on a fresh connection
+(``FRESH_CONNECTIONS``): the proxy balances connections, so this makes it balance requests, and
+a session's turns land on either gateway as the proxy's turn falls.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import httpx
+import httpx2
 import openai
 
 log = logging.getLogger("soak.agents")
@@ -29,6 +34,10 @@ T = TypeVar("T")
 LEAVE_OPEN = 0.1  # share of sessions the agent abandons: the reaper must close them
 GIVE_UP_S = 120.0  # one request retried this long: the agent abandons its session
 REQUEST_TIMEOUT_S = 30.0
+# No connection kept alive: each request is a new connection, so a per-connection balancer
+# spreads requests, not clients. The session API's client is httpx's; the openai SDK's, httpx2's.
+FRESH_CONNECTIONS = httpx.Limits(max_keepalive_connections=0)
+SDK_FRESH_CONNECTIONS = httpx2.Limits(max_keepalive_connections=0)
 
 
 @dataclass
@@ -95,7 +104,16 @@ async def _post(http: httpx.AsyncClient, url: str, body: dict[str, Any]) -> http
 
 
 class Agent:
-    def __init__(self, index: int, gateway_url: str, seed: int, http: httpx.AsyncClient) -> None:
+    def __init__(
+        self,
+        index: int,
+        gateway_url: str,
+        seed: int,
+        http: httpx.AsyncClient,
+        fresh_connections: bool = False,
+    ) -> None:
+        """``http``: for the session API; ``fresh_connections``: the SDK's requests too go on a
+        new connection each (``http`` must then be made with ``FRESH_CONNECTIONS``)."""
         self.index = index
         self.gateway_url = gateway_url
         self.rng = random.Random(f"{seed}-agent-{index}")
@@ -105,6 +123,11 @@ class Agent:
             api_key="unused",
             max_retries=0,  # ours, so every fault and every answer is seen here
             timeout=REQUEST_TIMEOUT_S,
+            http_client=(
+                openai.DefaultAsyncHttpxClient(limits=SDK_FRESH_CONNECTIONS)
+                if fresh_connections
+                else None
+            ),
         )
         self.sessions: list[AgentSession] = []
 

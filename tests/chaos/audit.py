@@ -9,7 +9,10 @@ Once the system is quiet it checks, for the soak's run:
 - every closed session's trajectories (the pure fold of its stored events) are in the shards,
   each trajectory id in exactly one row;
 - every TRAJ message reached the sink and was committed, and none was delivered again after
-  the journal line that says its batch's ack was confirmed.
+  the journal line that says its batch's ack was confirmed;
+- no stored turn continues another without its whole context, and no completion a client
+  received is stored after its session's close (``tests.chaos.seams``: what gateways sharing
+  one log without affinity must get right).
 
 ``lost`` adds up completions missing from EVENTS, sessions missing from the shards (or never
 closed), and TRAJ messages the sink never committed.
@@ -31,10 +34,11 @@ from nats.js import JetStreamContext
 from consumers.fold import fold
 from eventlog import read_session_messages
 from schemas.codec import Codec
-from schemas.events import SessionClosed, SessionEvent, TrajectoryReady, TurnCompleted
-from schemas.trust import vet_session
+from schemas.events import SessionClosed, TrajectoryReady, TurnCompleted
+from schemas.trust import VettedSession, vet_session
 from shardstore import open_shards_dataset
 from tests.chaos.agents import AgentSession, Completion
+from tests.chaos.seams import retokenized_continuations, served_after_close
 from tests.helpers.streams import stream_payloads
 
 SINK_DURABLE = "soak-sink"
@@ -158,7 +162,12 @@ class Report:
     log_sessions: int = 0  # sessions in EVENTS (opens whose answer was lost included)
     reaped: int = 0  # closed by the reaper (status timeout)
     late_turns: list[str] = field(default_factory=list)  # served after the session's close:
-    # in EVENTS, but the fold leaves them out (a late event, dead-lettered by the reaper)
+    # in EVENTS, but the fold leaves them out (a late event, dead-lettered by the reaper); by
+    # turn index against the close's num_turns
+    # The same by stream position: received with 200, stored after the session's close event.
+    served_after_close: list[str] = field(default_factory=list)
+    # Turns that continue a stored turn without its whole context (tests.chaos.seams).
+    retokenized: list[str] = field(default_factory=list)
     # closes answered 200 whose event the log dropped as a repeat of the reaper's close (same
     # Msg-Id): the session is folded as `timeout`, without the client's reward
     closes_overridden: list[str] = field(default_factory=list)
@@ -244,28 +253,34 @@ class Auditor:
         for tid, session in rows:
             in_shards[session].add(tid)
         for name in sorted(in_log | {s.session for s in agent_sessions if s.created}):
-            events = await self._events(report, name)
-            self._check_session(report, name, events, by_name.get(name), in_shards[name])
+            vetted = await self._events(report, name)
+            self._check_session(report, name, vetted, by_name.get(name), in_shards[name])
         report.sink = await self._audit_sink(journal, nats_kills)
         report.dead_letters = await self._dead_letters()
         return report
 
-    async def _events(self, report: Report, session: str) -> list[SessionEvent]:
+    async def _events(self, report: Report, session: str) -> VettedSession:
         """The session's events as a fold worker believes them (``schemas.trust``: stream
         order, the first stored of two different turns wins); rejects are counted."""
         stored = await read_session_messages(self.js, self.run, session)
         vetted = vet_session(stored, self.codec)
         report.untrusted.update(error.reason for _, error in vetted.rejected)
-        return vetted.events
+        return vetted
 
     def _check_session(
         self,
         report: Report,
         name: str,
-        events: list[SessionEvent],
+        vetted: VettedSession,
         agent: AgentSession | None,
         shard_tids: set[str],
     ) -> None:
+        events = vetted.events
+        received = agent.completions if agent else []
+        report.retokenized += retokenized_continuations(events)
+        report.served_after_close += served_after_close(
+            events, vetted.seqs, (c.reply for c in received)
+        )
         # A reply's id names its turn by the request's reply id (TurnCompleted.reply); the
         # first stored event of one wins, as the fold keeps the first of one turn index.
         first_turns: dict[str, TurnCompleted] = {}
@@ -273,7 +288,7 @@ class Auditor:
             if isinstance(event, TurnCompleted):
                 first_turns.setdefault(event.reply, event)
         close = next((e for e in events if isinstance(e, SessionClosed)), None)
-        for completion in agent.completions if agent else []:
+        for completion in received:
             stored = first_turns.get(completion.reply)
             if stored is None:
                 report.lost_completions.append(f"{name} reply {completion.reply}: not in EVENTS")

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.chaos.agents import AgentSession, Completion
-from tests.chaos.stack import Exit, Fault
+from tests.chaos.targets import Exit, Fault
 
 RECORD_FILE = "soak.json"
 
@@ -26,6 +26,8 @@ class SoakRecord:
     sessions: list[AgentSession]
     faults: list[Fault]
     exits: list[Exit]
+    gateways: int = 1  # behind a round-robin proxy when 2
+    gateway_counters: dict[str, int] = dataclasses.field(default_factory=dict)  # summed
 
     def save(self, data_dir: Path) -> None:
         body = dataclasses.asdict(self)
@@ -50,4 +52,6 @@ class SoakRecord:
             sessions=sessions,
             faults=[Fault(**f) for f in body["faults"]],
             exits=[Exit(**e) for e in body["exits"]],
+            gateways=body.get("gateways", 1),  # records older than two gateways: one
+            gateway_counters=body.get("gateway_counters", {}),
         )

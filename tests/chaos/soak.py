@@ -1,18 +1,21 @@
 """The chaos soak (issue 10): agents through the whole system while its processes are SIGKILLed.
 
     .venv/bin/python -m tests.chaos.soak --duration-s 600 --seed 7 [--sessions 32] [--data-dir D]
+        [--gateways 1|2]
 
-It starts nats-server, the gateway (tiny model), two fold workers with reapers, the shard writer
-and a live sink consumer, each a real process (``tests.chaos.stack``); runs ``--sessions``
+It starts nats-server, two gateways (tiny model) behind a round-robin proxy without affinity
+(``--gateways 1``: one gateway, no proxy), two fold workers with reapers, the shard writer and a
+live sink consumer, each a real process (``tests.chaos.stack``); runs ``--sessions``
 concurrent ``openai``-SDK agents (``tests.chaos.agents``) for ``--duration-s`` while a seeded
 controller SIGKILLs one of those processes at random moments and restarts it after a random
 downtime. Then it stops the faults, lets the agents finish, waits until the pipeline is quiet
 (every session closed, by its client or the reaper; every consumer drained) and audits
 (``tests.chaos.audit``). It prints a table of faults and counts and, as its last stdout line,
 one JSON object with ``faults``, ``sessions``, ``turns``, ``lost``, ``duplicated``,
-``redelivered_after_commit`` and more. The exit status is 1 when anything was lost, duplicated
-or redelivered after its commit. Every process it started is gone when it returns, also after
-a failure, Ctrl-C or SIGTERM; the data dir (logs, store, shards, sink journal) is kept.
+``redelivered_after_commit``, ``continuations_retokenized``, ``turns_served_after_close`` and
+more. The exit status is 1 when any of those five counts is not 0 (``FAILING``). Every process
+it started is gone when it returns, also after a failure, Ctrl-C or SIGTERM; the data dir (logs,
+store, shards, sink journal) is kept.
 """
 
 from __future__ import annotations
@@ -39,12 +42,20 @@ from tests.chaos.agents import Agent, AgentSession
 from tests.chaos.audit import Auditor, Report, pipeline_idle
 from tests.chaos.record import SoakRecord
 from tests.chaos.stack import SINK_JOURNAL, Fault, Stack, kill_leftovers
-from tests.chaos.summary import print_tables, summarize
+from tests.chaos.summary import print_tables, read_proxy_stats, summarize
 
 log = logging.getLogger("soak")
 
 RUN = "soak"
 MODEL_CACHE = "model-cache"
+# The counts that fail the soak (exit 1) when not 0.
+FAILING = (
+    "lost",
+    "duplicated",
+    "redelivered_after_commit",
+    "continuations_retokenized",
+    "turns_served_after_close",
+)
 
 
 @dataclass(frozen=True)
@@ -59,6 +70,7 @@ class SoakSettings:
     finish_s: float  # how long agents may take to finish their sessions after the faults
     settle_s: float  # how long the pipeline may take to become quiet
     outbox: bool
+    gateways: int = 2  # 2: behind a round-robin proxy, no affinity
 
 
 def parse_args(argv: list[str] | None = None) -> SoakSettings | Path:
@@ -75,6 +87,13 @@ def parse_args(argv: list[str] | None = None) -> SoakSettings | Path:
     parser.add_argument("--finish-s", type=float, default=150.0)
     parser.add_argument("--settle-s", type=float, default=240.0)
     parser.add_argument("--outbox", action="store_true", help="the gateway spools to an outbox")
+    parser.add_argument(
+        "--gateways",
+        type=int,
+        choices=(1, 2),
+        default=2,
+        help="2: behind a round-robin proxy without affinity; 1: one gateway, no proxy",
+    )
     parser.add_argument(
         "--reaudit", type=Path, default=None, help="audit this finished soak's data dir again"
     )
@@ -98,6 +117,7 @@ def parse_args(argv: list[str] | None = None) -> SoakSettings | Path:
         finish_s=args.finish_s,
         settle_s=args.settle_s,
         outbox=args.outbox,
+        gateways=args.gateways,
     )
 
 
@@ -107,7 +127,13 @@ async def soak(settings: SoakSettings) -> dict[str, Any]:
     data_dir = settings.data_dir
     model_dir = await asyncio.to_thread(ensure_tiny_model, data_dir / MODEL_CACHE)
     stack = Stack(
-        data_dir, model_dir, RUN, settings.seed, settings.idle_timeout_s, outbox=settings.outbox
+        data_dir,
+        model_dir,
+        RUN,
+        settings.seed,
+        settings.idle_timeout_s,
+        gateways=settings.gateways,
+        outbox=settings.outbox,
     )
     supervising = asyncio.Event()
     supervisor: asyncio.Task[None] | None = None
@@ -120,13 +146,21 @@ async def soak(settings: SoakSettings) -> dict[str, Any]:
         faults, sessions = await _chaos(stack, settings, random.Random(settings.seed))
         log.info("faults over (%d); bringing every process up, then waiting for quiet", len(faults))
         record = SoakRecord(
-            settings.seed, settings.duration_s, settings.sessions, sessions, faults, stack.exits
+            settings.seed,
+            settings.duration_s,
+            settings.sessions,
+            sessions,
+            faults,
+            stack.exits,
+            settings.gateways,
         )
         record.save(data_dir)  # already, for --reaudit should the rest fail
         await _all_up(stack, within=180.0)
         report, settled = await _settle_and_audit(stack.nats.url, model_dir, record, settings)
+        await stack.read_gateway_counters()
+        record.gateway_counters = dict(sorted(stack.gateway_counters.items()))
         record.save(data_dir)  # with the exits seen while settling
-        summary = summarize(record, report, settled)
+        summary = summarize(record, report, settled, read_proxy_stats(data_dir))
         print_tables(record, report, summary)
         supervising.set()
         await supervisor
@@ -155,11 +189,21 @@ async def reaudit(data_dir: Path) -> dict[str, Any]:
     await asyncio.to_thread(server.start, 60.0)
     try:
         settings = SoakSettings(
-            record.duration_s, record.seed, record.agents, data_dir, 0, 0, 0, 0, 0, False
+            record.duration_s,
+            record.seed,
+            record.agents,
+            data_dir,
+            0,
+            0,
+            0,
+            0,
+            0,
+            False,
+            record.gateways,
         )
         model_dir = tiny_model_dir(data_dir / MODEL_CACHE)
         report, settled = await _settle_and_audit(server.url, model_dir, record, settings)
-        summary = summarize(record, report, settled)
+        summary = summarize(record, report, settled, read_proxy_stats(data_dir))
         print_tables(record, report, summary)
         summary["data_dir"] = str(data_dir)
         return summary
@@ -171,10 +215,14 @@ async def _chaos(
     stack: Stack, settings: SoakSettings, rng: random.Random
 ) -> tuple[list[Fault], list[AgentSession]]:
     stopping = asyncio.Event()
-    limits = httpx.Limits(max_connections=settings.sessions * 2)
+    proxied = settings.gateways > 1  # a fresh connection per request: balanced per request
+    limits = httpx.Limits(
+        max_connections=settings.sessions * 2, max_keepalive_connections=0 if proxied else None
+    )
     async with httpx.AsyncClient(limits=limits) as http:
         agents = [
-            Agent(i, stack.gateway_url, settings.seed, http) for i in range(settings.sessions)
+            Agent(i, stack.gateway_url, settings.seed, http, fresh_connections=proxied)
+            for i in range(settings.sessions)
         ]
         tasks = [asyncio.create_task(a.run(stopping), name=f"agent-{a.index}") for a in agents]
         faulting = asyncio.create_task(
@@ -291,8 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"interrupted; data dir {data_dir}", file=sys.stderr)
         return 130
     print(json.dumps(summary), flush=True)
-    failed = summary["lost"] or summary["duplicated"] or summary["redelivered_after_commit"]
-    return 1 if failed else 0
+    return 1 if any(summary[count] for count in FAILING) else 0
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """The whole system as real processes, a supervisor that keeps them up, and the fault injector.
 
 nats-server (``eventlog.server.NatsServer``: fixed port and store, so a restart keeps the address
-and the data), the gateway, two fold workers (reapers on), the shard writer and the live sink
-consumer, each a ``tests.helpers.services.Service`` logging into the data dir. The supervisor
+and the data), one gateway or two behind a round-robin proxy (``tests.chaos.proxy``: no
+affinity), two fold workers (reapers on), the shard writer and the live sink consumer, each a
+``tests.helpers.services.Service`` logging into the data dir. The supervisor
 restarts whatever should be up and is not (a process that exited on its own is recorded and
 restarted with a backoff, like systemd's ``Restart=always``); the controller SIGKILLs one
 target at a time at random moments and brings it back after a random downtime.
@@ -16,8 +17,8 @@ import logging
 import os
 import random
 import signal
-import sys
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,12 +26,21 @@ from pathlib import Path
 import httpx
 
 from eventlog.server import NatsServer, free_port
+from tests.chaos.gateway_counters import read_counters
+from tests.chaos.targets import (
+    PIDS_FILE,
+    SINK_JOURNAL,
+    Exit,
+    Fault,
+    RoundRobinProxy,
+    SinkConsumer,
+    Target,
+)
 from tests.helpers.services import WORKER_FLAGS, WRITER_FLAGS, Service
 
 log = logging.getLogger("soak")
 
-PIDS_FILE = "pids"  # every process the soak started, for cleanup after a hard failure
-SINK_JOURNAL = "sink-journal.log"
+__all__ = ["SINK_JOURNAL", "Exit", "Fault", "Stack", "Target", "kill_leftovers", "with_flag"]
 
 
 def with_flag(flags: Sequence[str], name: str, value: str) -> tuple[str, ...]:
@@ -44,97 +54,6 @@ def with_flag(flags: Sequence[str], name: str, value: str) -> tuple[str, ...]:
 
 
 @dataclass
-class Fault:
-    at_s: float  # since the soak started
-    target: str
-    pid: int
-    downtime_s: float  # planned: from the kill until the restart is started
-    back_after_s: float | None = None  # measured: until the new process runs (nats: healthy)
-    wall: float = 0.0  # Unix time of the kill, to line it up with the sink's journal
-
-
-@dataclass
-class Exit:
-    """A process that ended without being killed by the controller."""
-
-    at_s: float
-    target: str
-    pid: int
-    code: int | None
-    log_tail: str
-
-
-@dataclass
-class Target:
-    """One process the controller may kill; ``wanted`` says whether it should be running."""
-
-    name: str
-    kind: str  # nats, gateway, worker, shard-writer, sink
-    service: Service | None = None
-    server: NatsServer | None = None
-    wanted: bool = True
-    killed_by_us: bool = False
-    exits_in_a_row: int = 0
-    started_at: float = 0.0
-    restart_not_before: float = 0.0
-    starting: bool = False
-    up: asyncio.Event = field(default_factory=asyncio.Event)  # set by each (re)start
-
-    @property
-    def pid(self) -> int | None:
-        if self.server is not None:
-            return self.server.pid
-        proc = self.service.proc if self.service is not None else None
-        return proc.pid if proc is not None else None
-
-    @property
-    def running(self) -> bool:
-        if self.server is not None:
-            return self.server.running
-        return self.service is not None and self.service.running
-
-    def kill(self) -> None:
-        self.killed_by_us = True
-        self.up.clear()
-        if self.server is not None:
-            self.server.kill()
-        elif self.service is not None:
-            self.service.kill()
-
-    def exit_code(self) -> int | None:
-        proc = self.service.proc if self.service is not None else None
-        return proc.returncode if proc is not None else None
-
-    def log_tail(self) -> str:
-        if self.service is not None:
-            return self.service.output()[-1500:]
-        if self.server is not None:
-            path = self.server.store_dir / "nats-server.log"
-            return path.read_text(errors="replace")[-1500:] if path.exists() else ""
-        return ""
-
-
-class SinkConsumer(Service):
-    """``tests.chaos.sink_consumer`` in its own process, with the Service kill/stop/log API."""
-
-    def __init__(self, nats_url: str, data_dir: Path, run: str, seed: int) -> None:
-        super().__init__("sink", nats_url, data_dir)
-        self.args = [
-            sys.executable,
-            "-m",
-            "tests.chaos.sink_consumer",
-            "--url",
-            nats_url,
-            "--journal",
-            str(data_dir / SINK_JOURNAL),
-            "--run",
-            run,
-            "--seed",
-            str(seed),
-        ]
-
-
-@dataclass
 class Stack:
     data_dir: Path
     model_dir: Path
@@ -142,35 +61,19 @@ class Stack:
     seed: int
     idle_timeout_s: float
     workers: int = 2
+    gateways: int = 1  # 2: behind a round-robin proxy, each its own fault kind
     outbox: bool = False
     started: float = field(default_factory=time.monotonic)
     targets: list[Target] = field(default_factory=list)
     exits: list[Exit] = field(default_factory=list)
+    # Summed over the soak (tests.chaos.gateway_counters): read before each kill, and at the end.
+    gateway_counters: Counter[str] = field(default_factory=Counter)
 
     def __post_init__(self) -> None:
         self.nats = NatsServer(self.data_dir / "nats", port=free_port())
-        self.gateway_port = free_port()
+        self.gateway_ports = [free_port() for _ in range(self.gateways)]
+        self.proxy_port = free_port() if self.gateways > 1 else None
         url = self.nats.url
-        gateway_flags = [
-            "--port",
-            str(self.gateway_port),
-            "--model",
-            str(self.model_dir),
-            "--model-name",
-            "tiny",
-            "--run",
-            self.run,
-        ]
-        if self.outbox:
-            # A retry horizon (~1 s) shorter than a nats-server outage, or nothing is spooled.
-            gateway_flags += [
-                "--publisher.outbox-path",
-                str(self.data_dir / "outbox"),
-                "--publisher.ack-timeout-s",
-                "0.5",
-                "--publisher.max-attempts",
-                "2",
-            ]
         worker_flags = with_flag(
             WORKER_FLAGS, "--reaper.idle-timeout-s", f"{self.idle_timeout_s:g}"
         )
@@ -178,9 +81,22 @@ class Stack:
         # not after the production backoff of up to a minute.
         worker_flags = with_flag(worker_flags, "--fold.backoff-s", "[0.5,1,2]")
         worker_flags = with_flag(worker_flags, "--fold.max-deliver", "-1")
+        # With two, each gateway is a fault kind of its own: each is killed as often as the one
+        # gateway of a single-gateway soak.
+        names = (
+            ["gateway"] if self.gateways == 1 else [f"gateway-{i}" for i in range(self.gateways)]
+        )
         self.targets = [
             Target("nats", "nats", server=self.nats),
-            Target("gateway", "gateway", Service("gateway", url, self.data_dir, *gateway_flags)),
+            *(
+                Target(
+                    name,
+                    name,
+                    Service("gateway", url, self.data_dir, *self._gateway_flags(i)),
+                    url=f"http://127.0.0.1:{self.gateway_ports[i]}",
+                )
+                for i, name in enumerate(names)
+            ),
             *(
                 Target(
                     f"worker-{i}", "worker", Service("worker", url, self.data_dir, *worker_flags)
@@ -194,10 +110,44 @@ class Stack:
             ),
             Target("sink", "sink", SinkConsumer(url, self.data_dir, self.run, self.seed)),
         ]
+        if self.proxy_port is not None:
+            proxy = RoundRobinProxy(self.proxy_port, self.gateway_ports, self.data_dir)
+            self.targets.append(Target("proxy", "proxy", proxy, faulted=False))
+
+    def _gateway_flags(self, index: int) -> list[str]:
+        flags = [
+            "--port",
+            str(self.gateway_ports[index]),
+            "--model",
+            str(self.model_dir),
+            "--model-name",
+            "tiny",
+            "--run",
+            self.run,
+        ]
+        if self.outbox:
+            # A retry horizon (~1 s) shorter than a nats-server outage, or nothing is spooled.
+            outbox = "outbox" if self.gateways == 1 else f"outbox-{index}"
+            flags += [
+                "--publisher.outbox-path",
+                str(self.data_dir / outbox),
+                "--publisher.ack-timeout-s",
+                "0.5",
+                "--publisher.max-attempts",
+                "2",
+            ]
+        return flags
 
     @property
     def gateway_url(self) -> str:
-        return f"http://127.0.0.1:{self.gateway_port}"
+        """Where the agents send their requests: the proxy, or the one gateway."""
+        return f"http://127.0.0.1:{self.proxy_port or self.gateway_ports[0]}"
+
+    @property
+    def gateway_urls(self) -> list[str]:
+        """Each gateway itself, and, with two, the proxy in front of them."""
+        urls = [f"http://127.0.0.1:{port}" for port in self.gateway_ports]
+        return urls if self.proxy_port is None else [*urls, self.gateway_url]
 
     def elapsed(self) -> float:
         return time.monotonic() - self.started
@@ -228,7 +178,7 @@ class Stack:
             pids.write(f"{target.pid} {target.name}\n")
 
     async def start(self) -> None:
-        """nats first; the sink once the gateway is healthy: every service provisions the
+        """nats first; the sink once the gateways are healthy: every service provisions the
         streams as it starts, and the sink's consumer needs TRAJ to exist."""
         for target in self.targets:
             if target.kind != "sink":
@@ -239,16 +189,22 @@ class Stack:
                 await self.start_target(target)
 
     async def wait_gateway_healthy(self, within: float) -> None:
+        """Every gateway, and the proxy in front of them, answers ``/health``."""
         deadline = time.monotonic() + within
         async with httpx.AsyncClient(timeout=2.0) as client:
-            while time.monotonic() < deadline:
-                with contextlib.suppress(httpx.HTTPError):
-                    if (await client.get(f"{self.gateway_url}/health")).status_code == 200:
-                        return
-                await asyncio.sleep(0.5)
-        raise RuntimeError(
-            f"gateway not healthy within {within:g}s:\n{self.target('gateway').log_tail()}"
-        )
+            for url in self.gateway_urls:
+                while True:
+                    with contextlib.suppress(httpx.HTTPError):
+                        if (await client.get(f"{url}/health")).status_code == 200:
+                            break
+                    if time.monotonic() > deadline:
+                        tails = "\n".join(
+                            f"--- {t.name}\n{t.log_tail()}"
+                            for t in self.targets
+                            if t.kind.startswith("gateway") or t.kind == "proxy"
+                        )
+                        raise RuntimeError(f"{url} not healthy within {within:g}s:\n{tails}")
+                    await asyncio.sleep(0.5)
 
     async def supervise(self, stop: asyncio.Event) -> None:
         """Restart what should run and does not; record processes that ended on their own."""
@@ -301,28 +257,29 @@ class Stack:
         after a random downtime (restarts run beside the next faults)."""
         faults: list[Fault] = []
         restarts: set[asyncio.Task[None]] = set()
-        kinds = sorted({t.kind for t in self.targets})
+        kinds = sorted({t.kind for t in self.targets if t.faulted})
         order: list[str] = []
         while True:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), rng.uniform(0.3, 1.7) * mean_interval_s)
             if stop.is_set():
                 break
-            # Kinds in shuffled rounds: each kind equally often, whatever its process count,
-            # and every kind hit in any run of len(kinds) faults.
+            # Kinds in shuffled rounds: each kind equally often, whatever its process count.
             if not order:
                 order = rng.sample(kinds, len(kinds))
-            kind = order.pop()
-            up = [
-                t
-                for t in self.targets
-                if t.kind == kind and t.wanted and t.running and not t.starting
-            ]
-            if not up:  # still down from an earlier fault: it comes later in this round
-                order.insert(0, kind)
+            target = await self._next_target(order, rng)
+            if target is None and len(order) < len(kinds):
+                # Every kind left in this round is down (a gateway loading its model: tens of
+                # seconds on a busy machine): the next round starts, so the faults keep their
+                # pace; the kinds left are in it once, at the head of the line.
+                others = [k for k in kinds if k not in order]
+                order[:0] = rng.sample(others, len(others))
+                target = await self._next_target(order, rng)
+            if target is None:  # every kind is down: at the next moment
                 continue
-            target = rng.choice(up)
             pid = target.pid or -1
+            if target.url:  # its counters die with it
+                await self.read_gateway_counters([target])
             target.wanted = False
             target.kill()
             fault = Fault(
@@ -341,6 +298,45 @@ class Stack:
             task.add_done_callback(restarts.discard)
         await asyncio.gather(*restarts)
         return faults
+
+    async def _next_target(self, order: list[str], rng: random.Random) -> Target | None:
+        """A target of the next kind in ``order`` (popped from its end) that can be killed now.
+        A kind still down from an earlier fault, or a gateway whose fleet is not whole
+        (``_fleet_listening``), keeps its place and comes as soon as it can in this round;
+        the next kind is hit meanwhile, so the faults keep their pace."""
+        for i in reversed(range(len(order))):
+            up = [
+                t
+                for t in self.targets
+                if t.kind == order[i] and t.wanted and t.running and not t.starting
+            ]
+            if up and await self._fleet_listening(order[i]):
+                del order[i]
+                return rng.choice(up)
+        return None
+
+    async def read_gateway_counters(self, targets: Sequence[Target] | None = None) -> None:
+        """Add ``targets``' (default: every gateway's) counters to ``gateway_counters``."""
+        async with httpx.AsyncClient() as client:
+            for target in targets or [t for t in self.targets if t.url]:
+                self.gateway_counters.update(await read_counters(client, target.url))
+
+    async def _fleet_listening(self, kind: str) -> bool:
+        """Whether a target of ``kind`` may be killed now: with two gateways, one only while
+        both answer HTTP (their 503 while the log is down included). A restarted gateway loads
+        its model for seconds (tens on a busy 2-core machine); killing the other meanwhile made
+        most of a soak an outage of every gateway, while what two gateways are for here is
+        their seam: the other one serves the sessions meanwhile. The one-gateway soak still
+        kills its only gateway."""
+        if self.gateways == 1 or not kind.startswith("gateway"):
+            return True
+        async with httpx.AsyncClient(timeout=2.0) as client:
+            for port in self.gateway_ports:
+                try:
+                    await client.get(f"http://127.0.0.1:{port}/health")
+                except httpx.HTTPError:
+                    return False
+        return True
 
     async def _bring_back(self, target: Target, fault: Fault) -> None:
         await asyncio.sleep(fault.downtime_s)

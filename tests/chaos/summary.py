@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -11,10 +13,21 @@ from rich.table import Table
 
 from tests.chaos.audit import Report, examples
 from tests.chaos.record import SoakRecord
+from tests.chaos.targets import PROXY_STATS
 
 
-def summarize(record: SoakRecord, report: Report, settled: bool) -> dict[str, Any]:
-    """The JSON the soak prints last: the issue's six keys first, then the detail."""
+def read_proxy_stats(data_dir: Path) -> dict[str, Any]:
+    """What the round-robin proxy counted ({} without one): connections per gateway."""
+    path = data_dir / PROXY_STATS
+    stats: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+    return stats
+
+
+def summarize(
+    record: SoakRecord, report: Report, settled: bool, proxy: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The JSON the soak prints last: the issue's six keys and the two of gateways sharing the
+    log first, then the detail."""
     sink = report.sink
     assert sink is not None
     return {
@@ -24,9 +37,12 @@ def summarize(record: SoakRecord, report: Report, settled: bool) -> dict[str, An
         "lost": report.lost,
         "duplicated": report.duplicated,
         "redelivered_after_commit": sink.redelivered_after_commit,
+        "continuations_retokenized": len(report.retokenized),
+        "turns_served_after_close": len(report.served_after_close),
         "seed": record.seed,
         "duration_s": record.duration_s,
         "agents": record.agents,
+        "gateways": record.gateways,
         "faults_by_target": dict(sorted(Counter(f.target for f in record.faults).items())),
         "lost_completions": len(report.lost_completions),
         "lost_sessions": len(report.lost_sessions),
@@ -50,6 +66,8 @@ def summarize(record: SoakRecord, report: Report, settled: bool) -> dict[str, An
         "unexpected_exits": dict(sorted(Counter(e.target for e in record.exits).items())),
         "dead_letters": report.dead_letters,
         "untrusted_events": dict(sorted(report.untrusted.items())),
+        "proxy": proxy or {},
+        "gateway_counters": record.gateway_counters,  # lower bounds: see gateway_counters.py
         "settled": settled,
     }
 
@@ -81,6 +99,10 @@ def print_tables(record: SoakRecord, report: Report, summary: dict[str, Any]) ->
         counts.add_row(f"agent sessions: {outcome}", str(n))
     for subject, n in report.dead_letters.items():
         counts.add_row(f"dead letters: {subject}", str(n))
+    for backend, n in summary["proxy"].get("connections", {}).items():
+        counts.add_row(f"proxy connections to {backend}", str(n))
+    for name, n in record.gateway_counters.items():
+        counts.add_row(f"gateways: {name}", str(n))
     console.print(counts)
     never = report.sink.never_committed if report.sink else []
     for line in [
@@ -88,6 +110,8 @@ def print_tables(record: SoakRecord, report: Report, summary: dict[str, Any]) ->
         *examples(report.lost_sessions),
         *examples(report.unclosed),
         *(f"TRAJ seq {seq}: never committed by the sink" for seq in never[:5]),
+        *examples(report.retokenized),
+        *examples(report.served_after_close),
     ]:
         console.print(line, style="red", markup=False, highlight=False)
     for line in [*examples(report.late_turns), *examples(report.closes_overridden)]:

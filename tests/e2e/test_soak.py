@@ -1,8 +1,10 @@
-"""The 2-minute chaos soak (issue 10): ``tests.chaos.soak`` as a real process, audited.
+"""The 2-minute chaos soak (issues 10, 36): ``tests.chaos.soak`` as a real process, audited.
 
-32 openai-SDK agents through the gateway while nats-server, the gateway, the fold workers, the
-shard writer and the live sink consumer are SIGKILLed and restarted at random moments; the
-soak's own auditor then counts what was lost, duplicated or redelivered after its commit. The
+32 openai-SDK agents through two gateways behind a round-robin proxy without affinity while
+nats-server, each gateway, the fold workers, the shard writer and the live sink consumer are
+SIGKILLed and restarted at random moments; the soak's own auditor then counts what was lost,
+duplicated or redelivered after its commit, continuations re-tokenized by a gateway whose copy
+of a session was stale, and turns served after their session's close. The
 seed is random per run and named in every failure, with the data dir (logs, store, shards,
 sink journal) kept by pytest: ``python -m tests.chaos.soak --reaudit DIR`` audits it again.
 """
@@ -27,7 +29,9 @@ DURATION_S = 120
 # the 2-core VM); the soak's own deadlines (finish 150 s, all up 180 s, settle 240 s) end it
 # before this timeout does.
 @pytest.mark.timeout(900)
-def test_two_minutes_of_sigkills_lose_duplicate_and_redeliver_nothing(tmp_path: Path) -> None:
+def test_two_minutes_of_sigkills_lose_duplicate_redeliver_and_re_tokenize_nothing(
+    tmp_path: Path,
+) -> None:
     seed = random.randrange(1 << 30)
     data_dir = tmp_path / "soak"
     stderr_path = tmp_path / "soak.stderr"
@@ -66,9 +70,15 @@ def test_two_minutes_of_sigkills_lose_duplicate_and_redeliver_nothing(tmp_path: 
     assert summary["lost"] == 0, context
     assert summary["duplicated"] == 0, context
     assert summary["redelivered_after_commit"] == 0, context
+    assert summary["continuations_retokenized"] == 0, context
+    assert summary["turns_served_after_close"] == 0, context
     assert summary["faults"] >= 10, context
     assert summary["sessions"] > 0 and summary["turns"] > 0, context
     # Every kind of process was killed at least once, or the soak tested less than it says.
-    assert set(summary["faults_by_target"]) >= {"nats", "gateway", "shard-writer", "sink"}, context
+    # Two gateways, and the proxy sent each of them requests.
+    gateways = {f"gateway-{i}" for i in range(summary["gateways"])}
+    connections = summary["proxy"]["connections"]
+    assert len(gateways) == len(connections) == 2 and all(connections.values()), context
+    assert set(summary["faults_by_target"]) >= {"nats", *gateways, "shard-writer", "sink"}, context
     assert any(t.startswith("worker-") for t in summary["faults_by_target"]), context
     assert proc.returncode == 0, context

@@ -246,3 +246,33 @@ def test_a_forks_whole_first_prompt_is_never_trained() -> None:
     ]
     assert not chain.loss_mask[:prompt_len].any()
     assert int(chain.loss_mask.sum()) == len(sampled("part 1")) + len(sampled("finished"))
+
+
+@pytest.mark.parametrize(
+    ("messages", "agent", "unsure"),
+    [
+        # the continued conversation + a tool result: no reply this copy could lack
+        ([*MAIN_1, assistant("spawn"), tool("r")], MAIN, False),
+        ([*MAIN_1, assistant("spawn"), tool("r")], None, False),
+        # a reply after the conversation it continues: another gateway's turn, maybe
+        ([*MAIN_1, assistant("spawn"), tool("r"), assistant("elsewhere"), tool("r2")], MAIN, True),
+        ([SYSTEM, user("task"), assistant("history the client wrote")], None, True),
+        # a sub-agent's first turn here: its spawning turn may be another gateway's
+        (FRESH, sub("a2"), True),
+        (FORK, sub("a1"), True),
+        # a first request with no reply in it, from no sub-agent
+        ([SYSTEM, user("another task")], None, False),
+    ],
+)
+def test_a_placement_says_when_a_turn_this_copy_lacks_could_change_it(
+    messages: list[JSON], agent: AgentIdentity | None, unsure: bool
+) -> None:
+    """``Placement.unsure``: the gateway reads the log before it prepares such a turn (issue 36:
+    the log decides; affinity only saves the read)."""
+    assert spawned().place(messages, agent).unsure is unsure
+
+
+def test_a_sub_agent_with_turns_of_its_own_here_is_sure() -> None:
+    toy = spawned()
+    toy.turn(FRESH, "explored", sub("a2"))
+    assert not toy.place([*FRESH, assistant("explored"), tool("ok")], sub("a2")).unsure

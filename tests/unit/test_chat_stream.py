@@ -37,8 +37,8 @@ async def replayed_session() -> tuple[TurnStream, Session]:
     return TurnStream(generate(), release_hold), session
 
 
-async def _create() -> SessionState:
-    return SessionState(run="run", id="s")
+async def _create() -> tuple[SessionState, int]:
+    return SessionState(run="run", id="s"), 0
 
 
 async def test_a_stream_the_client_never_pulled_releases_the_session() -> None:

@@ -84,8 +84,8 @@ class _Setup:
         self.chat = ChatServing(TurnServing(engine, self.store))
 
     async def session(self) -> Session:
-        async def create() -> SessionState:
-            return SessionState(run="run", id="s")
+        async def create() -> tuple[SessionState, int]:
+            return SessionState(run="run", id="s"), 0
 
         session = await self.store.load(("run", "s"), create)
         assert session is not None

@@ -605,8 +605,8 @@ async def serving_for(
     )
     store = SessionStore()
 
-    async def create() -> SessionState:
-        return SessionState(run="run", id="s")
+    async def create() -> tuple[SessionState, int]:
+        return SessionState(run="run", id="s"), 0
 
     session = await store.load(("run", "s"), create)
     assert session is not None

@@ -1,64 +1,39 @@
-"""Closing a session the reaper closed first (issue 10 soak): the client learns it, never a 200.
+"""Closing and rewarding a session another writer closed first: the client learns it, never a 200.
 
-The log is an in-memory list of events here (the aggregate and the service are pure around the
-Publisher port); the race it stands for was seen against a real nats-server in the chaos soak:
-a client's close retried through an outage while the reaper stored its own close first, both
-with the Msg-Id ``<run>.<session>.close``.
+The log is an in-memory stream here (``tests.helpers.memory_log``: JetStream's expectation and
+Msg-Id rules, shared by two gateways' services); the race it stands for was seen against a real
+nats-server in the chaos soak: a client's close retried through an outage while the reaper stored
+its own close first, both with the Msg-Id ``<run>.<session>.close``. Since issue 36 the log
+decides: the client's close states the session's last sequence, the reaper's close moved it, and
+the refused close catches up and finds the session closed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import pytest
 
-from eventlog import PublishReceipt
-from gateway.core.session_store import SessionStore
+from gateway.core.session_store import SessionLog, SessionStore
 from gateway.errors import SessionClosed as ClosedAlready
-from gateway.protocol.session_api import CloseSessionRequest, CreateSessionRequest
+from gateway.protocol.session_api import CloseSessionRequest, CreateSessionRequest, RewardRequest
 from gateway.serving.session_service import SessionService
-from schemas import Event, SessionClosed, SessionEvent, route
+from schemas import SessionClosed
+from tests.helpers.memory_log import MemoryLog
 
 
-class ReaperFirstLog:
-    """Stores events by Msg-Id; the reaper's close is stored before the client's arrives."""
-
-    def __init__(self) -> None:
-        self.events: dict[str, Event] = {}
-        self.reaper_closes = True
-
-    async def publish(self, event: Event) -> PublishReceipt:
-        msg_id = route(event).msg_id
-        if isinstance(event, SessionClosed) and self.reaper_closes:
-            reaped = SessionClosed(
-                run=event.run, session=event.session, status="timeout", num_turns=0
-            )
-            self.events.setdefault(msg_id, reaped)
-        duplicate = msg_id in self.events
-        self.events.setdefault(msg_id, event)
-        return PublishReceipt(msg_id, "EVENTS", len(self.events), duplicate=duplicate)
-
-    async def publish_many(self, events: Sequence[Event]) -> list[PublishReceipt]:
-        return [await self.publish(e) for e in events]
-
-    async def publish_raw(self, subject: str, payload: bytes, msg_id: str) -> PublishReceipt:
-        raise AssertionError("the session service publishes events only")
-
-    async def recover(self, run: str, session: str) -> Sequence[SessionEvent]:
-        return [e for e in self.events.values() if isinstance(e, SessionEvent)]
+def gateway(log: MemoryLog) -> SessionService:
+    """One gateway's session service on ``log`` (a second call: a second gateway)."""
+    return SessionService(
+        store=SessionStore(log=SessionLog(log.read_after)), publisher=log, model_name="tiny"
+    )
 
 
 @pytest.mark.parametrize("reaper_first", [True, False])
 async def test_a_close_after_the_reapers_is_a_409_naming_it(reaper_first: bool) -> None:
-    log = ReaperFirstLog()
-    service = SessionService(
-        store=SessionStore(recover=log.recover),
-        publisher=log,
-        model_name="tiny",
-        recover=log.recover,
-    )
+    log = MemoryLog()
+    service = gateway(log)
     session = await service.create("r", CreateSessionRequest(session_id="s"))
-    log.reaper_closes = reaper_first
+    if reaper_first:
+        await log.publish(SessionClosed(run="r", session="s", status="timeout", num_turns=0))
     close = CloseSessionRequest(status="completed", reward=1.0)
     if reaper_first:
         with pytest.raises(ClosedAlready, match=r"closed as 'timeout' \(by the reaper"):
@@ -66,3 +41,30 @@ async def test_a_close_after_the_reapers_is_a_409_naming_it(reaper_first: bool) 
     else:
         info = await service.close(session, close)
         assert info.status == "completed"
+    closes = [e for e in log.events("r", "s") if isinstance(e, SessionClosed)]
+    assert len(closes) == 1
+
+
+async def test_a_close_sent_to_another_gateway_closes_the_session_for_every_gateway() -> None:
+    log = MemoryLog()
+    a, b = gateway(log), gateway(log)
+    on_a = await a.create("r", CreateSessionRequest(session_id="s"))
+    on_b = await b.create("r", CreateSessionRequest(session_id="s"))  # the same session
+    assert on_a.state.id == on_b.state.id
+    await a.close(on_a, CloseSessionRequest(status="completed", reward=1.0))
+    with pytest.raises(ClosedAlready, match="session s"):
+        await b.reward(on_b, RewardRequest(value=0.5))
+    with pytest.raises(ClosedAlready, match=r"closed as 'completed'"):
+        await b.close(on_b, CloseSessionRequest(status="aborted"))
+    assert on_b.state.closed and on_b.seq == log.last_seq("r", "s")
+
+
+async def test_a_reward_on_another_gateway_is_caught_up_not_lost() -> None:
+    log = MemoryLog()
+    a, b = gateway(log), gateway(log)
+    on_a = await a.create("r", CreateSessionRequest(session_id="s"))
+    on_b = await b.create("r", CreateSessionRequest(session_id="s"))
+    await a.reward(on_a, RewardRequest(value=1.0, key="k1"))
+    receipt = await b.reward(on_b, RewardRequest(value=2.0, key="k2"))  # refused once, then in
+    assert receipt.acknowledged and log.refused == 1
+    assert [getattr(e, "value", None) for e in log.events("r", "s")] == [None, 1.0, 2.0]

@@ -3,25 +3,27 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 
-from gateway.core.aggregate import Kept, SessionState, TurnDraft, apply, fold, turn_event
-from gateway.core.session_store import ContextCache, Session, SessionStore
+from eventlog import SessionTail
+from gateway.core.aggregate import Kept, SessionState, TurnDraft, apply, turn_event
+from gateway.core.session_store import ContextCache, Session, SessionLog, SessionStore
 from schemas.events import SessionEvent, SessionOpened
 
 
 class Log:
     """Sessions' events by key, and how often each was read (stands in for the EVENTS stream:
-    the store only calls ``recover(run, session)``; the real read is tested in integration)."""
+    the store only reads what follows a sequence; the real read is tested in integration)."""
 
     def __init__(self) -> None:
         self.events: dict[tuple[str, str], list[SessionEvent]] = {}
         self.reads = 0
 
-    async def recover(self, run: str, session: str) -> Sequence[SessionEvent]:
+    async def read_after(self, run: str, session: str, after_seq: int) -> SessionTail:
         self.reads += 1
         await asyncio.sleep(0.01)  # a round trip: concurrent requests overlap here
-        return list(self.events.get((run, session), []))
+        events = list(enumerate(self.events.get((run, session), []), start=1))[after_seq:]
+        return SessionTail(after_seq, events, events[-1][0] if events else after_seq)
 
 
 class Clock:
@@ -35,12 +37,12 @@ class Clock:
 async def test_concurrent_first_requests_share_one_load_and_one_creation() -> None:
     log, created = Log(), []
 
-    async def create() -> SessionState:
+    async def create() -> tuple[SessionState, int]:
         created.append(1)
         await asyncio.sleep(0.01)
-        return SessionState(run="r", id="s")
+        return SessionState(run="r", id="s"), 0
 
-    store = SessionStore(recover=log.recover)
+    store = SessionStore(log=SessionLog(log.read_after))
     sessions = await asyncio.gather(*(store.load(("r", "s"), create) for _ in range(8)))
     assert len(created) == 1 and log.reads == 1
     assert all(s is sessions[0] for s in sessions)  # one handle, one lock
@@ -49,7 +51,7 @@ async def test_concurrent_first_requests_share_one_load_and_one_creation() -> No
 async def test_runs_do_not_share_sessions() -> None:
     log = Log()
     log.events[("A", "x")] = [SessionOpened(run="A", session="x", metadata={"secret": 1})]
-    store = SessionStore(recover=log.recover)
+    store = SessionStore(log=SessionLog(log.read_after))
     assert await store.load(("B", "x")) is None
     found = await store.load(("A", "x"))
     assert found is not None and found.state.metadata == {"secret": 1}
@@ -99,14 +101,14 @@ async def test_a_hold_keeps_a_session_until_released() -> None:
 async def test_a_failed_load_reaches_every_waiter_and_the_next_request_tries_again() -> None:
     attempts = []
 
-    async def recover(run: str, session: str) -> Sequence[SessionEvent]:
+    async def read_after(run: str, session: str, after_seq: int) -> SessionTail:
         attempts.append(1)
         await asyncio.sleep(0.01)
         if len(attempts) == 1:
             raise OSError("log down")
-        return []
+        return SessionTail(after_seq, [], after_seq)
 
-    store = SessionStore(recover=recover)
+    store = SessionStore(log=SessionLog(read_after))
     results = await asyncio.gather(
         *(store.load(("r", "s")) for _ in range(3)), return_exceptions=True
     )
@@ -114,9 +116,9 @@ async def test_a_failed_load_reaches_every_waiter_and_the_next_request_tries_aga
     assert await store.load(("r", "s")) is None
 
 
-def _create(name: str) -> Callable[[], Awaitable[SessionState]]:
-    async def create() -> SessionState:
-        return SessionState(run="r", id=name)
+def _create(name: str) -> Callable[[], Awaitable[tuple[SessionState, int]]]:
+    async def create() -> tuple[SessionState, int]:
+        return SessionState(run="r", id=name), 0
 
     return create
 
@@ -127,7 +129,7 @@ async def _held(store: SessionStore, name: str) -> bool:
 
 def test_the_caches_live_beside_the_state_and_go_with_the_turns_they_serve() -> None:
     """The aggregate stays data: a kept turn's cache is the Session's, dropped when the turn is
-    forgotten (``Kept``) and when the log's state replaces the session's."""
+    forgotten (``Kept``)."""
     opened = SessionOpened(run="r", session="s")
     state = apply(None, opened, kept=Kept(turns=1))
     assert state is not None
@@ -144,5 +146,4 @@ def test_the_caches_live_beside_the_state_and_go_with_the_turns_they_serve() -> 
     session.keep_context(0, ContextCache(("stale",)))  # a turn no longer kept holds none
     assert session.contexts == {}
     session.keep_context(1, ContextCache(("x",)))
-    session.recovered(fold([opened, first, second], kept=Kept(turns=1)) or state)
-    assert session.contexts == {} and session.take_context(1) is None
+    assert session.take_context(1) == ContextCache(("x",)) and session.take_context(1) is None

@@ -1,12 +1,20 @@
-"""The chaos soak's sink audit on hand-written journals: it must see every way a commit fails."""
+"""The chaos soak's audit on hand-written journals and sessions: it must see every way a commit
+fails, and every way gateways sharing one log get a session wrong."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import pytest
 
-from tests.chaos.audit import SinkAudit, SinkJournal, audit_sink
+from gateway.core.aggregate import SessionState, TurnDraft, apply, turn_event
+from schemas.events import SessionClosed, SessionEvent, SessionOpened, TurnCompleted
+from schemas.trust import VettedSession
+from tests.chaos.agents import AgentSession, Completion
+from tests.chaos.audit import Auditor, Report, SinkAudit, SinkJournal, audit_sink
+from tests.chaos.gateway_counters import parse_counters
+from tests.chaos.seams import retokenized_continuations, served_after_close
 
 TRAJ = {1: "r/a/0", 2: "r/b/0", 3: "r/c/0"}
 
@@ -142,3 +150,168 @@ def test_a_redelivery_after_commit_is_told_apart_when_nats_server_died_just_afte
     result = audit_sink(TRAJ, SinkJournal.read(path), True, nats_kills)
     assert result.redelivered_after_commit == 1
     assert result.redelivered_after_commit_nats_crash == explained
+
+
+# -- gateways sharing one log: re-tokenized continuations, turns served after close ----------
+
+RUN, SID = "soak", "a00s00000"
+OPENED = SessionOpened(run=RUN, session=SID, group="agent-0")
+
+
+def user(step: int) -> dict[str, object]:
+    return {"role": "user", "content": f"step {step}"}
+
+
+def reply(text: str) -> dict[str, object]:
+    return {"role": "assistant", "content": text}
+
+
+def turn(
+    state: SessionState | None,
+    index: int,
+    prompt: list[int],
+    messages: list[dict[str, object]],
+    out: list[int],
+    text: str,
+    parent: int | None,
+) -> TurnCompleted:
+    """Turn ``index`` as a gateway whose copy of the session is ``state`` would record it:
+    delta-encoded against ``parent`` by ``gateway.core.aggregate.turn_event``."""
+    assert state is not None
+    draft = TurnDraft(
+        prompt_ids=prompt,
+        messages=messages,
+        tools=None,
+        completion_ids=out,
+        logprobs=[-0.5] * len(out),
+        text=text,
+        parent_turn=parent,
+        reply_id=f"r{index}",
+    )
+    return msgspec.structs.replace(turn_event(state, draft), turn=index)
+
+
+# Turn 0: prompt [1, 2] + completion [3] ("a"); turn 1 continues it: [1, 2, 3] + [4], then [5]
+# ("b"). The token 9 is "b" rendered from its text by a gateway that did not know turn 1.
+STEP0 = [user(0)]
+STEP1 = [user(0), reply("a"), user(1)]
+STEP2 = [*STEP1, reply("b"), user(2)]
+
+
+def first_two_turns() -> tuple[SessionState, SessionState, list[SessionEvent]]:
+    """(the state after turn 0, the state after turn 1, the events so far)."""
+    opened = apply(None, OPENED)
+    t0 = turn(opened, 0, [1, 2], STEP0, [3], "a", None)
+    after0 = apply(opened, t0)
+    t1 = turn(after0, 1, [1, 2, 3, 4], STEP1, [5], "b", 0)
+    after1 = apply(after0, t1)
+    assert after0 is not None and after1 is not None
+    return after0, after1, [OPENED, t0, t1]
+
+
+def test_a_continuation_from_a_stale_copy_is_counted_re_tokenized() -> None:
+    """A second gateway that knows only turn 0 continues it and renders turn 1's reply from
+    text: the log holds turn 2 with parent 0, its prompt without turn 1's sampled tokens."""
+    stale, _, events = first_two_turns()
+    rendered = turn(stale, 2, [1, 2, 3, 9, 6], STEP2, [7], "c", 0)
+    found = retokenized_continuations([*events, rendered])
+    assert len(found) == 1
+    assert "turn 2: continues turn 1" in found[0] and "against turn 0" in found[0]
+
+
+def test_a_continuation_against_its_parent_but_not_its_whole_context_is_counted() -> None:
+    _, fresh, events = first_two_turns()
+    rendered = turn(fresh, 2, [1, 2, 3, 4, 9, 6], STEP2, [7], "c", 1)
+    assert rendered.parent == 1 and rendered.prefix_len == 4
+    assert len(retokenized_continuations([*events, rendered])) == 1
+
+
+def test_a_token_exact_continuation_is_not_counted() -> None:
+    _, fresh, events = first_two_turns()
+    exact = turn(fresh, 2, [1, 2, 3, 4, 5, 6], STEP2, [7], "c", 1)
+    assert exact.prefix_len == 5
+    assert retokenized_continuations([*events, exact]) == []
+
+
+def test_a_continuation_of_one_of_two_replies_with_one_text_is_not_counted() -> None:
+    """A retried turn answered twice with the same text ("b": [5], then [8]); the client's next
+    turn continues the first, which the gateway's tie rule (the most recent) would not pick."""
+    _, fresh, events = first_two_turns()
+    retried = turn(fresh, 2, [1, 2, 3, 4], STEP1, [8], "b", 0)
+    both = apply(fresh, retried)
+    exact = turn(both, 3, [1, 2, 3, 4, 5, 6], STEP2, [7], "c", 1)
+    assert retokenized_continuations([*events, retried, exact]) == []
+
+
+def test_a_new_conversation_is_no_continuation() -> None:
+    _, fresh, events = first_two_turns()
+    other = turn(fresh, 2, [8], [user(9)], [7], "c", None)
+    assert retokenized_continuations([*events, other]) == []
+
+
+def test_a_turn_stored_after_the_close_is_counted_where_its_client_got_200() -> None:
+    _, fresh, events = first_two_turns()
+    close = SessionClosed(run=RUN, session=SID, status="completed", reward=1.0, num_turns=2)
+    late = turn(fresh, 2, [1, 2, 3, 4, 5, 6], STEP2, [7], "c", 1)
+    stored = [*events, close, late]
+    seqs = [1, 2, 4, 6, 9]
+    found = served_after_close(stored, seqs, ["r0", "r1", "r2", "r-lost"])
+    assert len(found) == 1 and "turn 2 (seq 9)" in found[0] and "close (seq 6" in found[0]
+    # Not served (no 200 received): not counted; not stored at all: the audit's `lost`.
+    assert served_after_close(stored, seqs, ["r0", "r1", "r-lost"]) == []
+    assert served_after_close([*events, late], [1, 2, 4, 9], ["r2"]) == []  # never closed
+
+
+class DigitTokenizer:
+    """Token id i decodes to str(i): the auditor compares token strings."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return str(ids[0])
+
+
+def received(event: TurnCompleted) -> Completion:
+    return Completion(
+        reply=event.reply,
+        text=event.text,
+        tokens=[str(i) for i in event.completion_ids.tolist()],
+        logprobs=event.logprobs.tolist(),
+    )
+
+
+def test_the_auditor_reports_both_from_a_session_s_stored_events() -> None:
+    """Turn 2 rendered by a stale gateway, turn 3 served after the close: both received 200."""
+    stale, fresh, events = first_two_turns()
+    rendered = turn(stale, 2, [1, 2, 3, 9, 6], STEP2, [7], "c", 0)
+    close = SessionClosed(run=RUN, session=SID, status="completed", reward=1.0, num_turns=3)
+    late = turn(fresh, 3, [1, 2, 3, 4, 5, 6], STEP2, [8], "d", 1)
+    vetted = VettedSession(events=[*events, rendered, close, late], seqs=[1, 2, 3, 5, 6, 8])
+    agent = AgentSession(SID, 0, 4, created=True, outcome="closed")
+    turns = [e for e in (*events, rendered, late) if isinstance(e, TurnCompleted)]
+    agent.completions = [received(e) for e in turns]
+    report = Report()
+    Auditor(None, RUN, DigitTokenizer())._check_session(report, SID, vetted, agent, set())  # type: ignore[arg-type]
+    assert not report.lost_completions
+    assert len(report.retokenized) == 1 and "turn 2" in report.retokenized[0]
+    assert len(report.served_after_close) == 1 and "turn 3" in report.served_after_close[0]
+    assert len(report.late_turns) == 1  # the older count, by turn index against num_turns
+
+
+def test_the_gateways_counters_are_read_by_name_and_label_and_nothing_else() -> None:
+    page = """\
+# HELP turnstream_gateway_appends_refused_total appends the log refused
+# TYPE turnstream_gateway_appends_refused_total counter
+turnstream_gateway_appends_refused_total{event="turn"} 4.0
+turnstream_gateway_appends_refused_total{event="close"} 1.0
+# HELP turnstream_gateway_appends_refused_created appends the log refused
+# TYPE turnstream_gateway_appends_refused_created gauge
+turnstream_gateway_appends_refused_created{event="turn"} 1.7e9
+# TYPE turnstream_gateway_stale_prompts_total counter
+turnstream_gateway_stale_prompts_total 0.0
+# TYPE turnstream_gateway_turns_total counter
+turnstream_gateway_turns_total 12.0
+"""
+    assert parse_counters(page) == {
+        "appends_refused_total{event=turn}": 4,
+        "appends_refused_total{event=close}": 1,
+        "stale_prompts_total": 0,
+    }

@@ -72,8 +72,8 @@ class _Backend:
         return None
 
 
-async def _create() -> SessionState:
-    return SessionState(run="run", id="s")
+async def _create() -> tuple[SessionState, int]:
+    return SessionState(run="run", id="s"), 0
 
 
 async def serving(tiny_model_dir: Path) -> tuple[ChatServing, _Backend, _Publisher, Any]:

@@ -12,6 +12,7 @@ import contextlib
 import functools
 import importlib.util
 import logging
+import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,11 +20,11 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 
-from eventlog import Bucket, JetStreamPublisher, Outbox, read_session
+from eventlog import Bucket, DirectReader, JetStreamPublisher, Outbox
 from gateway.backends.interface import Backend
 from gateway.backends.policy_watch import PolicyTarget, PolicyVersion, watch_policy
 from gateway.core.aggregate import Kept
-from gateway.core.session_store import SessionStore
+from gateway.core.session_store import SessionLog, SessionStore
 from gateway.http.app import create_app
 from gateway.http.guard import BodyLimits
 from gateway.metrics import GatewayMetrics
@@ -184,12 +185,28 @@ async def build_gateway(settings: GatewaySettings, event_log: EventLog) -> Async
     publisher = await JetStreamPublisher(event_log.nc, settings.publisher, outbox=outbox).start()
     metrics = GatewayMetrics()
     bucket = settings.log.names.policy_bucket
+    events_stream = settings.log.names.events
     kv = await Bucket.open(event_log.js, bucket)
     # The local backend loads each new checkpoint itself; remote ones are updated by the
     # trainer, and the gateway only follows the version to record it on every turn.
     policy: PolicyTarget = backend if isinstance(backend, PolicyTarget) else PolicyVersion()
     watcher = asyncio.create_task(watch_policy(kv, settings.run, policy), name="policy-watch")
-    recover = functools.partial(read_session, event_log.js, stream=settings.log.names.events)
+    # The log decides (DESIGN §4): sessions are loaded and caught up by reading what follows a
+    # sequence, and every append states the last one this gateway knows. One held reader: a
+    # catch-up that finds nothing then costs about a publish (benchmarks/catch_up_read.py).
+    reader = await DirectReader(event_log.nc, publisher.codec).start()
+    read_after = functools.partial(reader.read_session_after, stream=events_stream)
+    store = SessionStore(
+        log=SessionLog(
+            read_after,
+            stream=events_stream,
+            metrics=metrics,
+            idle_sync_s=settings.session_idle_sync_s,
+        ),
+        max_sessions=settings.max_open_sessions,
+        closed_grace_s=settings.closed_session_grace_s,
+        kept=Kept(settings.session_turns_kept, settings.session_tokens_kept),
+    )
     engine = TurnEngine(
         template=ChatTemplate(tokenizer, stop_token_ids=stop_ids, max_context=backend.max_context),
         backend=backend,
@@ -198,16 +215,11 @@ async def build_gateway(settings: GatewaySettings, event_log: EventLog) -> Async
         model_name=name,
         metrics=metrics,
         weight_version=lambda: policy.weight_version,
-        recover=recover,
+        store=store,
         allow_raw_logprobs=settings.allow_raw_logprobs,
+        instance=settings.instance_id or f"{socket.gethostname()}:{settings.port}",
     )
-    store = SessionStore(
-        recover=recover,
-        max_sessions=settings.max_open_sessions,
-        closed_grace_s=settings.closed_session_grace_s,
-        kept=Kept(settings.session_turns_kept, settings.session_tokens_kept),
-    )
-    sessions = SessionService(store=store, publisher=publisher, model_name=name, recover=recover)
+    sessions = SessionService(store=store, publisher=publisher, model_name=name, metrics=metrics)
 
     async def health() -> dict[str, Any]:
         if outbox is not None:
@@ -241,6 +253,7 @@ async def build_gateway(settings: GatewaySettings, event_log: EventLog) -> Async
             await watcher
         await engine.close()  # streamed turns whose clients left: never a hang at shutdown
         await publisher.close()
+        await reader.close()
         await backend.close()
         if outbox is not None:
             outbox.close()

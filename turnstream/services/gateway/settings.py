@@ -104,6 +104,19 @@ class GatewaySettings(PublishingSettings):
     backend_wait_s: float = Field(
         120.0, ge=0, description="remote: how long to wait for the backend's /v1/models at start"
     )
+    session_idle_sync_s: float = Field(
+        1.0,
+        ge=0,
+        description="a session this gateway has not heard of from the log for this long is "
+        "caught up on the log before its next turn (turns or a close another gateway or the "
+        "reaper stored); 0: before every turn",
+    )
+    instance_id: str | None = Field(
+        None,
+        description="this gateway's name among a fleet's on one log, mixed into the seeds it "
+        "derives so that two gateways never derive one; unset: <hostname>:<port> "
+        "(--workers: /<worker> appended)",
+    )
     workers: int = Field(
         1,
         ge=1,

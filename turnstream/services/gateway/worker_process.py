@@ -35,6 +35,9 @@ log = logging.getLogger(__name__)
 
 async def _serve_worker(spec: WorkerSpec) -> None:
     settings = spec.settings
+    # Each worker is its own writer of the sessions it serves: its own name among the fleet's.
+    instance = settings.instance_id or f"{socket.gethostname()}:{settings.port}"
+    settings = settings.model_copy(update={"instance_id": f"{instance}/{spec.index}"})
     import_gateway_modules(settings)
     own_new_session_ids(spec.index, spec.workers)
     stop = stop_on_signals()
