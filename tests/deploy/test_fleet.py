@@ -38,9 +38,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
-from eventlog import LogSettings, connect, read_session
+from eventlog import LogSettings, connect, read_session_messages
 from gateway.core.agents import MAIN_AGENT
 from schemas import TurnCompleted
+from schemas.codec import Codec
+from schemas.trust import VettedSession, vet_session
 from tests.agents.subagent_recorded import Checks, row_turns
 from tests.chaos.stack import with_flag
 from tests.deploy.cluster import REPLICAS, LocalCluster, provision, wait_pipeline_idle
@@ -277,13 +279,17 @@ async def test_a_fleet_behind_round_robin_keeps_every_conversation_one_exact_tra
         js = nc.jetstream(timeout=5)
         await wait_pipeline_idle(js, RUN, fleet.services, within=240)
         await asyncio.sleep(2.0)  # a row written twice would show by now
-        events = {s.sid: await read_session(js, RUN, s.sid) for s in traffic.sessions}
+        codec = Codec()
+        logs = {
+            s.sid: vet_session(await read_session_messages(js, RUN, s.sid), codec)
+            for s in traffic.sessions
+        }
     finally:
         await nc.close()
     rows = shard_table_rows(fleet.shards)
     metrics = {g: counters(fleet.ports.gateway_url(g)) for g in GATEWAYS}
 
-    audit = Audit(traffic.sessions, events, rows, metrics)
+    audit = Audit(traffic.sessions, logs, rows, metrics)
     checks = audit.run_all()
     print(
         f"driven {driven_s:.0f}s: {len(traffic.sessions)} sessions, {traffic.answers} answers "
@@ -299,15 +305,16 @@ class Audit:
     def __init__(
         self,
         sessions: list[Session],
-        events: dict[str, list[Any]],
+        logs: dict[str, VettedSession],
         rows: list[dict[str, Any]],
         metrics: dict[str, dict[str, float]],
     ) -> None:
-        self.sessions, self.rows, self.metrics = sessions, rows, metrics
+        self.sessions, self.logs, self.rows, self.metrics = sessions, logs, rows, metrics
         self.turns = {
-            sid: {e.reply: e for e in evs if isinstance(e, TurnCompleted)}
-            for sid, evs in events.items()
+            sid: {e.reply: e for e in log.events if isinstance(e, TurnCompleted)}
+            for sid, log in logs.items()
         }
+        self.unlogged: list[str] = []  # answers with no trusted turn in EVENTS
         self.rows_of: dict[tuple[str, str], list[dict[str, Any]]] = {}
         for row in rows:
             agent = str(json.loads(str(row["metadata"])).get("agent_id"))
@@ -319,12 +326,33 @@ class Audit:
         for session in self.sessions:
             for kind, chain in AGENT_CHAINS.items():
                 agent = MAIN_AGENT if kind == "main" else session.tree.agents[kind]
-                answered = [
-                    turn_of(self.turns[session.sid], session.answered[node])
-                    for node in chain
-                    if node in session.answered
-                ]
-                yield session, kind, answered, self.rows_of.get((session.sid, agent), [])
+                answered = [self.turn(session, node) for node in chain if node in session.answered]
+                turns = [turn for turn in answered if turn is not None]
+                yield session, kind, turns, self.rows_of.get((session.sid, agent), [])
+
+    def turn(self, session: Session, node: str) -> TurnCompleted | None:
+        """The trusted turn the node's answer names; None (noted, with what the log holds of
+        it) when there is none."""
+        answer = session.answered[node]
+        try:
+            return turn_of(self.turns[session.sid], answer)
+        except RuntimeError:
+            pass
+        rejected = []
+        for message, why in self.logs[session.sid].rejected:
+            reply = str(getattr(Codec().decode(message.data), "reply", ""))
+            if reply and answer.endswith((f"-{reply}", f"_{reply}")):
+                rejected.append(f"{why.reason}: {why}")
+        noted = f"{session.sid} {node} ({answer}): {rejected or 'no event of it at all'}"
+        if noted not in self.unlogged:
+            self.unlogged.append(noted)
+        return None
+
+    def check_answers_logged(self) -> None:
+        for session in self.sessions:
+            for node in session.answered:
+                self.turn(session, node)
+        assert not self.unlogged, f"{len(self.unlogged)} answers no trusted turn: {self.unlogged}"
 
     def check_sessions_whole(self) -> None:
         unfinished = [
@@ -385,6 +413,7 @@ class Audit:
         checks = Checks()
         for name, check in (
             ("every session answered whole and closed", self.check_sessions_whole),
+            ("every answer a trusted turn in EVENTS", self.check_answers_logged),
             ("every answer in its agent's row, token for token", self.check_answers_in_shards),
             ("each agent of each session one trajectory", self.check_one_trajectory_per_agent),
             ("no continuation re-tokenized", self.check_none_retokenized),
