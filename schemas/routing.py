@@ -33,7 +33,8 @@ class Route(NamedTuple):
 def route(event: Event) -> Route:
     run, session = event.run, event.session
     if isinstance(event, TurnCompleted):
-        return Route(event_subject(run, session, "turn"), turn_msg_id(run, session, event.turn))
+        msg_id = turn_msg_id(run, session, event.turn, event.reply_id)
+        return Route(event_subject(run, session, "turn"), msg_id)
     if isinstance(event, SessionOpened):
         return Route(event_subject(run, session, "open"), open_msg_id(run, session))
     if isinstance(event, RewardAssigned):

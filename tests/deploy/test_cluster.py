@@ -25,7 +25,8 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from transformers import AutoTokenizer
 
-from eventlog import LogSettings, connect
+from eventlog import AppendRefused, Expectation, JetStreamPublisher, LogSettings, connect
+from schemas import SessionOpened, TurnCompleted
 from tests.chaos.agents import Agent, AgentSession
 from tests.chaos.audit import Auditor, Report, SinkAudit, SinkJournal, audit_sink
 from tests.chaos.stack import with_flag
@@ -274,3 +275,40 @@ def summary(outage: Outage, report: Report, sessions: Sequence[AgentSession]) ->
         f"(reaped {report.reaped}), shard rows {report.trajectories}, "
         f"late turns {len(report.late_turns)}, dead letters {report.dead_letters}"
     )
+
+
+def other_turn(session: str, index: int, reply: str) -> TurnCompleted:
+    """Turn ``index`` of ``session`` as one gateway samples it (``reply``: its request's id)."""
+    return TurnCompleted(
+        run=RUN,
+        session=session,
+        turn=index,
+        prompt_ids=[1, 2, 3],
+        completion_ids=[4, 5] if reply == "a" else [6, 7],
+        logprobs=[-0.5, -0.25],
+        reply_id=reply,
+    )
+
+
+async def test_on_the_cluster_a_stale_append_of_another_turn_at_its_index_is_refused(
+    cluster: LocalCluster, js: JetStreamContext, tmp_path: Path
+) -> None:
+    """Two gateways that both knew the session up to its open each append turn 0; the second
+    must be refused (AppendRefused: catch up), never acknowledged. A turn's Msg-Id names its
+    session and index only, and on a replicated stream nats-server answers the Msg-Id's
+    de-duplication before it checks the expectation (a single server checks the expectation
+    first: tests/integration/test_append_expectations.py): a duplicate ack here is a turn
+    answered to its client and stored nowhere."""
+    await asyncio.to_thread(provision, cluster.urls, tmp_path / "data")
+    nc = await connect(cluster.urls, TEST_LOG, name="cluster-expectations")
+    publisher = await JetStreamPublisher(nc).start()
+    try:
+        opened = await publisher.publish(SessionOpened(run=RUN, session="s"))
+        known = Expectation.session(RUN, "s", opened.seq or 0)
+        first = await publisher.publish(other_turn("s", 0, "a"), expect=known)
+        with pytest.raises(AppendRefused):
+            second = await publisher.publish(other_turn("s", 0, "b"), expect=known)
+            print(f"acknowledged: {second} (the first was stored at {first.seq})")
+    finally:
+        await publisher.close()
+        await _close(nc)
