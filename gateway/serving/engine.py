@@ -380,6 +380,20 @@ class TurnEngine:
                 session.ensure_open()  # closed by another writer: not recorded (409)
                 draft = self._rebased(session, draft, caught)
                 continue
+            if receipt.duplicate and log_ is not None and self.store is not None:
+                # The log holds this Msg-Id already: a replicated stream answers it before it
+                # checks the expectation, so it may be another gateway's turn at this index,
+                # not an earlier try of ours (its ack lost). Read back which.
+                caught = await self.store.catch_up(session, "refused")
+                ours = _own_event(caught, draft.reply_id) or _own_event(
+                    [n.event for n in session.state.nodes.values()], draft.reply_id
+                )
+                if ours is not None:
+                    return ours
+                self.metrics.appends_refused.labels("turn").inc()
+                session.ensure_open()
+                draft = self._rebased(session, draft, caught)
+                continue
             if log_ is not None:
                 log_.appended(session, receipt)
             self.metrics.attached.labels(attachment(session.state, event)).inc()

@@ -29,7 +29,7 @@ from gateway.protocol.session_api import (
     RewardRequest,
     SessionInfo,
 )
-from schemas import Event, RewardAssigned, SessionClosed, SessionOpened, route
+from schemas import Event, RewardAssigned, SessionClosed, SessionEvent, SessionOpened, route
 from schemas.errors import EventLogUnavailable
 from schemas.ids import new_session_id
 
@@ -37,6 +37,13 @@ __all__ = ["SessionService", "session_info"]
 
 log = logging.getLogger(__name__)
 _E = TypeVar("_E", bound=Event)
+
+
+def _stored(events: list[SessionEvent], event: Event) -> bool:
+    """Whether ``events`` (read back from the log) hold ``event`` itself: its Msg-Id and its
+    moment of making (another writer's event under the same Msg-Id was made at another)."""
+    msg_id = route(event).msg_id
+    return any(route(e).msg_id == msg_id and e.created_at == event.created_at for e in events)
 
 
 def session_info(state: SessionState) -> SessionInfo:
@@ -195,12 +202,19 @@ class SessionService:
                 if self.metrics is not None:
                     self.metrics.appends_refused.labels(kind).inc()
                 caught = await self.store.catch_up(session, "refused", reach=refused.last_seq)
-                if any(route(e).msg_id == refused.msg_id for e in caught):
-                    # This very event, stored by an earlier try whose ack was lost.
+                if _stored(caught, event):  # by an earlier try of this publish, ack lost
                     return PublishReceipt(refused.msg_id, log_.stream, None, True), event
                 if session.state.closed:
                     self._closed_elsewhere(session, closing=isinstance(event, SessionClosed))
                 continue
+            if receipt.duplicate:
+                # The log holds this Msg-Id already (a replicated stream de-duplicates before
+                # it checks the expectation): ours, from a try whose ack was lost, or another
+                # writer's event under the same id (the reaper's close; a reward's retry).
+                caught = await self.store.catch_up(session, "refused")
+                if isinstance(event, SessionClosed) and not _stored(caught, event):
+                    self._closed_elsewhere(session, closing=True)
+                return receipt, event
             log_.appended(session, receipt)
             return receipt, event
         raise EventLogUnavailable(

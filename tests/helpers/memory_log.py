@@ -4,6 +4,8 @@ and ``ReadAfter``), with the two JetStream rules the core relies on, as measured
 
 * an append's ``Expectation`` (the last sequence on the session's subjects) is checked *before*
   Msg-Id de-duplication: stale, it is refused (``AppendRefused`` with the actual last sequence);
+  on a replicated stream (R3, ``replicated=True``) the other way round: a Msg-Id it holds is
+  answered as a duplicate before the expectation is checked (tests/deploy/test_cluster.py);
 * a Msg-Id already stored is not stored again (a duplicate receipt).
 
 Several gateways (stores, services, engines) share one ``MemoryLog`` as they share one stream.
@@ -26,6 +28,9 @@ class MemoryLog:
     reads: int = 0
     refused: int = 0
     round_trip_s: float = 0.0  # >0: each call yields, so concurrent callers interleave
+    replicated: bool = False  # de-duplicate before checking the expectation (an R3 stream)
+    # Events another writer stores just before the next expected append is checked (a race).
+    before_next_append: list[Event] = field(default_factory=list)
 
     def last_seq(self, run: str, session: str) -> int:
         return max(
@@ -36,6 +41,12 @@ class MemoryLog:
     async def publish(self, event: Event, *, expect: Expectation | None = None) -> PublishReceipt:
         await asyncio.sleep(self.round_trip_s)
         msg_id = route(event).msg_id
+        if expect is not None and self.before_next_append:
+            others, self.before_next_append = self.before_next_append, []
+            for other in others:
+                await self.publish(other)
+        if self.replicated and msg_id in self.msg_ids:
+            return PublishReceipt(msg_id, "EVENTS", self.msg_ids[msg_id], duplicate=True)
         if expect is not None and isinstance(event, SessionEvent):
             last = self.last_seq(event.run, event.session)
             if last != expect.last_seq:

@@ -56,8 +56,8 @@ class Gateway:
         return session
 
 
-async def fleet(model_dir: Path) -> tuple[MemoryLog, Gateway, Gateway]:
-    log = MemoryLog()
+async def fleet(model_dir: Path, replicated: bool = False) -> tuple[MemoryLog, Gateway, Gateway]:
+    log = MemoryLog(replicated=replicated)
     await log.publish(SessionOpened(run="run", session="s"))
     return log, Gateway(model_dir, log, "a"), Gateway(model_dir, log, "b")
 
@@ -66,10 +66,13 @@ def turns(log: MemoryLog) -> list[TurnCompleted]:
     return [e for e in log.events("run", "s") if isinstance(e, TurnCompleted)]
 
 
+@pytest.mark.parametrize("replicated", [False, True])
 async def test_an_append_refused_for_another_gateways_turn_takes_the_next_index(
-    tiny_model_dir: Path,
+    tiny_model_dir: Path, replicated: bool
 ) -> None:
-    log, a, b = await fleet(tiny_model_dir)
+    """A single-node stream refuses a's stale append; a replicated one answers its Msg-Id (the
+    index's, b's turn holds it) as a duplicate first: a reads back which turn that is."""
+    log, a, b = await fleet(tiny_model_dir, replicated)
     on_a, on_b = await a.session(log), await b.session(log)
     slow = asyncio.create_task(a.chat.complete(on_a, request("task a")))
     await asyncio.wait_for(a.backend.first_sent.wait(), WAIT)
@@ -79,7 +82,7 @@ async def test_an_append_refused_for_another_gateways_turn_takes_the_next_index(
     await asyncio.wait_for(slow, WAIT)
     stored = turns(log)
     assert [(t.turn, t.reply_id != "") for t in stored] == [(0, True), (1, True)]
-    assert log.refused == 1, "a's append stated a sequence b's turn had moved"
+    assert log.refused == (0 if replicated else 1), "a's append stated a sequence b's moved"
     assert on_a.state.turns == 2 and on_a.seq == log.last_seq("run", "s")
     assert a.metrics.appends_refused.labels("turn")._value.get() == 1
     assert a.metrics.caught_up_events._value.get() == 1

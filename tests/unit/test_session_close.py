@@ -20,6 +20,25 @@ from schemas import SessionClosed
 from tests.helpers.memory_log import MemoryLog
 
 
+@pytest.mark.parametrize("replicated", [False, True])
+async def test_a_reaper_close_landing_just_before_the_clients_is_a_409(replicated: bool) -> None:
+    """The race the catch-up before a close cannot see: the reaper's close lands between it and
+    the client's publish. A single-node stream refuses the stale close; a replicated one answers
+    its Msg-Id (``<run>.<session>.close``, the reaper's too) as a duplicate: either way the
+    gateway reads the log back, finds a close that is not the client's, and answers 409."""
+    log = MemoryLog(replicated=replicated)
+    service = gateway(log)
+    session = await service.create("r", CreateSessionRequest(session_id="s"))
+    log.before_next_append.append(
+        SessionClosed(run="r", session="s", status="timeout", num_turns=0, created_at=1.0)
+    )
+    with pytest.raises(ClosedAlready, match=r"closed as 'timeout'"):
+        await service.close(session, CloseSessionRequest(status="completed", reward=1.0))
+    assert session.state.closed and session.state.status == "timeout"
+    closes = [e for e in log.events("r", "s") if isinstance(e, SessionClosed)]
+    assert [c.status for c in closes] == ["timeout"]
+
+
 def gateway(log: MemoryLog) -> SessionService:
     """One gateway's session service on ``log`` (a second call: a second gateway)."""
     return SessionService(
