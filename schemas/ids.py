@@ -95,18 +95,8 @@ def open_msg_id(run: str, session: str) -> str:
     return f"{run}.{session}.open"
 
 
-def turn_msg_id(run: str, session: str, turn: int, reply_id: str = "") -> str:
-    """A turn's Msg-Id names its request too (``reply_id``): two gateways' different turns at
-    one index must not share one, or the log's de-duplication takes the second for a copy of
-    the first. On a replicated stream nats-server answers a Msg-Id it holds as a duplicate
-    before it checks the append's expectation (tests/deploy/test_cluster.py), so the stale
-    append would be acknowledged and stored nowhere; with its own Msg-Id it is refused. A retry
-    of one event keeps its Msg-Id (one request, one reply id).
-
-    >>> turn_msg_id("r", "s", 3), turn_msg_id("r", "s", 3, "01fd5c29cf79")
-    ('r.s.turn.3', 'r.s.turn.3.01fd5c29cf79')
-    """
-    return f"{run}.{session}.turn.{turn}" + (f".{reply_id}" if reply_id else "")
+def turn_msg_id(run: str, session: str, turn: int) -> str:
+    return f"{run}.{session}.turn.{turn}"
 
 
 def reward_msg_id(run: str, session: str, key: str, turn: int | None) -> str:

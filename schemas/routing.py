@@ -33,8 +33,7 @@ class Route(NamedTuple):
 def route(event: Event) -> Route:
     run, session = event.run, event.session
     if isinstance(event, TurnCompleted):
-        msg_id = turn_msg_id(run, session, event.turn, event.reply_id)
-        return Route(event_subject(run, session, "turn"), msg_id)
+        return Route(event_subject(run, session, "turn"), turn_msg_id(run, session, event.turn))
     if isinstance(event, SessionOpened):
         return Route(event_subject(run, session, "open"), open_msg_id(run, session))
     if isinstance(event, RewardAssigned):

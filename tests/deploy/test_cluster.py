@@ -25,7 +25,7 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from transformers import AutoTokenizer
 
-from eventlog import AppendRefused, Expectation, JetStreamPublisher, LogSettings, connect
+from eventlog import Expectation, JetStreamPublisher, LogSettings, connect, read_session
 from schemas import SessionOpened, TurnCompleted
 from tests.chaos.agents import Agent, AgentSession
 from tests.chaos.audit import Auditor, Report, SinkAudit, SinkJournal, audit_sink
@@ -290,15 +290,16 @@ def other_turn(session: str, index: int, reply: str) -> TurnCompleted:
     )
 
 
-async def test_on_the_cluster_a_stale_append_of_another_turn_at_its_index_is_refused(
+async def test_on_the_cluster_a_stale_append_of_another_turn_at_its_index_is_a_duplicate(
     cluster: LocalCluster, js: JetStreamContext, tmp_path: Path
 ) -> None:
-    """Two gateways that both knew the session up to its open each append turn 0; the second
-    must be refused (AppendRefused: catch up), never acknowledged. A turn's Msg-Id names its
-    session and index only, and on a replicated stream nats-server answers the Msg-Id's
-    de-duplication before it checks the expectation (a single server checks the expectation
-    first: tests/integration/test_append_expectations.py): a duplicate ack here is a turn
-    answered to its client and stored nowhere."""
+    """Two gateways that both knew the session up to its open each append turn 0. A turn's
+    Msg-Id names its session and index only, and on a replicated stream nats-server answers
+    the Msg-Id's de-duplication before it checks the expectation (a single server checks the
+    expectation first: tests/integration/test_append_expectations.py): the second append comes
+    back as a duplicate of the first, at its sequence, and is stored nowhere. What the gateway
+    relies on when it reads a duplicate answer back (gateway.serving.engine.TurnEngine) and the
+    fleet test (test_fleet.py) finds lost without it."""
     await asyncio.to_thread(provision, cluster.urls, tmp_path / "data")
     nc = await connect(cluster.urls, TEST_LOG, name="cluster-expectations")
     publisher = await JetStreamPublisher(nc).start()
@@ -306,9 +307,10 @@ async def test_on_the_cluster_a_stale_append_of_another_turn_at_its_index_is_ref
         opened = await publisher.publish(SessionOpened(run=RUN, session="s"))
         known = Expectation.session(RUN, "s", opened.seq or 0)
         first = await publisher.publish(other_turn("s", 0, "a"), expect=known)
-        with pytest.raises(AppendRefused):
-            second = await publisher.publish(other_turn("s", 0, "b"), expect=known)
-            print(f"acknowledged: {second} (the first was stored at {first.seq})")
+        second = await publisher.publish(other_turn("s", 0, "b"), expect=known)
+        stored = await read_session(js, RUN, "s")
     finally:
         await publisher.close()
         await _close(nc)
+    assert (second.duplicate, second.seq) == (True, first.seq), second
+    assert [getattr(e, "reply_id", None) for e in stored] == [None, "a"]
