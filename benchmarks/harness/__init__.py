@@ -8,7 +8,8 @@
 * ``stack``: nats-server + fixed-latency backend + gateway as one context manager.
 * ``load``, ``surfaces``: the load generators (the direct and gateway paths; Claude-Code-shaped
   sessions on each API surface); ``load_processes``: the load spread over processes;
-  ``claude_code_tree``: a Claude Code session with two background sub-agents, request by request.
+  ``claude_code_tree``: a Claude Code session with two background sub-agents, request by request;
+  ``routed_sessions``: agent sessions whose every request goes to the gateway a routing picks.
 * ``continuation``: the turn an answer was recorded as; conversations continued token-exact.
 * ``phases``: phases and alternating rounds, percentiles and summaries.
 * ``gateway_profile``: the gateway's cProfile output by component.

@@ -335,6 +335,8 @@ class TurnEngine:
             session.ensure_open()  # closed while this turn generated: it is not recorded
             if client_gone is not None and client_gone():
                 draft = replace(draft, client_gone=True)
+            if session.state.turns > turn.known_turns:  # turns it was not prepared with
+                draft = self._rebased(session, draft, turn.known_turns)
             event = await self._append(session, draft)
             # What the turn continuing this one will reuse of it (beside the state, not in it).
             if session.state.nodes.get(event.turn) is not None:
@@ -378,7 +380,7 @@ class TurnEngine:
                 if ours is not None:
                     return ours  # applied by the catch-up
                 session.ensure_open()  # closed by another writer: not recorded (409)
-                draft = self._rebased(session, draft, caught)
+                draft = self._rebased(session, draft, _first_turn(caught, session))
                 continue
             if receipt.duplicate and log_ is not None and self.store is not None:
                 # The log holds this Msg-Id already: a replicated stream answers it before it
@@ -392,7 +394,7 @@ class TurnEngine:
                     return ours
                 self.metrics.appends_refused.labels("turn").inc()
                 session.ensure_open()
-                draft = self._rebased(session, draft, caught)
+                draft = self._rebased(session, draft, _first_turn(caught, session))
                 continue
             if log_ is not None:
                 log_.appended(session, receipt)
@@ -404,13 +406,12 @@ class TurnEngine:
             "other writers appending to it each time; nothing was recorded, send the request again"
         )
 
-    def _rebased(
-        self, session: Session, draft: TurnDraft, caught: Sequence[SessionEvent]
-    ) -> TurnDraft:
-        """``draft`` after a catch-up: where its prompt starts with the whole context of a turn
-        it did not know (another gateway's), longer than its parent's, that turn is its parent
-        (the delta against it is exact). A prompt that continues such a turn by its messages
-        but not token for token was built from a stale copy: counted, recorded as it is."""
+    def _rebased(self, session: Session, draft: TurnDraft, unknown_from: int) -> TurnDraft:
+        """``draft`` against turns it was not prepared with (``unknown_from`` on: another
+        gateway's, caught up; a concurrent request's): where its prompt starts with the whole
+        context of such a turn, longer than its parent's, that turn is its parent (the delta
+        against it is exact). A prompt that continues such a turn by its messages but not
+        token for token was built from a stale copy: counted, recorded as generated."""
         state, prompt = session.state, np.asarray(draft.prompt_ids)
         parent, shared = draft.parent_turn, draft.prefix_len
         if parent is None or parent not in state.nodes or shared is None:
@@ -423,9 +424,12 @@ class TurnEngine:
                 and np.array_equal(node.context_ids, prompt[:n])
             ):
                 parent, shared = node.turn, n
-        unknown = {e.turn for e in caught if isinstance(e, TurnCompleted)}
         by_messages = continued_turn(state, draft.messages, draft.tools, draft.keys)
-        if by_messages is not None and by_messages.turn in unknown and by_messages.turn != parent:
+        if (
+            by_messages is not None
+            and by_messages.turn >= unknown_from
+            and by_messages.turn != parent
+        ):
             self.metrics.stale_prompts.inc()
             log.warning(
                 "session %s: a turn continues turn %d, which this gateway did not know when it "
@@ -443,6 +447,13 @@ class TurnEngine:
         detok.add(event.completion_ids.tolist(), event.logprobs.tolist())
         detok.finish()
         return TurnResult.of(event, detok, tools_parsed=tools_parsed)
+
+
+def _first_turn(caught: Sequence[SessionEvent], session: Session) -> int:
+    """The first turn index among ``caught`` (the session's turns if none)."""
+    return min(
+        (e.turn for e in caught if isinstance(e, TurnCompleted)), default=session.state.turns
+    )
 
 
 def _own_event(events: Sequence[SessionEvent], reply_id: str) -> TurnCompleted | None:

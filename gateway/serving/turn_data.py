@@ -71,6 +71,9 @@ class Turn:
     # turn is prepared, its index only when it is appended.
     reply_id: str = ""
     agent: JSON = field(default_factory=dict)  # TurnCompleted.agent (Placement.record)
+    # The session's turns in the state it was prepared from: turns from this index on were not
+    # known to it (another gateway's, a concurrent request's), checked again at the append.
+    known_turns: int = 0
 
 
 @dataclass(slots=True, eq=False)

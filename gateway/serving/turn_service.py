@@ -129,10 +129,10 @@ class TurnServing:
         self.engine = engine
         self.store = store
 
-    async def _sync(self, session: Session, reason: str) -> bool:
-        """Catch the session up on the log (under its lock); whether anything was new."""
+    async def _sync(self, session: Session, reason: str) -> None:
+        """Catch the session up on the log (under its lock)."""
         async with session.lock:
-            return bool(await self.store.catch_up(session, reason))
+            await self.store.catch_up(session, reason)
 
     async def _sync_if_idle(self, session: Session) -> None:
         log_ = self.store.log
@@ -147,10 +147,16 @@ class TurnServing:
         use_tools = bool(req.tools) and req.tool_choice != "none"
         tools = req.tools if use_tools else None
         named = named_tool_choice(req)
+        seen = session.state  # the snapshot chat_prompt prepares from (read before it awaits)
         chat = await engine.chat_prompt(session, req.messages, tools, req.keys, req.agent)
-        if chat.unsure and self.store.log is not None and await self._sync(session, "unsure"):
-            session.ensure_open()
-            chat = await engine.chat_prompt(session, req.messages, tools, req.keys, req.agent)
+        if chat.unsure and self.store.log is not None:
+            await self._sync(session, "unsure")
+            # Changed since the snapshot, by this catch-up or by another request's meanwhile
+            # (a sibling sub-agent's turn, its catch-up): prepared again from what it is now.
+            if session.state is not seen:
+                session.ensure_open()
+                seen = session.state
+                chat = await engine.chat_prompt(session, req.messages, tools, req.keys, req.agent)
         prompt = chat.prompt
         # "required" / a named function: open the call in the prompt, so the model cannot
         # decline it; these tokens are the gateway's: prompt tokens, not the policy's actions.
@@ -198,6 +204,7 @@ class TurnServing:
             keys=req.keys,
             reply_id=secrets.token_hex(6),
             agent=chat.agent,
+            known_turns=seen.turns,
         )
 
     async def _answered(

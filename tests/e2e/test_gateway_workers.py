@@ -1,11 +1,15 @@
 """``turnstream gateway --workers 2``: two real gateway processes behind one port, the real openai
 SDK, the tiny local model and a real nats-server. Every request is served by its session's owner
 (the connection moves to it), so each session lives in one worker's memory and continues token
-for token; a killed worker comes back and its sessions go on from the log.
+for token; a killed worker comes back and its sessions go on from the log. With
+``--worker-routing any`` a session's turns land on both workers, and still continue token for
+token: the worker whose copy is behind catches up from the log.
 """
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import re
 import signal
@@ -59,6 +63,20 @@ def gateway(
             del os.environ["COLUMNS"]
         else:
             os.environ["COLUMNS"] = columns
+    yield process
+    process.stop()
+
+
+@pytest.fixture
+def any_gateway(
+    nats_server: NatsServer, tiny_model_dir: Path, tmp_path: Path
+) -> Iterator[GatewayProcess]:
+    process = WorkersProcess(
+        nats_server.url,
+        tiny_model_dir,
+        tmp_path,
+        *("--workers", str(WORKERS), "--worker-routing", "any", *FAST_PUBLISH),
+    )
     yield process
     process.stop()
 
@@ -206,3 +224,80 @@ def test_up_with_two_gateway_workers_folds_their_sessions_into_shards(
         assert len(stopped_lines_of(up.output())) == WORKERS  # up waits for its workers
     finally:
         up.cleanup()
+
+
+def serving_worker(conn: http.client.HTTPConnection, port: int, pids: dict[int, int]) -> int | None:
+    """The worker whose process holds the server's end of ``conn`` (``/proc``: the socket's
+    inode, found by the connection's two ports)."""
+    assert conn.sock is not None
+    client_port = conn.sock.getsockname()[1]
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for row in f.read().splitlines()[1:]:
+                fields = row.split()
+                local, remote = (int(a.rsplit(":", 1)[1], 16) for a in fields[1:3])
+                if (local, remote) == (port, client_port):
+                    inodes.add(f"socket:[{fields[9]}]")
+    for index, pid in pids.items():
+        for fd in os.scandir(f"/proc/{pid}/fd"):
+            try:
+                if os.readlink(fd.path) in inodes:
+                    return index
+            except OSError:
+                continue  # closed meanwhile
+    return None
+
+
+def post(conn: http.client.HTTPConnection, path: str, body: Any, session: str) -> Any:
+    headers = {"content-type": "application/json", "X-Session-Id": session}
+    conn.request("POST", path, json.dumps(body), headers)
+    response = conn.getresponse()
+    return response.status, json.loads(response.read())
+
+
+def test_with_routing_any_a_session_continues_token_exact_on_both_workers(
+    any_gateway: GatewayProcess, nats_server: NatsServer
+) -> None:
+    pids = worker_pids(any_gateway)
+    assert len(pids) == WORKERS
+    # Connections until one is served by each worker (the kernel picks by their ports).
+    on: dict[int, http.client.HTTPConnection] = {}
+    for _ in range(64):
+        conn = http.client.HTTPConnection("127.0.0.1", any_gateway.port, timeout=60)
+        conn.request("GET", "/health")  # answered: accepted by the worker that serves it
+        assert conn.getresponse().read()
+        worker = serving_worker(conn, any_gateway.port, pids)
+        if worker is None or worker in on:
+            conn.close()
+            continue
+        on[worker] = conn
+        if len(on) == WORKERS:
+            break
+    assert sorted(on) == list(range(WORKERS)), "no connection landed on one of the workers"
+    session, turns = "anywhere", 6
+    messages: list[dict[str, Any]] = []
+    for t in range(turns):  # worker 0, 1, 0, 1, ...: each turn continues one the other served
+        messages.append({"role": "user", "content": f"turn {t}"})
+        body = {"model": "tiny", "messages": messages, "max_tokens": 8, "temperature": 0}
+        status, answer = post(on[t % WORKERS], "/v1/chat/completions", body, session)
+        assert status == 200, answer
+        messages.append({"role": "assistant", **answer["choices"][0]["message"]})
+    assert_continued(nats_server, session, turns)
+    # Closed on one worker, closed for the other: its next turn is refused, nothing recorded.
+    status, _ = post(on[0], f"/v1/sessions/{session}/close", {}, session)
+    assert status == 200
+    messages.append({"role": "user", "content": "after the close"})
+    body = {"model": "tiny", "messages": messages, "max_tokens": 8}
+    status, answer = post(on[1], "/v1/chat/completions", body, session)
+    assert status == 409 and session in answer["error"]["message"], answer
+    assert len(turns_of(events_of(nats_server, session))) == turns
+    metrics = httpx.get(f"{any_gateway.url}/metrics", timeout=10).text
+    reads = [
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("turnstream_gateway_catch_up_reads_total")
+    ]
+    assert sum(reads) > 0, "no worker caught up from the log"
+    for conn in on.values():
+        conn.close()

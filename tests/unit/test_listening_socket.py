@@ -5,6 +5,7 @@ machine)."""
 from __future__ import annotations
 
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import sys
 import pytest
 
 from schemas.errors import TurnstreamError
-from turnstream.services.gateway.http import http_url, listening_socket
+from turnstream.services.gateway.http import http_url, listening_socket, reuse_port_listener
 
 
 def test_a_free_port_is_bound_inheritable_and_reusable() -> None:
@@ -20,6 +21,27 @@ def test_a_free_port_is_bound_inheritable_and_reusable() -> None:
         assert sock.getsockname()[1] > 0
         assert sock.get_inheritable()  # --workers: the worker processes inherit it
         assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR)
+
+
+def test_reuse_port_workers_each_listen_on_the_held_port_and_a_plain_bind_is_refused() -> None:
+    """``--worker-routing any``: the supervisor's socket holds the port without listening;
+    each worker's own socket there takes connections; a process binding it without
+    SO_REUSEPORT (another gateway started on the same port) is still told it is in use."""
+    with listening_socket("127.0.0.1", 0, reuse_port=True) as held:
+        port = held.getsockname()[1]
+        workers = [reuse_port_listener(held, 16) for _ in range(2)]
+        try:
+            for worker in workers:
+                assert worker.getsockname() == held.getsockname()
+            with socket.create_connection(("127.0.0.1", port), timeout=5):
+                ready, _, _ = select.select(workers, [], [], 10)
+                assert len(ready) == 1  # the kernel queued it at one of them
+                ready[0].accept()[0].close()
+            with pytest.raises(TurnstreamError, match="in use"):
+                listening_socket("127.0.0.1", port)
+        finally:
+            for worker in workers:
+                worker.close()
 
 
 def test_an_ipv6_host_is_bound_and_its_url_bracketed() -> None:

@@ -16,6 +16,7 @@ from eventlog import AppendRefused, Expectation, PublishReceipt
 from gateway.core.session_store import Session, SessionLog, SessionStore
 from gateway.errors import SessionClosed
 from gateway.metrics import GatewayMetrics
+from gateway.protocol import ChatCompletionRequest
 from gateway.serving import ChatServing, TurnEngine, TurnServing
 from gateway.templates import ChatTemplate
 from gateway.tools import get_parser
@@ -138,3 +139,41 @@ async def test_a_refused_retry_whose_first_try_landed_is_that_turn(tiny_model_di
     stored = turns(log)
     assert len(stored) == 1 and reply.id == f"chatcmpl-s-{stored[0].reply_id}"
     assert on_a.state.turns == 1
+
+
+async def test_requests_racing_on_a_stale_copy_both_continue_the_turn_they_extend(
+    tiny_model_dir: Path,
+) -> None:
+    """Two requests that continue a turn another gateway stored, on a copy that lacks it: the
+    first one's catch-up applies it while the second waits for the session's lock, and the
+    second's catch-up then finds nothing new; both must prepare again from the state as it is
+    now, or the second renders the turn it continues from text (found by benchmarks/fleet.py
+    with --worker-routing any: a sub-agent's turn racing its main agent's)."""
+    log, a, b = await fleet(tiny_model_dir)
+    log.round_trip_s = 0.01  # reads and appends take a moment: the requests interleave
+    on_b = await b.session(log)
+    b.backend.gate.set()
+    first = await b.chat.complete(on_b, request("task"))
+    on_a = await a.session(log)  # a loads the session holding turn 0 only
+    conversation = [
+        {"role": "user", "content": "task"},
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "go on"},
+    ]
+    second = await b.chat.complete(
+        on_b, ChatCompletionRequest(messages=conversation, max_tokens=64)
+    )
+    conversation.append({"role": "assistant", "content": second.choices[0].message.content})
+    a.backend.gate.set()
+    branches = [
+        ChatCompletionRequest(
+            messages=[*conversation, {"role": "user", "content": ask}], max_tokens=64
+        )
+        for ask in ("left", "right")
+    ]
+    await asyncio.wait_for(asyncio.gather(*(a.chat.complete(on_a, r) for r in branches)), WAIT)
+    stored = turns(log)
+    assert [t.turn for t in stored] == [0, 1, 2, 3]
+    whole = len(on_a.state.nodes[1].context_ids)
+    assert [(t.parent_turn, t.prefix_len) for t in stored[2:]] == [(1, whole), (1, whole)]
+    assert a.metrics.stale_prompts._value.get() == 0

@@ -93,7 +93,9 @@ async def embedded_stack(
     """
     async with contextlib.AsyncExitStack() as exits:
         # Bound first: a port in use is said before the log starts and the model loads.
-        listener = exits.enter_context(listening_socket(settings.host, settings.port))
+        listener = exits.enter_context(
+            listening_socket(settings.host, settings.port, reuse_port=settings.reuses_port)
+        )
         if settings.workers == 1:
             import_gateway_modules(settings)  # before connecting: its gateway is built here
         event_log = await exits.enter_async_context(

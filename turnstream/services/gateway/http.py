@@ -18,7 +18,7 @@ from fastapi import FastAPI
 
 from schemas.errors import TurnstreamError
 
-__all__ = ["http_server", "http_url", "listening_socket", "serve_until"]
+__all__ = ["http_server", "http_url", "listening_socket", "reuse_port_listener", "serve_until"]
 
 
 class _HttpServer(uvicorn.Server):
@@ -36,14 +36,18 @@ class _HttpServer(uvicorn.Server):
         yield
 
 
-def listening_socket(host: str, port: int) -> socket.socket:
+def listening_socket(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
     """A TCP socket bound to ``host``:``port`` (0: a free port), as uvicorn binds one
     (SO_REUSEADDR, IPv6 for an address with a colon, inheritable by worker processes), bound
     before anything slow starts; a TurnstreamError naming the address and what to pass instead
     when it cannot be (uvicorn logs the OSError and calls ``sys.exit`` from inside the event
-    loop, which left ``turnstream up`` printing tracebacks)."""
+    loop, which left ``turnstream up`` printing tracebacks). ``reuse_port``: SO_REUSEPORT too, so
+    that worker processes can each bind a listening socket of their own to the same address
+    (``reuse_port_listener``)."""
     sock = socket.socket(family=socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
     except OSError as exc:
@@ -57,6 +61,22 @@ def listening_socket(host: str, port: int) -> socket.socket:
         reason = exc.strerror or str(exc)
         raise TurnstreamError(f"cannot listen on {host}:{port}: {reason}; {what}") from None
     sock.set_inheritable(True)
+    return sock
+
+
+def reuse_port_listener(bound: socket.socket, backlog: int) -> socket.socket:
+    """A listening socket of this process on the address of ``bound`` (a ``listening_socket``
+    with ``reuse_port``, which holds the address and does not listen itself): the kernel hands
+    each new connection to one of the listening sockets there, by a hash of its addresses."""
+    sock = socket.socket(family=bound.family)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind(bound.getsockname())
+        sock.listen(backlog)
+    except OSError:
+        sock.close()
+        raise
     return sock
 
 

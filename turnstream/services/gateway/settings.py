@@ -121,9 +121,22 @@ class GatewaySettings(PublishingSettings):
         1,
         ge=1,
         le=256,
-        description="gateway processes on the one port, each session served by the one that "
-        "holds it (connections move to it, no proxy hop); --max-open-sessions is their total",
+        description="gateway processes on the one port (--worker-routing says which serves a "
+        "request); --max-open-sessions is their total",
     )
+    worker_routing: Literal["owner", "any"] = Field(
+        "owner",
+        description="--workers N > 1: owner: each session's requests are served by the worker "
+        "that holds it (the connection moves to it, no proxy hop); any: each worker accepts "
+        "on its own SO_REUSEPORT socket and serves every session, catching up from the log "
+        "when its copy is behind",
+    )
+
+    @property
+    def reuses_port(self) -> bool:
+        """Whether the port is bound with SO_REUSEPORT: ``--worker-routing any``'s workers each
+        listen on a socket of their own there, and the kernel spreads connections over them."""
+        return self.workers > 1 and self.worker_routing == "any"
 
     @field_validator("backend_urls")
     @classmethod

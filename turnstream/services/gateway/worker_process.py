@@ -1,9 +1,10 @@
 """One gateway worker process of ``turnstream gateway --workers N`` (``workers``: the supervisor).
 
 Started as ``python -m turnstream.services.gateway.worker_process`` with its ``WorkerSpec``
-pickled on stdin; it builds a whole gateway on the listening socket it inherits, takes over the
-connections of the sessions it owns from the other workers (``gateway.http.handoff``), and stops on
-SIGINT / SIGTERM or when its supervisor's pipe closes.
+pickled on stdin; it builds a whole gateway on the listening socket it inherits
+(``--worker-routing owner``: taking over the connections of the sessions it owns from the other
+workers, ``gateway.http.handoff``) or on a socket of its own on the same port (``any``: serving
+every session), and stops on SIGINT / SIGTERM or when its supervisor's pipe closes.
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ import struct
 import sys
 from typing import Any
 
+import uvicorn
 from prometheus_client import CollectorRegistry, multiprocess
 
 from gateway.http.handoff import Handoff, owner_routed
 from schemas.errors import TurnstreamError
 from schemas.ids import own_new_session_ids
 from turnstream.services.gateway.assembly import build_gateway, import_gateway_modules
-from turnstream.services.gateway.http import http_server, serve_until
+from turnstream.services.gateway.http import http_server, reuse_port_listener, serve_until
 from turnstream.services.gateway.workers import METRICS_ENV, WorkerSpec
 from turnstream.stack.event_log import open_log
 from turnstream.stack.process import configure_logging, run_service, settle_heap, stop_on_signals
@@ -44,6 +46,11 @@ async def _serve_worker(spec: WorkerSpec) -> None:
     loop = asyncio.get_running_loop()
     loop.add_reader(sys.stdin.fileno(), _on_supervisor_pipe, stop)
     listener = socket.socket(fileno=spec.listen_fd)
+    by_owner = settings.worker_routing == "owner"
+    if not by_owner:  # the inherited socket only holds the port: listen on one of our own
+        held = listener
+        listener = reuse_port_listener(held, uvicorn.Config("unused:app").backlog)
+        held.close()
     handoff = Handoff(spec.handoff_dir, spec.index, spec.workers)
     adopting: set[asyncio.Task[Any]] = set()
     async with (
@@ -58,7 +65,8 @@ async def _serve_worker(spec: WorkerSpec) -> None:
             registry = CollectorRegistry()
             multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
             gateway.engine.metrics.registry = registry
-        config.http_protocol_class = routed
+        if by_owner:
+            config.http_protocol_class = routed
 
         def adopt(conn: socket.socket, data: bytes) -> None:
             def protocol() -> asyncio.Protocol:
@@ -80,6 +88,7 @@ async def _serve_worker(spec: WorkerSpec) -> None:
                 break  # it could not start: ``await serving`` says why
             await asyncio.sleep(0.01)
         else:
+            # With ``any`` nothing is handed over; listening still tells the supervisor we serve.
             handoff.listen(adopt)
             log.info("serving (pid %d), %d workers", os.getpid(), spec.workers)
         try:

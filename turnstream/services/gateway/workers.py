@@ -1,12 +1,20 @@
-"""``turnstream gateway --workers N``: N gateway processes behind one port, sessions sticky.
+"""``turnstream gateway --workers N``: N gateway processes behind one port.
 
 The command's own process is the supervisor: it opens the log (the embedded nats-server lives
-here, once), binds the listening socket, and starts N worker processes (``python -m
-turnstream.services.gateway.worker_process``) that inherit the socket and each run a whole gateway
-(``build_gateway``) on it. A session belongs to one worker (``schemas.ids.session_owner``), which
-holds its state in memory; a request that reaches another worker is moved there with its
-connection (``gateway.http.handoff``): no proxy hop, and no read of the log per turn. A worker makes
-the session ids it hands out (POST /v1/sessions, the Responses API) among those it owns.
+here, once), binds the port, and starts N worker processes (``python -m
+turnstream.services.gateway.worker_process``) that each run a whole gateway (``build_gateway``)
+on it. Which worker serves a request, ``--worker-routing``:
+
+* ``owner`` (the default): the workers inherit the supervisor's listening socket. A session
+  belongs to one worker (``schemas.ids.session_owner``), which holds its state in memory; a
+  request that reaches another worker is moved there with its connection
+  (``gateway.http.handoff``): no proxy hop, and no read of the log per turn. A worker makes the
+  session ids it hands out (POST /v1/sessions, the Responses API) among those it owns.
+* ``any``: the supervisor's socket only holds the port (SO_REUSEPORT, not listening); each worker
+  listens on a socket of its own there (``http.reuse_port_listener``), the kernel hands each
+  connection to one of them, and the worker serves whatever session it carries. The log decides
+  (docs/ARCHITECTURE.md): a worker whose copy of a session is behind reads the events it missed
+  before it continues, and an append made on a stale copy is refused and redone.
 
 Per worker: its own outbox file (``<outbox_path>.worker-<i>``, drained by the same worker after a
 restart), its share of ``--max-open-sessions`` (sessions spread evenly, so the limit stays the
@@ -181,7 +189,8 @@ async def gateway_workers(
     before anything slow starts: ``http.listening_socket``), restarting any that
     dies, until the block ends; then drain and stop them. A worker dying again and again sets
     ``stop`` and raises TurnstreamError at the end."""
-    listener.listen(uvicorn.Config("unused:app").backlog)  # inherited by the workers
+    if settings.worker_routing == "owner":
+        listener.listen(uvicorn.Config("unused:app").backlog)  # inherited by the workers
     port = listener.getsockname()[1]
     with tempfile.TemporaryDirectory(prefix="turnstream-gw-") as handoff_dir:
         workers = [
@@ -256,15 +265,20 @@ async def serve_workers(settings: GatewaySettings) -> None:
     stop = stop_on_signals()
     async with contextlib.AsyncExitStack() as exits:
         # Bound first: a port in use is said before the log starts.
-        listener = exits.enter_context(listening_socket(settings.host, settings.port))
+        listener = exits.enter_context(
+            listening_socket(settings.host, settings.port, reuse_port=settings.reuses_port)
+        )
         event_log = await exits.enter_async_context(
             open_log(settings, name="turnstream-gateway", stop=stop)
         )
         pool = await exits.enter_async_context(gateway_workers(settings, event_log, stop, listener))
         log.info(
-            "gateway on %s: %d workers, sessions sticky to their owner (log %s, run %s)",
+            "gateway on %s: %d workers, %s (log %s, run %s)",
             pool.url,
             settings.workers,
+            "sessions sticky to their owner"
+            if settings.worker_routing == "owner"
+            else "any worker serves any session",
             event_log.url,
             settings.run,
         )
