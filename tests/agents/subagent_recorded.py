@@ -29,7 +29,7 @@ from schemas import SessionEvent, TurnCompleted
 from tests.agents.cutting_proxy import SeenRequest
 from tests.agents.subagent_script import FORK, FRESH, SUBAGENTS, SubAgent, main_final_text
 
-__all__ = ["Checks", "CliAgent", "SubagentSession", "cli_agents"]
+__all__ = ["Checks", "CliAgent", "SubagentSession", "cli_agents", "row_turns"]
 
 
 @dataclass
@@ -115,7 +115,7 @@ def cli_agents(requests: Sequence[SeenRequest], cli: str) -> dict[str, CliAgent]
     return agents
 
 
-def _row_turns(row: dict[str, Any]) -> list[tuple[list[int], list[int], list[float]]]:
+def row_turns(row: dict[str, Any]) -> list[tuple[list[int], list[int], list[float]]]:
     """(prompt, completion, completion log-probs) of each turn of a shard row: a turn's
     completion is the run of trained tokens that ends at its turn end."""
     ids, mask, logprobs = row["input_ids"], row["loss_mask"], row["logprobs"]
@@ -196,7 +196,7 @@ class SubagentSession:
         }
         recorded: Counter[tuple[tuple[int, ...], tuple[int, ...]]] = Counter()
         for row in self.agent_rows():
-            for prompt, completion, recorded_logprobs in _row_turns(row):
+            for prompt, completion, recorded_logprobs in row_turns(row):
                 key = (tuple(prompt), tuple(completion))
                 recorded[key] += 1
                 if key in logprobs:

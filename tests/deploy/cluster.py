@@ -12,19 +12,27 @@ testcontainers (``tests/deploy/containers.py``), and ``LocalCluster`` needs noth
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+import subprocess
 import time
 import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+import nats.errors
+from nats.js import JetStreamContext
+
 from eventlog.server import free_ports
+from tests.chaos.audit import log_sessions
 from tests.deploy.containers import NatsContainer
+from tests.helpers.services import LAUNCHER, Service
 
 INFRA_NATS = Path(__file__).parents[2] / "infra" / "nats"
 SIZE = 3
+REPLICAS = ("--log.replicas", "3")  # every stream and bucket on all three nodes
 
 
 class ClusterMember(Protocol):
@@ -223,3 +231,50 @@ class LocalCluster:
             except OSError as exc:
                 said.append(f"{node.name}: /jsz unreachable ({exc})")
         return "; ".join(said)
+
+
+def provision(urls: str, data_dir: Path) -> None:
+    """``turnstream provision --log.replicas 3``: every stream and bucket R3 on the cluster."""
+    result = subprocess.run(
+        [*LAUNCHER, "provision", "--log.url", urls, *REPLICAS, "--data-dir", str(data_dir)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert result.returncode == 0, (
+        f"turnstream provision --log.replicas 3 failed on the cluster:\n"
+        f"{result.stdout[-3000:]}{result.stderr[-3000:]}"
+    )
+
+
+async def wait_pipeline_idle(
+    js: JetStreamContext, run: str, services: Sequence[Service], within: float
+) -> None:
+    """Every session in EVENTS closed (by its agent or the reaper) and folded, every trajectory
+    written: the fold and shard-writer consumers have nothing pending or unacked."""
+    deadline = time.monotonic() + within
+    while True:
+        why = await _busy(js, run)
+        if why is None:
+            return
+        for service in services:
+            assert service.running, f"{service.command} exited:\n{service.output()}"
+        if time.monotonic() > deadline:
+            logs = "\n".join(f"--- {s.command}\n{s.output()}" for s in services)
+            raise AssertionError(f"the pipeline was not idle within {within:g}s: {why}\n{logs}")
+        await asyncio.sleep(0.5)
+
+
+async def _busy(js: JetStreamContext, run: str) -> str | None:
+    try:
+        sessions, closed = await log_sessions(js, run)
+        if sessions - closed:
+            return f"{len(sessions - closed)} session(s) not closed yet"
+        for stream, durable in (("EVENTS", "fold"), ("TRAJ", "shard-writer")):
+            info = await js.consumer_info(stream, durable)
+            if info.num_pending or info.num_ack_pending:
+                pending, unacked = info.num_pending, info.num_ack_pending
+                return f"{stream}/{durable}: {pending} pending, {unacked} unacked"
+    except (nats.errors.Error, TimeoutError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from eventlog.server import free_ports
+from tests.deploy.cluster import LocalCluster, container_nodes
 from tests.deploy.containers import NatsContainer, start_nats_container
 from tests.deploy.engine import (
     REPO,
@@ -72,6 +73,21 @@ def nats_container(nats_image: str) -> Iterator[NatsContainer]:
     )
     yield container
     container.stop()
+
+
+@pytest.fixture
+def cluster(nats_image: str, tmp_path: Path) -> Iterator[LocalCluster]:
+    """The shipped 3-node cluster in containers of the locally built NATS image."""
+    started = LocalCluster(container_nodes(nats_image, tmp_path / "nats"))
+    try:
+        started.start()
+    except AssertionError as exc:
+        started.stop()
+        pytest.fail(
+            f"the 3-node NATS cluster (infra/nats/cluster-node-*.conf) did not start: {exc}"
+        )
+    yield started
+    started.stop()
 
 
 @pytest.fixture

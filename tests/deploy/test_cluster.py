@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import subprocess
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,19 +25,25 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from transformers import AutoTokenizer
 
-from eventlog import LogSettings, connect
+from eventlog import Expectation, JetStreamPublisher, LogSettings, connect, read_session
+from schemas import SessionOpened, TurnCompleted
 from tests.chaos.agents import Agent, AgentSession
-from tests.chaos.audit import Auditor, Report, SinkAudit, SinkJournal, audit_sink, log_sessions
+from tests.chaos.audit import Auditor, Report, SinkAudit, SinkJournal, audit_sink
 from tests.chaos.stack import with_flag
-from tests.deploy.cluster import ClusterMember, LocalCluster, container_nodes
+from tests.deploy.cluster import (
+    REPLICAS,
+    ClusterMember,
+    LocalCluster,
+    provision,
+    wait_pipeline_idle,
+)
 from tests.helpers.gateway_process import GatewayProcess
-from tests.helpers.services import LAUNCHER, WORKER_FLAGS, WRITER_FLAGS, Service, shard_table_rows
+from tests.helpers.services import WORKER_FLAGS, WRITER_FLAGS, Service, shard_table_rows
 
 # The NATS image may be built first (minutes on a fresh machine).
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(2400)]
 
 RUN = "e2e"  # GatewayProcess's run
-REPLICAS = ("--log.replicas", "3")
 AGENTS = 4
 WARM_TURNS = 12  # completions before the kill: the whole pipeline is busy by then
 DOWN_S = 10.0  # agents keep driving this long on two nodes
@@ -82,21 +87,6 @@ class Outage:
 
 
 @pytest.fixture
-def cluster(nats_image: str, tmp_path: Path) -> Iterator[LocalCluster]:
-    """The shipped 3-node cluster in containers of the locally built NATS image."""
-    started = LocalCluster(container_nodes(nats_image, tmp_path / "nats"))
-    try:
-        started.start()
-    except AssertionError as exc:
-        started.stop()
-        pytest.fail(
-            f"the 3-node NATS cluster (infra/nats/cluster-node-*.conf) did not start: {exc}"
-        )
-    yield started
-    started.stop()
-
-
-@pytest.fixture
 async def js(cluster: LocalCluster) -> AsyncIterator[JetStreamContext]:
     await asyncio.to_thread(cluster.wait_meta_leader, 60)
     nc = await connect(cluster.urls, TEST_LOG, name="cluster-test")
@@ -107,19 +97,6 @@ async def js(cluster: LocalCluster) -> AsyncIterator[JetStreamContext]:
 async def _close(nc: NATS) -> None:
     with contextlib.suppress(OSError):  # nats-py raises if the socket died mid-reconnect
         await nc.close()
-
-
-def provision(urls: str, data_dir: Path) -> None:
-    result = subprocess.run(
-        [*LAUNCHER, "provision", "--log.url", urls, *REPLICAS, "--data-dir", str(data_dir)],
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert result.returncode == 0, (
-        f"turnstream provision --log.replicas 3 failed on the cluster:\n"
-        f"{result.stdout[-3000:]}{result.stderr[-3000:]}"
-    )
 
 
 async def replica_counts(js: JetStreamContext) -> dict[str, tuple[int, int]]:
@@ -200,39 +177,6 @@ async def wait_caught_up(js: JetStreamContext, node: str, within: float) -> floa
         await asyncio.sleep(0.2)
 
 
-async def wait_pipeline_idle(
-    js: JetStreamContext, services: Sequence[Service], within: float
-) -> None:
-    """Every session in EVENTS closed (by its agent or the reaper) and folded, every trajectory
-    written: the fold and shard-writer consumers have nothing pending or unacked."""
-    deadline = time.monotonic() + within
-    while True:
-        why = await _busy(js)
-        if why is None:
-            return
-        for service in services:
-            assert service.running, f"{service.command} exited:\n{service.output()}"
-        if time.monotonic() > deadline:
-            logs = "\n".join(f"--- {s.command}\n{s.output()}" for s in services)
-            raise AssertionError(f"the pipeline was not idle within {within:g}s: {why}\n{logs}")
-        await asyncio.sleep(0.5)
-
-
-async def _busy(js: JetStreamContext) -> str | None:
-    try:
-        sessions, closed = await log_sessions(js, RUN)
-        if sessions - closed:
-            return f"{len(sessions - closed)} session(s) not closed yet"
-        for stream, durable in (("EVENTS", "fold"), ("TRAJ", "shard-writer")):
-            info = await js.consumer_info(stream, durable)
-            if info.num_pending or info.num_ack_pending:
-                pending, unacked = info.num_pending, info.num_ack_pending
-                return f"{stream}/{durable}: {pending} pending, {unacked} unacked"
-    except (nats.errors.Error, TimeoutError) as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return None
-
-
 async def test_killing_the_events_leader_loses_no_completion_and_duplicates_no_trajectory(
     cluster: LocalCluster, js: JetStreamContext, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -262,7 +206,7 @@ async def test_killing_the_events_leader_loses_no_completion_and_duplicates_no_t
             stopping.set()
             await asyncio.wait_for(asyncio.gather(*driving), timeout=240)
 
-        await wait_pipeline_idle(js, services, within=240)
+        await wait_pipeline_idle(js, RUN, services, within=240)
         await asyncio.sleep(3.0)  # a trajectory written twice would show by now
         tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
         report = await ShardAuditor(js, RUN, tokenizer).audit(
@@ -331,3 +275,42 @@ def summary(outage: Outage, report: Report, sessions: Sequence[AgentSession]) ->
         f"(reaped {report.reaped}), shard rows {report.trajectories}, "
         f"late turns {len(report.late_turns)}, dead letters {report.dead_letters}"
     )
+
+
+def other_turn(session: str, index: int, reply: str) -> TurnCompleted:
+    """Turn ``index`` of ``session`` as one gateway samples it (``reply``: its request's id)."""
+    return TurnCompleted(
+        run=RUN,
+        session=session,
+        turn=index,
+        prompt_ids=[1, 2, 3],
+        completion_ids=[4, 5] if reply == "a" else [6, 7],
+        logprobs=[-0.5, -0.25],
+        reply_id=reply,
+    )
+
+
+async def test_on_the_cluster_a_stale_append_of_another_turn_at_its_index_is_a_duplicate(
+    cluster: LocalCluster, js: JetStreamContext, tmp_path: Path
+) -> None:
+    """Two gateways that both knew the session up to its open each append turn 0. A turn's
+    Msg-Id names its session and index only, and on a replicated stream nats-server answers
+    the Msg-Id's de-duplication before it checks the expectation (a single server checks the
+    expectation first: tests/integration/test_append_expectations.py): the second append comes
+    back as a duplicate of the first, at its sequence, and is stored nowhere. What the gateway
+    relies on when it reads a duplicate answer back (gateway.serving.engine.TurnEngine) and the
+    fleet test (test_fleet.py) finds lost without it."""
+    await asyncio.to_thread(provision, cluster.urls, tmp_path / "data")
+    nc = await connect(cluster.urls, TEST_LOG, name="cluster-expectations")
+    publisher = await JetStreamPublisher(nc).start()
+    try:
+        opened = await publisher.publish(SessionOpened(run=RUN, session="s"))
+        known = Expectation.session(RUN, "s", opened.seq or 0)
+        first = await publisher.publish(other_turn("s", 0, "a"), expect=known)
+        second = await publisher.publish(other_turn("s", 0, "b"), expect=known)
+        stored = await read_session(js, RUN, "s")
+    finally:
+        await publisher.close()
+        await _close(nc)
+    assert (second.duplicate, second.seq) == (True, first.seq), second
+    assert [getattr(e, "reply_id", None) for e in stored] == [None, "a"]

@@ -1,13 +1,11 @@
 """``infra/docker-compose.yml`` as users run it, under a real Docker engine with local images.
 
-NATS, the gateway (built-in local backend, the tiny model bind-mounted), two fold workers and
-the shard writer come up through docker-compose. The engine here has no bridge network, so the
-test runs the shipped file's host-networking variant: the same file with every service on the
-host's network and no published ports (docker-compose 1.29 refuses both at once, and an
-override file cannot remove a list), every other line as shipped. Agents drive sessions through
-the gateway container with the ``openai`` SDK; a worker and the shard writer are
-``docker kill``-ed mid-run and started again; every closed session must land in the shards (a
-host directory) exactly once, with its reward.
+NATS, HAProxy in front of three gateways (built-in local backend, the tiny model bind-mounted),
+two fold workers and the shard writer come up through docker-compose, in the shipped file's
+host-networking variant (``tests.deploy.compose``). Agents drive sessions through the load
+balancer with the ``openai`` SDK, so a session's requests go round robin over the gateways; a
+worker and the shard writer are ``docker kill``-ed mid-run and started again; every closed
+session must land in the shards (a host directory) exactly once, with its reward.
 """
 
 from __future__ import annotations
@@ -23,50 +21,25 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import yaml
 
 from eventlog.server import free_ports
-from tests.deploy.engine import REPO, DeployError, Images, docker_env, run
+from tests.deploy.compose import (
+    COMPOSE_FILE,
+    GATEWAYS,
+    IMAGE_UID,
+    Compose,
+    fleet_ports,
+    host_network_variant,
+    wait_fleet,
+)
+from tests.deploy.engine import DeployError, Images, docker_env
 from tests.helpers.services import shard_table_rows
 from tests.helpers.waiting import wait_for
 
 # Building the images on a fresh machine takes minutes; the test itself about one.
 pytestmark = pytest.mark.timeout(2400)
 
-COMPOSE_FILE = REPO / "infra" / "docker-compose.yml"
-IMAGE_UID = 10001  # infra/Dockerfile's user: it writes the shards
 RUN = "compose"
-
-
-def host_network_variant(shipped: Path, out: Path) -> Path:
-    """``shipped`` with every service on the host's network (and so no ``ports:``)."""
-    spec = yaml.safe_load(shipped.read_text())
-    for service in spec["services"].values():
-        service.pop("ports", None)
-        service["network_mode"] = "host"
-    out.write_text(yaml.safe_dump(spec, sort_keys=False))
-    return out
-
-
-@dataclass
-class Compose:
-    """docker-compose on one project (its own containers and volumes) with a fixed environment."""
-
-    project: str
-    file: Path
-    env: dict[str, str]
-
-    def __call__(self, *args: str, timeout: float = 600) -> str:
-        # --project-directory: relative paths (./nats/...) resolve as in the shipped file.
-        command = ["docker-compose", "-p", self.project, "-f", str(self.file)]
-        command += ["--project-directory", str(COMPOSE_FILE.parent), *args]
-        return run(command, timeout=timeout, env=self.env)
-
-    def logs(self) -> str:
-        try:
-            return self("logs", "--no-color", "--tail", "40", timeout=60)[-12000:]
-        except DeployError as exc:
-            return str(exc)
 
 
 @dataclass
@@ -81,16 +54,18 @@ def stack(images: Images, world_readable_model: Path, tmp_path: Path) -> Iterato
     shards = tmp_path / "shards"
     shards.mkdir()
     os.chown(shards, IMAGE_UID, IMAGE_UID)
-    nats_port, gateway_port, nats_http_port = free_ports(3)
+    nats_port, nats_http_port = free_ports(2)
+    ports = fleet_ports()
     env = {
         **docker_env(),
         # Creating a container copies its whole image under vfs: minutes for 4 at once.
         "COMPOSE_HTTP_TIMEOUT": "900",
         "TURNSTREAM_IMAGE": images.turnstream,
         "NATS_IMAGE": images.nats,
+        "HAPROXY_IMAGE": images.haproxy,
         "NATS_PORT": str(nats_port),
         "NATS_HTTP_PORT": str(nats_http_port),
-        "TURNSTREAM_PORT": str(gateway_port),
+        **ports.env(),
         "TURNSTREAM_LOG__URL": f"nats://127.0.0.1:{nats_port}",
         "TURNSTREAM_RUN": RUN,
         "TURNSTREAM_MODEL_DIR": str(world_readable_model),
@@ -110,38 +85,14 @@ def stack(images: Images, world_readable_model: Path, tmp_path: Path) -> Iterato
             compose("up", "-d")
         except DeployError as exc:
             pytest.fail(f"docker-compose up failed: {exc}\n{compose.logs()}", pytrace=False)
-        url = f"http://127.0.0.1:{gateway_port}"
-        _wait_gateway(url, compose)
-        print(f"compose stack healthy in {time.monotonic() - started:.0f}s")
-        yield Stack(compose, url, shards)
-    finally:
-        _down(compose)
-
-
-def _down(compose: Compose) -> None:
-    """``down -v``; a second try when the engine is slow to let go of a volume."""
-    for attempt in (1, 2):
         try:
-            compose("down", "-v", "--remove-orphans", "--timeout", "10")
-            return
-        except DeployError:
-            if attempt == 2:
-                raise
-            time.sleep(5)
-
-
-def _wait_gateway(url: str, compose: Compose, within: float = 180) -> None:
-    try:
-        wait_for(lambda: _answers(f"{url}/health"), within, f"the gateway container at {url}")
-    except AssertionError as exc:
-        pytest.fail(f"{exc}; not healthy:\n{compose.logs()}")
-
-
-def _answers(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
+            wait_fleet(ports, compose)
+        except AssertionError as exc:
+            pytest.fail(str(exc), pytrace=False)
+        print(f"compose stack healthy in {time.monotonic() - started:.0f}s")
+        yield Stack(compose, ports.lb_url, shards)
+    finally:
+        compose.down()
 
 
 class Agent:
@@ -212,6 +163,5 @@ def test_compose_stack_survives_killed_worker_and_shard_writer(stack: Stack) -> 
     turns = {str(r["session"]): r["num_turns"] for r in rows}
     assert turns == {a.session: 2 if i < 3 else 3 for i, a in enumerate(agents)}
     running = stack.compose("ps", "--services", "--filter", "status=running").split()
-    assert sorted(running) == sorted(["nats", "gateway", "worker-1", "worker-2", "shard-writer"]), (
-        stack.compose.logs()
-    )
+    services = ["nats", *GATEWAYS, "lb", "worker-1", "worker-2", "shard-writer"]
+    assert sorted(running) == sorted(services), stack.compose.logs()

@@ -17,7 +17,7 @@ import httpx
 from eventlog.server import free_port
 from tests.helpers.gateway_process import GatewayProcess
 
-__all__ = ["scripted_gateway"]
+__all__ = ["scripted_backend", "scripted_gateway"]
 
 BACKEND = (
     Path(__file__).resolve().parents[2] / "benchmarks" / "harness" / "fixed_latency_backend.py"
@@ -25,18 +25,15 @@ BACKEND = (
 
 
 @contextlib.contextmanager
-def scripted_gateway(
-    nats_url: str, model_dir: Path, data: Path, tokens: list[int], *backend_args: str
-) -> Iterator[tuple[GatewayProcess, str]]:
-    """The gateway and its backend's URL; the backend answers ``tokens`` (``backend_args``:
-    more of its options, e.g. ``--ttft-ms``)."""
+def scripted_backend(data: Path, tokens: list[int], *backend_args: str) -> Iterator[str]:
+    """The backend's URL while it runs; it answers ``tokens`` to every completion
+    (``backend_args``: more of its options, e.g. ``--ttft-ms``); its log in ``data``."""
     port = free_port()
     backend = f"http://127.0.0.1:{port}"
     command = [sys.executable, str(BACKEND), "--port", str(port), "--model", "tiny"]
     command += ["--tokens", ",".join(map(str, tokens)), *backend_args]
     with (data / "backend.log").open("wb") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    gateway = None
     try:
         deadline = time.monotonic() + 30
         while True:
@@ -47,6 +44,19 @@ def scripted_gateway(
                 if time.monotonic() > deadline or proc.poll() is not None:
                     raise
                 time.sleep(0.1)
+        yield backend
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@contextlib.contextmanager
+def scripted_gateway(
+    nats_url: str, model_dir: Path, data: Path, tokens: list[int], *backend_args: str
+) -> Iterator[tuple[GatewayProcess, str]]:
+    """The gateway and its backend's URL; the backend answers ``tokens`` (``backend_args``:
+    more of its options, e.g. ``--ttft-ms``)."""
+    with scripted_backend(data, tokens, *backend_args) as backend:
         gateway = GatewayProcess(
             nats_url,
             model_dir,
@@ -58,9 +68,7 @@ def scripted_gateway(
             "--max-context",
             "4096",
         )
-        yield gateway, backend
-    finally:
-        if gateway is not None:
+        try:
+            yield gateway, backend
+        finally:
             gateway.stop()
-        proc.terminate()
-        proc.wait(10)
