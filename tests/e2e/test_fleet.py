@@ -28,8 +28,7 @@ from tests.e2e.test_gateway import (
     FAST_PUBLISH,
     TOOLS,
     WEATHER_QUESTION,
-    WEATHER_RESULT,
-    assistant_turn,
+    answered,
     events_of,
     turns_of,
 )
@@ -71,15 +70,7 @@ def ask(
     reply = client(gateway, session, headers).chat.completions.create(
         model="tiny", messages=messages, tools=TOOLS, temperature=1.0, max_tokens=tokens
     )
-    message = reply.choices[0].message
-    messages.append(assistant_turn(message))
-    if message.tool_calls:
-        messages += [
-            {"role": "tool", "tool_call_id": c.id, "content": WEATHER_RESULT}
-            for c in message.tool_calls
-        ]
-    else:
-        messages.append({"role": "user", "content": "And tomorrow?"})
+    answered(messages, reply.choices[0].message, "And tomorrow?")
     return reply
 
 

@@ -82,6 +82,18 @@ def assistant_turn(message: Any) -> dict[str, Any]:
     return dict(message.model_dump(exclude_none=True))
 
 
+def answered(messages: list[dict[str, Any]], message: Any, ask: str) -> None:
+    """The agent's next request: the reply, then the tool results it asked for, else ``ask``."""
+    messages.append(assistant_turn(message))
+    if message.tool_calls:
+        messages += [
+            {"role": "tool", "tool_call_id": c.id, "content": WEATHER_RESULT}
+            for c in message.tool_calls
+        ]
+    else:
+        messages.append({"role": "user", "content": ask})
+
+
 def test_a_four_turn_session_is_recorded_token_for_token(
     gateway: GatewayProcess, nats_server: NatsServer, tokenizer: Any
 ) -> None:
@@ -100,15 +112,7 @@ def test_a_four_turn_session_is_recorded_token_for_token(
             top_logprobs=2,
         )
         replies.append(reply)
-        message = reply.choices[0].message
-        messages.append(assistant_turn(message))
-        if message.tool_calls:
-            messages += [
-                {"role": "tool", "tool_call_id": c.id, "content": WEATHER_RESULT}
-                for c in message.tool_calls
-            ]
-        else:
-            messages.append({"role": "user", "content": f"And on day {t + 1}?"})
+        answered(messages, reply.choices[0].message, f"And on day {t + 1}?")
     closed = httpx.post(f"{gateway.url}/v1/sessions/{session['session_id']}/close", json={})
     assert closed.status_code == 200 and closed.json()["status"] == "completed"
 
