@@ -35,6 +35,7 @@ pytestmark = pytest.mark.integration
 
 RUN = "seeds"
 GROUP = "g"
+INSTANCE = "gw-1"  # the gateway's name among a fleet's, mixed into its derived seeds
 PROMPT = [{"role": "user", "content": "Name a colour."}]
 
 
@@ -42,7 +43,13 @@ PROMPT = [{"role": "user", "content": "Name a colour."}]
 def gateway(
     nats_server: NatsServer, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[GatewayProcess]:
-    process = GatewayProcess(nats_server.url, tiny_model_dir, tmp_path_factory.mktemp("gateway"))
+    process = GatewayProcess(
+        nats_server.url,
+        tiny_model_dir,
+        tmp_path_factory.mktemp("gateway"),
+        "--instance-id",
+        INSTANCE,
+    )
     yield process
     process.stop()
 
@@ -93,7 +100,7 @@ def test_each_turn_records_the_seed_derived_for_it(
     for sid, turns in group.items():
         assert [t.turn for t in turns] == [0, 1]
         for turn in turns:
-            assert turn.sampling["seed"] == derived_seed(RUN, sid, turn.turn)
+            assert turn.sampling["seed"] == derived_seed(RUN, sid, turn.turn, INSTANCE)
             assert turn.sampling["seed_derived"] is True
             assert turn.sampling["stop_token_ids"]  # the template's end tokens
         assert turns[1].sampling["temperature"] == 0.7 and turns[1].sampling["top_p"] == 0.9

@@ -1,7 +1,8 @@
 """Regenerate recorded turns: send each again with its recorded sampling, compare the tokens.
 
 Every turn the gateway serves samples with a seed of its own (the client's, else one derived
-from run, session and turn: ``gateway.serving.engine.derived_seed``), recorded in its event's
+from run, session, turn and the gateway's instance id: ``gateway.serving.engine.derived_seed``),
+recorded in its event's
 ``sampling`` with the rest of what was sent (temperature, top_p, max_tokens, stop token ids).
 So a recorded session, sent again to a server holding the same weights, must give back the
 same tokens: this checks that it does, turn by turn (``turnstream replay --regenerate``).
