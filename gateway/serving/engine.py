@@ -373,38 +373,34 @@ class TurnEngine:
                         expect = log_.expectation(session)
                         receipt = await self.publisher.publish(event, expect=expect)
             except AppendRefused as refused:
-                assert self.store is not None  # only an expected append is refused
-                self.metrics.appends_refused.labels("turn").inc()
-                caught = await self.store.catch_up(session, "refused", reach=refused.last_seq)
-                ours = _own_event(caught, draft.reply_id)
-                if ours is not None:
-                    return ours  # applied by the catch-up
-                session.ensure_open()  # closed by another writer: not recorded (409)
-                draft = self._rebased(session, draft, _first_turn(caught, session))
-                continue
-            if receipt.duplicate and log_ is not None and self.store is not None:
-                # The log holds this Msg-Id already: a replicated stream answers it before it
-                # checks the expectation, so it may be another gateway's turn at this index,
-                # not an earlier try of ours (its ack lost). Read back which.
-                caught = await self.store.catch_up(session, "refused")
-                ours = _own_event(caught, draft.reply_id) or _own_event(
-                    [n.event for n in session.state.nodes.values()], draft.reply_id
-                )
-                if ours is not None:
-                    return ours
-                self.metrics.appends_refused.labels("turn").inc()
-                session.ensure_open()
-                draft = self._rebased(session, draft, _first_turn(caught, session))
-                continue
-            if log_ is not None:
-                log_.appended(session, receipt)
-            self.metrics.attached.labels(attachment(session.state, event)).inc()
-            session.apply(event, draft.keys)
-            return event
-        raise EventLogUnavailable(
-            f"session {session.name}: {SessionLog.max_refusals} appends in a row were refused, "
-            "other writers appending to it each time; nothing was recorded, send the request again"
-        )
+                reach: int | None = refused.last_seq
+            else:
+                if not (receipt.duplicate and log_ is not None):
+                    break
+                reach = None
+            # Refused (another writer stored events since), or answered as a duplicate (a
+            # replicated stream de-duplicates a Msg-Id before it checks the expectation: another
+            # gateway's turn at this index, or an earlier try of ours whose ack was lost): read
+            # back what the log holds.
+            assert self.store is not None  # only an expected append gets here
+            caught = await self.store.catch_up(session, "refused", reach=reach)
+            ours = _own_event(caught, draft.reply_id)
+            if ours is not None:
+                return ours  # applied by the catch-up
+            self.metrics.appends_refused.labels("turn").inc()
+            session.ensure_open()  # closed by another writer: not recorded (409)
+            draft = self._rebased(session, draft, _first_turn(caught, session))
+        else:
+            raise EventLogUnavailable(
+                f"session {session.name}: {SessionLog.max_refusals} appends in a row were "
+                "refused, other writers appending to it each time; nothing was recorded, send "
+                "the request again"
+            )
+        if log_ is not None:
+            log_.appended(session, receipt)
+        self.metrics.attached.labels(attachment(session.state, event)).inc()
+        session.apply(event, draft.keys)
+        return event
 
     def _rebased(self, session: Session, draft: TurnDraft, unknown_from: int) -> TurnDraft:
         """``draft`` against turns it was not prepared with (``unknown_from`` on: another
