@@ -33,7 +33,7 @@ from schemas.delta import (
     decode_context,
     decode_conversation,
 )
-from schemas.events import JSON, Float32Array, Int32Array, TurnCompleted
+from schemas.events import JSON, UNKNOWN_VERSION, Float32Array, Int32Array, TurnCompleted
 from schemas.spans import merge_spans
 
 _INT32_MIN, _INT32_MAX = int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).max)
@@ -222,6 +222,31 @@ def is_side(event: TurnCompleted) -> bool:
     return is_side_class(event.agent.get("request_class"))
 
 
+def _version_runs(
+    sample: Sequence[RebuiltTurn], starts: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The runs of generated tokens of one version each (starts, ends, versions): a turn's
+    completion is one run, or one per pair of its ``version_spans`` (null: UNKNOWN_VERSION)."""
+    run_starts: list[int] = []
+    run_ends: list[int] = []
+    run_versions: list[int] = []
+    for turn, start in zip(sample, starts.tolist(), strict=True):
+        event = turn.event
+        pairs = event.version_spans
+        if pairs is None:
+            pairs = [(event.weight_version, len(event.completion_ids))]
+        for version, count in pairs:
+            run_starts.append(start)
+            run_ends.append(start + count)
+            run_versions.append(UNKNOWN_VERSION if version is None else version)
+            start += count
+    return (
+        np.asarray(run_starts, dtype=np.int64),
+        np.asarray(run_ends, dtype=np.int64),
+        np.asarray(run_versions, dtype=np.int32),
+    )
+
+
 def sample_spans(sample: Sequence[RebuiltTurn]) -> SampleSpans:
     """The tokens and generated spans of one sample whose turns each extend the one before
     (their parent).
@@ -238,8 +263,11 @@ def sample_spans(sample: Sequence[RebuiltTurn]) -> SampleSpans:
     runs[1::2] = [len(turn.event.completion_ids) for turn in sample]
     bounds = np.cumsum(runs)
     ends = bounds[1::2]
-    versions = np.array([turn.event.weight_version for turn in sample], dtype=np.int32)
-    spans, span_versions = merge_spans(bounds[0::2], ends, versions)
+    if all(turn.event.version_spans is None for turn in sample):
+        versions = np.array([turn.event.weight_version for turn in sample], dtype=np.int32)
+        spans, span_versions = merge_spans(bounds[0::2], ends, versions)
+    else:  # a turn sampled by several versions (continued after an abort): a run per version
+        spans, span_versions = merge_spans(*_version_runs(sample, bounds[0::2]))
     logprobs = [turn.event.logprobs for turn in sample]
     return SampleSpans(
         input_ids=sample[-1].context.ids(),

@@ -89,7 +89,7 @@ __all__ = [
     "initial",
 ]
 
-FOLD_VERSION = 5
+FOLD_VERSION = 6
 """Stored in every TrajectoryReady: bump it whenever the same events would fold differently.
 4: a turn's delta and chain follow its ``parent_turn`` (a session is a tree); a fork is a chain
 that begins inside generated history. (Issue 19's ``logprobs_kind: "raw"`` in metadata needed no
@@ -101,7 +101,11 @@ metadata names the chain's agent, ``side`` and ``client_gone``, and with
 ``final_reward_scope="last"`` the reward goes to the last sample that is not a side request;
 ``side_calls`` counts a session's side samples (beside ``segments``).
 Events without agents or those flags fold to the same trajectories as under 4 but for the
-version; a bump all the same, since one version must mean one rule."""
+version; a bump all the same, since one version must mean one rule.
+6 (issue 37): a turn's completion carries each token's version (``TurnCompleted.version_spans``:
+a generation the backend aborted for a weight update and the gateway continued), so its
+generated tokens split into one span per version, and a token whose version is unknown has
+``UNKNOWN_VERSION`` (-2). Events without the field fold as under 5."""
 
 RewardKey = tuple[str, int | None]  # (key, turn); turn None is the episode reward
 

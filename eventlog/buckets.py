@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from datetime import datetime
 
 from nats.js import JetStreamContext
 from nats.js import errors as js_errors
@@ -29,6 +30,7 @@ class Entry:
     key: str
     value: bytes
     revision: int
+    created_at: float | None = None  # when the log stored it (epoch seconds; watch only)
 
 
 class Bucket:
@@ -107,7 +109,9 @@ class Bucket:
                 if entry is None or entry.operation is not None or not entry.value:
                     continue
                 if entry.revision is not None:
-                    yield Entry(entry.key, entry.value, entry.revision)
+                    created = entry.created
+                    stamp = created.timestamp() if isinstance(created, datetime) else None
+                    yield Entry(entry.key, entry.value, entry.revision, stamp)
         finally:
             with contextlib.suppress(*UNAVAILABLE):  # the connection may already be gone
                 await watcher.stop()  # type: ignore[no-untyped-call]

@@ -15,6 +15,7 @@
     ├── ContextLengthExceeded    413     prompt (+ max_tokens) over the model's context length
     ├── BackendError             502     the inference backend failed or returned garbage
     │   └── BackendUnavailable   503     no replica could take the request
+    │       └── GenerationInterrupted 503  an aborted generation could not continue in time
     └── (schemas) EventLogUnavailable / OutboxFull -> 503: the turn could not be made durable
 
 Every error reaches the client as ``{"error": {"message", "type", "param", "code"}}`` with the
@@ -37,6 +38,7 @@ __all__ = [
     "ContextLengthExceeded",
     "ErrorSpec",
     "GatewayError",
+    "GenerationInterrupted",
     "InvalidRequest",
     "MethodNotAllowed",
     "ModelNotFound",
@@ -117,6 +119,15 @@ class BackendError(GatewayError):
 
 class BackendUnavailable(BackendError):
     """No replica could take the request (503)."""
+
+
+class GenerationInterrupted(BackendUnavailable):
+    """The backend aborted the turn's generation (a weight update) and did not take its
+    continuation within ``--continue-wait-s``: nothing was recorded (503, with Retry-After)."""
+
+    def __init__(self, message: str, *, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 @dataclass(frozen=True)

@@ -96,6 +96,20 @@ class GatewayMetrics:
             "another writer stored, but not token for token (should stay 0)",
             registry=self.registry,
         )
+        self.interruptions = Counter(
+            "turnstream_gateway_interrupted_generations",
+            "generations a backend aborted mid-turn (a weight update), by what became of the "
+            "turn: continued (resubmitted with its tokens so far), gave_up (not taken again "
+            "within --continue-wait-s: a 503), version_limit (--max-versions-per-turn reached)",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.interrupted_wait = Histogram(
+            "turnstream_gateway_interrupted_wait_seconds",
+            "from a backend's abort of a generation to the first token of its continuation",
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+            registry=self.registry,
+        )
         self.resent = Counter(
             "turnstream_gateway_resent_requests",
             "requests equal to a kept turn's (a conversation's tip), answered with the recorded "

@@ -22,6 +22,9 @@ from schemas.ids import validate_id
 from schemas.spans import generated_runs, token_arrays
 
 SCHEMA_VERSION = 1
+# The per-token ``versions`` of a generated token whose policy version the gateway could not
+# know (``TurnCompleted.version_spans``: null); -1 marks tokens that were not generated.
+UNKNOWN_VERSION = -2
 
 Int32Array = npt.NDArray[np.int32]
 Float32Array = npt.NDArray[np.float32]
@@ -127,6 +130,13 @@ class TurnCompleted(_Event, tag="TurnCompleted", kw_only=True):
     # mid-sub-agent): the backend finished the turn and it is recorded, but the client never saw
     # it, so no later turn continues it.
     client_gone: bool = False
+    # Each completion token's policy version, run-length: [version, count] pairs in order, the
+    # counts summing to the completion's length; version null where it cannot be known (a
+    # generation frozen across a weight swap by a backend that does not say which tokens came
+    # after it). None (events older than the field, and every turn sampled by one version):
+    # every token at ``weight_version``. A turn the backend aborted and the gateway continued
+    # (DESIGN §4) has one pair per version; ``weight_version`` is then the oldest known one.
+    version_spans: list[tuple[int | None, int]] | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -145,6 +155,17 @@ class TurnCompleted(_Event, tag="TurnCompleted", kw_only=True):
                 f"logprobs has {len(self.logprobs)} entries for "
                 f"{len(self.completion_ids)} completion_ids: they must be equal"
             )
+        if self.version_spans is not None:
+            _check_version_spans(self.version_spans, len(self.completion_ids))
+
+    def token_versions(self) -> Int32Array:
+        """Each completion token's policy version (``UNKNOWN_VERSION`` where unknown)."""
+        n = len(self.completion_ids)
+        if self.version_spans is None:
+            return np.full(n, self.weight_version, dtype=np.int32)
+        versions = [UNKNOWN_VERSION if v is None else v for v, _ in self.version_spans]
+        counts = [count for _, count in self.version_spans]
+        return np.repeat(np.asarray(versions, dtype=np.int32), counts)
 
     @property
     def parent(self) -> int:
@@ -267,6 +288,19 @@ class TrajectoryReady(_Event, tag="TrajectoryReady", kw_only=True):
         return CompactTrajectory(
             **fields, spans=spans, span_versions=span_versions, gen_logprobs=logprobs[generated]
         )
+
+
+def _check_version_spans(spans: list[tuple[int | None, int]], n: int) -> None:
+    total = 0
+    for version, count in spans:
+        if count < 1 or (version is not None and not 0 <= version < 2**31):
+            raise ValueError(
+                f"version_spans pair [{version}, {count}]: a count is at least 1, a version a "
+                "non-negative int32 or null (unknown)"
+            )
+        total += count
+    if total != n:
+        raise ValueError(f"version_spans cover {total} tokens, the completion has {n}")
 
 
 def _check_samples(

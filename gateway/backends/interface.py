@@ -24,7 +24,7 @@ __all__ = [
     "needs_processed_logprobs",
 ]
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "abort"]
 # The JSON text of a prompt's first ids without the closing bracket, in parts: a view of the
 # kept turn's prompt JSON and the text of its completion ids (nothing copied until it is sent).
 JsonHead = tuple[bytes | memoryview, ...]
@@ -162,7 +162,9 @@ class TopLogprob:
 @dataclass(frozen=True)
 class GenerationChunk:
     """One or more newly sampled tokens, in order. The last chunk has ``finish_reason`` set
-    ("stop": a stop token was sampled, and is included in ``token_ids``; "length": max_tokens)."""
+    ("stop": a stop token was sampled, and is included in ``token_ids``; "length": max_tokens;
+    "abort": the server ended the generation unfinished, e.g. paused for a weight update, and the
+    tokens so far are all it will send: the gateway continues the turn, ``TurnEngine.tokens``)."""
 
     token_ids: list[int]
     logprobs: list[float]  # one per token

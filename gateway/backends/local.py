@@ -6,10 +6,14 @@ the prompt, then one token per forward pass against its own KV cache, under
 ``asyncio.Queue`` fed with ``call_soon_threadsafe``. Several sessions decode concurrently, one
 thread each, up to ``max_concurrency``; the rest wait their turn.
 
-A generation runs entirely on the weights that were current when it started: ``load_weights``
-builds a new model beside the old one and swaps the reference, so in-flight turns finish on the
-old weights and report the old ``weight_version``, and no turn ever mixes two versions. The
-price is a second copy of the weights while a load is in progress.
+``load_weights`` builds a new model beside the old one and swaps the reference (the price is a
+second copy of the weights while a load is in progress). What becomes of the generations in flight
+is the update's ``mode`` (``schemas.policy``), as vLLM's ``/pause?mode=`` decides it for its own:
+"wait" (the default), they finish on the weights they started with; "abort", each ends at its next
+token with ``finish_reason`` "abort" (the gateway continues it, DESIGN §4) and new generations
+wait until the new weights are in; "keep", each goes on with the new weights from its next token
+(its prompt and tokens so far read again by them). Every chunk reports the version of the
+weights that sampled it.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -33,6 +37,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 from gateway.backends.interface import FinishReason, GenerationChunk, Prompt, SamplingParams
 from gateway.backends.sampler import sample_token
 from gateway.errors import BackendError, BackendUnavailable, ContextLengthExceeded, InvalidRequest
+from schemas.policy import UpdateMode
 
 __all__ = ["LocalBackend", "kv_cache", "read_checkpoint"]
 
@@ -82,7 +87,7 @@ class _WorkerEnded:
 _WORKER_ENDED = _WorkerEnded()
 
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity: the backend keeps a set of the running ones
 class _Job:
     """One generation's link between its worker thread and its async consumer."""
 
@@ -92,6 +97,8 @@ class _Job:
     emit: Callable[[GenerationChunk | BaseException | _WorkerEnded], None]
     cancelled: threading.Event
     submitted_at: float
+    aborted: threading.Event = field(default_factory=threading.Event)  # a load in mode "abort"
+    switch_to: _Policy | None = None  # a load in mode "keep": the weights from the next token
 
 
 class LocalBackend:
@@ -124,7 +131,10 @@ class LocalBackend:
         self._load_lock = asyncio.Lock()
         self._counter_lock = threading.Lock()
         self._decode_steps = 0
-        self._running: set[threading.Event] = set()  # the cancel flag of each generation
+        self._running: set[_Job] = set()  # the generations started and not yet finished
+        # Cleared while a load in mode "abort" is in progress: new generations wait for it.
+        self._accepting = asyncio.Event()
+        self._accepting.set()
         self._closed = False
 
     @classmethod
@@ -180,6 +190,11 @@ class LocalBackend:
         return len(self._running)
 
     @property
+    def accepting(self) -> bool:
+        """False while a load in mode "abort" holds new generations back."""
+        return self._accepting.is_set()
+
+    @property
     def decode_steps(self) -> int:
         """Forward passes run so far, all generations together."""
         return self._decode_steps
@@ -199,8 +214,10 @@ class LocalBackend:
             except RuntimeError:  # the loop is closed: nobody is listening any more
                 cancelled.set()
 
-        job = _Job(self._policy, prompt_ids, params, emit, cancelled, time.perf_counter())
-        self._running.add(cancelled)
+        submitted = time.perf_counter()
+        await self._accepting.wait()  # a load aborting generations: its weights come first
+        job = _Job(self._policy, prompt_ids, params, emit, cancelled, submitted)
+        self._running.add(job)
         try:
             try:
                 worker = loop.run_in_executor(self._executor, self._decode, job)
@@ -227,14 +244,17 @@ class LocalBackend:
             # Reached on completion, on error, and when the consumer stops iterating (client
             # gone, task cancelled): the worker sees the flag before its next forward pass.
             cancelled.set()
-            self._running.discard(cancelled)
+            self._running.discard(job)
 
-    async def load_weights(self, checkpoint: Path | None, version: int) -> None:
+    async def load_weights(
+        self, checkpoint: Path | None, version: int, mode: UpdateMode = "wait"
+    ) -> None:
         """Make the weights in ``checkpoint`` (see ``read_checkpoint``) the policy of every
-        generation that starts from now on, as ``version``. Generations already running finish
-        on the weights they started with. Raises BackendError if the checkpoint does not fit
+        generation that starts from now on, as ``version``; ``mode`` decides for the ones
+        running (the module's docstring). Raises BackendError if the checkpoint does not fit
         the model, or if there is none (the trainer updated inference servers of its own); the
-        current weights then stay."""
+        current weights then stay (aborted generations were aborted all the same, as a vLLM
+        paused with mode=abort whose update then fails)."""
         if checkpoint is None:
             # Taking the version without the weights would record turns of these weights as
             # that version's: a trainer checking its log-probs against them would be misled.
@@ -248,23 +268,32 @@ class LocalBackend:
             )
         async with self._load_lock:
             current = self._policy
+            if mode == "abort":
+                self._accepting.clear()
+                for job in list(self._running):
+                    job.aborted.set()
             try:
                 model = await asyncio.to_thread(_model_with_weights, current.model, checkpoint)
             except Exception as exc:
+                self._accepting.set()  # the old weights serve on
                 raise BackendError(
                     f"backend {self._id} could not load checkpoint {checkpoint} as "
                     f"weight_version {version}; still serving weight_version "
                     f"{current.version}: {exc}"
                 ) from exc
-            self._policy = _Policy(model, version)
+            self._policy = policy = _Policy(model, version)
+            self._accepting.set()
+            if mode == "keep":
+                for job in list(self._running):
+                    job.switch_to = policy
 
     async def admit(self, params: SamplingParams) -> str | None:
         return None  # it samples and records the same distribution, whatever the sampling
 
     async def close(self) -> None:
         self._closed = True
-        for cancelled in list(self._running):
-            cancelled.set()
+        for job in list(self._running):
+            job.cancelled.set()
         # Workers stop within one forward pass; waiting for them must not block the loop.
         await asyncio.to_thread(self._executor.shutdown, wait=True, cancel_futures=True)
 
@@ -312,7 +341,8 @@ class LocalBackend:
 
     def _decode_loop(self, job: _Job) -> None:
         started = time.perf_counter()
-        model, params = job.policy.model, job.params
+        policy, params = job.policy, job.params
+        model = policy.model
         device = model.device
         generator = torch.Generator(device=device)
         # A request without a seed still gets its own generator: sharing the global one across
@@ -322,9 +352,20 @@ class LocalBackend:
         input_ids = torch.tensor([job.prompt_ids], dtype=torch.long, device=device)
         cache = kv_cache(model)
         prefill_s = 0.0
+        generated: list[int] = []
         for step in range(params.max_tokens):
             if job.cancelled.is_set():
                 return
+            if job.aborted.is_set():  # a load in mode "abort": the gateway continues the turn
+                job.emit(self._aborted_chunk(policy, params))
+                return
+            switch = job.switch_to
+            if switch is not None and switch is not policy:  # a load in mode "keep"
+                policy, model = switch, switch.model
+                cache = kv_cache(model)  # the new weights read the prompt and tokens so far
+                input_ids = torch.tensor(
+                    [job.prompt_ids + generated], dtype=torch.long, device=device
+                )
             output = model(input_ids=input_ids, **cache, logits_to_keep=1)
             with self._counter_lock:
                 self._decode_steps += 1
@@ -349,13 +390,24 @@ class LocalBackend:
                     logprobs=[sampled.logprob],
                     top_logprobs=None if sampled.top_logprobs is None else [sampled.top_logprobs],
                     finish_reason=finish,
-                    weight_version=job.policy.version,
+                    weight_version=policy.version,
                     extra=extra,
                 )
             )
             if finish is not None:
                 return
+            generated.append(sampled.token_id)
             input_ids = torch.tensor([[sampled.token_id]], dtype=torch.long, device=device)
+
+    @staticmethod
+    def _aborted_chunk(policy: _Policy, params: SamplingParams) -> GenerationChunk:
+        return GenerationChunk(
+            token_ids=[],
+            logprobs=[],
+            top_logprobs=[] if params.top_logprobs > 0 else None,
+            finish_reason="abort",
+            weight_version=policy.version,
+        )
 
 
 def _model_eos_ids(model: PreTrainedModel) -> list[int]:

@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Literal, Protocol, runtime_checkable
 
 from eventlog import Bucket
+from gateway.core.versions import VersionTimeline
 from schemas.errors import EventLogUnavailable
-from schemas.policy import PolicyUpdate, parse_policy_update
+from schemas.policy import PolicyUpdate, UpdateMode, parse_policy_update
 
 __all__ = ["PolicyTarget", "decide", "watch_policy"]
 
@@ -39,9 +40,12 @@ class PolicyTarget(Protocol):
     @property
     def weight_version(self) -> int: ...
 
-    async def load_weights(self, checkpoint: Path | None, version: int) -> None:
+    async def load_weights(
+        self, checkpoint: Path | None, version: int, mode: UpdateMode = "wait"
+    ) -> None:
         """Serve ``version`` from now on. ``checkpoint`` None: the trainer already put those
-        weights into the inference servers; a target that holds weights of its own raises."""
+        weights into the inference servers; a target that holds weights of its own raises.
+        ``mode``: what becomes of the generations in flight (``schemas.policy``)."""
         ...
 
 
@@ -55,9 +59,16 @@ def decide(current_version: int, update: PolicyUpdate) -> Decision:
 
 
 async def watch_policy(
-    kv: Bucket, run: str, target: PolicyTarget, *, retry_delay_s: float = 1.0
+    kv: Bucket,
+    run: str,
+    target: PolicyTarget,
+    *,
+    retry_delay_s: float = 1.0,
+    timeline: VersionTimeline | None = None,
 ) -> None:
-    """Follow ``run``'s key in the KV bucket ``kv``  until cancelled.
+    """Follow ``run``'s key in the KV bucket ``kv``  until cancelled; each version the target
+    takes goes into ``timeline`` with the log's time stamp of its entry (``gateway.core.versions``:
+    tokens that arrived after it are not attributed to an older version).
 
     A value that does not parse, a checkpoint that does not load, or an entry without a
     checkpoint for a backend that holds its own weights is logged and skipped; the backend keeps
@@ -68,6 +79,8 @@ async def watch_policy(
         try:
             async for entry in kv.watch(run):  # deletes carry no version to go to: skipped
                 await _apply(entry.value, entry.revision, run, target)
+                if timeline is not None:
+                    timeline.learned(target.weight_version, entry.created_at)
         except EventLogUnavailable as exc:
             logger.warning(
                 "cannot watch policy key %r for backend %s, retrying in %.1fs: %s",
@@ -96,7 +109,7 @@ async def _apply(raw: bytes, revision: int, run: str, target: PolicyTarget) -> N
         )
         return
     try:
-        await target.load_weights(update.checkpoint, update.version)
+        await target.load_weights(update.checkpoint, update.version, update.mode)
     except Exception as exc:  # keep serving the weights we have; the next version may load
         logger.error(
             "backend %s could not load run %r policy version %d (%s): %s",
@@ -138,5 +151,7 @@ class PolicyVersion:
     def weight_version(self) -> int:
         return self._version
 
-    async def load_weights(self, checkpoint: Path | None, version: int) -> None:
-        self._version = version
+    async def load_weights(
+        self, checkpoint: Path | None, version: int, mode: UpdateMode = "wait"
+    ) -> None:
+        self._version = version  # the trainer paused its servers itself: the mode is its own

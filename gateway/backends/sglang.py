@@ -67,7 +67,9 @@ from gateway.errors import BackendError
 
 __all__ = ["SGLangBackend", "SGLangStreamReader", "generate_request"]
 
-_FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length"}
+# {"type": "abort"}: SGLang ended the request unfinished (/pause_generation, /abort_request):
+# the tokens so far are read, and the gateway continues the turn.
+_FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 _ADVICE: dict[LogprobsKind, str] = {
     "raw": "Start SGLang without SGLANG_RETURN_ORIGINAL_LOGPROB in its environment (it makes "
     "the log-probs those before temperature)",
@@ -258,7 +260,6 @@ def _finish_reason(value: Any, where: str) -> FinishReason | None:
     kind = member(value, "type", where) if isinstance(value, dict) else value
     reason = _FINISH_REASONS.get(kind) if isinstance(kind, str) else None
     if reason is None:
-        # {"type": "abort", "message": ...}: the request was dropped; nothing to record.
         raise BackendError(f"{where} ended the generation with finish_reason {value!r:.300}")
     return reason
 

@@ -28,7 +28,9 @@ from gateway.frozen import evolved
 __all__ = ["CompletionReader"]
 
 _TOKEN_ID_PREFIX = "token_id:"
-_FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length"}
+# "abort": vLLM ended the request unfinished (paused for a weight update with /pause?mode=abort,
+# /abort_requests): the tokens so far are read, and the gateway continues the turn.
+_FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
 # What the gateway reads of vLLM's JSON, typed, so that msgspec decodes it straight into these
@@ -358,7 +360,6 @@ def _finish_reason(value: Any, where: str) -> FinishReason | None:
         return None
     reason = _FINISH_REASONS.get(value) if isinstance(value, str) else None
     if reason is None:
-        # "abort": vLLM dropped the request (shutdown, preemption limit); nothing to record.
         raise BackendError(f"{where} ended the generation with finish_reason {value!r}")
     return reason
 

@@ -194,6 +194,7 @@ class TurnDraft:
     finish_reason: str = "stop"
     sampling: JSON = field(default_factory=dict)
     weight_version: int = 0
+    version_spans: list[tuple[int | None, int]] | None = None  # TurnCompleted.version_spans
     template_hash: str = ""
     backend: str = ""
     timings: dict[str, float] = field(default_factory=dict)
@@ -273,6 +274,7 @@ def turn_event(state: SessionState, draft: TurnDraft) -> TurnCompleted:
         text=draft.text,
         tool_calls=draft.tool_calls,
         weight_version=draft.weight_version,
+        version_spans=draft.version_spans,
         template_hash=draft.template_hash,
         backend=draft.backend,
         timings=draft.timings,

@@ -9,6 +9,7 @@ body model, and nothing else (FastAPI's own 422 is never sent: validation errors
 from __future__ import annotations
 
 import logging
+import math
 import re
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -97,9 +98,13 @@ def create_app(
         metrics.errors.labels(str(spec.status)).inc()
         if spec.status >= 500:
             log.error("%s: %s", type(exc).__name__, exc, exc_info=spec.status == 500)
+        retry_after = getattr(exc, "retry_after_s", None)
+        headers = None if retry_after is None else {"Retry-After": str(math.ceil(retry_after))}
         if _ANTHROPIC_ROUTE.search(path):
-            return JSONResponse(anthropic_error_body(exc), status_code=anthropic_status(exc))
-        return JSONResponse({"error": error_body(exc)}, status_code=spec.status)
+            return JSONResponse(
+                anthropic_error_body(exc), status_code=anthropic_status(exc), headers=headers
+            )
+        return JSONResponse({"error": error_body(exc)}, status_code=spec.status, headers=headers)
 
     def error_for(exc: BaseException, method: str, path: str) -> JSONResponse:
         """The one error mapping of the app's routes: FastAPI's own errors (validation, no

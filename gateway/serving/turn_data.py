@@ -19,14 +19,19 @@ from typing import Any, Literal, NamedTuple
 from gateway.backends.interface import Prompt, SamplingParams
 from gateway.core.conversation import MessageKey
 from gateway.core.session_store import Session
+from gateway.core.versions import TokenVersions
 from gateway.decoding import Detokenizer
 from schemas.events import TurnCompleted
 
-__all__ = ["ChatPrompt", "Generation", "Kind", "Turn", "TurnResult"]
+__all__ = ["CLIENT_FINISH", "ChatPrompt", "Generation", "Kind", "Turn", "TurnResult"]
 
 JSON = dict[str, Any]
 # The API that carried a turn (TurnRequest.api); also the label of the turns metric.
 Kind = Literal["chat.completions", "completions", "messages", "responses"]
+# Finish reasons the log records that no client API has, as the client is told them: a turn
+# ended at --max-versions-per-turn was cut short, as by max_tokens ("length"; Anthropic's
+# "max_tokens", Responses' "incomplete").
+CLIENT_FINISH = {"version_limit": "length"}
 
 
 class ChatPrompt(NamedTuple):
@@ -83,9 +88,15 @@ class Generation:
     detok: Detokenizer  # the completion's ids, logprobs and text
     backend_id: str = ""  # the replica that served the turn
     finish: str = "length"  # set from the backend's last chunk
-    sampled_version: int | None = None  # weight_version the backend reported
     logprobs_kind: str = "sampled"  # "raw" when the backend said so (TurnCompleted.logprobs_kind)
     first_token_at: float | None = None  # perf_counter at the first chunk (ttft)
+    # Each token's policy version (TurnCompleted.version_spans, gateway.core.versions).
+    versions: TokenVersions = field(default_factory=TokenVersions)
+    # The resubmissions after the backend aborted the generation (sampling["continued"]): the
+    # tokens before each, and its seed; and the time spent waiting for them to start.
+    continued: list[JSON] = field(default_factory=list)
+    interrupted_s: float = 0.0
+    aborted_at: float = 0.0  # perf_counter at the latest abort
 
 
 @dataclass
@@ -121,7 +132,7 @@ class TurnResult:
             detok.text,
             (event.text or None) if tools_parsed else event.text,
             list(event.tool_calls),
-            event.finish_reason,
+            CLIENT_FINISH.get(event.finish_reason, event.finish_reason),
             list(detok.ids),
             detok,
             int(event.usage.get("prompt_tokens", 0)),

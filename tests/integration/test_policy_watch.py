@@ -52,7 +52,7 @@ class Recording:
     def weight_version(self) -> int:
         return self.backend.weight_version
 
-    async def load_weights(self, checkpoint: Path | None, version: int) -> None:
+    async def load_weights(self, checkpoint: Path | None, version: int, mode: str = "wait") -> None:
         self.asked.append(version)
         await self.backend.load_weights(checkpoint, version)
 

@@ -73,7 +73,7 @@ def test_each_agent_of_a_claude_code_session_is_its_own_trajectory() -> None:
     }  # fmt: skip
     assert fresh.metadata["agent_kind"] == "fresh"
     assert fresh.metadata["agent_type"] == "general-purpose"
-    assert all(t.fold_version == FOLD_VERSION == 5 for t in result.trajectories)
+    assert all(t.fold_version == FOLD_VERSION >= 5 for t in result.trajectories)
     assert all("side" not in t.metadata for t in result.trajectories)
     assert all("side_calls" not in t.metadata for t in result.trajectories)
 

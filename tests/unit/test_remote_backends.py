@@ -150,6 +150,18 @@ def vllm_event(
     }
 
 
+VLLM_USAGE_ABORTED = {
+    "id": "cmpl-3f9c",
+    "object": "text_completion",
+    "created": 1735689600,
+    "model": "Qwen/Qwen2.5-7B-Instruct",
+    "choices": [],
+    "usage": {
+        "prompt_tokens": len(PROMPT),
+        "total_tokens": len(PROMPT) + 2,
+        "completion_tokens": 2,
+    },
+}
 VLLM_USAGE = {
     "id": "cmpl-3f9c",
     "object": "text_completion",
@@ -530,7 +542,6 @@ class TrackedStream(httpx.AsyncByteStream):
             "CUDA out of memory",
             id="error event",
         ),
-        pytest.param(sse(vllm_event("", [], [], [], "abort")), "'abort'", id="aborted"),
         pytest.param(
             sse(vllm_event("Hi", [1, 2], [-0.1], [{}])), "1 logprobs for 2 tokens", id="misaligned"
         ),
@@ -721,12 +732,6 @@ async def test_sglang_length_finish() -> None:
             sse(sglang_event(0, 1, None), "[DONE]"), False, "without a finish_reason", id="cut off"
         ),
         pytest.param(
-            sse(sglang_event(0, 1, {"type": "abort", "message": "Abort before prefill"})),
-            False,
-            "Abort before prefill",
-            id="aborted",
-        ),
-        pytest.param(
             sse({"error": {"message": "input_ids too long"}}),
             False,
             "input_ids too long",
@@ -781,6 +786,37 @@ async def test_sglang_unexpected_payloads_are_backend_errors_naming_the_url(
     with pytest.raises(BackendError, match=match) as caught:
         await collect(sglang(answer(body), incremental=incremental))
     assert "http://gpu-2:30000/generate" in str(caught.value)
+
+
+# ---- aborted generations (issue 37) ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("at_once", [False, True], ids=["event by event", "read together"])
+async def test_a_vllm_generation_aborted_for_a_weight_update_ends_with_its_tokens(
+    at_once: bool,
+) -> None:
+    """vLLM paused with /pause?mode=abort ends the request with finish_reason "abort": the
+    tokens before it are read, and the last chunk says "abort" (the gateway continues the turn),
+    where it used to be a BackendError that threw them away."""
+    body = sse(
+        vllm_event("Hi", [13048], [-0.01], [{"token_id:13048": -0.01}]),
+        vllm_event(",", [11], [-0.2], [{"token_id:11": -0.2}]),
+        vllm_event("", [], [], [], "abort"),
+        VLLM_USAGE_ABORTED,
+        "[DONE]",
+    )
+    chunks = await collect(vllm(answer(body, at_once=at_once)))
+    assert [t for c in chunks for t in c.token_ids] == [13048, 11]
+    assert chunks[-1].finish_reason == "abort"
+    assert all(c.finish_reason is None for c in chunks[:-1])
+
+
+async def test_an_sglang_generation_aborted_ends_with_its_tokens() -> None:
+    abort = {"type": "abort", "message": "Abort in waiting queue"}
+    body = sse(sglang_event(0, 1, None), sglang_event(1, 2, abort), "[DONE]")
+    chunks = await collect(sglang(answer(body), incremental=True))
+    assert [t for c in chunks for t in c.token_ids] == [13048, 0]
+    assert chunks[-1].finish_reason == "abort"
 
 
 # ---- transport errors, both backends ------------------------------------------------------------

@@ -25,6 +25,7 @@ from gateway.backends.interface import Backend
 from gateway.backends.policy_watch import PolicyTarget, PolicyVersion, watch_policy
 from gateway.core.aggregate import Kept
 from gateway.core.session_store import SessionLog, SessionStore
+from gateway.core.versions import VersionTimeline
 from gateway.http.app import create_app
 from gateway.http.guard import BodyLimits
 from gateway.metrics import GatewayMetrics
@@ -32,6 +33,7 @@ from gateway.serving import SessionService, TurnEngine
 from gateway.templates import ChatTemplate, load_tokenizer
 from gateway.tools import get_parser
 from schemas.errors import TurnstreamError
+from schemas.policy import parse_policy_update
 from turnstream.services.gateway.settings import GatewaySettings
 from turnstream.stack.event_log import EventLog
 from turnstream.stack.process import without_progress_bars
@@ -190,7 +192,22 @@ async def build_gateway(settings: GatewaySettings, event_log: EventLog) -> Async
     # The local backend loads each new checkpoint itself; remote ones are updated by the
     # trainer, and the gateway only follows the version to record it on every turn.
     policy: PolicyTarget = backend if isinstance(backend, PolicyTarget) else PolicyVersion()
-    watcher = asyncio.create_task(watch_policy(kv, settings.run, policy), name="policy-watch")
+    timeline = VersionTimeline()  # each version learned, with the log's time stamp of it
+    watcher = asyncio.create_task(
+        watch_policy(kv, settings.run, policy, timeline=timeline), name="policy-watch"
+    )
+
+    async def policy_version() -> int:
+        """The run's version as the bucket holds it now (a continued turn's tokens were
+        sampled by it: gateway.core.versions); the watched one where the entry is unreadable."""
+        entry = await kv.get(settings.run)
+        try:
+            return (
+                policy.weight_version if entry is None else parse_policy_update(entry.value).version
+            )
+        except ValueError:
+            return policy.weight_version
+
     # The log decides (DESIGN §4): sessions are loaded and caught up by reading what follows a
     # sequence, and every append states the last one this gateway knows. One held reader: a
     # catch-up that finds nothing then costs about a publish (benchmarks/catch_up_read.py).
@@ -217,6 +234,10 @@ async def build_gateway(settings: GatewaySettings, event_log: EventLog) -> Async
         weight_version=lambda: policy.weight_version,
         store=store,
         allow_raw_logprobs=settings.allow_raw_logprobs,
+        continue_wait_s=settings.continue_wait_s,
+        max_versions_per_turn=settings.max_versions_per_turn,
+        timeline=timeline,
+        policy_version=policy_version,
         instance=settings.instance_id or f"{socket.gethostname()}:{settings.port}",
     )
     sessions = SessionService(store=store, publisher=publisher, model_name=name, metrics=metrics)

@@ -111,6 +111,23 @@ class GatewaySettings(PublishingSettings):
         "caught up on the log before its next turn (turns or a close another gateway or the "
         "reaper stored); 0: before every turn",
     )
+    continue_wait_s: float = Field(
+        120.0,
+        ge=0,
+        le=3600,
+        description="a generation the backend aborts mid-turn (a trainer pausing it for a weight "
+        "update) is continued with its tokens so far once the backend takes work again; the turn "
+        "waits this long for that in all, then answers 503 with Retry-After and records nothing; "
+        "0: never continue",
+    )
+    max_versions_per_turn: int = Field(
+        4,
+        ge=1,
+        le=1000,
+        description="policy versions one turn's tokens may span (continued across weight "
+        'updates); a turn that would span more ends there, with finish_reason "version_limit" '
+        'recorded ("length" to the client)',
+    )
     instance_id: str | None = Field(
         None,
         description="this gateway's name among a fleet's on one log, mixed into the seeds it "
