@@ -284,7 +284,7 @@ class TurnEngine:
             stream = aiter(self.backend.generate(prompt, params, session=turn.session.name))
             try:
                 first = await self._first_chunk(turn, gen, stream) if resumed else None
-            except BackendError:
+            except _Refused:
                 # Refused while paused (a server that does not queue): tried again, in time.
                 await _close(stream)
                 await asyncio.sleep(min(0.5, max(0.0, self._wait_left(gen))))
@@ -353,7 +353,7 @@ class TurnEngine:
             return None
         except (TimeoutError, BackendError) as exc:
             if isinstance(exc, BackendError) and self._wait_left(gen) > 0:
-                raise
+                raise _Refused from exc
             await _close(stream)
             self.metrics.interruptions.labels("gave_up").inc()
             n = len(gen.detok.ids)
@@ -585,6 +585,10 @@ class TurnEngine:
         detok.add(event.completion_ids.tolist(), event.logprobs.tolist())
         detok.finish()
         return TurnResult.of(event, detok, tools_parsed=tools_parsed)
+
+
+class _Refused(Exception):
+    """The backend refused a continuation while there is time left to ask again."""
 
 
 async def _close(stream: AsyncIterator[GenerationChunk]) -> None:
