@@ -39,8 +39,10 @@ committed trajectory is never delivered again, not by instances of two sinks in 
 
 Staleness (``max_staleness``): a sample is stale when ``trainer_version - min_weight_version >
 max_staleness``. The *oldest* generated token decides: the policy-gradient ratio is off by
-every update since the earliest token was sampled. A sample with no generated token (no version)
-is never stale. Stale samples are dropped (``stale``) or kept with ``stale=True``. ``count`` and
+every update since the earliest token was sampled; versions are per token (a turn continued
+across a weight update has two), and a token whose version is unknown (``UNKNOWN_VERSION``: a
+generation frozen across a swap, DESIGN §4) makes its sample stale under any bound. A sample with
+no generated token (no version) is never stale. Stale samples are dropped (``stale``) or kept with ``stale=True``. ``count`` and
 ``tokens`` judge a sample on arrival (it only waits for batch mates); ``groups`` judge a group when
 it is ready, since it may have waited ``group_timeout_s``: with ``stale="drop"`` one stale member
 drops the whole group (a partial group would shift the others' baseline), with ``"flag"`` each
@@ -93,7 +95,7 @@ from dataclasses import dataclass, field, replace
 from typing import Generic, Literal, TypeVar
 
 from schemas.agents import is_side_call
-from schemas.events import TrajectoryReady
+from schemas.events import UNKNOWN_VERSION, TrajectoryReady
 from trainer_sink.config import BatchingSettings
 
 __all__ = [
@@ -454,9 +456,13 @@ class Batcher(Generic[H]):
 
     def _is_stale(self, trajectory: TrajectoryReady) -> bool:
         bound, current = self.settings.max_staleness, self.trainer_version
-        if bound is None or current is None:
+        if bound is None:
             return False
         oldest = trajectory.min_weight_version
+        if oldest == UNKNOWN_VERSION:  # a token no one can bound: never taken as fresh
+            return True
+        if current is None:
+            return False
         return oldest >= 0 and current - oldest > bound
 
     def _clock(self, now: float) -> float:

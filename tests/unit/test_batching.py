@@ -351,6 +351,8 @@ def test_a_session_reward_is_read_from_whichever_segment_carries_it() -> None:
         (2, 5, True),  # 3 behind
         (2, None, False),  # the trainer's version not known yet
         (-1, 5, False),  # generated tokens without a version
+        (-2, 5, True),  # a token of unknown version (issue 37): it cannot be bounded
+        (-2, None, True),  # ... whatever the trainer's version
     ],
 )
 @pytest.mark.parametrize("policy", ["count", "tokens"])

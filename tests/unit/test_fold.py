@@ -32,6 +32,7 @@ from consumers import (
 from schemas.codec import Codec
 from schemas.errors import TurnstreamError
 from schemas.events import (
+    UNKNOWN_VERSION,
     RewardAssigned,
     SessionClosed,
     SessionEvent,
@@ -833,3 +834,47 @@ def test_a_sample_holding_a_raw_turn_says_so_and_no_other_does() -> None:
     [sampled] = fold(session_events(explicit)).trajectories
     assert "logprobs_kind" not in plain.metadata
     assert CODEC.encode(sampled) == CODEC.encode(plain)
+
+
+# -- per-token versions (issue 37) ---------------------------------------------------------------
+
+
+def test_a_turn_continued_across_a_weight_update_folds_one_span_per_version() -> None:
+    """A generation aborted for a weight update and continued carries each token's version
+    (``version_spans``): the fold splits its generated tokens into one span per version, and
+    a token whose version is unknown gets UNKNOWN_VERSION (-2); an older turn without the field
+    folds as before, at its weight_version."""
+    first = TurnSpec(prompt=[1, 2, 3], completion=[4, 5], weight_version=2)
+    second = TurnSpec(
+        prompt=[1, 2, 3, 4, 5, 6],
+        completion=[7, 8, 9, 10, 11],
+        weight_version=2,
+        extra={"version_spans": [(2, 2), (3, 1), (None, 2)]},
+    )
+    result = fold([*session_events([first, second])])
+    (sample,) = result.trajectories
+    generated = sample.loss_mask == 1
+    assert sample.versions[generated].tolist() == [2, 2, 2, 2, 3, -2, -2]
+    assert sample.versions[~generated].tolist() == [-1] * 4
+    assert sample.min_weight_version == UNKNOWN_VERSION and sample.fold_version == FOLD_VERSION
+    # The wire form keeps it: spans split at each version, decoded back the same.
+    compact = sample.compact()
+    assert compact.span_versions is not None
+    assert compact.span_versions.tolist() == [2, 2, 3, -2]  # turn 0's span, then turn 1's three
+    assert compact.expand().versions.tolist() == sample.versions.tolist()
+
+
+@pytest.mark.parametrize(
+    ("spans", "problem"),
+    [
+        ([(2, 2), (3, 2)], "cover 4 tokens, the completion has 5"),
+        ([(2, 0), (3, 5)], "a count is at least 1"),
+        ([(-2, 5)], "non-negative int32 or null"),
+    ],
+)
+def test_version_spans_that_do_not_fit_the_completion_are_refused(
+    spans: list[tuple[int | None, int]], problem: str
+) -> None:
+    spec = TurnSpec(prompt=[1], completion=[4, 5, 6, 7, 8], extra={"version_spans": spans})
+    with pytest.raises(ValueError, match=problem):
+        turn_events([spec])

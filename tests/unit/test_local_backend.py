@@ -375,6 +375,50 @@ async def test_in_flight_generation_finishes_on_the_weights_it_started_with(
     assert tokens(fresh) != tokens(solo_old)
 
 
+async def test_a_load_in_mode_abort_ends_running_generations_and_holds_new_ones(
+    endless: LocalBackend, other_weights: Path
+) -> None:
+    """What vLLM's /pause?mode=abort does (issue 37): the generation in flight ends at its next
+    token with finish_reason "abort", its tokens so far kept; a generation asked for during the
+    load waits for it and runs on the new weights."""
+    params = SamplingParams(max_tokens=600, seed=11)
+    stream = endless.generate(Prompt(PROMPT), params)
+    chunks = [await anext(stream)]
+    loading = asyncio.ensure_future(endless.load_weights(other_weights, 2, "abort"))
+    chunks += [chunk async for chunk in stream]
+    assert chunks[-1].finish_reason == "abort" and chunks[-1].token_ids == []
+    assert 1 <= len(tokens(chunks)) < 600 and {c.weight_version for c in chunks} == {0}
+    held = asyncio.ensure_future(run(endless, PROMPT, SamplingParams(max_tokens=4, seed=1)))
+    await loading
+    assert {c.weight_version for c in await held} == {2}, "it waited for the new weights"
+    assert endless.accepting
+
+
+async def test_a_load_in_mode_keep_switches_running_generations_at_their_next_token(
+    endless: LocalBackend, other_weights: Path
+) -> None:
+    """/pause?mode=keep's equivalent: the generation goes on, each token reporting the version
+    that sampled it, and the tokens after the swap are exactly those the new weights sample
+    from the prompt and the tokens before (their log-probs those of a fp32 recomputation)."""
+    params = SamplingParams(max_tokens=300, seed=11)
+    stream = endless.generate(Prompt(PROMPT), params)
+    chunks = [await anext(stream)]
+    await endless.load_weights(other_weights, 2, "keep")
+    chunks += [chunk async for chunk in stream]
+    versions = [c.weight_version for c in chunks]
+    swap = versions.index(2)
+    assert swap >= 1 and set(versions[:swap]) == {0} and set(versions[swap:]) == {2}
+    assert len(tokens(chunks)) == 300, "nothing aborted"
+    before, after = tokens(chunks[:swap]), tokens(chunks[swap:])
+    model = AutoModelForCausalLM.from_pretrained(other_weights, dtype=torch.float32)
+    with torch.inference_mode():
+        logits = model(torch.tensor([PROMPT + before + after])).logits[0].float()
+    scores = logits[len(PROMPT) + len(before) - 1 : -1]
+    expected = torch.log_softmax(scores, -1).gather(-1, torch.tensor(after)[:, None]).squeeze(-1)
+    got = torch.tensor(logprobs(chunks[swap:]))
+    assert (got - expected).abs().max().item() <= 1e-4
+
+
 async def test_bad_checkpoint_keeps_the_current_weights(
     backend: LocalBackend, tmp_path: Path
 ) -> None:
