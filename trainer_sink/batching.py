@@ -41,12 +41,12 @@ Staleness (``max_staleness``): a sample is stale when ``trainer_version - min_we
 max_staleness``. The *oldest* generated token decides: the policy-gradient ratio is off by
 every update since the earliest token was sampled; versions are per token (a turn continued
 across a weight update has two), and a token whose version is unknown (``UNKNOWN_VERSION``: a
-generation frozen across a swap, DESIGN §4) makes its sample stale under any bound. A sample with
-no generated token (no version) is never stale. Stale samples are dropped (``stale``) or kept with ``stale=True``. ``count`` and
-``tokens`` judge a sample on arrival (it only waits for batch mates); ``groups`` judge a group when
-it is ready, since it may have waited ``group_timeout_s``: with ``stale="drop"`` one stale member
-drops the whole group (a partial group would shift the others' baseline), with ``"flag"`` each
-stale sample is flagged.
+generation frozen across a swap, DESIGN §4) makes its sample stale under any bound. A sample
+with no generated token (no version) is never stale. Stale samples are dropped (``stale``) or
+kept with ``stale=True``. ``count`` and ``tokens`` judge a sample on arrival (it only waits for
+batch mates); ``groups`` judge a group when it is ready, since it may have waited
+``group_timeout_s``: with ``stale="drop"`` one stale member drops the whole group (a partial
+group would shift the others' baseline), with ``"flag"`` each stale sample is flagged.
 
 Side calls (``keep_side_calls``, off by default): a sample whose metadata says ``side: true``
 (the fold's trajectory of a side request: compaction, auxiliary, side_reply, count_tokens;
