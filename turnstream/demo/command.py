@@ -43,6 +43,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from eventlog import JetStreamPublisher
 from eventlog.buckets import Bucket
 from schemas.errors import TurnstreamError
+from schemas.policy import UpdateMode
 from shardstore import FileShardStore
 from trainer_sink import (
     BatchingSettings,
@@ -102,6 +103,12 @@ class DemoSettings(UpSettings):
         10, ge=0, description="steps over which the learning rate rises to --lr"
     )
     temperature: float = Field(0.8, gt=0, le=2, description="the agents' sampling temperature")
+    update_mode: UpdateMode = Field(
+        "abort",
+        description="what the gateway does with the agents' generations in flight when the "
+        "trainer publishes a version: abort (the default: they end and are continued on the new "
+        "weights, each token's version recorded), wait, keep",
+    )
     max_tokens: int = Field(16, ge=1, le=256, description="tokens per answer (the reward's unit)")
     seed: int = Field(0, ge=0, description="sampling seed of every episode (replays the demo)")
     json_output: bool = Field(
@@ -233,6 +240,7 @@ async def train_live(stack: Stack, settings: DemoSettings, console: Console) -> 
             lr=settings.lr,
             warmup_steps=settings.warmup_steps,
             temperature=settings.temperature,
+            update_mode=settings.update_mode,
         )
     )
     publisher = await JetStreamPublisher(stack.event_log.nc, settings.publisher).start()

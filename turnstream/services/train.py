@@ -34,6 +34,7 @@ from eventlog import JetStreamPublisher
 from eventlog.buckets import Bucket
 from schemas.codec import Codec
 from schemas.ids import ID_PATTERN
+from schemas.policy import UpdateMode
 from trainer_sink import (
     BatchingSettings,
     LiveSource,
@@ -120,6 +121,13 @@ class TrainSettings(PublishingSettings):
         1.0, ge=0, description="the agents' sampling temperature (0, greedy, counts as 1)"
     )
     device: str = Field("cpu", description="torch device")
+    update_mode: UpdateMode = Field(
+        "wait",
+        description="what the gateway's local backend does with its generations in flight when "
+        "it loads a new version: wait (finish on the old weights), abort (end; the gateway "
+        "continues each on the new weights, each token's version recorded), keep (switch at the "
+        "next token)",
+    )
     checkpoint_dir: Path | None = Field(
         None,
         description="new policies go to <checkpoint_dir>/v<N>/; unset: "
@@ -140,6 +148,7 @@ class TrainSettings(PublishingSettings):
             session_balanced=self.session_balanced,
             temperature=self.temperature,
             device=self.device,
+            update_mode=self.update_mode,
         )
 
 

@@ -58,7 +58,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from eventlog.buckets import Entry
 from schemas.errors import EventLogUnavailable
-from schemas.policy import PolicyUpdate, encode_policy_update, parse_policy_update
+from schemas.policy import PolicyUpdate, UpdateMode, encode_policy_update, parse_policy_update
 from trainer_sink.assembly import non_tensor_values
 from trainer_sink.errors import BatchError, PolicyError
 from trainer_sink.sessions import SessionRows
@@ -109,6 +109,13 @@ class ReferenceTrainerSettings(BaseModel):
         1.0, ge=0, description="the agents' sampling temperature (0, greedy, counts as 1)"
     )
     initial_version: int = Field(0, ge=0, description="weight_version of the weights in model_dir")
+    update_mode: UpdateMode = Field(
+        "wait",
+        description="what a gateway's local backend does with the generations in flight when "
+        "it loads a new version: wait (they finish on the old weights), abort (they end, and the "
+        "gateway continues each on the new weights, each token's version recorded), keep "
+        "(they switch to the new weights at their next token)",
+    )
     device: str = Field("cpu", description="torch device")
 
 
@@ -292,7 +299,8 @@ class ReferenceTrainer:
 
     async def publish(self, policy: PolicyStore, report: StepReport) -> None:
         """PolicyUpdated: the run's key in ``ts_policy`` names the new version's checkpoint."""
-        entry = encode_policy_update(PolicyUpdate(report.version, report.checkpoint))
+        update = PolicyUpdate(report.version, report.checkpoint, self.settings.update_mode)
+        entry = encode_policy_update(update)
         try:
             await policy.put(self.settings.run, entry)
         except EventLogUnavailable as exc:
