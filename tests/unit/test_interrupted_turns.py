@@ -14,15 +14,17 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from transformers import AutoTokenizer
 
 from gateway.backends.interface import GenerationChunk, Prompt, SamplingParams
 from gateway.core.session_store import Session, SessionStore
 from gateway.errors import BackendUnavailable, GenerationInterrupted
+from gateway.http.app import create_app
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import ChatCompletionRequest
-from gateway.serving import ChatServing, TurnEngine, TurnServing
+from gateway.serving import ChatServing, SessionService, TurnEngine, TurnServing
 from gateway.serving.engine import continued_seed
 from gateway.templates import ChatTemplate
 from gateway.tools import get_parser
@@ -273,3 +275,37 @@ async def test_a_frozen_generation_across_a_swap_marks_its_later_tokens_unknown(
     assert reply.choices[0].message.content == REPLY and len(backend.calls) == 1
     assert event.version_spans == [(1, 4), (None, len(ids) - 4)]
     assert event.token_versions().tolist() == [1] * 4 + [UNKNOWN_VERSION] * (len(ids) - 4)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "error_type"),
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "server_error"),
+        (
+            "/v1/messages",
+            {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 16},
+            "overloaded_error",
+        ),
+    ],
+)
+async def test_the_503_tells_the_client_when_to_try_again(
+    tiny_model_dir: Path, path: str, body: dict[str, Any], error_type: str
+) -> None:
+    """Over HTTP: a 503 in the API's own error body, with Retry-After, and the session is free
+    for the request sent again (nothing was recorded)."""
+    _, backend, publisher, _, core, _ = await served(tiny_model_dir, continue_wait_s=0.2)
+    sessions = SessionService(store=SessionStore(), publisher=publisher, model_name="tiny")  # type: ignore[arg-type]
+    app = create_app(engine=core, sessions=sessions, default_run="run")
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as http:
+        headers = {"X-Session-Id": "s-1", "anthropic-version": "2023-06-01"}
+        answer = await http.post(path, json={"model": "tiny", **body}, headers=headers)
+        assert answer.status_code == 503 and int(answer.headers["retry-after"]) >= 1
+        error = answer.json()["error"]
+        assert error["type"] == error_type and "--continue-wait-s" in error["message"]
+        assert publisher.events == [] or all(
+            not isinstance(e, TurnCompleted) for e in publisher.events
+        )
+        backend.aborts, backend.calls = 0, []  # the server is back: the retry is served
+        again = await http.post(path, json={"model": "tiny", **body}, headers=headers)
+        assert again.status_code == 200
