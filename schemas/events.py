@@ -219,7 +219,8 @@ class TrajectoryReady(_Event, tag="TrajectoryReady", kw_only=True):
     input_ids: np.ndarray  # int32
     loss_mask: np.ndarray  # int8: 1 where the policy generated the token
     logprobs: np.ndarray  # float32: sampling logprob of generated tokens, 0 elsewhere
-    versions: np.ndarray  # int32: weight_version of generated tokens, -1 elsewhere
+    # int32: weight_version of generated tokens (UNKNOWN_VERSION -2: not known), -1 elsewhere
+    versions: np.ndarray
     prompt_len: int
     turn_ends: np.ndarray  # int32: end (exclusive) of each turn's completion in input_ids
     turn_rewards: list[float | None]  # one per turn of this sample

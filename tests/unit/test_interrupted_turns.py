@@ -93,11 +93,17 @@ class _PausedServer:
 
 
 async def served(
-    model_dir: Path, *, said: bool = True, abort_after: int = 3, aborts: int = 1, **engine: Any
+    model_dir: Path,
+    *,
+    said: bool = True,
+    abort_after: int = 3,
+    aborts: int = 1,
+    reply: str = REPLY,
+    **engine: Any,
 ) -> tuple[ChatServing, _PausedServer, _Publisher, Session, TurnEngine, list[int]]:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     template = ChatTemplate(tokenizer)
-    ids = [*tokenizer.encode(REPLY, add_special_tokens=False), *template.stop_token_ids[:1]]
+    ids = [*tokenizer.encode(reply, add_special_tokens=False), *template.stop_token_ids[:1]]
     backend = _PausedServer(ids, abort_after=abort_after, aborts=aborts, said=said)
     publisher = _Publisher()
     core = TurnEngine(
@@ -182,6 +188,23 @@ async def test_a_stop_string_across_the_abort_applies_to_the_whole_turn(
     reply, _ = await asyncio.wait_for(asyncio.gather(asked, resume_at(backend, 2)), WAIT)
     assert reply.choices[0].message.content == "The weather in "
     assert reply.choices[0].finish_reason == "stop"
+
+
+async def test_a_tool_call_cut_by_the_abort_is_parsed_from_the_whole_turn(
+    tiny_model_dir: Path,
+) -> None:
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    chat, backend, publisher, session, _, _ = await served(
+        tiny_model_dir, reply=call, abort_after=30
+    )
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    asked = chat.complete(session, request(tools=tools))
+    reply, _ = await asyncio.wait_for(asyncio.gather(asked, resume_at(backend, 2)), WAIT)
+    (tool_call,) = reply.choices[0].message.tool_calls or []
+    assert tool_call.function.name == "get_weather"
+    assert json.loads(tool_call.function.arguments) == {"city": "Paris"}
+    assert reply.choices[0].finish_reason == "tool_calls"
+    assert publisher.events[0].version_spans[0] == (1, 30)
 
 
 async def test_max_tokens_counts_the_whole_turn(tiny_model_dir: Path) -> None:
