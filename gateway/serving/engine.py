@@ -375,6 +375,14 @@ class TurnEngine:
         left of max_tokens and a seed of its own (derived from the turn's, where it has one)."""
         done = len(gen.detok.ids)
         gen.aborted_at = time.perf_counter()
+        if len(gen.continued) >= _MAX_CONTINUATIONS:  # a backend aborting it again and again
+            self.metrics.interruptions.labels("gave_up").inc()
+            raise GenerationInterrupted(
+                f"session {turn.session.name}: the backend aborted this turn's generation "
+                f"{_MAX_CONTINUATIONS + 1} times (after {done} tokens); nothing was recorded: "
+                "send the request again",
+                retry_after_s=max(1.0, self.continue_wait_s / 4),
+            )
         self.metrics.interruptions.labels("continued").inc()
         left = turn.params.max_tokens - done
         seed = None if turn.params.seed is None else continued_seed(turn.params.seed, done)
@@ -637,6 +645,8 @@ def _own_event(events: Sequence[SessionEvent], reply_id: str) -> TurnCompleted |
     )
 
 
+# A backend that aborts a turn's generation this many times over is not pausing for updates.
+_MAX_CONTINUATIONS = 64
 _SEED_MASK = (1 << 63) - 1  # derived seeds are non-negative int64s (derived_seed)
 
 

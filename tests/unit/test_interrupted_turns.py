@@ -332,3 +332,15 @@ async def test_the_503_tells_the_client_when_to_try_again(
         backend.aborts, backend.calls = 0, []  # the server is back: the retry is served
         again = await http.post(path, json={"model": "tiny", **body}, headers=headers)
         assert again.status_code == 200
+
+
+async def test_a_backend_that_aborts_every_continuation_gives_up_in_the_end(
+    tiny_model_dir: Path,
+) -> None:
+    chat, backend, publisher, session, _, _ = await served(
+        tiny_model_dir, aborts=10**6, abort_after=0
+    )
+    backend.resumed.set()
+    with pytest.raises(GenerationInterrupted, match="65 times"):
+        await asyncio.wait_for(chat.complete(session, request()), WAIT)
+    assert publisher.events == [] and len(backend.calls) == 65
