@@ -17,19 +17,18 @@ own ``reply_id``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import logging
 import secrets
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from eventlog import AppendRefused, Publisher
-from gateway.backends.interface import Backend, GenerationChunk, Prompt, SamplingParams
+from gateway.backends.interface import Backend, Prompt, SamplingParams
 from gateway.core.agents import AgentIdentity
 from gateway.core.aggregate import SessionState, TurnDraft, prefix_parent, turn_event
 from gateway.core.branches import attachment, continued_turn, placement
@@ -37,16 +36,17 @@ from gateway.core.conversation import MessageKey
 from gateway.core.session_store import ContextCache, Session, SessionLog, SessionStore
 from gateway.core.versions import VersionTimeline
 from gateway.decoding import Detokenizer
-from gateway.errors import BackendError, ContextLengthExceeded, GenerationInterrupted, ModelNotFound
+from gateway.errors import ContextLengthExceeded, ModelNotFound
 from gateway.frozen import evolved
 from gateway.metrics import GatewayMetrics
+from gateway.serving.generating import SEED_MASK, Generating
 from gateway.serving.turn_data import ChatPrompt, Generation, Turn, TurnResult
 from gateway.templates import ChatTemplate
 from gateway.tools import ToolCallParser
 from schemas.errors import EventLogUnavailable
 from schemas.events import SessionEvent, TurnCompleted
 
-__all__ = ["TurnEngine", "continued_seed", "derived_seed", "sampling_record"]
+__all__ = ["TurnEngine", "derived_seed", "sampling_record"]
 
 log = logging.getLogger(__name__)
 JSON = dict[str, Any]
@@ -90,15 +90,17 @@ class TurnEngine:
         self.instance = instance
         # --allow-raw-logprobs: a raw-mode replica serves any sampling, its turns marked "raw".
         self.allow_raw_logprobs = allow_raw_logprobs
-        # A generation the backend aborts (a weight update) continues (``tokens``): waiting at
-        # most this long in all for the backend to take it again (0: never, a 503), over at
-        # most this many policy versions (then finish_reason "version_limit").
-        self.continue_wait_s = continue_wait_s
-        self.max_versions_per_turn = max_versions_per_turn
-        # The versions the policy watch learned, with the log's time stamps, and a fresh read
-        # of the policy bucket (gateway.core.versions); None: the watched version only.
-        self.timeline = timeline if timeline is not None else VersionTimeline()
-        self.policy_version = policy_version
+        # The backend side: generation, continued through weight updates (``Generating``).
+        self.generating = Generating(
+            template=template,
+            backend=backend,
+            metrics=metrics,
+            weight_version=weight_version,
+            continue_wait_s=continue_wait_s,
+            max_versions_per_turn=max_versions_per_turn,
+            timeline=timeline,
+            policy_version=policy_version,
+        )
         # Streamed turns generating on their own (their client may have gone): see detach.
         self._detached: set[asyncio.Task[None]] = set()
 
@@ -240,173 +242,13 @@ class TurnEngine:
 
     def generation(self, turn: Turn) -> Generation:
         """An empty accumulator for ``turn``'s completion."""
-        return Generation(Detokenizer(self.template.decode, turn.stop_strings), self.backend.id)
+        return self.generating.generation(turn)
 
-    async def tokens(
+    def tokens(
         self, turn: Turn, gen: Generation, params: SamplingParams | None = None
     ) -> AsyncIterator[Generation]:
-        """Generate (with ``params``, else the turn's), feeding ``gen``; yields it after every
-        chunk. Stops at a stop string.
-
-        A generation the backend aborts (``finish_reason`` "abort": a trainer pausing it for a
-        weight update) continues (DESIGN §4): the prompt plus the tokens so far (ids) are sent
-        again with what is left of ``max_tokens``, the same detokenizer reads on (stop strings
-        and tool parsing see the whole turn), and the caller sees one generation. The backend
-        has ``continue_wait_s`` in all to start the continuations, else GenerationInterrupted
-        (503) and nothing is recorded."""
-        params = params or turn.params
-        prompt = turn.prompt
-        try:
-            while True:
-                async with contextlib.aclosing(self._part(turn, gen, prompt, params)) as part:
-                    async for _ in part:
-                        yield gen
-                if gen.finish != "abort":
-                    return
-                if turn.params.max_tokens <= len(gen.detok.ids):  # aborted after its last token
-                    gen.finish = "length"
-                    return
-                prompt, params = self._continuation(turn, gen, params)
-        finally:
-            gen.detok.finish()
-
-    async def _part(
-        self, turn: Turn, gen: Generation, prompt: Prompt, params: SamplingParams
-    ) -> AsyncGenerator[None]:
-        """One submission of the turn to the backend (the first, or a continuation), feeding
-        ``gen``; a continuation's backend gets what is left of the turn's wait to start it."""
-        detok, versions = gen.detok, gen.versions
-        resumed = bool(gen.continued)
-        aborted_at = time.perf_counter()
-        part_version: int | None = None
-        while True:
-            # The session is the routing hint: its replica holds the conversation in its cache.
-            stream = aiter(self.backend.generate(prompt, params, session=turn.session.name))
-            try:
-                first = await self._first_chunk(turn, gen, stream) if resumed else None
-            except _Refused:
-                # Refused while paused (a server that does not queue): tried again, in time.
-                await _close(stream)
-                await asyncio.sleep(min(0.5, max(0.0, self._wait_left(gen))))
-                continue
-            break
-        if resumed:
-            waited = time.perf_counter() - aborted_at
-            gen.interrupted_s += waited
-            self.metrics.interrupted_wait.observe(waited)
-        try:
-            while True:
-                if first is not None:
-                    chunk, first = first, None
-                else:
-                    try:
-                        chunk = await anext(stream)
-                    except StopAsyncIteration:
-                        return
-                if gen.first_token_at is None:
-                    gen.first_token_at = time.perf_counter()
-                if chunk.replica is not None:
-                    gen.backend_id = chunk.replica
-                version, said = chunk.weight_version, chunk.weight_version is not None
-                if not said and chunk.token_ids:
-                    if part_version is None:
-                        part_version = await self._part_version(resumed)
-                    version = part_version
-                if (
-                    chunk.token_ids
-                    and version is not None
-                    and version not in versions.known
-                    and len(versions.known) >= self.max_versions_per_turn
-                ):
-                    # Sampled by one version too many: not taken, the turn ends here.
-                    self.metrics.interruptions.labels("version_limit").inc()
-                    gen.finish = "version_limit"
-                    return
-                versions.add(version, len(chunk.token_ids), said=said, at=time.time())
-                detok.add(chunk.token_ids, chunk.logprobs, chunk.top_logprobs)
-                if chunk.logprobs_kind is not None:
-                    gen.logprobs_kind = chunk.logprobs_kind
-                if chunk.finish_reason is not None:
-                    gen.finish = chunk.finish_reason
-                if chunk.finish_reason == "abort":
-                    # Sampled before the pause, so before any newer version was published.
-                    versions.seal()
-                yield None
-                if detok.stopped:
-                    gen.finish = "stop"
-                    return
-        finally:
-            await _close(stream)  # stops the generation on the backend
-
-    async def _first_chunk(
-        self, turn: Turn, gen: Generation, stream: AsyncIterator[GenerationChunk]
-    ) -> GenerationChunk | None:
-        """A continuation's first chunk, within what is left of the turn's wait (a backend
-        paused for a weight update queues it until it resumes); None: it ended at once."""
-        left = self._wait_left(gen)
-        try:
-            if left <= 0:
-                raise TimeoutError
-            async with asyncio.timeout(left):
-                return await anext(stream)
-        except StopAsyncIteration:
-            return None
-        except (TimeoutError, BackendError) as exc:
-            if isinstance(exc, BackendError) and self._wait_left(gen) > 0:
-                raise _Refused from exc
-            await _close(stream)
-            self.metrics.interruptions.labels("gave_up").inc()
-            n = len(gen.detok.ids)
-            raise GenerationInterrupted(
-                f"session {turn.session.name}: the backend aborted this turn's generation after "
-                f"{n} tokens (a weight update?) and did not take it up again within "
-                f"{self.continue_wait_s:g} s (--continue-wait-s); nothing was recorded: send the "
-                "request again",
-                retry_after_s=max(1.0, self.continue_wait_s / 4),
-            ) from (exc if isinstance(exc, BackendError) else None)
-
-    def _wait_left(self, gen: Generation) -> float:
-        return self.continue_wait_s - gen.interrupted_s - (time.perf_counter() - gen.aborted_at)
-
-    def _continuation(
-        self, turn: Turn, gen: Generation, params: SamplingParams
-    ) -> tuple[Prompt, SamplingParams]:
-        """What to send after an abort: the turn's prompt and every token so far, with what is
-        left of max_tokens and a seed of its own (derived from the turn's, where it has one)."""
-        done = len(gen.detok.ids)
-        gen.aborted_at = time.perf_counter()
-        if len(gen.continued) >= _MAX_CONTINUATIONS:  # a backend aborting it again and again
-            self.metrics.interruptions.labels("gave_up").inc()
-            raise GenerationInterrupted(
-                f"session {turn.session.name}: the backend aborted this turn's generation "
-                f"{_MAX_CONTINUATIONS + 1} times (after {done} tokens); nothing was recorded: "
-                "send the request again",
-                retry_after_s=max(1.0, self.continue_wait_s / 4),
-            )
-        self.metrics.interruptions.labels("continued").inc()
-        left = turn.params.max_tokens - done
-        seed = None if turn.params.seed is None else continued_seed(turn.params.seed, done)
-        gen.continued.append({"at": done, "seed": seed})
-        log.info(
-            "session %s: the backend aborted a generation after %d tokens; continuing it",
-            turn.session.name,
-            done,
-        )
-        return turn.prompt.extended(gen.detok.ids), evolved(params, max_tokens=left, seed=seed)
-
-    async def _part_version(self, resumed: bool) -> int:
-        """The policy version a part's tokens were sampled by, read as its first token arrived
-        (gateway.core.versions, rule 2): afresh from the bucket for a continuation (the
-        watch may not have delivered the version its servers resumed with yet)."""
-        if resumed and self.policy_version is not None:
-            try:
-                async with asyncio.timeout(2.0):
-                    fresh = await self.policy_version()
-            except (TimeoutError, EventLogUnavailable) as exc:
-                log.warning("reading the policy version failed (%s); using the watched one", exc)
-            else:
-                return max(fresh, self.weight_version())
-        return self.weight_version()
+        """``Generating.tokens``: the turn's generation, continued through aborts."""
+        return self.generating.tokens(turn, gen, params)
 
     async def run(self, turn: Turn) -> TurnResult:
         """A whole turn, not streamed (generated concurrently with the session's others).
@@ -449,7 +291,7 @@ class TurnEngine:
                 tool_calls = tool_calls[:1]
             if tool_calls:
                 finish = "tool_calls"
-        gen.versions.resolve(self.timeline)
+        gen.versions.resolve(self.generating.timeline)
         version = gen.versions.oldest
         if version is None:
             version = self.weight_version()
@@ -595,30 +437,6 @@ class TurnEngine:
         return TurnResult.of(event, detok, tools_parsed=tools_parsed)
 
 
-class _Refused(Exception):
-    """The backend refused a continuation while there is time left to ask again."""
-
-
-async def _close(stream: AsyncIterator[GenerationChunk]) -> None:
-    """Stop a backend's stream (an HTTP backend closes the response: the server aborts it)."""
-    aclose = getattr(stream, "aclose", None)
-    if aclose is not None:
-        await aclose()
-
-
-def continued_seed(seed: int, at: int) -> int:
-    """The seed of a turn's continuation after ``at`` tokens (its backend aborted it), from the
-    turn's: BLAKE2b of ``turnstream/continue/<seed>/<at>`` as ``derived_seed`` reads it. A fresh
-    stream of its own (the turn's seed again would sample its first tokens again), and
-    reproducible by ``replay --regenerate`` (``sampling["continued"]``).
-
-    >>> continued_seed(7, 12) == continued_seed(7, 12) != continued_seed(7, 13)
-    True
-    """
-    key = f"turnstream/continue/{seed}/{at}".encode()
-    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big") & _SEED_MASK
-
-
 def _timings(turn: Turn, gen: Generation, generated: float) -> dict[str, float]:
     timings = {
         "ttft_ms": round(1000 * ((gen.first_token_at or generated) - turn.started), 3),
@@ -645,11 +463,6 @@ def _own_event(events: Sequence[SessionEvent], reply_id: str) -> TurnCompleted |
     )
 
 
-# A backend that aborts a turn's generation this many times over is not pausing for updates.
-_MAX_CONTINUATIONS = 64
-_SEED_MASK = (1 << 63) - 1  # derived seeds are non-negative int64s (derived_seed)
-
-
 def derived_seed(run: str, session: str, turn: int, instance: str = "") -> int:
     """The seed of a turn whose request sets none: BLAKE2b with an 8-byte digest of
     ``turnstream/seed/<run>/<session>/<turn>`` (``/<instance>`` appended where given), read
@@ -669,7 +482,7 @@ def derived_seed(run: str, session: str, turn: int, instance: str = "") -> int:
     (4799148068869229546, 6702576449194413337)
     """
     key = f"turnstream/seed/{run}/{session}/{turn}{'/' + instance if instance else ''}".encode()
-    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big") & _SEED_MASK
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big") & SEED_MASK
 
 
 def sampling_record(

@@ -25,7 +25,7 @@ from gateway.http.app import create_app
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import ChatCompletionRequest
 from gateway.serving import ChatServing, SessionService, TurnEngine, TurnServing
-from gateway.serving.engine import continued_seed
+from gateway.serving.generating import continued_seed
 from gateway.templates import ChatTemplate
 from gateway.tools import get_parser
 from schemas.events import UNKNOWN_VERSION, TurnCompleted
@@ -290,7 +290,7 @@ async def test_a_frozen_generation_across_a_swap_marks_its_later_tokens_unknown(
         # learns it with the log's time stamp.
         await backend.frozen.wait()
         await asyncio.sleep(0.5)
-        core.timeline.learned(2, time.time())
+        core.generating.timeline.learned(2, time.time())
 
     asked = chat.complete(session, request())
     reply, _ = await asyncio.wait_for(asyncio.gather(asked, trainer_and_watch()), WAIT)
