@@ -15,7 +15,8 @@ The session's events are read back from EVENTS (``--log.url``, or the ``stack.js
   its kind, parent agent, request class; a side call; a client gone), and what starts it (a
   fork, a new conversation) marked, with the tokens its first turn shares with its parent's
   context collapsed;
-- per turn: its boundary (index, weight_version, finish reason, per-turn reward), the messages
+- per turn: its boundary (index, weight_version, where its versions meet when its weights
+  were updated while it was generated, finish reason, per-turn reward), the messages
   it added, prompt tokens dimmed (loss_mask 0), generated tokens (loss_mask 1) coloured by their
   sampling probability (red: unlikely, green: likely), its tool calls.
 
