@@ -88,10 +88,7 @@ async def gateway_backend(
         weights = None
         if checkpoints:
             if not isinstance(backend, PolicyTarget):  # vLLM / SGLang: their weights are theirs
-                raise TurnstreamError(
-                    f"--checkpoint loads weights into the local backend; --backend "
-                    f"{settings.backend} serves the weights its servers hold: leave it out"
-                )
+                raise TurnstreamError(f"backend {backend.id} loads no checkpoints (--checkpoint)")
             weights = CheckpointWeights(backend, checkpoints, model_dir)
         yield backend, stop_ids, weights
     finally:
