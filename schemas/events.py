@@ -12,7 +12,7 @@ validating dicts; pydantic stays the tool for settings and HTTP bodies.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, TypeGuard
 
 import msgspec
 import numpy as np
@@ -167,6 +167,29 @@ class TurnCompleted(_Event, tag="TurnCompleted", kw_only=True):
         counts = [count for _, count in self.version_spans]
         return np.repeat(np.asarray(versions, dtype=np.int32), counts)
 
+    def continuations(self) -> list[tuple[int, int | None]]:
+        """Where the gateway continued this turn after its backend aborted it (DESIGN §4):
+        ``(tokens before, seed of the continuation)`` per ``sampling["continued"]`` entry, in
+        order; [] for a turn generated in one go. ``sampling`` is free JSON, so an entry that is
+        not one (no integer ``at`` within the completion, a seed that is no integer) is left out.
+
+        >>> TurnCompleted(run="r", session="s", turn=0, prompt_ids=[1], completion_ids=[2, 3],
+        ...               logprobs=[-1.0, -1.0],
+        ...               sampling={"continued": [{"at": 1, "seed": 9}, {"at": 7}]}).continuations()
+        [(1, 9)]
+        """
+        entries = self.sampling.get("continued")
+        found: list[tuple[int, int | None]] = []
+        for entry in entries if isinstance(entries, list) else []:
+            if not isinstance(entry, dict):
+                continue
+            at, seed = entry.get("at"), entry.get("seed")
+            if not _integer(at) or not 0 <= at <= len(self.completion_ids):
+                continue
+            if seed is None or _integer(seed):
+                found.append((at, seed))
+        return found
+
     @property
     def parent(self) -> int:
         """The parent turn's index; -1 for none (turn 0, or a turn that shares nothing)."""
@@ -289,6 +312,10 @@ class TrajectoryReady(_Event, tag="TrajectoryReady", kw_only=True):
         return CompactTrajectory(
             **fields, spans=spans, span_versions=span_versions, gen_logprobs=logprobs[generated]
         )
+
+
+def _integer(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)  # JSON true is no number
 
 
 def _check_version_spans(spans: list[tuple[int | None, int]], n: int) -> None:

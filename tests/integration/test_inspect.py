@@ -358,3 +358,76 @@ async def test_a_linear_session_is_one_flat_path(
     tree = TreeNodes()
     tree.feed(page_path.read_text())
     assert tree.nodes == {0: (-1, 0), 1: (0, 0), 2: (1, 0)} and tree.paths == 1
+
+
+# -- version boundaries (issue 37, point 6) -----------------------------------------------------
+
+INTERRUPTED = "s-versions"
+REPLY = "the first part, then more."  # 26 byte-level tokens: 17 by version 3, 9 by version 4
+
+
+def interrupted_session(tokenizer: Any) -> list[SessionEvent]:
+    """Turn 0 was aborted after 17 tokens by a weight update and continued on version 4; turn
+    1's weights changed under it after 3 tokens to a version nobody could know (a frozen
+    generation); turn 2 is one generation by one version, as every turn was before."""
+
+    def ids(text: str) -> list[int]:
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    reply = ids(REPLY)
+    assert len(reply) == 26
+    sampling = {"seed": 7, "max_tokens": 64, "continued": [{"at": 17, "seed": 123}]}
+    t0 = TurnSpec(
+        prompt=ids("Q: go\n"), completion=reply, messages=[{"role": "user", "content": "go"}],
+        text=REPLY, weight_version=3,
+        extra={"version_spans": [(3, 17), (4, 9)], "sampling": sampling},
+    )  # fmt: skip
+    t1 = TurnSpec(
+        prompt=[*t0.context, *ids("T: ok\n")], completion=ids("frozen!!"),
+        messages=[*t0.messages, t0.assistant_message, {"role": "tool", "content": "ok"}],
+        text="frozen!!", weight_version=4, extra={"version_spans": [(4, 3), (None, 5)]},
+    )  # fmt: skip
+    t2 = TurnSpec(
+        prompt=[*t1.context, *ids("T: fine\n")], completion=ids("done"),
+        messages=[*t1.messages, t1.assistant_message, {"role": "tool", "content": "fine"}],
+        text="done", weight_version=4,
+    )  # fmt: skip
+    return session_events([t0, t1, t2], run=RUN, session=INTERRUPTED, final_reward=1.0)
+
+
+async def test_a_turn_shows_where_its_version_changed_and_why(
+    log: Log, tiny_model_dir: Path, tokenizer: Any, tmp_path: Path
+) -> None:
+    await publish_events(log.nc, interrupted_session(tokenizer))
+    page_path = tmp_path / "versions.html"
+
+    shown = inspect(log, tiny_model_dir, tmp_path, INTERRUPTED, "--run", RUN)
+    written = inspect(log, tiny_model_dir, tmp_path, INTERRUPTED, "--html", str(page_path))
+
+    assert shown.returncode == 0, shown.stderr
+    assert written.returncode == 0, written.stderr
+    out = shown.stdout
+    assert re.search(r"^weight versions +3, 4 *$", out, re.M)
+    continued = "versions 3→4 at token 17 (continued after an abort)"
+    frozen = "versions 4→? (unknown) at token 3 (the weights changed under it)"
+    assert f"── turn 0 · weight_version 3 · {continued} · finish stop · 6 prompt + 26 " in out
+    assert f"── turn 1 · weight_version 4 · {frozen} · finish stop · " in out
+    # A turn of one generation by one version reads as it always did.
+    assert "── turn 2 · weight_version 4 · finish stop · 8 prompt + 4 generated tokens ──" in out
+    labels = {turn: label for turn, (_, label) in tree_lines(out).items()}
+    assert f"26 generated tokens · weight_version 3 · {continued} · finish stop" in labels[0]
+    assert f"weight_version 4 · {frozen} · finish stop" in labels[1]
+    assert "weight_version 4 · finish stop" in labels[2] and "versions" not in labels[2]
+    # The boundary is drawn among the tokens, where it falls.
+    assert f"Q: go\n{REPLY[:17]}⟨v3→v4⟩{REPLY[17:]}" in out
+    assert "T: ok\nfro⟨v4→v?⟩zen!!" in out and "T: fine\ndone" in out
+
+    page = page_path.read_text()
+    assert "<script" not in page
+    assert f"{continued} · finish stop" in page and f"{html.escape(frozen)} · finish" in page
+    titles = re.findall(r'<span class="tok gen"[^>]* title="([^"]+)">', page)
+    versions = [title.rsplit("weight_version ", 1)[1] for title in titles]
+    assert versions == ["3"] * 17 + ["4"] * 9 + ["4"] * 3 + ["? (unknown)"] * 5 + ["4"] * 4
+    generated = re.findall(r'<span class="(tok gen|boundary)"[^>]*>([^<]*)</span>', page)
+    marks = [(at, text) for at, (kind, text) in enumerate(generated) if kind == "boundary"]
+    assert marks == [(17, "⟨v3→v4⟩"), (26 + 1 + 3, "⟨v4→v?⟩")]

@@ -19,40 +19,38 @@ older than issue 19) is reported as not reproducible, unless it was greedy (temp
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import math
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import numpy as np
 
-from consumers.recording import Recording, read_recording
 from gateway.backends.interface import Backend, GenerationChunk, Prompt, SamplingParams
-from schemas.codec import Codec
 from schemas.delta import EMPTY_CONTEXT, Context, decode_context
-from schemas.errors import SchemaError, TurnstreamError
+from schemas.errors import TurnstreamError
 from schemas.events import SessionEvent, TurnCompleted
-from turnstream.data.progress import progress_bar
+from turnstream.data.parts import (
+    OWN_WEIGHTS,
+    Part,
+    PartStatus,
+    PartVerdict,
+    compare_tokens,
+    part_weights,
+    turn_parts,
+)
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
-    from rich.console import Console
-
-    from turnstream.services.gateway.settings import GatewaySettings
+    pass
 
 __all__ = [
     "LOGPROB_TOLERANCE",
     "RegeneratedTurn",
     "RegenerationReport",
+    "VersionWeights",
     "compare",
     "full_prompts",
-    "gateway_backend",
-    "recorded_events",
     "regenerate",
-    "regenerate_recording",
     "regeneration_params",
     "session_turns",
 ]
@@ -61,7 +59,9 @@ __all__ = [
 # differently may move them by rounding (1e-6 .. 1e-5 seen on CPU), never by a token's worth.
 LOGPROB_TOLERANCE = 1e-5
 
-Status = Literal["same", "differs", "not_reproducible", "failed"]
+# "partial": a turn generated in parts (continued after an abort), some of them the same and the
+# others not regenerated (no weights for their version here); none differs or failed.
+Status = Literal["same", "differs", "not_reproducible", "failed", "partial"]
 SessionKey = tuple[str, str]
 
 
@@ -80,15 +80,19 @@ class RegeneratedTurn:
     first_difference: int | None = None
     max_logprob_delta: float = 0.0
     reason: str = ""
+    parts: tuple[PartVerdict, ...] = ()  # a turn continued after an abort: each part's verdict
 
     def line(self) -> str:
+        """One line; a turn generated in parts adds one line per part."""
         where = f"run {self.run} session {self.session} turn {self.turn}"
         if self.status == "same":
-            return (
+            head = (
                 f"{where}: same {self.recorded_tokens} tokens "
                 f"(max |Δ logprob| {self.max_logprob_delta:.2e})"
             )
-        return f"{where}: {self.status.replace('_', ' ')}: {self.reason}"
+        else:
+            head = f"{where}: {self.status.replace('_', ' ')}: {self.reason}"
+        return "\n".join([head, *(f"  {part.line()}" for part in self.parts)])
 
 
 @dataclass
@@ -100,16 +104,21 @@ class RegenerationReport:
 
     @property
     def ok(self) -> bool:
-        """Every turn that could be sent again gave back its tokens, and at least one could."""
-        return self.count("same") > 0 and not (self.count("differs") or self.count("failed"))
+        """Every turn (part) that could be sent again gave back its tokens, and at least one
+        could."""
+        regenerated = self.count("same") + self.count("partial")
+        return regenerated > 0 and not (self.count("differs") or self.count("failed"))
 
     def summary(self) -> str:
         sessions = len({(t.run, t.session) for t in self.turns})
+        partial = self.count("partial")
         return (
             f"{len(self.turns)} turns of {sessions} sessions: {self.count('same')} same, "
             f"{self.count('differs')} differ, {self.count('failed')} failed, "
             f"{self.count('not_reproducible')} not reproducible"
-        )
+            + (f", {partial} partly regenerated (parts without their version's weights)"
+               if partial else "")
+        )  # fmt: skip
 
 
 def session_turns(events: Iterable[SessionEvent]) -> dict[SessionKey, dict[int, TurnCompleted]]:
@@ -197,53 +206,17 @@ def compare(
     'run r session s turn 2: differs: token 1 of 2: recorded 6, regenerated 7'
     """
     recorded = turn.completion_ids.tolist()
-    n = min(len(recorded), len(ids))
-    mismatch = next((i for i in range(n) if recorded[i] != ids[i]), None)
-    if mismatch is None and len(recorded) != len(ids):
-        mismatch = n
-    agreed = n if mismatch is None else mismatch
-    deltas = np.abs(
-        np.asarray(logprobs[:agreed], dtype=np.float64) - turn.logprobs[:agreed].astype(np.float64)
-    )
-    delta = float(deltas.max()) if agreed else 0.0
-    if math.isnan(delta):
-        delta = math.inf
-    verdict = RegeneratedTurn(
+    found = compare_tokens(recorded, turn.logprobs, ids, logprobs, tolerance)
+    return RegeneratedTurn(
         turn.run,
         turn.session,
         turn.turn,
-        "same",
+        "differs" if found.reason else "same",
         len(recorded),
         len(ids),
-        mismatch,
-        delta,
-    )
-    if mismatch is not None:
-        got = ids[mismatch] if mismatch < len(ids) else "the end"
-        want = recorded[mismatch] if mismatch < len(recorded) else "the end"
-        reason = f"token {mismatch} of {len(recorded)}: recorded {want}, regenerated {got}"
-        return _replace(verdict, "differs", reason)
-    if delta > tolerance:
-        at = int(deltas.argmax())
-        reason = (
-            f"same tokens, but the log-prob of token {at} differs by {delta:.3g} "
-            f"(> {tolerance:g}): recorded {turn.logprobs[at]:.6g}, regenerated {logprobs[at]:.6g}"
-        )
-        return _replace(verdict, "differs", reason)
-    return verdict
-
-
-def _replace(verdict: RegeneratedTurn, status: Status, reason: str) -> RegeneratedTurn:
-    return RegeneratedTurn(
-        verdict.run,
-        verdict.session,
-        verdict.turn,
-        status,
-        verdict.recorded_tokens,
-        verdict.regenerated_tokens,
-        verdict.first_difference,
-        verdict.max_logprob_delta,
-        reason,
+        found.first_difference,
+        found.max_logprob_delta,
+        found.reason,
     )
 
 
@@ -275,45 +248,90 @@ async def _generate(
     return ids, logprobs
 
 
+class VersionWeights(Protocol):
+    """The weights of recorded policy versions, put into the backend a turn's parts are sent to
+    (``turnstream.data.parts``): for a local backend, checkpoints it loads."""
+
+    @property
+    def versions(self) -> Collection[int]:
+        """The versions whose weights are here."""
+        ...
+
+    async def serve(self, version: int | None) -> None:
+        """Make the backend sample with ``version``'s weights (None: its own) from now on."""
+        ...
+
+
+@dataclass
+class _Plan:
+    """One turn's way through ``regenerate``: its verdict, or its parts and their verdicts."""
+
+    turn: TurnCompleted
+    verdict: RegeneratedTurn | None = None
+    parts: list[Part] = field(default_factory=list)
+    done: dict[int, PartVerdict] = field(default_factory=dict)  # by part index
+
+
 async def regenerate(
     events: Iterable[SessionEvent],
     backend: Backend,
     *,
+    weights: VersionWeights | None = None,
     stop_token_ids: Sequence[int] = (),
     tolerance: float = LOGPROB_TOLERANCE,
     progress: Callable[[RegeneratedTurn], object] | None = None,
 ) -> RegenerationReport:
     """Send every recorded turn of ``events`` to ``backend`` again and compare (module doc).
 
-    ``stop_token_ids``: the template's, for turns recorded before their stop ids were (newer
-    events carry their own). ``progress`` is called with each turn's verdict as it comes. A
-    backend error fails that turn (named in the report) and the next turn is tried.
+    ``weights``: the recorded versions' weights, which each part of a turn is sent to
+    (``turnstream.data.parts``); the backend's own weights are used first, then each version's
+    in turn, so a recording of many versions loads each once. ``stop_token_ids``: the
+    template's, for turns recorded before their stop ids were (newer events carry their own).
+    ``progress`` is called with each turn's verdict as it is complete. A backend error fails
+    that turn (part), named in the report, and the next is tried.
     """
-    report = RegenerationReport()
+    plans: list[_Plan] = []
+    jobs: dict[int | None, list[tuple[_Plan, Part]]] = {OWN_WEIGHTS: []}
+    checkpoints = weights.versions if weights is not None else ()
     for turns in session_turns(events).values():
         prompts = full_prompts(turns)
         for index, turn in sorted(turns.items()):
-            verdict = await _regenerate_turn(
-                backend, turn, prompts[index], stop_token_ids, tolerance
+            plan = _plan(turn, prompts[index], stop_token_ids, checkpoints, jobs)
+            plans.append(plan)
+            if plan.verdict is not None and progress is not None:
+                progress(plan.verdict)
+    for version in [OWN_WEIGHTS, *sorted(v for v in jobs if v is not OWN_WEIGHTS)]:
+        if not jobs.get(version):
+            continue
+        unloaded = await _serve(weights, version)
+        for plan, part in jobs[version]:
+            plan.done[part.index] = (
+                PartVerdict(part, "failed", reason=unloaded)
+                if unloaded
+                else await _regenerate_part(backend, plan.turn, part, tolerance)
             )
-            report.turns.append(verdict)
-            if progress is not None:
-                progress(verdict)
-    return report
+            if len(plan.done) == len(plan.parts):
+                plan.verdict = _joined(plan)
+                if progress is not None:
+                    progress(plan.verdict)
+    return RegenerationReport([plan.verdict for plan in plans if plan.verdict is not None])
 
 
-async def _regenerate_turn(
-    backend: Backend,
+def _plan(
     turn: TurnCompleted,
     prompt: np.ndarray | None,
     stop_token_ids: Sequence[int],
-    tolerance: float,
-) -> RegeneratedTurn:
-    def unreproducible(reason: str) -> RegeneratedTurn:
-        return RegeneratedTurn(
+    checkpoints: Collection[int],
+    jobs: dict[int | None, list[tuple[_Plan, Part]]],
+) -> _Plan:
+    """``turn``'s parts queued under the weights each is sent to, or its verdict already."""
+
+    def unreproducible(reason: str) -> _Plan:
+        verdict = RegeneratedTurn(
             turn.run, turn.session, turn.turn, "not_reproducible", len(turn.completion_ids),
             reason=reason,
         )  # fmt: skip
+        return _Plan(turn, verdict)
 
     if prompt is None:
         return unreproducible(
@@ -323,80 +341,83 @@ async def _regenerate_turn(
     params = regeneration_params(turn, stop_token_ids)
     if isinstance(params, str):
         return unreproducible(params)
-    # A stop string ends a turn inside the gateway, after the chunk that completed it: the
-    # backend would go on, so only as many tokens as were recorded are read back.
-    enough = len(turn.completion_ids) if turn.sampling.get("stop") else None
+    plan = _Plan(turn, parts=turn_parts(turn, prompt, params))
+    versions = {v for part in plan.parts for v in part.versions}
+    for part in plan.parts:
+        where = part_weights(versions, part, checkpoints)
+        if isinstance(where, str):
+            plan.done[part.index] = PartVerdict(part, "not_reproducible", reason=where)
+        else:
+            jobs.setdefault(where, []).append((plan, part))
+    if len(plan.done) == len(plan.parts):  # nothing to send
+        plan.verdict = _joined(plan)
+    return plan
+
+
+async def _serve(weights: VersionWeights | None, version: int | None) -> str:
+    """Put ``version``'s weights into the backend: "", or why they could not be."""
+    if weights is None:
+        return ""
+    try:
+        await weights.serve(version)
+    except (TurnstreamError, OSError) as exc:
+        return f"the weights of version {version} could not be loaded: {exc}"
+    return ""
+
+
+async def _regenerate_part(
+    backend: Backend, turn: TurnCompleted, part: Part, tolerance: float
+) -> PartVerdict:
     try:
         ids, logprobs = await _generate(
-            backend, prompt, params, f"{turn.run}/{turn.session}", enough
+            backend, part.prompt, part.params, f"{turn.run}/{turn.session}", part.enough
         )
     except (TurnstreamError, OSError) as exc:
-        return RegeneratedTurn(
-            turn.run, turn.session, turn.turn, "failed", len(turn.completion_ids),
-            reason=f"the backend failed: {type(exc).__name__}: {exc}",
-        )  # fmt: skip
-    if enough is not None:
-        ids, logprobs = ids[:enough], logprobs[:enough]
-    return compare(turn, ids, logprobs, tolerance)
+        reason = f"the backend failed: {type(exc).__name__}: {exc}"
+        return PartVerdict(part, "failed", reason=reason)
+    if part.enough is not None:
+        ids, logprobs = ids[: part.enough], logprobs[: part.enough]
+    recorded = turn.completion_ids[part.start : part.end].tolist()
+    found = compare_tokens(recorded, turn.logprobs[part.start : part.end], ids, logprobs, tolerance)
+    status: PartStatus = "differs" if found.reason else "same"
+    return PartVerdict(part, status, len(ids), found, found.reason)
 
 
-# -- the command's glue: a recording's events, a backend built as the gateway builds it ----------
-
-
-def recorded_events(recording: Recording, codec: Codec) -> tuple[list[SessionEvent], int]:
-    """The recording's events, decoded, in stream order, and how many could not be (bytes that
-    are no event: no turn of theirs can be regenerated)."""
-    events: list[SessionEvent] = []
-    undecodable = 0
-    for stored in recording.events:
-        try:
-            event = codec.decode(stored.data)
-        except SchemaError:
-            undecodable += 1
-            continue
-        if isinstance(event, SessionEvent):
-            events.append(event)
-    return events, undecodable
-
-
-@contextlib.asynccontextmanager
-async def gateway_backend(settings: GatewaySettings) -> AsyncIterator[tuple[Backend, list[int]]]:
-    """The backend ``turnstream gateway`` would run with ``settings`` (same construction, same
-    torch threads for a local model), and the template's stop token ids."""
-    from turnstream.services.gateway.assembly import build_backend, model_name, stop_token_ids
-
-    settings = await settings.served()
-    model_dir = settings.model_dir
-    stop_ids = stop_token_ids(model_dir)
-    backend = await asyncio.to_thread(
-        build_backend, settings, model_dir, model_name(settings, model_dir)
+def _joined(plan: _Plan) -> RegeneratedTurn:
+    """The turn's verdict from its parts'; a turn of one part regenerated reads as it always
+    did, one of several tells each part's."""
+    turn = plan.turn
+    verdicts = [plan.done[part.index] for part in plan.parts]
+    statuses = {verdict.status for verdict in verdicts}
+    status: Status = next(
+        (s for s in ("failed", "differs") if s in statuses),
+        "same" if statuses == {"same"} else "partial" if "same" in statuses else "not_reproducible",
     )
-    try:
-        yield backend, stop_ids
-    finally:
-        await backend.close()
-
-
-async def regenerate_recording(
-    path: Path, settings: GatewaySettings, max_payload: int, tolerance: float, console: Console
-) -> RegenerationReport:
-    """``turnstream replay PATH --regenerate``: the recording's turns against the backend of
-    ``settings``, with a progress bar and a line for each turn that is not the same."""
-    recording = await asyncio.to_thread(read_recording, path)
-    events, undecodable = recorded_events(recording, Codec(max_payload=max_payload))
-    if undecodable:
-        console.print(f"{undecodable} recorded message(s) of {path} are no event: skipped")
-    turns = sum(isinstance(e, TurnCompleted) for e in events)
-    async with gateway_backend(settings) as (backend, stop_ids):
-        label = f"regenerating run {recording.meta.run} on {backend.id}"
-        with progress_bar(label, console) as bar:
-            task = bar.add_task("turns", total=turns)
-
-            def done(verdict: RegeneratedTurn) -> None:
-                if verdict.status != "same":
-                    bar.console.print(verdict.line(), markup=False)
-                bar.update(task, advance=1)
-
-            return await regenerate(
-                events, backend, stop_token_ids=stop_ids, tolerance=tolerance, progress=done
-            )
+    found = [v.comparison for v in verdicts if v.comparison is not None]
+    first = next(
+        (v.part.start + v.comparison.first_difference for v in verdicts
+         if v.comparison is not None and v.comparison.first_difference is not None),
+        None,
+    )  # fmt: skip
+    several = len(verdicts) > 1
+    reasons = [v.reason for v in verdicts if v.status == status and v.reason]
+    if several and status != "same":
+        shown = [f"part {v.part.index}" for v in verdicts if v.status == status]
+        reasons = [f"{', '.join(shown)} of {len(verdicts)} parts (below)"]
+        if status == "partial":
+            reasons = [
+                f"{len(found)} of {len(verdicts)} parts regenerated, the same; the others not "
+                "(below)"
+            ]
+    return RegeneratedTurn(
+        turn.run,
+        turn.session,
+        turn.turn,
+        status,
+        len(turn.completion_ids),
+        sum(v.regenerated_tokens for v in verdicts),
+        first,
+        max((c.max_logprob_delta for c in found), default=0.0),
+        "; ".join(reasons),
+        tuple(verdicts) if several else (),
+    )

@@ -41,6 +41,13 @@ tokens compared with the recorded ones (``turnstream.data.regenerate``). Exit co
 differs or fails, or when no turn could be sent again (all recorded without a seed)::
 
     turnstream replay r1.parquet --regenerate --backend vllm --backend-urls http://gpu1:8000
+
+A turn the gateway continued across a weight update (``sampling["continued"]``) is regenerated
+part by part, each against the weights of its own version: ``--checkpoint VERSION=PATH``
+(repeatable, local backend) names them; a part whose version has none here, or is unknown, is
+reported as not regenerated (``turnstream.data.parts``)::
+
+    turnstream replay r1.parquet --regenerate --checkpoint 3=ckpt/v3 --checkpoint 4=ckpt/v4
 """
 
 from __future__ import annotations
@@ -66,7 +73,8 @@ from schemas.codec import Codec
 from schemas.errors import SchemaError, TurnstreamError
 from schemas.ids import EVENT_SUBJECT_PREFIX, ID_PATTERN
 from turnstream.data.progress import progress_bar
-from turnstream.data.regenerate import LOGPROB_TOLERANCE, regenerate_recording
+from turnstream.data.regenerate import LOGPROB_TOLERANCE
+from turnstream.data.regenerate_command import regenerate_recording
 from turnstream.stack.event_log import open_log
 from turnstream.stack.settings import PublishingSettings
 from turnstream.stack.stack_file import join_stack
@@ -336,6 +344,13 @@ class ReplayCommand(PublishingSettings):
     max_context: int | None = Field(
         None, description="--regenerate, remote: the model's context length; unset: asked"
     )
+    checkpoint: dict[int, Path] = Field(
+        default_factory=dict,
+        description="--regenerate, local: VERSION=PATH, the weights of a recorded policy "
+        "version (a .safetensors file or a checkpoint directory), repeatable: each part of a "
+        "turn continued across a weight update is sent to its own version's, and a turn of one "
+        "version to its version's where given (else to --model's weights)",
+    )
     logprob_tolerance: float = Field(
         LOGPROB_TOLERANCE,
         ge=0,
@@ -360,6 +375,13 @@ class ReplayCommand(PublishingSettings):
         if self.regenerate:
             if self.run:
                 raise TurnstreamError("--regenerate publishes nothing: --run does not apply")
+            if self.checkpoint and self.backend != "local":
+                raise TurnstreamError(
+                    f"--checkpoint loads weights into the local backend; --backend "
+                    f"{self.backend} serves the weights its servers hold: leave it out"
+                )
+            if missing := [f"{v}={p}" for v, p in self.checkpoint.items() if not p.exists()]:
+                raise TurnstreamError(f"--checkpoint: no such file or directory: {missing}")
             from turnstream.services.gateway.settings import GatewaySettings
 
             backend = GatewaySettings(
@@ -372,7 +394,12 @@ class ReplayCommand(PublishingSettings):
             )
             checked = asyncio.run(
                 regenerate_recording(
-                    self.file, backend, self.log.max_payload, self.logprob_tolerance, console
+                    self.file,
+                    backend,
+                    self.log.max_payload,
+                    self.logprob_tolerance,
+                    console,
+                    checkpoints=self.checkpoint,
                 )
             )
             console.print(f"regenerated {self.file}: {checked.summary()}")

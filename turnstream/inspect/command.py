@@ -15,7 +15,8 @@ The session's events are read back from EVENTS (``--log.url``, or the ``stack.js
   its kind, parent agent, request class; a side call; a client gone), and what starts it (a
   fork, a new conversation) marked, with the tokens its first turn shares with its parent's
   context collapsed;
-- per turn: its boundary (index, weight_version, finish reason, per-turn reward), the messages
+- per turn: its boundary (index, weight_version, where its versions meet when its weights
+  were updated while it was generated, finish reason, per-turn reward), the messages
   it added, prompt tokens dimmed (loss_mask 0), generated tokens (loss_mask 1) coloured by their
   sampling probability (red: unlikely, green: likely), its tool calls.
 
@@ -49,7 +50,7 @@ from schemas.errors import TurnstreamError
 from schemas.events import TurnCompleted
 from schemas.ids import ID_PATTERN
 from schemas.trust import VettedSession, vet_session
-from turnstream.inspect.text import message_text, printable, tool_call_text
+from turnstream.inspect.text import message_text, printable, tool_call_text, version_marks
 from turnstream.inspect.tree import FORK, ROOT, TreeNode, TreePath, node_text
 from turnstream.inspect.view import (
     SessionView,
@@ -114,7 +115,10 @@ def render_terminal(view: SessionView) -> list[RenderableType]:
             tokens = Text()
             if index == 0 and segment.shared:
                 tokens.append(shared_text(segment), style="dim italic")
-            for token in [*turn.prompt, *turn.completion]:
+            marks = version_marks(turn.event)
+            for at, token in enumerate([*turn.prompt, *turn.completion], -len(turn.prompt)):
+                if at in marks:
+                    tokens.append(marks[at], style="bold reverse magenta")
                 style = _token_style(token.logprob) if token.generated else Style(dim=True)
                 tokens.append(token.text, style=style)
             parts.append(tokens)
@@ -168,6 +172,7 @@ ol.path { list-style: none; padding-left: 0; margin: 0.3em 0; }
 li.node { font-family: ui-monospace, monospace; font-size: 0.9em; white-space: pre-wrap; }
 li.node.fork { color: #a0a; }
 li.node.root { font-weight: bold; }
+.boundary { color: #fff; background: #a0a; font-weight: bold; border-radius: 2px; }
 .tool-call { color: #850; font-family: ui-monospace, monospace; }
 """
 
@@ -186,7 +191,8 @@ def render_html(view: SessionView) -> str:
         "</table>",
         '<p class="legend">prompt tokens grey (loss_mask 0); generated tokens (loss_mask 1) '
         "coloured by probability, red (unlikely) to green (likely); hover a token for its id, "
-        "logprob and weight_version.</p>",
+        "logprob and weight_version; a turn continued after an abort, or whose weights changed "
+        "under it, is marked where its version changes.</p>",
     ]
     if view.tree:
         out.append('<section class="turn-tree"><h2>turn tree</h2>')
@@ -209,7 +215,12 @@ def render_html(view: SessionView) -> str:
                 if index == 0 and segment.shared
                 else ""
             )
-            spans = "".join(_token_span(t) for t in [*turn.prompt, *turn.completion])
+            marks = version_marks(turn.event)
+            spans = "".join(_token_span(t) for t in turn.prompt) + "".join(
+                (f'<span class="boundary">{e(marks[at])}</span>' if at in marks else "")
+                + _token_span(token)
+                for at, token in enumerate(turn.completion)
+            )
             out.append(f'<div class="tokens">{shared}{spans}</div>')
             out.extend(
                 f'<div class="tool-call">⚙ {e(tool_call_text(c))}</div>'

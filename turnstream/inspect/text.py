@@ -13,11 +13,20 @@ goes through ``printable``: a terminal escape in model output is shown, not obey
 from __future__ import annotations
 
 import json
+from itertools import pairwise
 from typing import Any
 
-from schemas.events import JSON
+from schemas.events import JSON, TurnCompleted
 
-__all__ = ["first_words", "message_text", "number", "printable", "tool_call_text"]
+__all__ = [
+    "first_words",
+    "message_text",
+    "number",
+    "printable",
+    "tool_call_text",
+    "version_marks",
+    "version_story",
+]
 
 _SHOWN_CHARS = 300  # of each message's content
 
@@ -61,3 +70,60 @@ def first_words(text: str, words: int, max_chars: int = 60) -> str:
 def tool_call_text(call: JSON) -> str:
     function = call.get("function") or {}
     return printable(f"tool call {function.get('name', '?')}({function.get('arguments', '')})")
+
+
+def version_story(turn: TurnCompleted) -> list[str]:
+    """How a turn's tokens came to be, where not in one go by one version (issue 37): each
+    version boundary (the token it falls before, and whether the gateway continued the turn
+    there after an abort or the weights changed under a running generation), each continuation
+    that kept the version, and a version nobody could know. [] for a turn of one generation by
+    one version, which is shown as it always was.
+
+    >>> t = TurnCompleted(run="r", session="s", turn=0, prompt_ids=[1], completion_ids=[2] * 26,
+    ...                   logprobs=[0.0] * 26, weight_version=3, version_spans=[(3, 17), (4, 9)],
+    ...                   sampling={"continued": [{"at": 17, "seed": 123}]})
+    >>> version_story(t)
+    ['versions 3→4 at token 17 (continued after an abort)']
+    """
+    continued = [at for at, _ in turn.continuations()]
+    spans = turn.version_spans or []
+    story: list[str] = []
+    if len(spans) == 1 and spans[0][0] is None:
+        story.append("version ? (unknown)")
+    boundaries: set[int] = set()
+    at = 0
+    for (before, count), (after, _) in pairwise(spans):
+        at += count
+        if before == after:
+            continue
+        boundaries.add(at)
+        how = "continued after an abort" if at in continued else "the weights changed under it"
+        story.append(f"versions {_version(before)}→{_version(after)} at token {at} ({how})")
+    story.extend(
+        f"continued after an abort at token {at} (same version)"
+        for at in continued
+        if at not in boundaries
+    )
+    return story
+
+
+def version_marks(turn: TurnCompleted) -> dict[int, str]:
+    """The marks to draw among a turn's completion tokens: before the token at each version
+    boundary (``⟨v3→v4⟩``, ``?`` where unknown) and each continuation point (``⟨continued⟩``).
+    {} for a turn of one generation by one version."""
+    marks = {at: "⟨continued⟩" for at, _ in turn.continuations()}
+    spans = turn.version_spans or []
+    at = 0
+    for (before, count), (after, _) in pairwise(spans):
+        at += count
+        if before != after:
+            marks[at] = f"⟨v{_short(before)}→v{_short(after)}⟩"
+    return marks
+
+
+def _version(version: int | None) -> str:
+    return "? (unknown)" if version is None else str(version)
+
+
+def _short(version: int | None) -> str:
+    return "?" if version is None else str(version)

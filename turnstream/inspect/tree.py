@@ -32,7 +32,7 @@ from typing import Final, Literal
 
 from schemas.agents import is_side_class
 from schemas.events import TurnCompleted
-from turnstream.inspect.text import first_words, message_text, number, printable
+from turnstream.inspect.text import first_words, message_text, number, printable, version_story
 
 __all__ = [
     "BRANCH",
@@ -73,6 +73,7 @@ class TreeNode:
     added: int = 0  # prompt tokens after those
     generated: int = 0
     weight_version: int = 0
+    versions: tuple[str, ...] = ()  # its version boundaries and continuations (version_story)
     finish_reason: str = "stop"
     reward: float | None = None  # per-turn reward
     preview: str = ""  # the first words of its newest message
@@ -132,6 +133,7 @@ def tree_nodes(
                 added=prompt_len - shared,
                 generated=len(event.completion_ids),
                 weight_version=event.weight_version,
+                versions=tuple(version_story(event)),
                 finish_reason=event.finish_reason,
                 reward=(rewards or {}).get(t),
                 preview=first_words(message_text(newest), _PREVIEW_WORDS) if newest else "",
@@ -233,6 +235,7 @@ def node_text(node: TreeNode) -> str:
     tokens = f"{node.added} prompt + {node.generated} generated tokens"
     parts.append(f"{node.shared} shared + {tokens}" if node.shared else tokens)
     parts.append(f"weight_version {node.weight_version}")
+    parts.extend(node.versions)
     parts.append(f"finish {node.finish_reason}")
     if node.reward is not None:
         parts.append(f"reward {number(node.reward)}")

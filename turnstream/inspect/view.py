@@ -22,9 +22,15 @@ from consumers.config import FoldWorkerSettings
 from consumers.errors import FoldError
 from consumers.fold import FoldResult
 from consumers.worker import fold_options, fold_session
-from schemas.events import RewardAssigned, SessionClosed, SessionOpened, TurnCompleted
+from schemas.events import (
+    UNKNOWN_VERSION,
+    RewardAssigned,
+    SessionClosed,
+    SessionOpened,
+    TurnCompleted,
+)
 from schemas.trust import VettedSession
-from turnstream.inspect.text import number, printable
+from turnstream.inspect.text import number, printable, version_story
 from turnstream.inspect.tree import (
     BRANCH,
     FORK,
@@ -61,7 +67,7 @@ class Token:
     text: str
     generated: bool  # loss_mask 1
     logprob: float  # 0 where not generated
-    version: int  # weight_version of a generated token, -1 elsewhere
+    version: int  # weight_version of a generated token (UNKNOWN_VERSION: unknown), -1 elsewhere
 
 
 @dataclass(frozen=True)
@@ -304,8 +310,13 @@ def _unfolded(turns: list[TurnCompleted], decode: dict[int, str]) -> SegmentView
             event=turn,
             prompt=[Token(i, decode.get(i, "�"), False, 0.0, -1) for i in turn.prompt_ids.tolist()],
             completion=[
-                Token(i, decode.get(i, "�"), True, lp, turn.weight_version)
-                for i, lp in zip(turn.completion_ids.tolist(), turn.logprobs.tolist(), strict=True)
+                Token(i, decode.get(i, "�"), True, lp, v)
+                for i, lp, v in zip(
+                    turn.completion_ids.tolist(),
+                    turn.logprobs.tolist(),
+                    turn.token_versions().tolist(),
+                    strict=True,
+                )
             ],
             reward=None,
         )
@@ -336,7 +347,8 @@ def heat(logprob: float) -> tuple[int, int, int]:
 
 def turn_title(view: TurnView) -> str:
     e = view.event
-    parts = [f"turn {e.turn}", f"weight_version {e.weight_version}", f"finish {e.finish_reason}"]
+    parts = [f"turn {e.turn}", f"weight_version {e.weight_version}", *version_story(e)]
+    parts.append(f"finish {e.finish_reason}")
     parts.append(f"{len(view.prompt)} prompt + {len(view.completion)} generated tokens")
     if view.reward is not None:
         parts.append(f"reward {view.reward:g}")
@@ -428,5 +440,5 @@ def token_title(token: Token) -> str:
         return f"id {token.id} · prompt (loss_mask 0)"
     return (
         f"id {token.id} · logprob {token.logprob:.4f} · p {math.exp(token.logprob):.3f} · "
-        f"weight_version {token.version}"
+        f"weight_version {'? (unknown)' if token.version == UNKNOWN_VERSION else token.version}"
     )
