@@ -164,7 +164,7 @@ class GenerationChunk:
     """One or more newly sampled tokens, in order. The last chunk has ``finish_reason`` set
     ("stop": a stop token was sampled, and is included in ``token_ids``; "length": max_tokens;
     "abort": the server ended the generation unfinished, e.g. paused for a weight update, and the
-    tokens so far are all it will send: the gateway continues the turn, ``TurnEngine.tokens``)."""
+    tokens so far are all it will send: the gateway continues the turn, ``Generating.tokens``)."""
 
     token_ids: list[int]
     logprobs: list[float]  # one per token

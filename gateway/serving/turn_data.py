@@ -83,7 +83,7 @@ class Turn:
 
 @dataclass(slots=True, eq=False)
 class Generation:
-    """What the backend has produced for a turn so far (``TurnEngine.tokens`` fills it)."""
+    """What the backend has produced for a turn so far (``Generating.tokens`` fills it)."""
 
     detok: Detokenizer  # the completion's ids, logprobs and text
     backend_id: str = ""  # the replica that served the turn

@@ -21,7 +21,7 @@ from nats import connect
 from safetensors.torch import load_file, save_file
 
 from eventlog.server import NatsServer
-from gateway.serving.engine import continued_seed
+from gateway.serving.generating import continued_seed
 from schemas.events import TurnCompleted
 from schemas.policy import PolicyUpdate, encode_policy_update
 from tests.e2e.test_gateway import client_for, events_of, turns_of

@@ -15,7 +15,7 @@ import pytest
 
 from gateway.backends.interface import SamplingParams
 from gateway.backends.local import LocalBackend
-from gateway.serving.engine import continued_seed
+from gateway.serving.generating import continued_seed
 from schemas.events import TurnCompleted
 from tests.unit.test_regenerate import END, SYSTEM, sampled, user
 from turnstream.data.parts import OWN_WEIGHTS, part_weights, turn_parts
