@@ -48,9 +48,14 @@ turn's ``TurnCompleted`` in EVENTS holds exactly the stand-in's tokens (token-ex
 interrupted one with ``sampling["continued"] == [{"at": k, ...}]`` and ``version_spans`` the version
 before the update for its first k tokens and the published one for the rest; **tokens thrown
 away** = the tokens the stand-in generated in interrupted phases - the tokens recorded for their
-turns = 0; every continuation was queued during the pause (resubmitted before the resume); the
-gateway's ``turnstream_gateway_interrupted_generations_total{outcome="continued"}`` counts every
-interrupted turn, ``gave_up`` and ``version_limit`` none.
+turns = 0; the gateway's ``turnstream_gateway_interrupted_generations_total{outcome="continued"}``
+counts every interrupted turn, ``gave_up`` and ``version_limit`` none. Reported, not checked (a
+timing): how many continuations reached the stand-in during the pause (resubmitted before the
+resume).
+
+``--after-tree DIR``: the gateway runs that checkout's code (``git worktree add DIR REV``: a
+revision before a change), as in ``gateway_overhead.py``. ``--gateway-log-level WARNING`` and
+``--no-version-update`` take the log lines and the version update out of the CPU figure.
 
 The LAST line is one JSON object of these figures and the machine.
 """
@@ -307,8 +312,9 @@ async def bench(args: argparse.Namespace, plan: Plan, tmp: Path) -> JSON:
     completion = [*ids[: args.tokens - 1], int(tokenizer.eos_token_id)]
     question = QUESTION + " " + (PROSE * (1 + args.prompt_chars // len(PROSE)))[: args.prompt_chars]
     max_context = max(MAX_CONTEXT, 2 * len(question) + 2 * args.tokens)
+    tree = None if args.after_tree == harness.REPO else args.after_tree
     async with fixed_latency_stack(
-        args, tmp, max_context, "bench-interrupted-turns", completion=completion
+        args, tmp, max_context, "bench-interrupted-turns", completion=completion, source_tree=tree
     ) as stack:
         bucket = await Bucket.open(stack.js, LogSettings().names.policy_bucket)
         turns = Turns(
@@ -437,8 +443,6 @@ def report(args: argparse.Namespace, result: JSON) -> JSON:
     failed = []
     if figures["tokens_thrown_away"] != 0:
         failed.append("tokens were thrown away")
-    if any(q != 1 for q in queued):
-        failed.append("a continuation was not queued during the pause")
     sent = turns.count - sum(1 for kind, _ in turns.sent.values() if kind == "plain")
     total = figures["gateway_interrupted_total"]
     if total.get("continued") != sent or total.get("gave_up") or total.get("version_limit"):
@@ -478,6 +482,7 @@ async def interrupted_main(parser: argparse.ArgumentParser, args: argparse.Names
         "backend_extra_ms": args.ttft_ms - args.itl_ms,
         "version_update": not args.no_version_update,
         "prompt_chars": args.prompt_chars,
+        "gateway_tree": str(args.after_tree),
         "rounds": plan.rounds,
         "turns_per_phase": plan.turns,
         "gateway_log_level": args.gateway_log_level or "as shipped",
