@@ -8,8 +8,8 @@ of ``max_tokens``, and joins the two parts into one answer (``gateway.serving.en
 
 Run it from the repository root (nats-server on PATH, or in the venv's bin)::
 
-    .venv/bin/python benchmarks/interrupted_turns.py           # 6 rounds of 8 turns a phase, ~90 s
-    .venv/bin/python benchmarks/interrupted_turns.py --quick   # 2 rounds of 4, ~25 s
+    .venv/bin/python benchmarks/interrupted_turns.py           # 6 rounds of 8 turns a phase, ~85 s
+    .venv/bin/python benchmarks/interrupted_turns.py --quick   # 2 rounds of 4, ~35 s
 
 What it measures
 ----------------
