@@ -20,7 +20,16 @@ or, with ``stream: false``, all tokens in one JSON body (one choice, after ``--t
 ``--itl-ms`` per further token); plus ``GET /health``, ``GET /v1/models`` (the model and its
 ``max_model_len``, as vLLM lists them) and ``GET /stats`` (connections accepted, completions
 served: a client that opens a new connection per request shows up as connections ~
-completions; completions in flight, and the most at once).
+completions; completions in flight, and the most at once; tokens served).
+
+A trainer's pause for a weight update (``benchmarks/interrupted_turns.py``), as vLLM's
+``/pause?mode=abort`` ... ``/resume`` does it, on cue: ``POST /interrupt {"after_tokens": k}``
+makes the next completion end after its k-th token with ``finish_reason: "abort"`` (streamed: an
+event without tokens, as vLLM ends an aborted request; not streamed: the k tokens) and pauses the
+server then; ``GET /paused`` answers once it is paused; completions that arrive while paused wait
+(vLLM queues them) until ``POST /resume``, which answers how long the pause lasted and how many
+waited. A request whose prompt is the aborted one's plus its k tokens (the continuation) is
+served the rest of the tokens, so that the two parts make the uninterrupted answer.
 
 Timing: the response headers go out at once (as a streaming server sends them); the first event
 after ``--ttft-ms``, each further event ``--itl-ms`` after the previous one. With ``--itl-ms 0``
@@ -41,9 +50,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,30 +83,77 @@ class Stats:
     bad_requests: int = 0
     in_flight: int = 0  # completions started and not yet answered
     most_in_flight: int = 0  # the most at once (tests assert overlap by it, not by time)
+    tokens: int = 0  # completion tokens served (an aborted part's too)
 
     def started(self) -> None:
         self.in_flight += 1
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
 
 
+class Pause:
+    """A trainer's pause, on cue (the module's docstring): the abort armed, the pause, what
+    waits for its end, and the aborted request a continuation extends."""
+
+    def __init__(self) -> None:
+        self.armed: int | None = None  # the next completion ends "abort" after this many tokens
+        self.since: float | None = None  # paused (perf_counter) since
+        self.waiting: list[Callable[[], None]] = []  # completions queued until /resume
+        self.watchers: list[Callable[[], None]] = []  # GET /paused answers
+        self.aborted: tuple[int, ...] = ()  # the aborted request's prompt + tokens
+        self.served: int = 0  # how many tokens of the answer it was served
+
+    def begin(self, prompt: list[int], served: tuple[int, ...]) -> None:
+        self.since = time.perf_counter()
+        self.aborted, self.served = (*prompt, *served), len(served)
+        watchers, self.watchers = self.watchers, []
+        for answer in watchers:
+            answer()
+
+    def start_of(self, prompt: list[int]) -> int:
+        """The first token to serve ``prompt``: after the aborted part's, for its continuation."""
+        if self.aborted and len(prompt) == len(self.aborted) and tuple(prompt) == self.aborted:
+            self.aborted = ()
+            return self.served
+        return 0
+
+    def resume(self) -> dict[str, float]:
+        paused_s = 0.0 if self.since is None else time.perf_counter() - self.since
+        waiting, self.waiting, self.since = self.waiting, [], None
+        for start in waiting:
+            start()
+        return {"paused_s": paused_s, "queued": len(waiting)}
+
+
 class Completions:
-    """The events of one answer, pre-encoded per (top-k, token count); only the first event
-    (which echoes the prompt ids) and the usage event are built per request."""
+    """The events of one answer, pre-encoded per (top-k, first token, token count, ids, finish);
+    only the first event (which echoes the prompt ids) and the usage event are built per
+    request. ``start``: the first of the tokens served (a continuation's, after an abort)."""
 
     def __init__(self, config: BackendConfig) -> None:
         self.config = config
-        self._cache: dict[tuple[int, int], list[dict[str, Any]]] = {}
-        self._encoded: dict[tuple[int, int], list[bytes]] = {}
+        self._cache: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+        self._encoded: dict[tuple[Any, ...], list[bytes]] = {}
 
-    def _choices(self, k: int, n: int, ids: bool) -> list[dict[str, Any]]:
-        key = (k, n, ids)
+    def count(self, start: int, max_tokens: int) -> int:
+        """How many tokens a request is served: the rest of the answer, at most ``max_tokens``."""
+        return max(1, min(len(self.config.tokens) - start, max_tokens))
+
+    def _finish(self, start: int, n: int) -> str:
+        return "stop" if start + n == len(self.config.tokens) else "length"
+
+    def _choices(
+        self, k: int, start: int, n: int, ids: bool, finish: str | None
+    ) -> list[dict[str, Any]]:
+        """The choices of tokens ``start`` .. ``start + n``, the last with ``finish``."""
+        key = (k, start, n, ids, finish)
         if key not in self._cache:
             config = self.config
             step = config.tokens_per_event
+            end = start + n
             choices = []
-            for start in range(0, n, step):
-                part = list(config.tokens[start : min(start + step, n)])
-                logprobs = [round(-0.05 - 0.01 * (start + i), 4) for i in range(len(part))]
+            for at in range(start, end, step):
+                part = list(config.tokens[at : min(at + step, end)])
+                logprobs = [round(-0.05 - 0.01 * (at + i), 4) for i in range(len(part))]
                 top = [
                     {
                         f"token_id:{token}": lp,
@@ -103,21 +161,20 @@ class Completions:
                     }
                     for token, lp in zip(part, logprobs, strict=True)
                 ]
-                offsets = [sum(len(t) for t in config.texts[: start + i]) for i in range(len(part))]
-                last = start + len(part) >= n
+                offsets = [
+                    sum(len(t) for t in config.texts[start : at + i]) for i in range(len(part))
+                ]
                 choices.append(
                     {
                         "index": 0,
-                        "text": "".join(config.texts[start : start + len(part)]),
+                        "text": "".join(config.texts[at : at + len(part)]),
                         "logprobs": {
                             "text_offset": offsets,
                             "token_logprobs": logprobs,
                             "tokens": [f"token_id:{t}" for t in part],
                             "top_logprobs": top,
                         },
-                        "finish_reason": (
-                            ("stop" if n == len(config.tokens) else "length") if last else None
-                        ),
+                        "finish_reason": finish if at + len(part) >= end else None,
                         "stop_reason": None,
                         **({"token_ids": part} if ids else {}),
                     }
@@ -138,29 +195,44 @@ class Completions:
             "usage": usage,
         }
 
-    def events(self, prompt: list[int], k: int, max_tokens: int, ids: bool) -> list[bytes]:
-        """``ids``: the request's ``return_token_ids`` (the ids, and the prompt's echoed)."""
-        n = max(1, min(len(self.config.tokens), max_tokens))
-        choices = self._choices(k, n, ids)
-        first = {**choices[0], "prompt_token_ids": prompt} if ids else choices[0]
-        usage = {
+    def _usage(self, prompt: list[int], n: int) -> dict[str, int]:
+        return {
             "prompt_tokens": len(prompt),
             "total_tokens": len(prompt) + n,
             "completion_tokens": n,
         }
+
+    def events(
+        self, prompt: list[int], k: int, n: int, ids: bool, *, start: int = 0, abort: bool = False
+    ) -> list[bytes]:
+        """The streamed events of ``n`` tokens from ``start`` (``ids``: the request's
+        ``return_token_ids``: the ids, and the prompt's echoed); ``abort``: then an event without
+        tokens that ends the request "abort", as vLLM ends one aborted mid-generation."""
+        finish = None if abort else self._finish(start, n)
+        choices = self._choices(k, start, n, ids, finish)
+        first = {**choices[0], "prompt_token_ids": prompt} if ids else choices[0]
+        ended = []
+        if abort:
+            empty = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
+            choice = {"index": 0, "text": "", "logprobs": empty, "finish_reason": "abort"}
+            ended = [_sse(self._event([{**choice, **({"token_ids": []} if ids else {})}], None))]
         return [
             _sse(self._event([first], None)),
-            *self._encoded[(k, n, ids)],
-            _sse(self._event([], usage)),
+            *self._encoded[(k, start, n, ids, finish)],
+            *ended,
+            _sse(self._event([], self._usage(prompt, n))),
             b"data: [DONE]\n\n",
         ]
 
-    def whole(self, prompt: list[int], k: int, max_tokens: int, ids: bool) -> bytes:
-        """The non-streamed answer (``stream: false``): every token in one choice."""
-        n = max(1, min(len(self.config.tokens), max_tokens))
-        key = (-1 - k, n, ids)
+    def whole(
+        self, prompt: list[int], k: int, n: int, ids: bool, *, start: int = 0, abort: bool = False
+    ) -> bytes:
+        """The non-streamed answer (``stream: false``): the ``n`` tokens from ``start`` in one
+        choice (``abort``: ended "abort", the tokens so far kept, as vLLM answers)."""
+        finish = "abort" if abort else self._finish(start, n)
+        key = (-1 - k, start, n, ids, finish)
         if key not in self._encoded:
-            parts = self._choices(k, n, ids)
+            parts = self._choices(k, start, n, ids, finish)
             logprobs = {
                 name: [item for part in parts for item in part["logprobs"][name]]
                 for name in ("text_offset", "token_logprobs", "tokens", "top_logprobs")
@@ -169,7 +241,7 @@ class Completions:
                 "index": 0,
                 "text": "".join(part["text"] for part in parts),
                 "logprobs": logprobs,
-                "finish_reason": parts[-1]["finish_reason"],
+                "finish_reason": finish,
                 "stop_reason": None,
             }
             if ids:
@@ -177,12 +249,7 @@ class Completions:
             # Cached encoded up to the prompt ids, which vLLM echoes (with return_token_ids).
             head = json.dumps(choice, separators=(",", ":"))[:-1]
             self._encoded[key] = [(head + ',"prompt_token_ids":' if ids else head).encode()]
-        usage = {
-            "prompt_tokens": len(prompt),
-            "total_tokens": len(prompt) + n,
-            "completion_tokens": n,
-        }
-        event = self._event([], usage)
+        event = self._event([], self._usage(prompt, n))
         del event["choices"]
         rest = json.dumps(event, separators=(",", ":"))[1:]
         return b"".join(
@@ -207,10 +274,11 @@ def _chunk(data: bytes) -> bytes:
 class HTTPConnection(asyncio.Protocol):
     """One keep-alive HTTP/1.1 connection; requests are answered in order."""
 
-    def __init__(self, completions: Completions, stats: Stats) -> None:
+    def __init__(self, completions: Completions, stats: Stats, pause: Pause) -> None:
         self.completions = completions
         self.config = completions.config
         self.stats = stats
+        self.pause = pause
         self.transport: asyncio.Transport | None = None
         self.buffer = bytearray()
         self.busy = False  # a streamed answer is under way: later requests wait in the buffer
@@ -223,7 +291,7 @@ class HTTPConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.stats.open_connections -= 1
-        if self.busy:
+        if self.busy and self.timer is not None:
             self.stats.in_flight -= 1  # a completion its client gave up on
         if self.timer is not None:
             self.timer.cancel()
@@ -274,6 +342,21 @@ class HTTPConnection(asyncio.Protocol):
             self._complete(body, close)
         elif path == "/v1/chat/completions" and method == "POST":
             self._chat(body, close)
+        elif path == "/interrupt" and method == "POST":
+            try:
+                self.pause.armed = int(json.loads(body)["after_tokens"])
+            except (ValueError, KeyError, TypeError) as exc:
+                self._respond(400, {"error": {"message": f"after_tokens: {exc}"}}, close=close)
+                return
+            self._respond(200, {"armed": self.pause.armed}, close=close)
+        elif path == "/paused":
+            if self.pause.since is not None:
+                self._respond(200, {"paused": True}, close=close)
+            else:  # answered when the pause begins
+                self.busy = True
+                self.pause.watchers.append(lambda: self._answer_later({"paused": True}, close))
+        elif path == "/resume" and method == "POST":
+            self._respond(200, self.pause.resume(), close=close)
         else:
             self._respond(404, {"error": f"no route {path}"}, close=close)
 
@@ -328,46 +411,82 @@ class HTTPConnection(asyncio.Protocol):
             self.stats.bad_requests += 1
             self._respond(400, {"error": {"message": str(exc)}}, close=close)
             return
-        assert self.transport is not None
+        self.busy = True
+        serve = functools.partial(self._serve, prompt, stream, k, max_tokens, ids, close)
+        if self.pause.since is not None:
+            self.pause.waiting.append(serve)  # queued until /resume, as a paused vLLM does
+        else:
+            serve()
+
+    def _serve(
+        self, prompt: list[int], stream: bool, k: int, max_tokens: int, ids: bool, close: bool
+    ) -> None:
+        if self.transport is None:
+            return  # the client gave up while it was queued
+        start = self.pause.start_of(prompt)
+        n = self.completions.count(start, max_tokens)
+        # An armed abort: the first k tokens, then the pause (on_sent: once they are out).
+        abort = self.pause.armed is not None and self.pause.armed < n
+        on_sent = None
+        if abort:
+            n, self.pause.armed = max(1, self.pause.armed or 0), None
+            served = self.config.tokens[start : start + n]
+            on_sent = functools.partial(self.pause.begin, prompt, served)
+        self.stats.tokens += n
+        self.stats.started()
         if not stream:  # one JSON response after ttft + (n - 1) * itl, as vLLM answers it
-            data = self.completions.whole(prompt, k, max_tokens, ids)
-            n = max(1, min(len(self.config.tokens), max_tokens))
+            data = self.completions.whole(prompt, k, n, ids, start=start, abort=abort)
             delay = self.config.ttft_s + max(n - 1, 0) * self.config.itl_s
-            self.busy = True
-            self.stats.started()
-            self.timer = asyncio.get_running_loop().call_later(delay, self._send_whole, data, close)
+            loop = asyncio.get_running_loop()
+            self.timer = loop.call_later(delay, self._send_whole, data, close, on_sent)
             return
-        events = self.completions.events(prompt, k, max_tokens, ids)
+        events = self.completions.events(prompt, k, n, ids, start=start, abort=abort)
+        assert self.transport is not None
         self.transport.write(
             b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
             b"cache-control: no-cache\r\ntransfer-encoding: chunked\r\n\r\n"
         )
-        self.busy = True
-        self.stats.started()
         loop = asyncio.get_running_loop()
         if self.config.itl_s <= 0:
             payload = b"".join(events)
-            self.timer = loop.call_later(self.config.ttft_s, self._finish, [payload], close)
+            self.timer = loop.call_later(
+                self.config.ttft_s, self._finish, [payload], close, on_sent
+            )
         else:
-            self.timer = loop.call_later(self.config.ttft_s, self._stream, events, 0, close)
+            last = len(events) - (4 if abort else 3)  # the last token's event
+            self.timer = loop.call_later(
+                self.config.ttft_s, self._stream, events, 0, last, close, on_sent
+            )
 
-    def _stream(self, events: list[bytes], i: int, close: bool) -> None:
-        # Token events one by one; the usage event and [DONE] leave with the last token.
+    def _stream(
+        self,
+        events: list[bytes],
+        i: int,
+        last: int,
+        close: bool,
+        on_sent: Callable[[], None] | None,
+    ) -> None:
+        # Token events one by one; the abort, usage event and [DONE] leave with the last token.
         if self.transport is None:
             return
-        tokens = len(events) - 2
-        if i < tokens - 1:
+        if i < last:
             self.transport.write(_chunk(events[i]))
             loop = asyncio.get_running_loop()
-            self.timer = loop.call_later(self.config.itl_s, self._stream, events, i + 1, close)
+            self.timer = loop.call_later(
+                self.config.itl_s, self._stream, events, i + 1, last, close, on_sent
+            )
         else:
-            self._finish([b"".join(events[i:])], close)
+            self._finish([b"".join(events[i:])], close, on_sent)
 
-    def _finish(self, parts: list[bytes], close: bool) -> None:
+    def _finish(
+        self, parts: list[bytes], close: bool, on_sent: Callable[[], None] | None = None
+    ) -> None:
         self.timer = None
         if self.transport is None:
             return
         self.transport.write(b"".join(_chunk(p) for p in parts) + b"0\r\n\r\n")
+        if on_sent is not None:
+            on_sent()  # the abort is out: the pause begins
         self.stats.completions += 1
         self.stats.in_flight -= 1
         self.busy = False
@@ -377,7 +496,9 @@ class HTTPConnection(asyncio.Protocol):
         if self.buffer:
             self._next_request()
 
-    def _send_whole(self, data: bytes, close: bool) -> None:
+    def _send_whole(
+        self, data: bytes, close: bool, on_sent: Callable[[], None] | None = None
+    ) -> None:
         self.timer = None
         if self.transport is None:
             return
@@ -385,12 +506,23 @@ class HTTPConnection(asyncio.Protocol):
             b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
             b"content-length: %d\r\n\r\n%b" % (len(data), data)
         )
+        if on_sent is not None:
+            on_sent()
         self.stats.completions += 1
         self.stats.in_flight -= 1
         self.busy = False
         if close:
             self.transport.close()
             return
+        if self.buffer:
+            self._next_request()
+
+    def _answer_later(self, payload: object, close: bool) -> None:
+        """A held request's answer (GET /paused); the connection's next requests then."""
+        if self.transport is None:
+            return
+        self.busy = False
+        self._respond(200, payload, close=close)
         if self.buffer:
             self._next_request()
 
@@ -411,8 +543,9 @@ async def serve(config: BackendConfig, host: str, port: int, *, reuse_port: bool
     loop = asyncio.get_running_loop()
     completions = Completions(config)
     stats = Stats()
+    pause = Pause()
     server = await loop.create_server(
-        lambda: HTTPConnection(completions, stats),
+        lambda: HTTPConnection(completions, stats, pause),
         host,
         port,
         backlog=1024,

@@ -215,7 +215,11 @@ class Generating:
         left = turn.params.max_tokens - done
         seed = None if turn.params.seed is None else continued_seed(turn.params.seed, done)
         gen.continued.append({"at": done, "seed": seed})
-        log.info(
+        # Debug, not info: an update aborts every turn in flight at once, and an info line (the
+        # rich handler) costs about what the resubmission does, ~1 ms of CPU
+        # (benchmarks/interrupted_turns.py). The counter above and the policy watch's one line
+        # per version say it at info.
+        log.debug(
             "session %s: the backend aborted a generation after %d tokens; continuing it",
             turn.session.name,
             done,

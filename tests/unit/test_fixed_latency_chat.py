@@ -1,9 +1,13 @@
 """The benchmarks' fixed-latency backend answers ``POST /v1/chat/completions`` (not streamed)
 for a proxy in front of it (LiteLLM in ``benchmarks/litellm_compare.py``): the same text as its
-completions, after the same delay."""
+completions, after the same delay. And it pauses on cue as a trainer pauses vLLM for a weight
+update (``benchmarks/interrupted_turns.py``): an armed completion ends "abort" after k tokens,
+what arrives while paused waits for ``/resume``, and the continuation is served the rest."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import subprocess
 import sys
 import time
@@ -69,3 +73,57 @@ def test_fewer_tokens_and_bad_requests(backend: str) -> None:
     assert short["choices"][0]["message"]["content"] == "The"
     assert short["choices"][0]["finish_reason"] == "length"
     assert streamed.status_code == 400 and no_messages.status_code == 400
+
+
+def _sse(text: str) -> list[dict[str, object]]:
+    lines = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+    return [json.loads(line) for line in lines if line != "[DONE]"]
+
+
+def test_an_interrupted_completion_and_its_continuation(backend: str) -> None:
+    """The armed request ends "abort" after 3 tokens (an event without tokens, as vLLM ends an
+    aborted one); its continuation (prompt + those tokens), sent while paused, is held until
+    /resume and then served the other 13: together the uninterrupted answer."""
+    body = {"prompt": [1, 2, 3], "stream": True, "logprobs": 0, "return_token_ids": True}
+
+    async def run() -> tuple[list[dict[str, object]], dict[str, object], dict[str, object]]:
+        async with (
+            httpx.AsyncClient(base_url=backend) as client,
+            httpx.AsyncClient(base_url=backend) as other,
+        ):
+            whole = (await client.post("/v1/completions", json={**body, "stream": False})).json()
+            await client.post("/interrupt", json={"after_tokens": 3})
+            paused = asyncio.ensure_future(other.get("/paused"))  # answered at the abort
+            first = _sse((await client.post("/v1/completions", json=body)).text)
+            assert (await paused).json() == {"paused": True}
+            ids = [t for e in first for c in e["choices"] for t in c.get("token_ids", [])]
+            rest = {**body, "prompt": [1, 2, 3, *ids], "stream": False}
+            continued = asyncio.ensure_future(other.post("/v1/completions", json=rest))
+            await asyncio.sleep(0.2)
+            assert not continued.done()  # queued while paused
+            resumed = (await client.post("/resume")).json()
+            return first, whole, {**resumed, **(await continued).json()}
+
+    first, whole, rest = asyncio.run(run())
+    [abort] = [e for e in first if e["choices"] and e["choices"][0]["finish_reason"]]
+    assert abort["choices"][0]["finish_reason"] == "abort"
+    assert abort["choices"][0]["token_ids"] == []
+    ids = [t for e in first for c in e["choices"] for t in c.get("token_ids", [])]
+    assert rest["queued"] == 1 and rest["paused_s"] >= 0.2
+    [choice] = rest["choices"]
+    assert choice["finish_reason"] == "stop"
+    assert ids + choice["token_ids"] == whole["choices"][0]["token_ids"]
+    assert len(ids) == 3 and rest["usage"]["completion_tokens"] == 13
+
+
+def test_an_interrupted_whole_completion_keeps_its_tokens(backend: str) -> None:
+    with httpx.Client(base_url=backend) as client:
+        assert client.post("/interrupt", json={"after_tokens": 5}).json() == {"armed": 5}
+        body = {"prompt": [7], "stream": False, "return_token_ids": True}
+        cut = client.post("/v1/completions", json=body).json()
+        resumed = client.post("/resume").json()
+        bad = client.post("/interrupt", json={"after": 5})
+    [choice] = cut["choices"]
+    assert choice["finish_reason"] == "abort" and len(choice["token_ids"]) == 5
+    assert choice["text"] == "The a" and resumed["queued"] == 0
+    assert bad.status_code == 400
