@@ -77,8 +77,16 @@ class Prompt:
         return self._json is not None
 
     def extended(self, more: Sequence[int]) -> Prompt:
-        """These ids followed by ``more`` (the JSON head carried over)."""
+        """These ids followed by ``more`` (a turn continued after its backend aborted it). The
+        JSON head carried over: these ids' own JSON where it was built (sent once already), so
+        the continuation encodes only ``more``.
+
+        >>> p = Prompt([1, 2]); _ = p.json(); p.extended([3]).json()
+        b'[1,2,3]'
+        """
         ids = np.concatenate([self.ids, np.asarray(more, dtype=np.int32)])
+        if self._json is not None and len(self.ids):
+            return Prompt(ids, head=(memoryview(self._json)[:-1],), head_len=len(self.ids))
         return Prompt(ids, head=self._head, head_len=self._head_len)
 
     def tolist(self) -> list[int]:

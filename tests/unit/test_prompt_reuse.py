@@ -189,6 +189,11 @@ def test_the_prompt_json_of_a_head_and_new_ids() -> None:
     assert Prompt([]).json() == b"[]" and b"".join(Prompt([]).extended_json_head([1])) == b"[1"
     assert b"".join(Prompt([5]).extended_json_head([])) == b"[5"
     assert prompt.extended([10]).json() == b"[5,6,7,8,9,10]"
+    # Sent once (its JSON built), a prompt continued after an abort encodes only what follows.
+    sent = Prompt([5, 6])
+    sent.json()
+    assert sent.extended([7, 8]).json() == b"[5,6,7,8]" and sent.extended([]).json() == b"[5,6]"
+    assert sent.extended([7]).extended([8]).json() == b"[5,6,7,8]"
     with pytest.raises(ValueError):
         Prompt([1], head=head, head_len=3)
 
