@@ -12,7 +12,9 @@ Once the system is quiet it checks, for the soak's run:
   the journal line that says its batch's ack was confirmed;
 - no stored turn continues another without its whole context, and no completion a client
   received is stored after its session's close (``tests.chaos.seams``: what gateways sharing
-  one log without affinity must get right).
+  one log without affinity must get right);
+- every stored turn's token versions hold together (``tests.chaos.versions``: the soak's
+  trainer updates the weights mid-turn; a continued turn must still be what its client got).
 
 ``lost`` adds up completions missing from EVENTS, sessions missing from the shards (or never
 closed), and TRAJ messages the sink never committed.
@@ -21,7 +23,7 @@ closed), and TRAJ messages the sink never committed.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +41,7 @@ from schemas.trust import VettedSession, vet_session
 from shardstore import open_shards_dataset
 from tests.chaos.agents import AgentSession, Completion
 from tests.chaos.seams import retokenized_continuations, served_after_close
+from tests.chaos.versions import VersionAudit
 from tests.helpers.streams import stream_payloads
 
 SINK_DURABLE = "soak-sink"
@@ -179,6 +182,7 @@ class Report:
     sink: SinkAudit | None = None
     dead_letters: dict[str, int] = field(default_factory=dict)
     untrusted: Counter[str] = field(default_factory=Counter)  # events the fold would not believe
+    versions: VersionAudit = field(default_factory=VersionAudit)  # of the stored turns
 
     @property
     def lost(self) -> int:
@@ -225,10 +229,19 @@ def shard_ids(root: Path) -> list[tuple[str, str]]:
 
 
 class Auditor:
-    def __init__(self, js: JetStreamContext, run: str, tokenizer: Any) -> None:
+    def __init__(
+        self,
+        js: JetStreamContext,
+        run: str,
+        tokenizer: Any,
+        published_versions: Collection[int] = (0,),
+    ) -> None:
+        """``published_versions``: every policy version the soak's trainer published (or
+        tried to), 0 (the served model) included."""
         self.js = js
         self.run = run
         self.tokenizer = tokenizer
+        self.published_versions = frozenset(published_versions)
         self.codec = Codec()
 
     async def audit(
@@ -287,6 +300,7 @@ class Auditor:
         for event in events:
             if isinstance(event, TurnCompleted):
                 first_turns.setdefault(event.reply, event)
+                report.versions.add(name, event, self.published_versions)
         close = next((e for e in events if isinstance(e, SessionClosed)), None)
         for completion in received:
             stored = first_turns.get(completion.reply)
