@@ -37,6 +37,10 @@ class SoakRecord:
         (or tried to: a put whose answer was lost may be stored)."""
         return {0, *(u.version for u in self.updates)}
 
+    def version_weights(self, model_dir: Path) -> dict[int, Path]:
+        """Each published version's weights: ``model_dir`` (what the gateways start with) is 0."""
+        return {0: model_dir, **{u.version: Path(u.checkpoint) for u in self.updates}}
+
     def save(self, data_dir: Path) -> None:
         body = dataclasses.asdict(self)
         (data_dir / RECORD_FILE).write_text(json.dumps(body))

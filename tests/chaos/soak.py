@@ -61,6 +61,7 @@ FAILING = (
     "turns_served_after_close",
     "version_spans_bad",
     "unknown_version_tokens",  # the local backend says each token's version
+    "version_logprobs_bad",
 )
 
 
@@ -314,7 +315,8 @@ async def _settle_and_audit(
     nc = await connect(nats_url, LogSettings(), name="soak-auditor")
     try:
         js = nc.jetstream()
-        auditor = Auditor(js, RUN, tokenizer, record.published_versions)
+        weights = record.version_weights(model_dir)
+        auditor = Auditor(js, RUN, tokenizer, record.published_versions, weights)
         deadline = time.monotonic() + settings.settle_s
         while True:
             idle, why = await pipeline_idle(js, RUN)

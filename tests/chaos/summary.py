@@ -43,6 +43,7 @@ def summarize(
         "version_spans_bad": len(versions.bad),
         "unknown_version_tokens": versions.unknown_tokens,
         "continued_turns": versions.continued,
+        "version_logprobs_bad": len(versions.logprobs_bad),
         "seed": record.seed,
         "duration_s": record.duration_s,
         "agents": record.agents,
@@ -53,6 +54,8 @@ def summarize(
         "continuations": versions.continuations,  # resubmissions, in the continued turns
         "multi_version_turns": versions.multi_version,  # continued, or switched ("keep")
         "stored_turns": versions.turns,
+        "interrupted_turns_scored": versions.scored,  # their log-probs, against each version
+        "max_logprob_delta": versions.max_logprob_delta,
         "lost_completions": len(report.lost_completions),
         "lost_sessions": len(report.lost_sessions),
         "unclosed_sessions": len(report.unclosed),
@@ -124,6 +127,7 @@ def print_tables(record: SoakRecord, report: Report, summary: dict[str, Any]) ->
         *examples(report.retokenized),
         *examples(report.served_after_close),
         *examples(report.versions.bad),
+        *examples(report.versions.logprobs_bad),
     ]:
         console.print(line, style="red", markup=False, highlight=False)
     for line in [*examples(report.late_turns), *examples(report.closes_overridden)]:

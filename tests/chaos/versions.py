@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 from schemas.events import TurnCompleted
 
-__all__ = ["VersionAudit", "turn_of", "turn_versions_wrong"]
+__all__ = ["VersionAudit", "interrupted", "turn_of", "turn_versions_wrong"]
 
 
 @dataclass
@@ -48,6 +48,10 @@ class VersionAudit:
     multi_version: int = 0  # turns whose known tokens span more than one version
     unknown_tokens: int = 0  # tokens whose version is null
     bad: list[str] = field(default_factory=list)
+    # The interrupted turns' log-probs against each version's weights (tests.chaos.logprobs).
+    scored: int = 0
+    max_logprob_delta: float = 0.0
+    logprobs_bad: list[str] = field(default_factory=list)
 
     def add(self, session: str, turn: TurnCompleted, published: Collection[int]) -> None:
         self.turns += 1
@@ -60,6 +64,30 @@ class VersionAudit:
         wrong = turn_versions_wrong(turn, published)
         if wrong:
             self.bad.append(f"{session} turn {turn.turn}: {wrong}")
+
+    def score(
+        self, session: str, turn: TurnCompleted, delta: float | None, tolerance: float
+    ) -> None:
+        """``delta``: the largest |recorded - recomputed| log-prob of ``turn``'s tokens, each
+        under its own version's weights (None: a version whose weights are not known)."""
+        self.scored += 1
+        if delta is None:
+            self.logprobs_bad.append(f"{session} turn {turn.turn}: a version of unknown weights")
+            return
+        self.max_logprob_delta = max(self.max_logprob_delta, delta)
+        if delta > tolerance:
+            self.logprobs_bad.append(
+                f"{session} turn {turn.turn} (versions {turn.version_spans}, continued "
+                f"{turn.sampling.get('continued')}): a log-prob {delta:.2g} away from its "
+                f"version's weights'"
+            )
+
+
+def interrupted(turn: TurnCompleted) -> bool:
+    """Whether a weight update reached ``turn`` while it ran: continued, or its known tokens
+    span more than one version."""
+    known = {v for v in _versions(turn) if v is not None}
+    return bool(turn.sampling.get("continued")) or len(known) > 1
 
 
 def _versions(turn: TurnCompleted) -> list[int | None]:

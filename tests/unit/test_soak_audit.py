@@ -1,19 +1,26 @@
 """The chaos soak's audit on hand-written journals and sessions: it must see every way a commit
-fails, and every way gateways sharing one log get a session wrong."""
+fails, every way gateways sharing one log get a session wrong, and every way a turn's token
+versions can be wrong (issue 37)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import msgspec
+import numpy as np
 import pytest
+from transformers import AutoModelForCausalLM
 
+from gateway.backends.interface import Prompt, SamplingParams
+from gateway.backends.local import LocalBackend
 from gateway.core.aggregate import SessionState, TurnDraft, apply, turn_event
+from gateway.model import ensure_tiny_model
 from schemas.events import SessionClosed, SessionEvent, SessionOpened, TurnCompleted
 from schemas.trust import VettedSession
 from tests.chaos.agents import AgentSession, Completion
 from tests.chaos.audit import Auditor, Report, SinkAudit, SinkJournal, audit_sink
 from tests.chaos.gateway_counters import parse_counters
+from tests.chaos.logprobs import TOLERANCE, VersionScorer
 from tests.chaos.record import SoakRecord
 from tests.chaos.seams import retokenized_continuations, served_after_close
 from tests.chaos.trainer import Update
@@ -394,3 +401,42 @@ def test_the_record_keeps_the_trainer_s_updates(tmp_path: Path) -> None:
     SoakRecord(1, 60.0, 2, [], [], [], updates=updates).save(tmp_path)
     loaded = SoakRecord.load(tmp_path)
     assert loaded.updates == updates and loaded.published_versions == {0, 1, 2}
+
+
+async def test_each_version_s_tokens_are_scored_against_that_version_s_weights(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A turn continued as the gateway does it: 6 tokens sampled by the local backend on the
+    served weights (version 0), then prompt + those 6 ids sent to the other weights (version 1).
+    Recorded right, it agrees with a recomputation under each version's weights; the same
+    tokens recorded under the wrong versions do not."""
+    other = ensure_tiny_model(tmp_path, seed=1)
+    prompt = [257, *b"user\nHello there!", 258, 10, 257, *b"assistant\n"]
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=3)
+    ids: list[int] = []
+    logprobs: list[float] = []
+    for weights in (tiny_model_dir, other):
+        backend = LocalBackend(AutoModelForCausalLM.from_pretrained(weights), eos_token_ids=())
+        async for chunk in backend.generate(Prompt(prompt + ids), params):
+            ids += chunk.token_ids
+            logprobs += chunk.logprobs
+        await backend.close()
+    recorded = TurnCompleted(
+        run=RUN,
+        session=SID,
+        turn=0,
+        prompt_ids=prompt,
+        completion_ids=ids,
+        logprobs=logprobs,
+        sampling={"temperature": 1.0, "top_p": 1.0, "continued": [{"at": 6, "seed": None}]},
+        version_spans=[(0, 6), (1, 6)],
+    )
+    scorer = VersionScorer({0: tiny_model_dir, 1: other, 2: tiny_model_dir})
+    at = np.asarray(prompt)
+    right = scorer.max_delta("right", at, recorded)
+    assert right is not None and right <= TOLERANCE
+    for spans in ([(0, 12)], [(1, 6), (2, 6)], [(0, 5), (1, 7)]):
+        wrong = msgspec.structs.replace(recorded, version_spans=spans, weight_version=spans[0][0])
+        assert (scorer.max_delta(f"{spans}", at, wrong) or 0.0) > 100 * TOLERANCE
+    unknown = msgspec.structs.replace(recorded, version_spans=[(5, 12)], weight_version=5)
+    assert scorer.max_delta("unknown", at, unknown) is None  # weights not known: counted bad
