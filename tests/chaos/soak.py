@@ -1,4 +1,5 @@
-"""The chaos soak (issue 10): agents through the whole system while its processes are SIGKILLed.
+"""The chaos soak (issues 10, 36, 37): agents through the whole system while its processes are
+SIGKILLed and its weights updated mid-turn.
 
     .venv/bin/python -m tests.chaos.soak --duration-s 600 --seed 7 [--sessions 32] [--data-dir D]
         [--gateways 1|2] [--update-interval-s 6]
@@ -16,9 +17,10 @@ client or the reaper; every consumer drained) and audits (``tests.chaos.audit``)
 table of faults and counts and, as its last stdout line, one JSON object with ``faults``,
 ``sessions``, ``turns``, ``lost``, ``duplicated``, ``redelivered_after_commit``,
 ``continuations_retokenized``, ``turns_served_after_close``, ``version_spans_bad``,
-``unknown_version_tokens``, ``continued_turns`` and more. The exit status is 1 when any count in
-``FAILING`` is not 0. Every process it started is gone when it returns, also after a failure,
-Ctrl-C or SIGTERM; the data dir (logs, store, shards, sink journal) is kept.
+``unknown_version_tokens``, ``continued_turns``, ``version_logprobs_bad`` and more. The exit
+status is 1 when any count in ``FAILING`` is not 0. Every process it started is gone when it
+returns, also after a failure, Ctrl-C or SIGTERM; the data dir (logs, store, shards, sink
+journal) is kept.
 """
 
 from __future__ import annotations
