@@ -17,10 +17,10 @@ client or the reaper; every consumer drained) and audits (``tests.chaos.audit``)
 table of faults and counts and, as its last stdout line, one JSON object with ``faults``,
 ``sessions``, ``turns``, ``lost``, ``duplicated``, ``redelivered_after_commit``,
 ``continuations_retokenized``, ``turns_served_after_close``, ``version_spans_bad``,
-``unknown_version_tokens``, ``continued_turns``, ``version_logprobs_bad`` and more. The exit
-status is 1 when any count in ``FAILING`` is not 0. Every process it started is gone when it
-returns, also after a failure, Ctrl-C or SIGTERM; the data dir (logs, store, shards, sink
-journal) is kept.
+``unknown_version_tokens``, ``continued_turns``, ``version_logprobs_bad``, ``max_tokens_bad``
+and more. The exit status is 1 when any count in ``FAILING`` is not 0. Every process it started
+is gone when it returns, also after a failure, Ctrl-C or SIGTERM; the data dir (logs, store,
+shards, sink journal) is kept.
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ FAILING = (
     "version_spans_bad",
     "unknown_version_tokens",  # the local backend says each token's version
     "version_logprobs_bad",
+    "max_tokens_bad",
 )
 
 

@@ -44,6 +44,7 @@ def summarize(
         "unknown_version_tokens": versions.unknown_tokens,
         "continued_turns": versions.continued,
         "version_logprobs_bad": len(versions.logprobs_bad),
+        "max_tokens_bad": len(versions.max_tokens_bad),
         "seed": record.seed,
         "duration_s": record.duration_s,
         "agents": record.agents,
@@ -128,6 +129,7 @@ def print_tables(record: SoakRecord, report: Report, summary: dict[str, Any]) ->
         *examples(report.served_after_close),
         *examples(report.versions.bad),
         *examples(report.versions.logprobs_bad),
+        *examples(report.versions.max_tokens_bad),
     ]:
         console.print(line, style="red", markup=False, highlight=False)
     for line in [*examples(report.late_turns), *examples(report.closes_overridden)]:

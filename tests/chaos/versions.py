@@ -17,8 +17,10 @@ versions are **bad** when:
   the abort point.
 
 Also counted: turns continued, turns whose tokens span more than one version (a continuation,
-or a "keep" switch), and tokens of unknown version (null: none with the local backend, which
-knows each token's version).
+or a "keep" switch), tokens of unknown version (null: none with the local backend, which
+knows each token's version), and turns whose length breaks their ``max_tokens``: more tokens, or
+fewer with ``finish_reason`` "length" (a continuation is sent with what is left of the turn's
+``max_tokens``, so the turn as a whole stops at it, not short of it or past it).
 
 >>> audit = VersionAudit()
 >>> audit.add("s", turn_of([(0, 3), (1, 2)], continued=[3]), published={0, 1})
@@ -48,6 +50,7 @@ class VersionAudit:
     multi_version: int = 0  # turns whose known tokens span more than one version
     unknown_tokens: int = 0  # tokens whose version is null
     bad: list[str] = field(default_factory=list)
+    max_tokens_bad: list[str] = field(default_factory=list)
     # The interrupted turns' log-probs against each version's weights (tests.chaos.logprobs).
     scored: int = 0
     max_logprob_delta: float = 0.0
@@ -64,6 +67,12 @@ class VersionAudit:
         wrong = turn_versions_wrong(turn, published)
         if wrong:
             self.bad.append(f"{session} turn {turn.turn}: {wrong}")
+        n, asked = len(turn.completion_ids), turn.sampling.get("max_tokens")
+        if isinstance(asked, int) and (n > asked or (turn.finish_reason == "length" and n < asked)):
+            self.max_tokens_bad.append(
+                f"{session} turn {turn.turn}: {n} tokens, finish {turn.finish_reason}, "
+                f"max_tokens {asked}, continued {continued}"
+            )
 
     def score(
         self, session: str, turn: TurnCompleted, delta: float | None, tolerance: float

@@ -78,6 +78,7 @@ def test_two_minutes_of_sigkills_lose_duplicate_redeliver_and_re_tokenize_nothin
     assert summary["version_spans_bad"] == 0, context
     assert summary["unknown_version_tokens"] == 0, context
     assert summary["version_logprobs_bad"] == 0, context
+    assert summary["max_tokens_bad"] == 0, context
     assert summary["policy_updates"] > 0 and summary["continued_turns"] > 0, context
     assert summary["faults"] >= 10, context
     assert summary["sessions"] > 0 and summary["turns"] > 0, context

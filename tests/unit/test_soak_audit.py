@@ -373,6 +373,23 @@ def test_unknown_tokens_are_counted_not_wrong() -> None:
     assert (audit.unknown_tokens, audit.multi_version, audit.bad) == (3, 1, [])
 
 
+@pytest.mark.parametrize(
+    ("tokens", "finish", "bad"),
+    [(8, "length", False), (5, "stop", False), (5, "length", True), (9, "stop", True)],
+)
+def test_a_turn_stops_at_its_max_tokens_continued_or_not(
+    tokens: int, finish: str, bad: bool
+) -> None:
+    """A continuation gets what is left of the turn's max_tokens (8 here): the turn ends at it."""
+    audit = VersionAudit()
+    continued = turn_of([(0, 3), (1, tokens - 3)], continued=[3])
+    sampling = {**continued.sampling, "max_tokens": 8}
+    audit.add(
+        SID, msgspec.structs.replace(continued, sampling=sampling, finish_reason=finish), {0, 1}
+    )
+    assert bool(audit.max_tokens_bad) == bad and not audit.bad
+
+
 def test_a_continued_turn_received_whole_is_not_lost_and_its_versions_are_audited() -> None:
     """The client received the continued turn as one answer: the same tokens and log-probs as
     the stored event, and the event's versions flip where it was continued."""
