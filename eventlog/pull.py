@@ -33,6 +33,7 @@ from nats.js import api as js_api
 from nats.js import errors as js_errors
 
 from eventlog.config import ConsumerSettings
+from eventlog.connection import answered
 from schemas.errors import EventLogUnavailable, ProvisioningError
 
 __all__ = ["ConsumerSpec", "FetchSizer", "fetch", "release"]
@@ -116,18 +117,16 @@ class ConsumerSpec:
         )
 
     async def bind(self, js: JetStreamContext) -> JetStreamContext.PullSubscription:
-        """Create the consumer (or update the settings we own) and subscribe to it."""
+        """Create the consumer (or update the settings we own) and subscribe to it. Asked again
+        when an answer is lost (``answered``: every step is idempotent): a service binds as it
+        starts, and a nats-server restart in that window made it exit (the chaos soak's shard
+        writer, issue 37's soak)."""
         want = self.config()
         try:
-            try:
-                live = (await js.consumer_info(self.stream, self.durable)).config
-            except js_errors.NotFoundError:
-                await js.add_consumer(self.stream, want)
-            else:
-                if _differs(live, want):
-                    # Same name and filter: the server updates it in place.
-                    await js.add_consumer(self.stream, want)
-                    log.info("consumer %s/%s updated", self.stream, self.durable)
+            await answered(
+                lambda: self._create_or_update(js, want),
+                f"binding consumer {self.durable} on {self.stream}",
+            )
             return await js.pull_subscribe_bind(self.durable, stream=self.stream)
         except js_errors.APIError as exc:
             raise ProvisioningError(
@@ -139,6 +138,17 @@ class ConsumerSpec:
             raise EventLogUnavailable(
                 f"cannot bind consumer {self.durable} on {self.stream}: {exc}"
             ) from exc
+
+    async def _create_or_update(self, js: JetStreamContext, want: js_api.ConsumerConfig) -> None:
+        try:
+            live = (await js.consumer_info(self.stream, self.durable)).config
+        except js_errors.NotFoundError:
+            await js.add_consumer(self.stream, want)
+        else:
+            if _differs(live, want):
+                # Same name and filter: the server updates it in place.
+                await js.add_consumer(self.stream, want)
+                log.info("consumer %s/%s updated", self.stream, self.durable)
 
 
 def _subjects(config: js_api.ConsumerConfig) -> list[str]:

@@ -2,7 +2,9 @@
 
 Each agent runs sessions one after another: open it (``POST /v1/sessions`` with its own id, so a
 retried open is the same session), take its turns with ``logprobs=True`` so it sees the tokens
-it was given, then close it, or, about one session in ten, walk away and leave it to the reaper.
+it was given (4-24 tokens; one turn in ten asks for 64-192, long enough that a weight update
+lands in it), then close it, or, about one session in ten, walk away and leave it to the
+reaper.
 A request that meets a fault (connection refused or cut, a timeout, a 5xx such as the 503 of a
 log that is down) is retried with a short backoff; every 200 answer is recorded as the client
 saw it, for the auditor.
@@ -32,6 +34,10 @@ log = logging.getLogger("soak.agents")
 T = TypeVar("T")
 
 LEAVE_OPEN = 0.1  # share of sessions the agent abandons: the reaper must close them
+# Share of turns that ask for a long completion: long enough to be running when the soak's
+# trainer aborts the generations for a weight update (issue 37), so that turns are continued.
+LONG_TURNS = 0.1
+SHORT_TOKENS, LONG_TOKENS = (4, 24), (64, 192)
 GIVE_UP_S = 120.0  # one request retried this long: the agent abandons its session
 REQUEST_TIMEOUT_S = 30.0
 # No connection kept alive: each request is a new connection, so a per-connection balancer
@@ -181,7 +187,9 @@ class Agent:
                 client.chat.completions.create,
                 model="tiny",
                 messages=list(messages),
-                max_tokens=self.rng.randint(4, 24),
+                max_tokens=self.rng.randint(
+                    *(LONG_TOKENS if self.rng.random() < LONG_TURNS else SHORT_TOKENS)
+                ),
                 logprobs=True,
                 temperature=1.0,
             )

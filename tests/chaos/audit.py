@@ -12,7 +12,9 @@ Once the system is quiet it checks, for the soak's run:
   the journal line that says its batch's ack was confirmed;
 - no stored turn continues another without its whole context, and no completion a client
   received is stored after its session's close (``tests.chaos.seams``: what gateways sharing
-  one log without affinity must get right).
+  one log without affinity must get right);
+- every stored turn's token versions hold together (``tests.chaos.versions``: the soak's
+  trainer updates the weights mid-turn; a continued turn must still be what its client got).
 
 ``lost`` adds up completions missing from EVENTS, sessions missing from the shards (or never
 closed), and TRAJ messages the sink never committed.
@@ -21,7 +23,7 @@ closed), and TRAJ messages the sink never committed.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,8 +40,11 @@ from schemas.events import SessionClosed, TrajectoryReady, TurnCompleted
 from schemas.trust import VettedSession, vet_session
 from shardstore import open_shards_dataset
 from tests.chaos.agents import AgentSession, Completion
+from tests.chaos.logprobs import TOLERANCE, VersionScorer
 from tests.chaos.seams import retokenized_continuations, served_after_close
+from tests.chaos.versions import VersionAudit, interrupted
 from tests.helpers.streams import stream_payloads
+from turnstream.data.regenerate import full_prompts
 
 SINK_DURABLE = "soak-sink"
 PIPELINE_CONSUMERS = (("EVENTS", "fold"), ("TRAJ", "shard-writer"), ("TRAJ", SINK_DURABLE))
@@ -179,6 +184,7 @@ class Report:
     sink: SinkAudit | None = None
     dead_letters: dict[str, int] = field(default_factory=dict)
     untrusted: Counter[str] = field(default_factory=Counter)  # events the fold would not believe
+    versions: VersionAudit = field(default_factory=VersionAudit)  # of the stored turns
 
     @property
     def lost(self) -> int:
@@ -225,10 +231,22 @@ def shard_ids(root: Path) -> list[tuple[str, str]]:
 
 
 class Auditor:
-    def __init__(self, js: JetStreamContext, run: str, tokenizer: Any) -> None:
+    def __init__(
+        self,
+        js: JetStreamContext,
+        run: str,
+        tokenizer: Any,
+        published_versions: Collection[int] = (0,),
+        weights: Mapping[int, Path] | None = None,
+    ) -> None:
+        """``published_versions``: every policy version the soak's trainer published (or
+        tried to), 0 (the served model) included; ``weights``: each one's checkpoint, to check
+        the interrupted turns' log-probs against (``tests.chaos.logprobs``; None: not checked)."""
         self.js = js
         self.run = run
         self.tokenizer = tokenizer
+        self.published_versions = frozenset(published_versions)
+        self.scorer = VersionScorer(weights) if weights is not None else None
         self.codec = Codec()
 
     async def audit(
@@ -287,6 +305,8 @@ class Auditor:
         for event in events:
             if isinstance(event, TurnCompleted):
                 first_turns.setdefault(event.reply, event)
+                report.versions.add(name, event, self.published_versions)
+        self._score_interrupted(report, name, [e for e in events if isinstance(e, TurnCompleted)])
         close = next((e for e in events if isinstance(e, SessionClosed)), None)
         for completion in received:
             stored = first_turns.get(completion.reply)
@@ -322,6 +342,17 @@ class Auditor:
                 f"{name} ({close.status}): {len(missing)} of {len(expected)} trajectories "
                 f"not in the shards, e.g. {sorted(missing)[0]}"
             )
+
+    def _score_interrupted(self, report: Report, name: str, turns: list[TurnCompleted]) -> None:
+        """The log-probs of the turns a weight update reached, under each version's weights."""
+        if self.scorer is None or not any(interrupted(t) for t in turns):
+            return
+        prompts = full_prompts({t.turn: t for t in turns})  # the first stored of each index
+        for turn in turns:
+            prompt = prompts.get(turn.turn)
+            if interrupted(turn) and prompt is not None:
+                delta = self.scorer.max_delta(name, prompt, turn)
+                report.versions.score(name, turn, delta, TOLERANCE)
 
     def _same(self, stored: TurnCompleted, received: Completion) -> bool:
         tokens = [

@@ -23,6 +23,9 @@ COUNTERS = frozenset(
         "turnstream_gateway_catch_up_reads_total",  # {reason}: reads of a session's new events
         "turnstream_gateway_caught_up_events_total",  # another writer's events those applied
         "turnstream_gateway_stale_prompts_total",  # prompts built from a stale copy: must be 0
+        # {outcome}: generations a weight update aborted mid-turn (issue 37): continued,
+        # gave_up (a 503), version_limit
+        "turnstream_gateway_interrupted_generations_total",
     }
 )
 

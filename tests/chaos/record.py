@@ -14,6 +14,7 @@ from typing import Any
 
 from tests.chaos.agents import AgentSession, Completion
 from tests.chaos.targets import Exit, Fault
+from tests.chaos.trainer import Update
 
 RECORD_FILE = "soak.json"
 
@@ -28,6 +29,17 @@ class SoakRecord:
     exits: list[Exit]
     gateways: int = 1  # behind a round-robin proxy when 2
     gateway_counters: dict[str, int] = dataclasses.field(default_factory=dict)  # summed
+    updates: list[Update] = dataclasses.field(default_factory=list)  # the soak's trainer's
+
+    @property
+    def published_versions(self) -> set[int]:
+        """0 (the model the gateways start with) and every version the trainer published
+        (or tried to: a put whose answer was lost may be stored)."""
+        return {0, *(u.version for u in self.updates)}
+
+    def version_weights(self, model_dir: Path) -> dict[int, Path]:
+        """Each published version's weights: ``model_dir`` (what the gateways start with) is 0."""
+        return {0: model_dir, **{u.version: Path(u.checkpoint) for u in self.updates}}
 
     def save(self, data_dir: Path) -> None:
         body = dataclasses.asdict(self)
@@ -54,4 +66,5 @@ class SoakRecord:
             exits=[Exit(**e) for e in body["exits"]],
             gateways=body.get("gateways", 1),  # records older than two gateways: one
             gateway_counters=body.get("gateway_counters", {}),
+            updates=[Update(**u) for u in body.get("updates", [])],  # none before issue 37
         )

@@ -26,10 +26,11 @@ def read_proxy_stats(data_dir: Path) -> dict[str, Any]:
 def summarize(
     record: SoakRecord, report: Report, settled: bool, proxy: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """The JSON the soak prints last: the issue's six keys and the two of gateways sharing the
-    log first, then the detail."""
+    """The JSON the soak prints last: the issue's six keys, the two of gateways sharing the log
+    and the three of weight updates mid-turn first, then the detail."""
     sink = report.sink
     assert sink is not None
+    versions = report.versions
     return {
         "faults": len(record.faults),
         "sessions": report.sessions,
@@ -39,11 +40,23 @@ def summarize(
         "redelivered_after_commit": sink.redelivered_after_commit,
         "continuations_retokenized": len(report.retokenized),
         "turns_served_after_close": len(report.served_after_close),
+        "version_spans_bad": len(versions.bad),
+        "unknown_version_tokens": versions.unknown_tokens,
+        "continued_turns": versions.continued,
+        "version_logprobs_bad": len(versions.logprobs_bad),
+        "max_tokens_bad": len(versions.max_tokens_bad),
         "seed": record.seed,
         "duration_s": record.duration_s,
         "agents": record.agents,
         "gateways": record.gateways,
         "faults_by_target": dict(sorted(Counter(f.target for f in record.faults).items())),
+        "policy_updates": len(record.updates),
+        "policy_updates_by_mode": dict(sorted(Counter(u.mode for u in record.updates).items())),
+        "continuations": versions.continuations,  # resubmissions, in the continued turns
+        "multi_version_turns": versions.multi_version,  # continued, or switched ("keep")
+        "stored_turns": versions.turns,
+        "interrupted_turns_scored": versions.scored,  # their log-probs, against each version
+        "max_logprob_delta": versions.max_logprob_delta,
         "lost_completions": len(report.lost_completions),
         "lost_sessions": len(report.lost_sessions),
         "unclosed_sessions": len(report.unclosed),
@@ -95,6 +108,8 @@ def print_tables(record: SoakRecord, report: Report, summary: dict[str, Any]) ->
     for key, value in summary.items():
         if isinstance(value, int | float) and not isinstance(value, bool):
             counts.add_row(key, f"{value:g}" if isinstance(value, float) else str(value))
+    for mode, n in summary["policy_updates_by_mode"].items():
+        counts.add_row(f"policy updates: {mode}", str(n))
     for outcome, n in sorted(report.outcomes.items()):
         counts.add_row(f"agent sessions: {outcome}", str(n))
     for subject, n in report.dead_letters.items():
@@ -112,6 +127,9 @@ def print_tables(record: SoakRecord, report: Report, summary: dict[str, Any]) ->
         *(f"TRAJ seq {seq}: never committed by the sink" for seq in never[:5]),
         *examples(report.retokenized),
         *examples(report.served_after_close),
+        *examples(report.versions.bad),
+        *examples(report.versions.logprobs_bad),
+        *examples(report.versions.max_tokens_bad),
     ]:
         console.print(line, style="red", markup=False, highlight=False)
     for line in [*examples(report.late_turns), *examples(report.closes_overridden)]:

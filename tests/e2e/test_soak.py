@@ -1,10 +1,11 @@
-"""The 2-minute chaos soak (issues 10, 36): ``tests.chaos.soak`` as a real process, audited.
+"""The 2-minute chaos soak (issues 10, 36, 37): ``tests.chaos.soak`` as a real process, audited.
 
 32 openai-SDK agents through two gateways behind a round-robin proxy without affinity while
 nats-server, each gateway, the fold workers, the shard writer and the live sink consumer are
-SIGKILLed and restarted at random moments; the soak's own auditor then counts what was lost,
-duplicated or redelivered after its commit, continuations re-tokenized by a gateway whose copy
-of a session was stale, and turns served after their session's close. The
+SIGKILLed and restarted at random moments, and a trainer publishes new weights mid-turn; the
+soak's own auditor then counts what was lost, duplicated or redelivered after its commit,
+continuations re-tokenized by a gateway whose copy of a session was stale, turns served after
+their session's close, and token versions that do not hold together. The
 seed is random per run and named in every failure, with the data dir (logs, store, shards,
 sink journal) kept by pytest: ``python -m tests.chaos.soak --reaudit DIR`` audits it again.
 """
@@ -72,6 +73,13 @@ def test_two_minutes_of_sigkills_lose_duplicate_redeliver_and_re_tokenize_nothin
     assert summary["redelivered_after_commit"] == 0, context
     assert summary["continuations_retokenized"] == 0, context
     assert summary["turns_served_after_close"] == 0, context
+    # Weight updates mid-turn (issue 37): every continued turn is what its client received
+    # (`lost` above), and each token's version holds together and is its weights'.
+    assert summary["version_spans_bad"] == 0, context
+    assert summary["unknown_version_tokens"] == 0, context
+    assert summary["version_logprobs_bad"] == 0, context
+    assert summary["max_tokens_bad"] == 0, context
+    assert summary["policy_updates"] > 0 and summary["continued_turns"] > 0, context
     assert summary["faults"] >= 10, context
     assert summary["sessions"] > 0 and summary["turns"] > 0, context
     # Every kind of process was killed at least once, or the soak tested less than it says.

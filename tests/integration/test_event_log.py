@@ -15,6 +15,7 @@ from nats.js import api as js_api
 
 from eventlog import JetStreamPublisher, LogSettings, Outbox, PublisherSettings, provision
 from eventlog.buckets import Bucket, Entry
+from eventlog.pull import ConsumerSpec
 from schemas import (
     EventLogUnavailable,
     PayloadTooLarge,
@@ -98,6 +99,23 @@ async def test_a_bucket_opens_through_a_server_restart_longer_than_its_timeout(l
     bucket = await asyncio.wait_for(opening, 30)
 
     assert await bucket.get("no-such-key") is None  # a working bucket
+
+
+async def test_a_consumer_binds_through_a_server_restart_longer_than_its_timeout(log: Log) -> None:
+    # A shard writer restarted while nats-server restarted exited on `cannot bind consumer
+    # shard-writer on TRAJ: nats: timeout` (issue 37's soak): binding asks again, like opening.
+    impatient = log.nc.jetstream(timeout=1.0)
+    spec = ConsumerSpec("TRAJ", "binder", ("ts.traj.run",), max_ack_pending=8, ack_wait_s=5.0)
+    log.server.kill()
+    binding = asyncio.create_task(spec.bind(impatient))
+    await asyncio.sleep(1.5)  # the first try's request has timed out by now
+    assert not binding.done()
+    log.server.restart()
+
+    subscription = await asyncio.wait_for(binding, 30)
+
+    assert (await log.js.consumer_info("TRAJ", "binder")).config.ack_wait == 5.0
+    await subscription.unsubscribe()
 
 
 async def test_provisioning_applies_changed_settings(log: Log) -> None:

@@ -1,20 +1,30 @@
 """The chaos soak's audit on hand-written journals and sessions: it must see every way a commit
-fails, and every way gateways sharing one log get a session wrong."""
+fails, every way gateways sharing one log get a session wrong, and every way a turn's token
+versions can be wrong (issue 37)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import msgspec
+import numpy as np
 import pytest
+from transformers import AutoModelForCausalLM
 
+from gateway.backends.interface import Prompt, SamplingParams
+from gateway.backends.local import LocalBackend
 from gateway.core.aggregate import SessionState, TurnDraft, apply, turn_event
+from gateway.model import ensure_tiny_model
 from schemas.events import SessionClosed, SessionEvent, SessionOpened, TurnCompleted
 from schemas.trust import VettedSession
 from tests.chaos.agents import AgentSession, Completion
 from tests.chaos.audit import Auditor, Report, SinkAudit, SinkJournal, audit_sink
 from tests.chaos.gateway_counters import parse_counters
+from tests.chaos.logprobs import TOLERANCE, VersionScorer
+from tests.chaos.record import SoakRecord
 from tests.chaos.seams import retokenized_continuations, served_after_close
+from tests.chaos.trainer import Update
+from tests.chaos.versions import VersionAudit, turn_of, turn_versions_wrong
 
 TRAJ = {1: "r/a/0", 2: "r/b/0", 3: "r/c/0"}
 
@@ -315,3 +325,135 @@ turnstream_gateway_turns_total 12.0
         "appends_refused_total{event=close}": 1,
         "stale_prompts_total": 0,
     }
+
+
+# -- each token's version (issue 37): tests.chaos.versions ------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("spans", "continued", "wrong"),
+    [
+        pytest.param([(0, 3), (1, 2)], [3], None, id="continued: the version flips at the abort"),
+        pytest.param([(2, 5)], [], None, id="one version"),
+        pytest.param([(1, 2), (2, 3)], [], None, id="switched at a token (keep)"),
+        pytest.param([(1, 5)], [0], None, id="aborted before its first token"),
+        pytest.param([(1, 2), (0, 3)], [], "version 0 after version 1", id="a version goes down"),
+        pytest.param([(0, 2), (5, 3)], [], "version(s) [5] never published", id="not published"),
+        pytest.param(
+            [(1, 2), (2, 3)],
+            [1],
+            "continued after 1 tokens on version 1, its tokens before on 1",
+            id="continued on the version it was aborted on",
+        ),
+    ],
+)
+def test_a_turn_s_token_versions(
+    spans: list[tuple[int | None, int]], continued: list[int], wrong: str | None
+) -> None:
+    assert turn_versions_wrong(turn_of(spans, continued), published={0, 1, 2}) == wrong
+
+
+def test_spans_that_do_not_cover_the_completion_are_wrong() -> None:
+    """TurnCompleted refuses them as it is decoded; the audit does not count on it."""
+    bad = turn_of([(0, 3), (1, 2)])
+    msgspec.structs.force_setattr(bad, "version_spans", [(0, 3), (1, 3)])
+    assert "do not cover its 5 tokens" in (turn_versions_wrong(bad, {0, 1}) or "")
+
+
+def test_weight_version_must_be_the_oldest_token_s() -> None:
+    newest = msgspec.structs.replace(turn_of([(0, 3), (1, 2)]), weight_version=1)
+    assert turn_versions_wrong(newest, {0, 1}) == "weight_version 1, its oldest token's is 0"
+
+
+def test_unknown_tokens_are_counted_not_wrong() -> None:
+    audit = VersionAudit()
+    audit.add(SID, turn_of([(1, 2), (None, 3)]), published={0, 1})
+    audit.add(SID, turn_of([(0, 3), (1, 2)], continued=[3, 3], turn=1), published={0, 1})
+    assert (audit.turns, audit.continued, audit.continuations) == (2, 1, 2)
+    assert (audit.unknown_tokens, audit.multi_version, audit.bad) == (3, 1, [])
+
+
+@pytest.mark.parametrize(
+    ("tokens", "finish", "bad"),
+    [(8, "length", False), (5, "stop", False), (5, "length", True), (9, "stop", True)],
+)
+def test_a_turn_stops_at_its_max_tokens_continued_or_not(
+    tokens: int, finish: str, bad: bool
+) -> None:
+    """A continuation gets what is left of the turn's max_tokens (8 here): the turn ends at it."""
+    audit = VersionAudit()
+    continued = turn_of([(0, 3), (1, tokens - 3)], continued=[3])
+    sampling = {**continued.sampling, "max_tokens": 8}
+    audit.add(
+        SID, msgspec.structs.replace(continued, sampling=sampling, finish_reason=finish), {0, 1}
+    )
+    assert bool(audit.max_tokens_bad) == bad and not audit.bad
+
+
+def test_a_continued_turn_received_whole_is_not_lost_and_its_versions_are_audited() -> None:
+    """The client received the continued turn as one answer: the same tokens and log-probs as
+    the stored event, and the event's versions flip where it was continued."""
+    opened = apply(None, OPENED)
+    stored = turn(opened, 0, [1, 2], STEP0, [3, 4, 5, 6], "abcd", None)
+    continued = msgspec.structs.replace(
+        stored,
+        sampling={"continued": [{"at": 2, "seed": None}]},
+        weight_version=3,
+        version_spans=[(3, 2), (4, 2)],
+    )
+    vetted = VettedSession(events=[OPENED, continued], seqs=[1, 2])
+    agent = AgentSession(SID, 0, 1, created=True, outcome="left_open")
+    agent.completions = [received(continued)]
+    report = Report()
+    auditor = Auditor(None, RUN, DigitTokenizer(), published_versions={0, 3})  # type: ignore[arg-type]
+    auditor._check_session(report, SID, vetted, agent, set())
+    assert not report.lost_completions
+    assert (report.versions.continued, report.versions.multi_version) == (1, 1)
+    assert report.versions.bad == [f"{SID} turn 0: version(s) [4] never published"]
+
+
+def test_the_record_keeps_the_trainer_s_updates(tmp_path: Path) -> None:
+    """``--reaudit`` audits versions against what was published, 0 (the served model) too."""
+    updates = [Update(1.0, 1, "/b", "abort", 1, 1.1), Update(7.0, 2, "/a", "keep", 3, None)]
+    SoakRecord(1, 60.0, 2, [], [], [], updates=updates).save(tmp_path)
+    loaded = SoakRecord.load(tmp_path)
+    assert loaded.updates == updates and loaded.published_versions == {0, 1, 2}
+
+
+async def test_each_version_s_tokens_are_scored_against_that_version_s_weights(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A turn continued as the gateway does it: 6 tokens sampled by the local backend on the
+    served weights (version 0), then prompt + those 6 ids sent to the other weights (version 1).
+    Recorded right, it agrees with a recomputation under each version's weights; the same
+    tokens recorded under the wrong versions do not."""
+    other = ensure_tiny_model(tmp_path, seed=1)
+    prompt = [257, *b"user\nHello there!", 258, 10, 257, *b"assistant\n"]
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=3)
+    ids: list[int] = []
+    logprobs: list[float] = []
+    for weights in (tiny_model_dir, other):
+        backend = LocalBackend(AutoModelForCausalLM.from_pretrained(weights), eos_token_ids=())
+        async for chunk in backend.generate(Prompt(prompt + ids), params):
+            ids += chunk.token_ids
+            logprobs += chunk.logprobs
+        await backend.close()
+    recorded = TurnCompleted(
+        run=RUN,
+        session=SID,
+        turn=0,
+        prompt_ids=prompt,
+        completion_ids=ids,
+        logprobs=logprobs,
+        sampling={"temperature": 1.0, "top_p": 1.0, "continued": [{"at": 6, "seed": None}]},
+        version_spans=[(0, 6), (1, 6)],
+    )
+    scorer = VersionScorer({0: tiny_model_dir, 1: other, 2: tiny_model_dir})
+    at = np.asarray(prompt)
+    right = scorer.max_delta("right", at, recorded)
+    assert right is not None and right <= TOLERANCE
+    for spans in ([(0, 12)], [(1, 6), (2, 6)], [(0, 5), (1, 7)]):
+        wrong = msgspec.structs.replace(recorded, version_spans=spans, weight_version=spans[0][0])
+        assert (scorer.max_delta(f"{spans}", at, wrong) or 0.0) > 100 * TOLERANCE
+    unknown = msgspec.structs.replace(recorded, version_spans=[(5, 12)], weight_version=5)
+    assert scorer.max_delta("unknown", at, unknown) is None  # weights not known: counted bad
