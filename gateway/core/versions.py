@@ -11,11 +11,17 @@ gateway (docs/ARCHITECTURE.md, "Weight updates mid-turn"):
    serve it (it pauses them, loads the weights, publishes, resumes).
 2. So a part's tokens, which flow only once the servers run, were sampled by the version the
    bucket held when the part's first token arrived: read then (``TurnEngine`` reads the bucket
-   afresh for a resubmitted part; a first part takes the watched version).
+   afresh for a resubmitted part; a first part takes the watched version). A non-streamed
+   first part (its client does not stream, so the backend answers once, at the end) takes the
+   version as it was submitted instead: its one chunk arrives after all its tokens.
 3. A later version published while the part still streams (a trainer that freezes generations
    with ``/pause?mode=keep``, or swaps weights without pausing) makes every token of the part
    that arrived from its publication on (less ``CLOCK_MARGIN_S``, for the clocks of the log's
    server and the gateway) unknown: no backend of ours says which of them came after the swap.
+   A non-streamed part arrives at once, so all of it: the whole turn, for a first part frozen
+   mid-generation (and, conservatively, one that waited out a pause before it started).
+   What is left: a non-streamed continuation that spans a second update is recorded at the
+   version the bucket held as it arrived.
 
 ``TokenVersions`` keeps the run-length record a turn's event carries
 (``TurnCompleted.version_spans``); ``VersionTimeline`` the versions the gateway has seen

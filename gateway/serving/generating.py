@@ -106,7 +106,12 @@ class Generating:
         detok, versions = gen.detok, gen.versions
         resumed = bool(gen.continued)
         aborted_at = time.perf_counter()
-        part_version: int | None = None
+        # A non-streamed first part arrives whole at its end: what was current then says nothing
+        # of its first tokens, so it takes the version as it was submitted, and rule 3 of
+        # gateway.core.versions makes it unknown should a newer one be published before it
+        # arrives (a /pause?mode=keep mid-generation; or a pause it waited out, which the
+        # gateway cannot tell apart). A streamed one reads it as its first token arrives.
+        part_version: int | None = None if resumed or params.stream else self.weight_version()
         while True:
             # The session is the routing hint: its replica holds the conversation in its cache.
             stream = aiter(self.backend.generate(prompt, params, session=turn.session.name))

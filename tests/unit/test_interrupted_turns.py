@@ -57,9 +57,24 @@ class _PausedServer:
         self.freeze_at: int | None = None
         self.frozen = asyncio.Event()
         self.continued = asyncio.Event()  # a continuation was sent
+        self.whole = False  # answer a non-streamed request with one chunk at its end (as vLLM)
 
     async def generate(
         self, prompt: Prompt, params: SamplingParams, *, session: str | None = None
+    ) -> AsyncIterator[GenerationChunk]:
+        chunks = self._tokens(prompt, params)
+        if params.stream or not self.whole:
+            async for chunk in chunks:
+                yield chunk
+            return
+        parts = [chunk async for chunk in chunks]
+        last = parts[-1]
+        ids = [i for part in parts for i in part.token_ids]
+        logprobs = [p for part in parts for p in part.logprobs]
+        yield GenerationChunk(ids, logprobs, None, last.finish_reason, last.weight_version)
+
+    async def _tokens(
+        self, prompt: Prompt, params: SamplingParams
     ) -> AsyncIterator[GenerationChunk]:
         self.calls.append((prompt.tolist(), params))
         continuing = len(self.calls) > 1
@@ -344,3 +359,28 @@ async def test_a_backend_that_aborts_every_continuation_gives_up_in_the_end(
     with pytest.raises(GenerationInterrupted, match="65 times"):
         await asyncio.wait_for(chat.complete(session, request()), WAIT)
     assert publisher.events == [] and len(backend.calls) == 65
+
+
+async def test_a_frozen_generation_answered_whole_is_unknown_from_its_first_token(
+    tiny_model_dir: Path,
+) -> None:
+    """The same freeze, for a client that does not stream: the backend answers once, after the
+    swap (vLLM's non-streamed response). That the version changed on the way is all the gateway
+    can know, so every token is unknown; the version current as the answer arrived (2) would be
+    a guess, and a wrong one for the tokens before the freeze."""
+    chat, backend, publisher, session, core, ids = await served(
+        tiny_model_dir, said=False, aborts=0
+    )
+    backend.freeze_at, backend.whole = 4, True
+
+    async def trainer_and_watch() -> None:
+        await backend.frozen.wait()
+        core.generating.timeline.learned(2, time.time())
+
+    asked = chat.complete(session, request())
+    reply, _ = await asyncio.wait_for(asyncio.gather(asked, trainer_and_watch()), WAIT)
+    (event,) = publisher.events
+    assert reply.choices[0].message.content == REPLY and len(backend.calls) == 1
+    assert backend.calls[0][1].stream is False
+    assert event.version_spans == [(None, len(ids))]
+    assert event.token_versions().tolist() == [UNKNOWN_VERSION] * len(ids)
