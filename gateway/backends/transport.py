@@ -224,11 +224,16 @@ class _Connection:
     async def read(self, read_timeout_s: float | None) -> bytes:
         try:
             async with asyncio.timeout(read_timeout_s):
-                return await self.reader.read(_READ_SIZE)
+                data = await self.reader.read(_READ_SIZE)
         except TimeoutError as exc:
             raise httpx.ReadTimeout("timed out reading the response") from exc
         except OSError as exc:
             raise httpx.ReadError(str(exc) or repr(exc)) from exc
+        # A read of what is buffered already returns without suspending: a server ahead of a
+        # busy gateway would keep one stream's loop running, and every other request of the
+        # gateway waiting, until that generation ends. Give them their turn.
+        await asyncio.sleep(0)
+        return data
 
 
 class StreamingTransport:
