@@ -15,7 +15,7 @@ The two turns of a test are sent while vLLM is paused, and start together once b
 recorded (0 < k < n), not from timing. On a busy 2-core machine vLLM's API server could not keep
 up with its engine and answered ``/metrics`` and ``/pause`` only once the generations ended: the
 engine's threads are reniced (``VLLMServer.renice_engine``) and the server streams 16 tokens at
-a time. Measured (2026-11-29, load ~5 on 2 cores): the three tests in 1:45 with vLLM's start.
+a time. Measured (2026-11-29, a busy 2-core machine): the file in 1:45-2:20, vLLM's start included.
 
 * ``mode=abort``: a streamed and a non-streamed turn. Each client gets one complete answer (the
   stream one stream, one finish, no error); the ids recorded (TurnCompleted, read back from the
@@ -40,7 +40,7 @@ a time. Measured (2026-11-29, load ~5 on 2 cores): the three tests in 1:45 with 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +55,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from eventlog.server import NatsServer
 from schemas import TurnCompleted
+from schemas.policy import UpdateMode
 from tests.deploy.test_vllm_logprobs import only_turn
 from tests.deploy.vllm_server import SERVED_NAME, VLLMServer, vllm_python, vllm_tiny_model
 from tests.deploy.weight_update import CONTEXT, VLLMTrainer, babbling_model
@@ -70,7 +71,7 @@ BOUND = 1e-4
 # turns ended before a pause could land while the machine's other load held up vLLM's API
 # server (its /metrics and /pause wait behind its output loop).
 MAX_TOKENS = 7000
-LEAD = 16  # tokens the streamed client has seen before the trainer pauses the server
+LEAD = 16  # tokens vLLM has generated for each turn before the trainer pauses it
 PROMPT = [{"role": "user", "content": "Tell me a long story about a lighthouse."}]
 
 
@@ -177,9 +178,10 @@ def _take(answer: Answer, text: str | None, logprobs: Any, finish: str | None) -
         answer.finishes.append(finish)
 
 
-def start(
-    pool: ThreadPoolExecutor, stack: Stack, *, streamed: bool
-) -> tuple[Answer, Future[Answer]]:
+Turn = tuple[Answer, Future[Answer]]  # what its client is told, and when it is whole
+
+
+def start(pool: ThreadPoolExecutor, stack: Stack, *, streamed: bool) -> Turn:
     opened = stack.gateway.session(run=RUN)
     answer = Answer(str(opened["session_id"]), streamed)
     return answer, pool.submit(ask, str(opened["base_url"]), answer)
@@ -194,7 +196,7 @@ def running(server: VLLMServer) -> tuple[float, float]:
     )
 
 
-def both_generating(pool: ThreadPoolExecutor, stack: Stack) -> list[tuple[Answer, Future[Answer]]]:
+def both_generating(pool: ThreadPoolExecutor, stack: Stack) -> list[Turn]:
     """A streamed and a non-streamed turn, both generating when this returns. Both are sent
     while vLLM is paused, so they start together once both are in (``/load``: the requests it
     serves); then vLLM runs both and has generated LEAD tokens for each (its ``/metrics``: what
@@ -219,9 +221,10 @@ def in_flight(server: VLLMServer) -> int:
     return int(httpx.get(f"{server.url}/load", timeout=30).json()["server_load"])
 
 
-def caught_up(answer: Answer) -> None:
+def caught_up(turns: list[Turn]) -> None:
     """Wait until the streamed client's tokens stop coming (the server is frozen): the gateway
     has what vLLM sent before the freeze, and it arrived well before what follows."""
+    (answer,) = [answer for answer, _ in turns if answer.streamed]
     seen = [-1]
 
     def still() -> bool:
@@ -256,14 +259,25 @@ def deltas(stack: Stack, version: int, turn: TurnCompleted) -> torch.Tensor:
     return (scored.recorded - scored.processed).abs()
 
 
-def test_abort_continues_each_turn_on_the_new_weights_from_the_abort_point(
-    nats_server: NatsServer, stack: Stack
-) -> None:
+def update_mid_generation(
+    stack: Stack,
+    mode: UpdateMode,
+    paused: Callable[[list[Turn]], None] = lambda turns: None,
+) -> tuple[int, int, list[Answer]]:
+    """Two turns generating, then the trainer's update in ``mode`` (``paused``, given the turns,
+    runs once the pause returned). The versions before and after, and what the clients got."""
     old = stack.trainer.version
     with ThreadPoolExecutor(2) as pool:
         turns = both_generating(pool, stack)
-        new = stack.trainer.update("abort")
+        new = stack.trainer.update(mode, paused=lambda: paused(turns))
         answers = [future.result(timeout=300) for _, future in turns]
+    return old, new, answers
+
+
+def test_abort_continues_each_turn_on_the_new_weights_from_the_abort_point(
+    nats_server: NatsServer, stack: Stack
+) -> None:
+    old, new, answers = update_mid_generation(stack, "abort")
     for answer in answers:
         where = f"session {answer.session} (streamed: {answer.streamed})"
         turn = recorded(nats_server, stack, answer)
@@ -288,11 +302,7 @@ def test_abort_continues_each_turn_on_the_new_weights_from_the_abort_point(
 def test_keep_freezes_the_turns_and_marks_the_tokens_after_the_publication_unknown(
     nats_server: NatsServer, stack: Stack
 ) -> None:
-    old = stack.trainer.version
-    with ThreadPoolExecutor(2) as pool:
-        turns = both_generating(pool, stack)
-        new = stack.trainer.update("keep", paused=lambda: caught_up(turns[0][0]))
-        answers = [future.result(timeout=300) for _, future in turns]
+    old, new, answers = update_mid_generation(stack, "keep", caught_up)
     for answer in answers:
         where = f"session {answer.session} (streamed: {answer.streamed})"
         turn = recorded(nats_server, stack, answer)
@@ -321,25 +331,20 @@ def test_keep_freezes_the_turns_and_marks_the_tokens_after_the_publication_unkno
 def test_wait_finishes_the_turns_on_the_old_weights_before_the_pause_returns(
     nats_server: NatsServer, stack: Stack
 ) -> None:
-    old = stack.trainer.version
     finished = stack.server.metrics().get("vllm:request_success_total", 0.0)
 
-    def drained() -> None:
+    def drained(turns: list[Turn]) -> None:
         """Right after ``/pause?mode=wait`` returned, before the new weights load."""
         assert running(stack.server)[0] == 0
         counted = stack.server.metrics().get("vllm:request_success_total", 0.0)
         assert counted == finished + 2, f"vLLM finished {counted - finished} turns, not 2"
-        for _, future in turns:
+        for _, future in turns:  # recorded before the new version is published
             future.result(timeout=300)
 
-    with ThreadPoolExecutor(2) as pool:
-        turns = both_generating(pool, stack)
-        started = time.monotonic()
-        stack.trainer.update("wait", paused=drained)
-        print(f"pause, update, publish and resume: {time.monotonic() - started:.1f} s")
-    for answer, future in turns:
+    old, _, answers = update_mid_generation(stack, "wait", drained)
+    for answer in answers:
         where = f"session {answer.session} (streamed: {answer.streamed})"
-        turn = recorded(nats_server, stack, future.result())
+        turn = recorded(nats_server, stack, answer)
         assert "continued" not in turn.sampling, where
         assert (turn.weight_version, turn.version_spans) == (old, None), where
         assert deltas(stack, old, turn).max() <= BOUND, where
