@@ -8,6 +8,7 @@ cannot change (storage type, for one) raises ProvisioningError naming both value
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -28,6 +29,9 @@ log = logging.getLogger(__name__)
 Action = Literal["created", "updated", "unchanged"]
 
 # The fields we own; anything else on a live stream (set by an operator) is left alone.
+# JetStream's 'error creating store for stream': a store of that name still being removed.
+_STORE_BUSY = 10049
+_STORE_BUSY_TRIES = 20
 _OWNED = (
     "subjects",
     "max_age",
@@ -190,8 +194,22 @@ async def provision(js: JetStreamContext, settings: LogSettings) -> list[Provisi
         actions = [await _ensure_stream(js, stream) for stream in desired_streams(settings)]
         return actions + [await _ensure_bucket(js, b) for b in desired_buckets(settings)]
 
+    async def once_its_store_is_free() -> list[ProvisionAction]:
+        # nats-server removes a deleted (or purged) stream's messages in the background
+        # (filestore: rename, then RemoveAll on a goroutine): a stream of that name made at once
+        # can meet the removal, refused with 10049 'error creating store for stream'. Only that
+        # refusal is asked again, for about 5 s (seen in CI, after tests deleted the streams).
+        for attempt in range(_STORE_BUSY_TRIES):
+            try:
+                return await each()
+            except js_errors.APIError as exc:
+                if exc.err_code != _STORE_BUSY or attempt + 1 == _STORE_BUSY_TRIES:
+                    raise
+                await asyncio.sleep(0.05 * (attempt + 1))
+        raise AssertionError("unreachable")
+
     try:
-        actions = await answered(each, "provisioning streams and buckets")
+        actions = await answered(once_its_store_is_free, "provisioning streams and buckets")
     except js_errors.APIError as exc:
         raise ProvisioningError(
             f"JetStream refused the stream/bucket configuration: {exc}"

@@ -8,7 +8,6 @@ whose streams were provisioned fresh for that test.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 from collections.abc import AsyncIterator, Iterator
@@ -22,7 +21,6 @@ from nats.js import errors as js_errors
 
 from eventlog import LogSettings, connect, provision
 from eventlog.server import NatsServer
-from schemas.errors import ProvisioningError
 
 pytest_plugins = ["tests.conftest_model"]
 
@@ -111,30 +109,13 @@ async def log(nats_server: NatsServer) -> AsyncIterator[Log]:
     js = nc.jetstream()
     for name in await _stream_names(js):
         await js.delete_stream(name)
-    await _provision_after_delete(js)
+    await provision(js, FAST_LOG)  # retries while a deleted stream's store is removed
     yield Log(nats_server, nc, js, FAST_LOG)
     nats_server.resume()
     if not nc.is_closed:
         # nats-py's close() raises if the socket died mid-reconnect (a test killed the server).
         with contextlib.suppress(OSError):
             await nc.close()
-
-
-async def _provision_after_delete(js: JetStreamContext, tries: int = 20) -> None:
-    """``provision`` right after the streams were deleted. nats-server removes a deleted (or
-    purged) stream's message directory in the background (filestore ``Purge``: rename, then
-    ``go os.RemoveAll``), so making a stream of the same name at once can meet that removal and
-    be refused with err_code 10049 'error creating store for stream' (seen once in CI). Only that
-    refusal is tried again, briefly; any other is the test's to see."""
-    for attempt in range(tries):
-        try:
-            await provision(js, FAST_LOG)
-            return
-        except ProvisioningError as exc:
-            cause = exc.__cause__
-            if attempt + 1 == tries or getattr(cause, "err_code", None) != 10049:
-                raise
-            await asyncio.sleep(0.05 * (attempt + 1))
 
 
 async def _stream_names(js: JetStreamContext) -> list[str]:

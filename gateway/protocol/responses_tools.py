@@ -160,7 +160,11 @@ class HostedTool(BaseModel):
 
 class FunctionChoice(BaseModel):
     """A named function the model must call: a function tool's name, or a namespace's function
-    as its ``function_call`` item names it (``namespace`` and ``name``) or flattened."""
+    as its ``function_call`` item names it (``namespace`` and ``name``) or flattened. Other
+    fields are ignored, and documented as JSON values (the schema's bounded integers: the guard
+    refuses one outside 64 bits anywhere in a body; schemathesis sent one here)."""
+
+    model_config = ConfigDict(json_schema_extra=free_form_extras)
 
     type: Literal["function"]
     name: str = Field(min_length=1, max_length=256)
