@@ -97,7 +97,16 @@ def test_every_operation_keeps_the_contract(
             assert mode is GenerationMode.NEGATIVE, operation.label  # nothing to make invalid
         except (Exception, BaseExceptionGroup) as exc:  # schemathesis' FailureGroup
             failures[operation.label] = str(exc)[:3000]
-    assert not failures, "\n\n".join(f"{label}:\n{error}" for label, error in failures.items())
+    assert not failures, "\n\n".join(
+        [*(f"{label}:\n{error}" for label, error in failures.items()), tracebacks(contract_gateway)]
+    )
+
+
+def tracebacks(gateway: GatewayProcess) -> str:
+    """The tracebacks in the gateway's log (a 500's cause: its body only names the type)."""
+    text = gateway.log_path.read_text(errors="replace")
+    found = [part[:4000] for part in text.split("Traceback (most recent call last)")[1:]]
+    return "the gateway's tracebacks:\n" + ("\n---\n".join(found[-3:]) or "none")
 
 
 def cap_generation(case: Any) -> None:
