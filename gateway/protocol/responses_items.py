@@ -37,7 +37,9 @@ __all__ = [
     "text_or_list",
 ]
 
-_BINARY_PARTS = {"input_image", "input_file", "input_audio"}
+# Tuples, as the others: a part's "type" may be any JSON value, and a dict is no set member
+# (schemathesis sent one: a TypeError, a 500, where a 400 belongs).
+_BINARY_PARTS = ("input_image", "input_file", "input_audio")
 
 
 def _text_part(value: Any) -> Any:

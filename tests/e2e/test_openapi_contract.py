@@ -103,9 +103,10 @@ def test_every_operation_keeps_the_contract(
 
 
 def tracebacks(gateway: GatewayProcess) -> str:
-    """The tracebacks in the gateway's log (a 500's cause: its body only names the type)."""
+    """The ends of the tracebacks in the gateway's log (a 500's cause: its body only names the
+    type; the line that raised is at the end)."""
     text = gateway.log_path.read_text(errors="replace")
-    found = [part[:4000] for part in text.split("Traceback (most recent call last)")[1:]]
+    found = [part[-4000:] for part in text.split("Traceback (most recent call last)")[1:]]
     return "the gateway's tracebacks:\n" + ("\n---\n".join(found[-3:]) or "none")
 
 
