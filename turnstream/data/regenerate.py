@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator, Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import Literal, Protocol
 
 import numpy as np
 
@@ -39,9 +39,6 @@ from turnstream.data.parts import (
     part_weights,
     turn_parts,
 )
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = [
     "LOGPROB_TOLERANCE",
