@@ -7,9 +7,11 @@
 Reads the shards only (``--shards``, default ``<data_dir>/shards``; no log needed). ``--where`` is
 a DuckDB SQL predicate over the shard columns. ``tokens`` keeps the training columns,
 ``messages`` the OpenAI-shaped conversation and tool schemas for SFT (``consumers.export`` has
-the columns); DIR gets ``part-NNNNN.<format>`` files, ``manifest.json`` and a dataset card
-(``consumers.export_files``, ``consumers.export_formats``), written to a hidden sibling and renamed
-into place when complete, and loads with ``datasets.load_dataset(DIR)``, polars or DuckDB.
+the columns); DIR is laid out as the Hugging Face Hub lays out a dataset: the parts under
+``data/`` (``data/train-00000-of-00002.parquet``), ``manifest.json`` and a dataset card
+``README.md`` beside it (``consumers.export_layout``, ``consumers.export_files``,
+``consumers.export_formats``), written to a hidden sibling and renamed into place when complete.
+It loads with ``datasets.load_dataset(DIR)``, ``pd.read_parquet(DIR/data)``, polars or DuckDB.
 
 For ``messages``, every row is rendered again with the chat template of ``--tokenizer`` (default:
 the built-in tiny model, when ``<data_dir>/models`` has it — what the gateway serves by default)
@@ -64,7 +66,8 @@ __all__ = ["ExportCommand", "FidelityCheck", "TemplateRenderer", "export_run", "
 
 console = Console(stderr=True)
 JSON = dict[str, Any]
-MANIFEST_FORMAT = 1
+# 2: the parts under data/ (issue 38); 1: at the top of DIR. Each part's "file" is relative to DIR.
+MANIFEST_FORMAT = 2
 
 
 @dataclass(frozen=True)
