@@ -10,7 +10,8 @@ loads Parquet and JSON Lines alike without guessing. Guessing is what
 ``load_dataset("json", data_files=...)`` does: it infers the types from the first block of the
 first file, so a column that is null throughout that block (``tool_calls`` in a run whose first
 samples called no tool) cannot hold the values that come later. The card's features avoid that;
-so does Parquet, which carries its schema.
+so does Parquet, which carries its schema. Its body shows how each tool reads the export
+(``consumers.export_layout``: the rows are under ``data/``), lines a unit test runs as printed.
 
 >>> import pyarrow as pa
 >>> schema = pa.schema([("ids", pa.list_(pa.int32())), ("meta", pa.json_(pa.string())),

@@ -157,6 +157,7 @@ def test_an_export_loads_back_in_datasets_polars_and_duckdb(
     ]
     assert [s["first_seq"] for s in manifest["source"]["shards"]] == [1, 8]  # r1's, not r2's
     assert f"exported {len(expected)} trajectories" in done.stderr
+    assert f"in {out / 'data'}, its card and manifest beside" in done.stderr
 
     assert [p["file"] for p in manifest["parts"]] == [
         f"data/train-{i:05d}-of-{len(manifest['parts']):05d}.{format}"

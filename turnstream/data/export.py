@@ -54,6 +54,7 @@ from consumers.export import (
 )
 from consumers.export_files import ExportDirectory, ExportFormat, Selection
 from consumers.export_formats import dataset_card
+from consumers.export_layout import DATA_DIR
 from eventlog import LogSettings
 from schemas.errors import TurnstreamError
 from schemas.ids import ID_PATTERN
@@ -349,7 +350,8 @@ class ExportCommand(ServiceSettings):
             f"exported {rows:,} {'trajectory' if rows == 1 else 'trajectories'} "
             f"({manifest['tokens']:,} tokens) of run "
             f"{self.run} as {self.kind} to {self.output} ({parts} {self.format} "
-            f"part{'s' if parts != 1 else ''})",
+            f"part{'s' if parts != 1 else ''} in {self.output / DATA_DIR}, its card and "
+            f"manifest beside)",
             soft_wrap=True,
         )
         if left_out := manifest["side_calls"]["left_out"]:
