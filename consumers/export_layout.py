@@ -11,7 +11,7 @@ pandas) skips only names that start with ``.`` or ``_`` (``ignore_prefixes``) an
 a directory of mixed extensions, so with the parts beside ``README.md`` (before issue 38) they
 failed on the card. The card must stay ``README.md`` at the top, where the Hub and ``datasets``
 look for it; so the parts move, and each tool reads the export by the path it takes. The card
-prints the first read of each line; tests/unit/test_export_layout.py runs them all::
+prints most of these reads; tests/unit/test_export_layout.py runs them all::
 
     datasets.load_dataset(DIR)                   the card's exact types, JSON Lines too
     pd.read_parquet(f"{DIR}/data")               pyarrow.parquet.read_table(f"{DIR}/data")
