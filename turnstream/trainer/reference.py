@@ -15,9 +15,10 @@ One step per batch, on a Hugging Face causal LM (the gateway's tiny model in the
 
 The gateway follows the run's key in ``ts_policy`` and its ``local`` backend loads each new
 checkpoint, so later turns carry ``weight_version`` N: the trainer and the gateway meet only in
-the log, neither imports the other. The math of a step (advantages, GRPO over sessions, PPO, the
-clipped objective, the checks a batch must pass) is in ``turnstream.trainer.objective``; the
-checkpoint it writes, in ``turnstream.trainer.checkpoints``.
+the log (the trainer imports one pure function of the gateway's, the sampler's
+``processed_log_probs``, so that both cut the top-p nucleus by one rule). The math of a step
+(advantages, GRPO over sessions, PPO, the clipped objective, the checks a batch must pass) is in
+``turnstream.trainer.objective``; the checkpoint it writes, in ``turnstream.trainer.checkpoints``.
 
 **Log-prob agreement.** Before its update, each step recomputes the log-probs of the samples
 whose every generated token came from the weights the trainer holds (all of them at step 1) and
