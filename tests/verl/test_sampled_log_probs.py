@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM
-from verl import DataProto
 from verl.utils.torch_functional import logprobs_from_logits
 
 from tests.helpers.sampled_sessions import sampled_sessions
 from trainer_sink import assemble, to_dataproto
+from turnstream.trainer.objective import response_logits
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "verl.md"
 MARK = "<!-- tests/verl/test_sampled_log_probs.py runs this block -->"
@@ -32,20 +32,6 @@ def doc_block() -> dict[str, Any]:
     return namespace
 
 
-def response_logits(model: Any, data: DataProto) -> torch.Tensor:
-    """[B, R, vocab] float32: the untempered logits that predict each response token."""
-    batch = data.batch
-    with torch.no_grad():
-        logits = model(
-            input_ids=batch["input_ids"],
-            attention_mask=batch["attention_mask"],
-            position_ids=batch["position_ids"],
-            use_cache=False,
-        ).logits
-    prompt_width = batch["prompts"].shape[1]
-    return logits[:, prompt_width - 1 : -1].float()
-
-
 async def test_the_docs_recipe_recomputes_log_probs_sampled_at_top_p(
     tiny_model_dir: Path,
 ) -> None:
@@ -55,7 +41,8 @@ async def test_the_docs_recipe_recomputes_log_probs_sampled_at_top_p(
     data = to_dataproto(assemble(trajectories))
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     model.train(False)
-    logits = response_logits(model, data)
+    with torch.no_grad():
+        logits = response_logits(model, data.batch)
     rollout = data.batch["rollout_log_probs"]
     generated = data.batch["response_mask"].bool()
 

@@ -40,6 +40,7 @@ __all__ = [
     "group_advantages",
     "max_logprob_delta",
     "response_log_probs",
+    "response_logits",
     "token_sampling",
 ]
 
@@ -54,21 +55,27 @@ def response_log_probs(
     batch recorded none (rows folded before fold v7, a batch without those keys), at
     ``temperature`` and top-p 1, as before.
 
+    """
+    temperatures, top_ps = token_sampling(batch, temperature)
+    log_probs = processed_log_probs(response_logits(model, batch), temperatures, top_ps)
+    return log_probs.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
+
+
+def response_logits(model: PreTrainedModel, batch: TensorDict) -> torch.Tensor:
+    """[B, R, vocab] float32: the untempered logits that predict each response token.
+
     One forward pass over ``input_ids`` with the batch's ``attention_mask`` and
     ``position_ids``: positions count from the first real token whatever the left padding,
     like the gateway's unpadded prompt. The logits at column P-1+j predict response token j.
     """
     prompt_width = batch["prompts"].shape[1]
-    logits = model(
+    logits: torch.Tensor = model(
         input_ids=batch["input_ids"],
         attention_mask=batch["attention_mask"],
         position_ids=batch["position_ids"],
         use_cache=False,
     ).logits
-    logits = logits[:, prompt_width - 1 : -1].float()
-    temperatures, top_ps = token_sampling(batch, temperature)
-    log_probs = processed_log_probs(logits, temperatures, top_ps)
-    return log_probs.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
+    return logits[:, prompt_width - 1 : -1].float()
 
 
 def token_sampling(batch: TensorDict, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
