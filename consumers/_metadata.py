@@ -1,15 +1,18 @@
 """What a sample's metadata says beyond its session's (PURE; the fold's helpers): where it sits
 in the session's tree (``tree_metadata``), the agent whose conversation it is and its flags
 (``agent_metadata``), and its turns' sampling where a trainer must know it (``temperatures``,
-``raw_logprobs``). Each says something only where it applies, so a sample of a plain linear
-session has the metadata it always had."""
+``sampling``, ``raw_logprobs``). Each says something only where it applies, so a sample of a
+plain linear session has the metadata it always had (but for ``sampling``, from fold v7)."""
 
 from __future__ import annotations
 
 from consumers._segments import Chains, RebuiltTurn, is_side
 from schemas.events import JSON
+from schemas.sampling import TurnSampling
 
-__all__ = ["agent_metadata", "raw_logprobs", "temperatures", "tree_metadata"]
+__all__ = ["agent_metadata", "raw_logprobs", "sampling", "temperatures", "tree_metadata"]
+
+_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p")
 
 
 def temperatures(sample: list[RebuiltTurn]) -> JSON:
@@ -21,6 +24,20 @@ def temperatures(sample: list[RebuiltTurn]) -> JSON:
         if "temperature" in turn.event.sampling
     }
     return {"temperatures": sorted(recorded)} if recorded else {}
+
+
+def sampling(sample: list[RebuiltTurn]) -> JSON:
+    """Each turn's sampling settings, in the sample's turn order (one per ``turn_ends`` entry),
+    from fold version 7 (issue 38): ``{"temperature", "top_p", "top_k", "min_p"}`` as the
+    gateway recorded them, a setting it did not record at its neutral value (temperature and
+    top_p 1, top_k and min_p 0; ``schemas.sampling``). A trainer recomputes each token's
+    distribution from its turn's (the sink's ``rollout_temperature`` / ``rollout_top_p``).
+    Said only where a turn recorded one of them: a turn's record is all that says how it was
+    sampled, and a sample of events without any is left to the trainer's setting, as before.
+    """
+    if not any(key in turn.event.sampling for turn in sample for key in _SAMPLING_KEYS):
+        return {}
+    return {"sampling": [TurnSampling.of(turn.event.sampling).to_json() for turn in sample]}
 
 
 def raw_logprobs(sample: list[RebuiltTurn]) -> JSON:

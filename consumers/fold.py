@@ -63,7 +63,13 @@ from functools import cached_property, reduce
 from itertools import islice
 from typing import Literal, TypeVar
 
-from consumers._metadata import agent_metadata, raw_logprobs, temperatures, tree_metadata
+from consumers._metadata import (
+    agent_metadata,
+    raw_logprobs,
+    sampling,
+    temperatures,
+    tree_metadata,
+)
 from consumers._segments import RebuiltTurn, rebuild, sample_spans, split
 from consumers.errors import FoldError, MissingTurns
 from schemas.codec import Codec
@@ -89,7 +95,7 @@ __all__ = [
     "initial",
 ]
 
-FOLD_VERSION = 6
+FOLD_VERSION = 7
 """Stored in every TrajectoryReady: bump it whenever the same events would fold differently.
 4: a turn's delta and chain follow its ``parent_turn`` (a session is a tree); a fork is a chain
 that begins inside generated history. (Issue 19's ``logprobs_kind: "raw"`` in metadata needed no
@@ -105,7 +111,11 @@ version; a bump all the same, since one version must mean one rule.
 6 (issue 37): a turn's completion carries each token's version (``TurnCompleted.version_spans``:
 a generation the backend aborted for a weight update and the gateway continued), so its
 generated tokens split into one span per version, and a token whose version is unknown has
-``UNKNOWN_VERSION`` (-2). Events without the field fold as under 5."""
+``UNKNOWN_VERSION`` (-2). Events without the field fold as under 5.
+7 (issue 38): a sample's metadata holds each turn's sampling (``sampling``: temperature, top_p,
+top_k, min_p, one entry per turn), so a trainer recomputes each token's distribution, nucleus
+included; ``temperatures`` stays beside it for readers of older rows. Events recording no
+sampling fold as under 6."""
 
 RewardKey = tuple[str, int | None]  # (key, turn); turn None is the episode reward
 
@@ -417,6 +427,7 @@ def finish(state: SessionState, options: FoldOptions = FoldOptions()) -> FoldRes
                 **tree_metadata(chains, sample),
                 **agents[index],
                 **temperatures(sample),
+                **sampling(sample),
                 **raw_logprobs(sample),
             },
             fold_version=FOLD_VERSION,

@@ -1,6 +1,7 @@
 """Memory for padded batches, reused once nothing refers to a batch any more.
 
-A padded batch is large (a [256, 17k] batch of agent sessions: ~200 MB in eight arrays) and a
+A padded batch is large (a [256, 17k] batch of agent sessions: ~200 MB in eight arrays, ten
+since the per-token sampling of issue 38) and a
 fresh allocation of it is not free: the kernel maps and zeroes every page the first time
 assembly writes it. Measured on the 2-core VM (docs/PERFORMANCE.md, section 6): allocating and
 first-touching the batch was 35 of the padded assembly's 57 ms. A trainer takes a batch, trains
@@ -42,7 +43,7 @@ class BatchBuffers:
     as long as their batch does and are then freed as any array is.
     """
 
-    def __init__(self, keep: int = 16) -> None:
+    def __init__(self, keep: int = 20) -> None:
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.keep = keep

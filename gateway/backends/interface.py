@@ -14,6 +14,8 @@ from typing import Literal, Protocol, runtime_checkable
 import msgspec
 import numpy as np
 
+from schemas.sampling import is_greedy
+
 __all__ = [
     "Backend",
     "GenerationChunk",
@@ -128,9 +130,9 @@ class SamplingParams:
     ``logprobs`` are always returned for every sampled token: they are the log-probabilities
     under the distribution the token was sampled from, ``log_softmax(logits / temperature)``
     restricted to the top-p nucleus and renormalized over it (the raw ``log_softmax(logits)``
-    when temperature is 0, i.e. greedy). ``top_logprobs`` > 0 also returns up to that many
-    alternatives per position, from the same distribution: tokens outside the nucleus have
-    probability 0 and may be left out.
+    when greedy: a temperature below 1e-5, as vLLM has it, ``schemas.sampling``).
+    ``top_logprobs`` > 0 also returns up to that many alternatives per position, from the same
+    distribution: tokens outside the nucleus have probability 0 and may be left out.
     """
 
     max_tokens: int
@@ -151,14 +153,19 @@ class SamplingParams:
 
 def needs_processed_logprobs(params: SamplingParams) -> bool:
     """Whether the distribution sampled from differs from the model's raw one: a temperature
-    other than 1 (greedy's log-probs are the raw ones by definition) or a top-p below 1.
+    other than 1 or a top-p below 1, unless the turn is greedy (a temperature below 1e-5,
+    ``schemas.sampling``: vLLM then ignores top_p, and greedy's log-probs are the raw ones).
 
     >>> needs_processed_logprobs(SamplingParams(max_tokens=1, temperature=0.5))
     True
     >>> needs_processed_logprobs(SamplingParams(max_tokens=1, temperature=0.0))
     False
+    >>> needs_processed_logprobs(SamplingParams(max_tokens=1, temperature=1e-6, top_p=0.9))
+    False
     """
-    return params.temperature not in (0.0, 1.0) or params.top_p < 1.0
+    if is_greedy(params.temperature):
+        return False
+    return params.temperature != 1.0 or params.top_p < 1.0
 
 
 @dataclass(frozen=True)

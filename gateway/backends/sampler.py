@@ -10,8 +10,9 @@ from dataclasses import dataclass
 import torch
 
 from gateway.backends.interface import SamplingParams, TopLogprob
+from schemas.sampling import GREEDY_TEMPERATURE, is_greedy
 
-__all__ = ["SampledToken", "processed_log_probs", "sample_token"]
+__all__ = ["SampledToken", "processed_log_probs", "processed_logits", "sample_token"]
 
 
 @dataclass(frozen=True)
@@ -27,13 +28,14 @@ def sample_token(
     """Pick the next token from one position's ``logits`` (shape ``[vocab]``, float32).
 
     The token is drawn from ``processed_log_probs(logits, temperature, top_p)`` (the argmax when
-    greedy), and its logprob and ``top_logprobs`` are that distribution's: a trainer
-    recomputing them with a forward pass and the same temperature and top-p gets the same
-    numbers. Alternatives outside the top-p nucleus have probability 0 and are left out of
-    ``top_logprobs`` (fewer than asked for; the OpenAI shapes want finite numbers).
+    greedy: a temperature below 1e-5, as vLLM has it), and its logprob and ``top_logprobs`` are
+    that distribution's: a trainer recomputing them with a forward pass and the same
+    temperature and top-p gets the same numbers. Alternatives outside the top-p nucleus have
+    probability 0 and are left out of ``top_logprobs`` (fewer than asked for; the OpenAI shapes
+    want finite numbers).
     """
     logprobs = processed_log_probs(logits, params.temperature, params.top_p)
-    if params.temperature == 0:
+    if is_greedy(params.temperature):
         token = int(torch.argmax(logprobs))
     else:
         token = int(torch.multinomial(logprobs.exp(), 1, generator=generator))
@@ -49,36 +51,61 @@ def sample_token(
 
 
 def processed_log_probs(
-    logits: torch.Tensor, temperature: float, top_p: float = 1.0
+    logits: torch.Tensor, temperature: float | torch.Tensor, top_p: float | torch.Tensor = 1.0
 ) -> torch.Tensor:
     """The log-probabilities of the distribution a token is drawn from, for ``logits`` of
-    shape ``[..., vocab]`` (float32): what the local backend records, and what vLLM returns
-    with ``--logprobs-mode processed_logprobs``.
-
-    Greedy (temperature 0): ``log_softmax(logits)``, the raw distribution, whatever ``top_p``
-    (vLLM sets top_p to 1 for greedy requests). Otherwise ``log_softmax(logits / temperature)``
-    restricted to the top-p nucleus and renormalized over it; tokens outside it are ``-inf``.
+    shape ``[..., vocab]`` (float32): what the local backend records, what vLLM returns
+    with ``--logprobs-mode processed_logprobs``, and what a trainer recomputes.
+    ``log_softmax(processed_logits(...))``: see there.
 
     >>> logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
     >>> [round(v, 4) for v in processed_log_probs(logits, 1.0, 0.7).exp().tolist()]
     [0.625, 0.375, 0.0, 0.0]
     """
-    if temperature == 0:
-        return torch.log_softmax(logits, dim=-1)
-    if temperature < 1e-30:
-        # logits / T would overflow (or T is 0 in float32) and give inf - inf = NaN: shifted by
-        # the max first (log_softmax does not change) and divided by 1e-30, it is the one-hot
-        # distribution it tends to.
-        scaled = (logits - logits.amax(dim=-1, keepdim=True)) / 1e-30
-    else:
-        scaled = logits / temperature
-    if top_p < 1.0:
-        scaled = _nucleus(scaled, top_p)
-    return torch.log_softmax(scaled, dim=-1)
+    return torch.log_softmax(processed_logits(logits, temperature, top_p), dim=-1)
 
 
-def _nucleus(scaled: torch.Tensor, top_p: float) -> torch.Tensor:
-    """``scaled`` with every token outside the top-p nucleus set to ``-inf``.
+def processed_logits(
+    logits: torch.Tensor, temperature: float | torch.Tensor, top_p: float | torch.Tensor = 1.0
+) -> torch.Tensor:
+    """``logits`` (``[..., vocab]``, float32) as the sampler draws from them: divided by the
+    temperature, and every token outside the top-p nucleus ``-inf``. Their log-softmax is the
+    distribution's log-probs; a trainer that has its own log-prob helper (verl's
+    ``logprobs_from_logits``) gives it these.
+
+    ``temperature`` and ``top_p`` are numbers, or tensors of the logits' leading shape
+    ``[...]``: one setting per position, e.g. the sink's ``rollout_temperature`` and
+    ``rollout_top_p`` for a batch's response logits ``[B, R, vocab]``. Greedy
+    (``schemas.sampling``: a temperature below 1e-5): the raw logits, whatever ``top_p`` (vLLM
+    sets top_p to 1 for greedy requests and divides by 1).
+    """
+    if isinstance(temperature, torch.Tensor) or isinstance(top_p, torch.Tensor):
+        return _processed_per_position(logits, temperature, top_p)
+    if is_greedy(temperature):
+        return logits
+    scaled = logits / temperature
+    return _nucleus(scaled, top_p) if top_p < 1.0 else scaled
+
+
+def _processed_per_position(
+    logits: torch.Tensor, temperature: float | torch.Tensor, top_p: float | torch.Tensor
+) -> torch.Tensor:
+    """``processed_logits`` with a setting per position: vLLM's batched form, where a greedy
+    row is divided by 1 and a row at top_p 1 keeps every token."""
+    shape, device = logits.shape[:-1], logits.device
+    temperature = torch.as_tensor(temperature, dtype=torch.float32, device=device).expand(shape)
+    top_p = torch.as_tensor(top_p, dtype=torch.float32, device=device).expand(shape)
+    greedy = temperature < GREEDY_TEMPERATURE
+    scaled = logits / torch.where(greedy, 1.0, temperature).unsqueeze(-1)
+    truncated = ~greedy & (top_p < 1.0)
+    if not bool(truncated.any()):
+        return scaled
+    return torch.where(truncated.unsqueeze(-1), _nucleus(scaled, top_p), scaled)
+
+
+def _nucleus(scaled: torch.Tensor, top_p: float | torch.Tensor) -> torch.Tensor:
+    """``scaled`` with every token outside the top-p nucleus set to ``-inf``; ``top_p`` a
+    number or one per position (``scaled``'s shape without the vocabulary).
 
     vLLM's rule (``apply_top_k_top_p_pytorch``, v1 sampler, 0.32), step for step so that the
     boundary falls where it does there: sort ascending, and drop a token while the mass up to and
@@ -90,6 +117,7 @@ def _nucleus(scaled: torch.Tensor, top_p: float) -> torch.Tensor:
     mass = torch.cumsum(torch.softmax(ascending, dim=-1), dim=-1)
     # 1 - p in float32, as vLLM computes it from its float32 top_p tensor; a top_p of 5e-324
     # is 0 there, so everything but the most likely token goes.
-    outside = mass <= 1 - torch.tensor(top_p, dtype=torch.float32)
+    p = torch.as_tensor(top_p, dtype=torch.float32, device=scaled.device)
+    outside = mass <= (1 - p).unsqueeze(-1) if p.dim() else mass <= 1 - p
     outside[..., -1] = False
     return scaled.scatter(-1, order, ascending.masked_fill(outside, -torch.inf))

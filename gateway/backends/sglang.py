@@ -64,6 +64,7 @@ from gateway.backends.payload import as_float, as_int, as_int_list, as_list, mem
 from gateway.backends.probe import LogprobsKind
 from gateway.backends.remote import RemoteBackend, RemoteOptions, decode_event, merge_chunks
 from gateway.errors import BackendError
+from schemas.sampling import is_greedy
 
 __all__ = ["SGLangBackend", "SGLangStreamReader", "generate_request"]
 
@@ -107,10 +108,13 @@ class SGLangBackend(RemoteBackend):
 def generate_request(prompt: Prompt, params: SamplingParams) -> dict[str, Any]:
     """The JSON body of one /generate request, streamed unless ``params.stream`` is False
     (the ids as their JSON text, as for vLLM: ``gateway.backends.vllm.completion_request``)."""
+    # Greedy as vLLM and the gateway have it (below 1e-5) is greedy on SGLang only below 1e-6:
+    # sent as 0, so that SGLang takes the argmax and returns the raw log-probs the record claims.
+    greedy = is_greedy(params.temperature)
     sampling: dict[str, Any] = {
         "max_new_tokens": params.max_tokens,
-        "temperature": params.temperature,
-        "top_p": params.top_p,
+        "temperature": 0.0 if greedy else params.temperature,
+        "top_p": 1.0 if greedy else params.top_p,
         "stop_token_ids": list(params.stop_token_ids),
     }
     if params.seed is not None:

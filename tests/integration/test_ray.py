@@ -94,9 +94,15 @@ def assert_same_tensors(got: TensorDict, want: TensorDict) -> None:
             assert non_tensor_values(got, key) == non_tensor_values(want, key), key
         elif b.is_nested:
             assert a.is_nested and a.dtype == b.dtype, key
-            assert all(torch.equal(x, y) for x, y in zip(a.unbind(), b.unbind(), strict=True)), key
+            for x, y in zip(a.unbind(), b.unbind(), strict=True):
+                _assert_equal(x, y, key)
         else:
-            assert a.dtype == b.dtype and torch.equal(a, b), key
+            _assert_equal(a, b, key)
+
+
+def _assert_equal(a: torch.Tensor, b: torch.Tensor, key: str) -> None:
+    """Equal, NaN where NaN (the per-token sampling of rows that recorded none)."""
+    torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=key)
 
 
 def test_ray_data_reads_the_shards_as_pyarrow_does(ray_runtime: Any, shards: Path) -> None:

@@ -34,6 +34,8 @@ TENSOR_KEYS = (
     "position_ids",
     "response_mask",
     "rollout_log_probs",
+    "rollout_temperature",
+    "rollout_top_p",
     "rm_scores",
 )
 NON_TENSOR_KEYS = (
@@ -168,6 +170,8 @@ def test_padded_dtypes_and_shapes() -> None:
         "position_ids": (3, 11),
         "response_mask": (3, 7),
         "rollout_log_probs": (3, 7),
+        "rollout_temperature": (3, 7),
+        "rollout_top_p": (3, 7),
         "rm_scores": (3, 7),
     }
     # Separate storage: a trainer writing into responses must not change input_ids.
@@ -490,11 +494,58 @@ def test_samples_with_raw_log_probs_are_flagged(layout: str) -> None:
     assert non_tensor_values(batch, "trajectory_id")[1] == "run-1/raw/0"
 
 
+@pytest.mark.parametrize("layout", ["padded", "jagged"])
+def test_each_response_token_carries_its_turns_sampling(layout: str) -> None:
+    """Issue 38: the temperature and top-p of the distribution each token's rollout log-prob is
+    of, from its turn's (fold v7 metadata): a trainer recomputes the same distribution. A greedy
+    turn's are 1 and 1 (raw log-probs); a row that recorded none is NaN; padding 1."""
+    hot = {"temperature": 0.7, "top_p": 0.9, "max_tokens": 8}
+    greedy = {"temperature": 0.0, "top_p": 0.5}
+    [sampled] = _trajectories(
+        [
+            TurnSpec(prompt=[1, 2, 3], completion=[11, 12], extra={"sampling": hot}),
+            TurnSpec(
+                prompt=[1, 2, 3, 11, 12, 101, 102], completion=[21, 22], extra={"sampling": greedy}
+            ),
+        ],
+        "sampled",
+    )
+    [unrecorded] = _trajectories([TurnSpec(prompt=[7, 8], completion=[9])], "old")
+    nan = float("nan")
+    for limit, temperatures, top_ps in [
+        (None, [0.7, 0.7, 1.0, 1.0, 1.0, 1.0], [0.9, 0.9, 1.0, 1.0, 1.0, 1.0]),
+        (3, [0.7, 0.7, 1.0], [0.9, 0.9, 1.0]),  # the response cut: its first tokens' turns
+    ]:
+        settings = AssemblySettings(layout=layout, max_response_len=limit)  # type: ignore[arg-type]
+        batch = assemble([sampled, unrecorded], settings)
+        temperature, top_p = rows(batch["rollout_temperature"]), rows(batch["rollout_top_p"])
+        assert temperature[0] == pytest.approx(temperatures)
+        assert top_p[0] == pytest.approx(top_ps)
+        assert batch["rollout_temperature"].dtype == batch["rollout_top_p"].dtype == torch.float32
+        padding = [1.0] * (len(temperatures) - 1) if layout == "padded" else []
+        assert temperature[1] == pytest.approx([nan, *padding], nan_ok=True)
+        assert top_p[1] == pytest.approx([nan, *padding], nan_ok=True)
+
+
+def test_sampling_metadata_that_is_not_one_entry_per_turn_is_a_batch_error() -> None:
+    [sample] = _trajectories(
+        [TurnSpec(prompt=[1, 2], completion=[3], extra={"sampling": {"temperature": 0.5}})], "s"
+    )
+    sample.metadata["sampling"] = [*sample.metadata["sampling"], {"temperature": 1.0}]
+    with pytest.raises(BatchError, match=r"run-1/s/0: metadata 'sampling' must be one .* \(1\)"):
+        assemble([sample])
+
+
 # -- reused memory (trainer_sink.buffers) -----------------------------------------------------
 
 
 def _equal(a: TensorDict, b: TensorDict) -> bool:
-    return all(torch.equal(a[k], b[k]) for k in TENSOR_KEYS)
+    """Equal tensors, NaN where NaN (the per-token sampling of rows that recorded none)."""
+    return all(
+        torch.equal(a[k], b[k])
+        or (a[k].is_floating_point() and torch.allclose(a[k], b[k], 0, 0, equal_nan=True))
+        for k in TENSOR_KEYS
+    )
 
 
 @settings(max_examples=10, deadline=None)  # 2-5 batches each, and run again on tensordict 0.8
@@ -519,10 +570,11 @@ def test_memory_is_reused_only_once_nothing_refers_to_the_batch() -> None:
     expected = assemble(samples)
     view = assemble(samples, buffers=pool)["input_ids"][:, :2]  # the batch gone, a view kept
     made = pool.allocated
-    assert made == 16 and pool.reused == 0  # two batches of 8 arrays, all fresh
+    assert made == 2 * len(TENSOR_KEYS) and pool.reused == 0  # two batches, all fresh
     third = assemble(list(reversed(samples)), buffers=pool)
     # the second batch's memory, but for its input_ids (the view holds it): 1 or 2 arrays new
-    assert pool.reused >= 6 and pool.allocated + pool.reused == made + len(TENSOR_KEYS)
+    assert pool.reused >= len(TENSOR_KEYS) - 2
+    assert pool.allocated + pool.reused == made + len(TENSOR_KEYS)
     assert _equal(kept, expected)  # written over nothing of a batch still held
     assert torch.equal(view, expected["input_ids"][:, :2])
     assert _equal(third, assemble(list(reversed(samples))))
@@ -532,7 +584,7 @@ def test_memory_is_reused_only_once_nothing_refers_to_the_batch() -> None:
 def test_the_pool_keeps_at_most_its_bound() -> None:
     pool = BatchBuffers(keep=8)
     held = [assemble(known(), buffers=pool) for _ in range(3)]  # in use: never reused
-    assert pool.allocated == 24 and len(pool._buffers) == 8
+    assert pool.allocated == 3 * len(TENSOR_KEYS) and len(pool._buffers) == 8
     assert all(_equal(b, held[0]) for b in held)
     with pytest.raises(ValueError, match="keep"):
         BatchBuffers(keep=0)

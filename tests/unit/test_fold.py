@@ -878,3 +878,30 @@ def test_version_spans_that_do_not_fit_the_completion_are_refused(
     spec = TurnSpec(prompt=[1], completion=[4, 5, 6, 7, 8], extra={"version_spans": spans})
     with pytest.raises(ValueError, match=problem):
         turn_events([spec])
+
+
+def test_each_turns_sampling_is_in_the_metadata_from_fold_v7() -> None:
+    """Issue 38: a trainer recomputes each token's distribution from its turn's temperature and
+    top_p, so the fold records them per turn (and top_k / min_p at their neutral values)."""
+    recorded = [
+        {"temperature": 0.7, "top_p": 0.9, "max_tokens": 16},
+        {"temperature": 0.0, "top_p": 1.0},  # greedy
+        {"temperature": 1.0},  # before top_p was recorded: the API's default
+    ]
+    events = [
+        msgspec.structs.replace(e, sampling=recorded[e.turn]) if isinstance(e, TurnCompleted) else e
+        for e in session_events(append_only(3))
+    ]
+    [sample] = fold(events).trajectories
+    assert sample.fold_version == FOLD_VERSION == 7
+    assert sample.metadata["sampling"] == [
+        {"temperature": 0.7, "top_p": 0.9, "top_k": 0, "min_p": 0.0},
+        {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0},
+        {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0},
+    ]
+    assert sample.metadata["temperatures"] == [0.0, 0.7, 1.0]  # for readers of older rows
+    per_turn = fold(events, FoldOptions(per_turn=True)).trajectories
+    assert [t.metadata["sampling"][0]["temperature"] for t in per_turn] == [0.7, 0.0, 1.0]
+    # Events that recorded no sampling say nothing: left to the trainer's setting, as before.
+    [unrecorded] = fold(session_events(append_only(3))).trajectories
+    assert "sampling" not in unrecorded.metadata and "temperatures" not in unrecorded.metadata

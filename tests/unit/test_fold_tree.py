@@ -29,6 +29,9 @@ from tests.helpers.sessions import RUN, SESSION, closed, opened
 CODEC = Codec()
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "fold_v3" / "sessions.json"
 TREE_KEYS = ("branch_of", "turns")  # metadata fold v3 did not write
+# What fold v7 adds for the fixture's turns (each recorded temperature 1 and no top_p): one
+# entry per turn, the defaults filled in.
+PLAIN_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
 SYS = [1, 2, 3]  # a system prompt every agent of the session shares
 
 
@@ -140,6 +143,7 @@ def test_a_session_recorded_before_parents_folds_as_fold_v3_folded_it(
         got, want = plain(now), plain(then)
         assert (got.pop("fold_version"), want.pop("fold_version")) == (FOLD_VERSION, 3)
         added = {k: got["metadata"].pop(k) for k in TREE_KEYS if k in got["metadata"]}
+        assert got["metadata"].pop("sampling") == [PLAIN_SAMPLING] * now.num_turns
         assert got == want
         # What fold v4 adds: the chain that starts off turn 1 (the rewrite) says where it
         # branched; in per-turn mode turn 1 is sample 1.
@@ -156,6 +160,8 @@ def test_a_recorded_linear_session_gives_the_same_bytes_but_for_the_version(
 
     refolded = fold(events, options).trajectories
 
+    for t in refolded:  # fold v7's per-turn sampling is all the metadata adds
+        assert t.metadata.pop("sampling") == [PLAIN_SAMPLING] * t.num_turns
     assert [CODEC.encode(msgspec.structs.replace(t, fold_version=3)) for t in refolded] == [
         CODEC.encode(t) for t in v3
     ]

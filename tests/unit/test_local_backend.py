@@ -505,6 +505,39 @@ def test_processed_log_probs_greedy_and_full_nucleus(top_p: float) -> None:
     assert torch.equal(processed_log_probs(logits, 0.7, top_p), torch.stack(rows))
 
 
+@pytest.mark.parametrize("temperature", [1e-6, 9.99e-6])
+def test_a_temperature_below_vllms_epsilon_is_greedy(temperature: float) -> None:
+    """Issue 38: vLLM takes a temperature below 1e-5 as greedy (argmax, raw log-probs, top_p
+    ignored); so does the local backend, so a turn means one thing on both and in its record."""
+    logits = torch.randn(320, generator=torch.Generator().manual_seed(3)) * 5
+    raw = torch.log_softmax(logits, -1)
+    assert torch.equal(processed_log_probs(logits, temperature, 0.5), raw)
+    params = SamplingParams(max_tokens=1, temperature=temperature, top_p=0.5)
+    sampled = sample_token(logits, params, torch.Generator().manual_seed(0))
+    assert sampled.token_id == int(torch.argmax(logits))
+    assert sampled.logprob == float(raw[sampled.token_id])
+    # at 1e-5 it tempers: the argmax's log-prob is ~0, not the raw one
+    assert float(processed_log_probs(logits, 1e-5, 1.0).max()) > float(raw.max())
+
+
+def test_processed_log_probs_with_a_setting_per_position_are_each_positions_own() -> None:
+    """What a trainer computes for a batch ([B, R, vocab], the sink's per-token temperature and
+    top-p): bit for bit what the sampler computed for each token alone, greedy included."""
+    logits = torch.randn(3, 5, 320, generator=torch.Generator().manual_seed(4)) * 5
+    temperature = torch.tensor([0.7, 1.0, 1e-6, 0.3, 1.3]).repeat(3, 1)
+    top_p = torch.tensor([0.9, 1.0, 0.5, 0.95, 0.2]).repeat(3, 1)
+    got = processed_log_probs(logits, temperature, top_p)
+    each = [
+        [
+            processed_log_probs(logits[b, r], float(temperature[b, r]), float(top_p[b, r]))
+            for r in range(5)
+        ]
+        for b in range(3)
+    ]
+    assert torch.equal(got, torch.stack([torch.stack(row) for row in each]))
+    assert torch.equal(processed_log_probs(logits, temperature, 1.0)[:, 1], got[:, 1])
+
+
 async def test_fitted_model_generates_a_tool_call_then_an_answer(tool_model_dir: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(tool_model_dir)
     backend = LocalBackend.load(tool_model_dir)

@@ -238,6 +238,9 @@ def test_classify_unknown_when_the_top_token_changes() -> None:
     [
         ("raw", 1.0, 1.0, True),
         ("raw", 0.0, 1.0, True),  # greedy's log-probs are the raw ones by definition
+        ("raw", 1e-6, 1.0, True),  # greedy as vLLM has it: a temperature below 1e-5 (issue 38)
+        ("raw", 0.0, 0.9, True),  # ... where vLLM sets top_p to 1
+        ("raw", 1e-5, 1.0, False),
         ("raw", 0.5, 1.0, False),
         ("raw", 1.0, 0.9, False),
         ("unknown", 0.7, 1.0, False),

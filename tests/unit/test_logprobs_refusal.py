@@ -128,6 +128,22 @@ async def test_temperature_one_is_served_and_recorded_as_sampled(tiny_model_dir:
     assert turn.logprobs_kind == "sampled" and list(turn.completion_ids) == [72, 73, 74]
 
 
+@pytest.mark.parametrize(("temperature", "top_p"), [(1e-6, 1.0), (0.0, 0.9), (9e-6, 0.5)])
+async def test_a_greedy_turn_is_served_by_a_raw_replica(
+    tiny_model_dir: Path, temperature: float, top_p: float
+) -> None:
+    """Issue 38: vLLM treats a temperature below 1e-5 as greedy (top_p set to 1): its log-probs
+    are the raw ones whatever was asked, so a raw replica records them as sampled."""
+    server = StandInVLLM("raw_logprobs")
+    client, publisher = gateway(tiny_model_dir, server)
+    await client.chat.completions.create(
+        model="tiny", messages=HI, temperature=temperature, top_p=top_p, max_tokens=3
+    )
+    [turn] = publisher.turns
+    assert turn.logprobs_kind == "sampled"
+    assert (turn.sampling["temperature"], turn.sampling["top_p"]) == (temperature, top_p)
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 async def test_the_flag_records_the_turn_as_raw(tiny_model_dir: Path, stream: bool) -> None:
     server = StandInVLLM("raw_logprobs")

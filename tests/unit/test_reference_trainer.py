@@ -17,6 +17,7 @@ from gateway.backends.interface import Prompt, SamplingParams
 from gateway.backends.local import LocalBackend
 from schemas.events import TrajectoryReady, TurnCompleted
 from tests.helpers.grpo_sessions import SESSION_ADVANTAGE, WON_SEGMENTS, segmented_group
+from tests.helpers.sampled_sessions import sampled_sessions
 from tests.helpers.sessions import append_only, session_events
 from trainer_sink.assembly import assemble_padded, non_tensor_values
 from trainer_sink.errors import BatchError
@@ -24,6 +25,7 @@ from trainer_sink.sessions import SessionRows
 from turnstream.trainer.objective import (
     batch_advantages,
     check_sampled_logprobs,
+    check_sampling,
     check_temperature,
     clipped_objective,
     group_advantages,
@@ -215,6 +217,8 @@ def test_samples_drawn_at_another_temperature_are_refused() -> None:
     ]
     [sample] = fold(hot).trajectories
     assert sample.metadata["temperatures"] == [1.0]
+    check_temperature([sample], 0.8)  # fold v7: each turn's sampling, recomputed at its own
+    del sample.metadata["sampling"]  # a row folded before v7: the trainer's temperature
     check_temperature([sample], 1.0)
     check_temperature([sample], 0.0)  # greedy records the raw logits: temperature 1
     with pytest.raises(BatchError, match=r"sampled at temperature 1\.0 .* at 0\.8"):
@@ -246,3 +250,59 @@ def test_a_batch_holding_raw_log_probs_is_refused(tiny_model_dir: Path, tmp_path
     # A batch made before the flag existed has nothing to refuse.
     del batch["raw_logprobs"]
     check_sampled_logprobs(batch)
+
+
+async def test_recomputed_log_probs_apply_each_turns_nucleus(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Issue 38: sampled at top_p 0.9 (and, in a later turn, at another temperature and top-p,
+    or greedy), the trainer's recomputed log-probs agree with the recorded ones per token; with
+    the nucleus left out (a trainer that knows no top-p) they are off by log(nucleus mass)."""
+    trajectories = await sampled_sessions(
+        tiny_model_dir,
+        [
+            [(0.8, 0.9)],
+            [(0.8, 0.9), (1.3, 0.7)],
+            [(0.8, 0.9), (0.0, 0.5)],  # greedy: raw log-probs whatever top_p
+            [(1e-6, 0.3)],  # greedy as vLLM has it
+        ],
+    )
+    assert [t.metadata["sampling"][-1]["top_p"] for t in trajectories] == [0.9, 0.7, 0.5, 0.3]
+    batch = assemble_padded(trajectories)
+    settings = ReferenceTrainerSettings(model_dir=tiny_model_dir, checkpoint_dir=tmp_path, run="r")
+    trainer = ReferenceTrainer(settings)
+    mask = batch["response_mask"].bool()
+    with torch.no_grad():
+        log_probs = response_log_probs(trainer.model, batch, settings.temperature)
+        # what the trainer computed before: every row at one temperature, no nucleus
+        del batch["rollout_top_p"]
+        batch["rollout_temperature"] = torch.full_like(batch["rollout_log_probs"], 0.8)
+        no_nucleus = response_log_probs(trainer.model, batch, settings.temperature)
+    delta = max_logprob_delta(log_probs, batch["rollout_log_probs"], mask)
+    assert delta is not None and delta <= 1e-4
+    first = mask[0]  # the first session: one turn at 0.8 / 0.9, off by the nucleus' mass
+    off = (no_nucleus[0] - batch["rollout_log_probs"][0])[first]
+    assert float(off.abs().max()) > 1e-2
+    assert not bool(off.gt(1e-4).any())  # log(the nucleus' mass) at each token: <= 0
+
+
+def test_samples_drawn_with_top_k_or_min_p_are_refused() -> None:
+    """The gateway sets neither; a record from elsewhere might: refused, naming the setting."""
+    events = session_events(append_only(2), session="topk")
+    sampled = [
+        msgspec.structs.replace(e, sampling={"temperature": 0.7, "top_k": 20 * e.turn})
+        if isinstance(e, TurnCompleted)
+        else e
+        for e in events
+    ]
+    [sample] = fold(sampled).trajectories
+    with pytest.raises(BatchError, match=r"run-1/topk/0 \(its turn 1\) .* top_k=20"):
+        check_sampling([sample])
+    greedy = [
+        msgspec.structs.replace(e, sampling={"temperature": 0.0, "min_p": 0.1})
+        if isinstance(e, TurnCompleted)
+        else e
+        for e in events
+    ]
+    check_sampling(fold(greedy).trajectories)  # greedy: vLLM turns min_p off
+    check_temperature(fold(sampled).trajectories, 1.0)  # each turn records its own: no check

@@ -673,6 +673,19 @@ async def test_sglang_sends_input_ids_and_sampling_params() -> None:
     ]
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1e-6, 9e-6])
+async def test_sglang_is_sent_greedy_as_zero(temperature: float) -> None:
+    """Issue 38: below 1e-5 a turn is greedy (vLLM's rule, the record's, the trainer's), but
+    SGLang tempers down to 1e-6: sent as temperature 0 (and top_p 1), it takes the argmax and
+    returns the raw log-probs the record claims."""
+    recorder = Recorder(answer(CUMULATIVE))
+    await collect(
+        sglang(recorder), SamplingParams(max_tokens=16, temperature=temperature, top_p=0.5)
+    )
+    sent = recorder.bodies[0]["sampling_params"]
+    assert (sent["temperature"], sent["top_p"]) == (0.0, 1.0)
+
+
 async def test_sglang_without_seed_leaves_it_to_the_server() -> None:
     recorder = Recorder(answer(CUMULATIVE))
     chunks = await collect(sglang(recorder), SamplingParams(max_tokens=16))

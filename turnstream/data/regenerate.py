@@ -11,7 +11,8 @@ For each ``TurnCompleted``: its full prompt is rebuilt from the deltas (``contex
 [:prefix_len] + prompt_ids``, parents followed as ``schemas.delta.replay_context`` does),
 generated with the recorded sampling, and the ids compared with ``completion_ids`` (and the
 log-probs, within a tolerance, where the tokens agree). A turn recorded without a seed (events
-older than issue 19) is reported as not reproducible, unless it was greedy (temperature 0).
+older than issue 19) is reported as not reproducible, unless it was greedy (a temperature below
+1e-5, ``schemas.sampling``).
 
     report = await regenerate(events, backend)
     assert report.ok, [t.line() for t in report.turns if t.status != "same"]
@@ -30,6 +31,7 @@ from gateway.backends.interface import Backend, GenerationChunk, Prompt, Samplin
 from schemas.delta import EMPTY_CONTEXT, Context, decode_context
 from schemas.errors import TurnstreamError
 from schemas.events import SessionEvent, TurnCompleted
+from schemas.sampling import is_greedy
 from turnstream.data.parts import (
     OWN_WEIGHTS,
     Part,
@@ -172,7 +174,7 @@ def regeneration_params(
         return f"no recorded max_tokens (sampling {sampling})"
     temperature = float(sampling.get("temperature", 1.0))
     seed = sampling.get("seed")
-    if seed is None and temperature != 0.0:
+    if seed is None and not is_greedy(temperature):
         return (
             "recorded without a seed (an event from before per-request seeds): its sample "
             "cannot be drawn again"

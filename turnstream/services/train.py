@@ -16,8 +16,9 @@ way finish, publish and commit, then the trainer exits 0. Trajectories it held i
 groups are delivered again after ``--sink.ack-wait-s``. A restarted trainer resumes from the
 run's newest published policy (``ReferenceTrainer.resume``).
 
-``--temperature`` must be the agents' sampling temperature: the trainer recomputes log-probs at
-it, and refuses a batch sampled at another one.
+The trainer recomputes each token's log-prob at its own turn's temperature and top-p, which the
+trajectories record (fold version 7). ``--temperature`` is for rows folded before that: they are
+computed at it (and top-p 1), and refused when they were sampled at another temperature.
 """
 
 from __future__ import annotations
@@ -118,7 +119,10 @@ class TrainSettings(PublishingSettings):
         "many segments (sub-agents, forks) weighs as much as a session of one",
     )
     temperature: float = Field(
-        1.0, ge=0, description="the agents' sampling temperature (0, greedy, counts as 1)"
+        1.0,
+        ge=0,
+        description="the agents' sampling temperature, for rows that do not record each turn's "
+        "(folded before fold version 7); greedy (below 1e-5) counts as 1",
     )
     device: str = Field("cpu", description="torch device")
     update_mode: UpdateMode = Field(

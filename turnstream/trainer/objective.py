@@ -24,7 +24,9 @@ import torch
 from tensordict import TensorDict
 from transformers import PreTrainedModel
 
+from gateway.backends.sampler import processed_log_probs
 from schemas.events import TrajectoryReady
+from schemas.sampling import TurnSampling, is_greedy
 from trainer_sink.assembly import non_tensor_values
 from trainer_sink.errors import BatchError
 from trainer_sink.sessions import SessionRows
@@ -32,35 +34,66 @@ from trainer_sink.sessions import SessionRows
 __all__ = [
     "batch_advantages",
     "check_sampled_logprobs",
+    "check_sampling",
     "check_temperature",
     "clipped_objective",
     "group_advantages",
     "max_logprob_delta",
     "response_log_probs",
+    "response_logits",
+    "token_sampling",
 ]
 
 
 def response_log_probs(
     model: PreTrainedModel, batch: TensorDict, temperature: float = 1.0
 ) -> torch.Tensor:
-    """[B, R] log-probs of ``responses`` under ``model``, as the local backend records them.
+    """[B, R] log-probs of ``responses`` under ``model``, as the backend recorded them: each
+    token's under the distribution it was drawn from, its turn's temperature and top-p (the
+    batch's ``rollout_temperature`` / ``rollout_top_p``) with the nucleus cut as the gateway's
+    sampler cuts it (``gateway.backends.sampler.processed_log_probs``; greedy: raw). Where the
+    batch recorded none (rows folded before fold v7, a batch without those keys), at
+    ``temperature`` and top-p 1, as before.
+
+    """
+    temperatures, top_ps = token_sampling(batch, temperature)
+    log_probs = processed_log_probs(response_logits(model, batch), temperatures, top_ps)
+    return log_probs.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
+
+
+def response_logits(model: PreTrainedModel, batch: TensorDict) -> torch.Tensor:
+    """[B, R, vocab] float32: the untempered logits that predict each response token.
 
     One forward pass over ``input_ids`` with the batch's ``attention_mask`` and
     ``position_ids``: positions count from the first real token whatever the left padding,
     like the gateway's unpadded prompt. The logits at column P-1+j predict response token j.
     """
     prompt_width = batch["prompts"].shape[1]
-    logits = model(
+    logits: torch.Tensor = model(
         input_ids=batch["input_ids"],
         attention_mask=batch["attention_mask"],
         position_ids=batch["position_ids"],
         use_cache=False,
     ).logits
-    logits = logits[:, prompt_width - 1 : -1].float()
-    if temperature > 0:
-        logits = logits / temperature
-    log_probs = torch.log_softmax(logits, dim=-1)
-    return log_probs.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
+    return logits[:, prompt_width - 1 : -1].float()
+
+
+def token_sampling(batch: TensorDict, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, R] temperature and top-p of each response token: the batch's, and where it has
+    none (NaN: not recorded) ``temperature`` and 1."""
+    shape, device = batch["responses"].shape, batch["responses"].device
+    keys = batch.keys()
+    if "rollout_temperature" not in keys or "rollout_top_p" not in keys:
+        return (
+            torch.full(shape, float(temperature), device=device),
+            torch.ones(shape, device=device),
+        )
+    temperatures = batch["rollout_temperature"]
+    top_ps = batch["rollout_top_p"]
+    return (
+        torch.where(temperatures.isnan(), float(temperature), temperatures),
+        torch.where(top_ps.isnan(), 1.0, top_ps),
+    )
 
 
 def group_advantages(
@@ -144,20 +177,41 @@ def clipped_objective(
 
 def _effective(temperature: float | None) -> float:
     # Greedy decoding records the raw logits' log-probs: temperature 1 for the computation.
-    return 1.0 if not temperature or temperature <= 0 else float(temperature)
+    return 1.0 if temperature is None or is_greedy(temperature) else float(temperature)
 
 
 def check_temperature(trajectories: Sequence[TrajectoryReady], temperature: float) -> None:
     """Refuse samples drawn at another temperature than the trainer computes log-probs at:
-    the ratio against ``rollout_log_probs`` would be wrong by a factor nobody would notice."""
+    the ratio against ``rollout_log_probs`` would be wrong by a factor nobody would notice.
+    Only rows that do not record each turn's sampling (folded before fold v7) are computed at
+    the trainer's ``temperature``; the others at their own, so they need no check."""
     want = _effective(temperature)
     for trajectory in trajectories:
+        if "sampling" in trajectory.metadata:
+            continue
         for recorded in trajectory.metadata.get("temperatures", []):
             if abs(_effective(recorded) - want) > 1e-6:
                 raise BatchError(
                     f"trajectory {trajectory.trajectory_id} was sampled at temperature "
                     f"{recorded} but the trainer computes log-probs at {temperature}: set "
                     f"ReferenceTrainerSettings.temperature to the agents' sampling temperature"
+                )
+
+
+def check_sampling(trajectories: Sequence[TrajectoryReady]) -> None:
+    """Refuse samples drawn with a setting whose distribution the trainer does not recompute
+    (top_k, min_p: the gateway sets neither, a record from elsewhere might), naming it: their
+    importance ratios would be wrong."""
+    for trajectory in trajectories:
+        entries = trajectory.metadata.get("sampling")
+        for turn, entry in enumerate(entries if isinstance(entries, list) else []):
+            setting = TurnSampling.of(entry).unsupported() if isinstance(entry, dict) else None
+            if setting is not None:
+                raise BatchError(
+                    f"trajectory {trajectory.trajectory_id} (its turn {turn}) was sampled with "
+                    f"{setting}, which the reference trainer does not apply when it recomputes "
+                    f"log-probs (it applies temperature and top_p): leave these samples out of "
+                    f"its batches, or sample without {setting.partition('=')[0]}"
                 )
 
 

@@ -15,21 +15,26 @@ One step per batch, on a Hugging Face causal LM (the gateway's tiny model in the
 
 The gateway follows the run's key in ``ts_policy`` and its ``local`` backend loads each new
 checkpoint, so later turns carry ``weight_version`` N: the trainer and the gateway meet only in
-the log, neither imports the other. The math of a step (advantages, GRPO over sessions, PPO, the
-clipped objective, the checks a batch must pass) is in ``turnstream.trainer.objective``; the
-checkpoint it writes, in ``turnstream.trainer.checkpoints``.
+the log (the trainer imports one pure function of the gateway's, the sampler's
+``processed_log_probs``, so that both cut the top-p nucleus by one rule). The math of a step
+(advantages, GRPO over sessions, PPO, the clipped objective, the checks a batch must pass) is in
+``turnstream.trainer.objective``; the checkpoint it writes, in ``turnstream.trainer.checkpoints``.
 
 **Log-prob agreement.** Before its update, each step recomputes the log-probs of the samples
 whose every generated token came from the weights the trainer holds (all of them at step 1) and
 reports the largest |Δ| against ``rollout_log_probs``. It is the proof that the tokens, positions
 and log-probs the gateway recorded are exactly what the trainer trains on. Backends record the
 log-probs of the distribution each token was drawn from, ``log_softmax(logits / temperature)``
-(raw logits when greedy) renormalized over the top-p nucleus, so ``temperature`` here must be the
-agents' sampling temperature (0 counts as 1). This trainer knows no top-p: samples drawn with
-top_p < 1 disagree by the log of the nucleus' mass. The local backend's KV-cached decode and this
-padded full forward agree to ~1e-6 in fp32 on CPU. A batch holding samples flagged
-``raw_logprobs`` (the model's raw log-probs, recorded under the gateway's --allow-raw-logprobs)
-is refused: ratios against them would be wrong.
+(raw logits when greedy) renormalized over the top-p nucleus, and the fold records each turn's
+temperature and top-p (fold v7), which the sink spreads over the tokens: the trainer recomputes
+each token's distribution at its own turn's settings, cutting the nucleus by the gateway
+sampler's rule (vLLM's), so samples drawn at top_p < 1 agree too. Rows folded before v7 record
+no per-turn sampling: they are computed at ``temperature`` (the agents' sampling temperature,
+greedy counting as 1) and top-p 1, and refused when their recorded temperatures differ from it.
+A sample drawn with top_k or min_p (never by the gateway) is refused, naming the setting. The
+local backend's KV-cached decode and this padded full forward agree to ~1e-6 in fp32 on CPU. A
+batch holding samples flagged ``raw_logprobs`` (the model's raw log-probs, recorded under the
+gateway's --allow-raw-logprobs) is refused: ratios against them would be wrong.
 
 **Commit.** The batch is committed after the new version is published: a trainer that dies in
 between trains on that batch again after a restart (at least once, like the live feed).
@@ -67,6 +72,7 @@ from turnstream.trainer.checkpoints import save_checkpoint
 from turnstream.trainer.objective import (
     batch_advantages,
     check_sampled_logprobs,
+    check_sampling,
     check_temperature,
     clipped_objective,
     group_advantages,
@@ -106,7 +112,10 @@ class ReferenceTrainerSettings(BaseModel):
     epochs: int = Field(1, ge=1, description="optimizer steps on each batch")
     max_grad_norm: float = Field(1.0, gt=0, description="gradient norm clip")
     temperature: float = Field(
-        1.0, ge=0, description="the agents' sampling temperature (0, greedy, counts as 1)"
+        1.0,
+        ge=0,
+        description="the agents' sampling temperature, for rows that do not record each "
+        "turn's (folded before fold version 7); greedy (below 1e-5) counts as 1",
     )
     initial_version: int = Field(0, ge=0, description="weight_version of the weights in model_dir")
     update_mode: UpdateMode = Field(
@@ -184,6 +193,7 @@ class ReferenceTrainer:
                 break
             try:
                 check_temperature(batch.trajectories, self.settings.temperature)
+                check_sampling(batch.trajectories)
                 check_sampled_logprobs(batch.tensors)
             except BatchError:
                 await sink.release(batch)  # for a trainer that can take it
