@@ -283,6 +283,14 @@ class ExportDirectory:
             self._lines.close()
         self._writer = self._lines = None
 
+    def add_file(self, name: str, content: bytes, rows: int) -> None:
+        """A part written whole, under ``data/`` (an ATIF document: one per session)."""
+        with self._writing():
+            folder = self.staging / "data"
+            folder.mkdir(exist_ok=True)
+            (folder / name).write_bytes(content)
+        self.parts.append(Part(f"data/{name}", rows))
+
     def commit(self, manifest: JSON, readme: str) -> None:
         """Write the manifest and the card, then put the directory in place at ``output``."""
         with self._writing():

@@ -1,0 +1,171 @@
+"""ATIF both ways (issue 38, point 3), pure: a session's samples as one ATIF document that
+Harbor's own models accept, and a document as events that fold back to the same tokens."""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+from consumers import fold
+from consumers.atif import session_document
+from consumers.atif_events import session_events
+from consumers.errors import AtifRefused
+from schemas.events import UNKNOWN_VERSION, SessionEvent, TrajectoryReady
+from tests.helpers.harbor import assert_valid_atif
+from tests.helpers.sessions import RUN, SESSION, closed, opened, reward, turn_specs
+from tests.helpers.sessions import session_events as served_session
+from tests.helpers.tree_sessions import TreeTurn, tree_events
+
+JSON = dict[str, Any]
+SYS = [1, 2, 3]
+CALL = {"id": "call_1", "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}  # fmt: skip
+
+
+def as_written(document: JSON) -> JSON:
+    """The document as a file holds it: JSON text, read back."""
+    return json.loads(json.dumps(document))
+
+
+def imported(trajectories: list[TrajectoryReady]) -> tuple[JSON, list[TrajectoryReady]]:
+    """The ATIF document of ``trajectories`` (one session), validated by Harbor, and what the
+    fold makes of its events again, under run ``imp``."""
+    document = as_written(session_document(trajectories))
+    assert_valid_atif(document)
+    session = session_events(document, run="imp", session=SESSION, source="s.json", now=5.0)
+    return document, fold(session.events).trajectories
+
+
+def assert_same_tokens(original: list[TrajectoryReady], again: list[TrajectoryReady]) -> None:
+    assert [t.segment for t in again] == [t.segment for t in original]
+    for before, after in zip(original, again, strict=True):
+        assert after.input_ids.tolist() == before.input_ids.tolist()
+        assert after.loss_mask.tolist() == before.loss_mask.tolist()
+        assert after.logprobs.tobytes() == before.logprobs.tobytes()  # float32, bit for bit
+        assert after.turn_ends.tolist() == before.turn_ends.tolist()
+        assert after.prompt_len == before.prompt_len
+        assert (after.reward, after.turn_rewards) == (before.reward, before.turn_rewards)
+        # not on-policy samples of this run: no version is known, the log-probs are imported
+        assert set(after.versions[after.loss_mask == 1].tolist()) <= {UNKNOWN_VERSION}
+        if after.loss_mask.any():
+            assert after.metadata["logprobs_kind"] == "imported"
+
+
+@settings(max_examples=60, deadline=None)
+@given(specs=turn_specs(max_turns=6, rewrites=True))
+def test_any_linear_session_forks_included_round_trips_its_tokens(specs: list[Any]) -> None:
+    events = served_session(
+        specs, rewards=[reward(0.25, turn=len(specs) - 1)], final_reward=1.0, created_at=1.0
+    )
+    original = fold(events).trajectories
+
+    document, again = imported(original)
+
+    assert_same_tokens(original, again)
+    assert len(document.get("subagent_trajectories", [])) == len(original) - 1  # the forks
+
+
+def _interleaved() -> list[SessionEvent]:
+    """A main agent (turns 0, 2, 4) and a sub-agent it started after turn 0 (1, 3, 5)."""
+    main = [TreeTurn(-1, [*SYS, 10], [11, 12], [{"role": "user", "content": "task"}], "m0")]
+    main.append(TreeTurn(0, [*SYS, 20], [21], [{"role": "user", "content": "sub task"}], "s0"))
+    for k in range(2):
+        previous_main, previous_sub = main[2 * k], main[2 * k + 1]
+        main.append(TreeTurn(2 * k, [*previous_main.context, 30 + k], [40 + k],
+                             [*previous_main.messages, previous_main.assistant_message,
+                              {"role": "user", "content": f"go {k}"}], f"m{k + 1}"))  # fmt: skip
+        main.append(TreeTurn(2 * k + 1, [*previous_sub.context, 50 + k], [60 + k],
+                             [*previous_sub.messages, previous_sub.assistant_message,
+                              {"role": "user", "content": f"more {k}"}], f"s{k + 1}"))  # fmt: skip
+    return [opened(), *tree_events(main), closed(reward=1.0, num_turns=len(main))]
+
+
+def test_a_sub_agent_is_embedded_and_referenced_from_the_turn_it_branched_off() -> None:
+    original = fold(_interleaved()).trajectories
+    assert original[1].metadata["branch_of"]["turn"] == 0
+
+    document, again = imported(original)
+
+    [sub] = document["subagent_trajectories"]
+    assert sub["trajectory_id"] == original[1].trajectory_id
+    first_agent_step = next(s for s in document["steps"] if s["source"] == "agent")
+    [ref_result] = first_agent_step["observation"]["results"]
+    assert ref_result["subagent_trajectory_ref"] == [
+        {"trajectory_id": original[1].trajectory_id, "session_id": SESSION}
+    ]
+    assert [s["message"] for s in sub["steps"] if s["source"] == "agent"] == ["s0", "s1", "s2"]
+    assert_same_tokens(original, again)
+    assert again[1].metadata["agent_id"] == original[1].trajectory_id  # named by its document
+
+
+def test_tool_calls_and_their_results_become_calls_and_observations() -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Paris?"}]
+    reply = {"role": "assistant", "content": None, "tool_calls": [CALL]}
+    second = [*messages, reply, {"role": "tool", "tool_call_id": "call_1", "content": "18C"}]
+    turns = [
+        TreeTurn(-1, [*SYS, 4], [5, 6], messages, extra={"tool_calls": [CALL]}),
+        TreeTurn(0, [*SYS, 4, 5, 6, 7], [8], second, "Sunny."),
+    ]
+    original = fold([opened(), *tree_events(turns), closed(num_turns=2)]).trajectories
+
+    document, again = imported(original)
+
+    steps = document["steps"]
+    assert [s["source"] for s in steps] == ["system", "user", "agent", "agent"]
+    assert steps[2]["tool_calls"] == [
+        {"tool_call_id": "call_1", "function_name": "get_weather", "arguments": {"city": "Paris"}}
+    ]
+    assert steps[2]["observation"] == {"results": [{"content": "18C", "source_call_id": "call_1"}]}
+    assert steps[2]["metrics"]["prompt_token_ids"] == [*SYS, 4]
+    assert steps[3]["metrics"]["prompt_token_ids"] == [*SYS, 4, 5, 6, 7]
+    assert steps[3]["metrics"]["completion_token_ids"] == [8]
+    assert_same_tokens(original, again)
+    [call] = again[0].messages[2]["tool_calls"]  # the conversation as the model answered it
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+    assert again[0].messages[3] == {"role": "tool", "content": "18C", "tool_call_id": "call_1"}
+
+
+@pytest.mark.parametrize("field", ["prompt_token_ids", "completion_token_ids", "logprobs"])
+def test_a_step_without_ids_refuses_the_document_naming_it(field: str) -> None:
+    document = as_written(session_document(fold(_interleaved()).trajectories))
+    broken = copy.deepcopy(document)
+    agent_steps = [s for s in broken["subagent_trajectories"][0]["steps"] if "metrics" in s]
+    del agent_steps[1]["metrics"][field]
+
+    with pytest.raises(AtifRefused) as refused:
+        session_events(broken, run="imp", session=SESSION, source="t.json", now=0.0)
+
+    message = str(refused.value)
+    step_id = agent_steps[1]["step_id"]
+    assert f"t.json: trajectory {RUN}/{SESSION}/1: step {step_id} has no metrics.{field}" in message
+    assert "never re-tokenizes" in message and "nothing was imported" in message
+
+
+def test_copied_context_is_conversation_and_no_ids_at_all_is_refused() -> None:
+    document = {
+        "schema_version": "ATIF-v1.6",
+        "agent": {"name": "terminus-2", "version": "1"},
+        "steps": [
+            {"step_id": 1, "source": "user", "message": "hi"},
+            {"step_id": 2, "source": "agent", "message": "earlier", "is_copied_context": True},
+            {"step_id": 3, "source": "agent", "message": "hello",
+             "metrics": {"prompt_tokens": 12, "completion_tokens": 3}},
+        ],
+    }  # fmt: skip
+    assert_valid_atif(document)
+    with pytest.raises(AtifRefused, match=r"x.json: step 3 has no metrics.prompt_token_ids"):
+        session_events(document, run="imp", session="s", source="x.json", now=0.0)
+
+    metrics = document["steps"][2]["metrics"]
+    metrics.update(prompt_token_ids=[1, 2], completion_token_ids=[3, 4], logprobs=[-0.5, -1.0])
+    events = session_events(document, run="imp", session="s", source="x.json", now=0.0).events
+    [turn] = [e for e in events if type(e).__name__ == "TurnCompleted"]
+    assert turn.new_messages == [{"role": "user", "content": "hi"},
+                                 {"role": "assistant", "content": "earlier"}]  # fmt: skip
+    assert turn.usage == {"prompt_tokens": 12, "completion_tokens": 3}
+    assert np.array_equal(turn.token_versions(), [UNKNOWN_VERSION] * 2)
