@@ -16,6 +16,7 @@ from consumers.atif import session_document
 from consumers.atif_events import session_events
 from consumers.errors import AtifRefused
 from schemas.events import UNKNOWN_VERSION, SessionEvent, TrajectoryReady
+from tests.helpers.agent_sessions import claude_code_session
 from tests.helpers.harbor import assert_valid_atif
 from tests.helpers.sessions import RUN, SESSION, closed, opened, reward, turn_specs
 from tests.helpers.sessions import session_events as served_session
@@ -101,6 +102,33 @@ def test_a_sub_agent_is_embedded_and_referenced_from_the_turn_it_branched_off() 
     assert [s["message"] for s in sub["steps"] if s["source"] == "agent"] == ["s0", "s1", "s2"]
     assert_same_tokens(original, again)
     assert again[1].metadata["agent_id"] == original[1].trajectory_id  # named by its document
+
+
+def test_a_coding_agents_session_validates_and_round_trips_main_fork_fresh_and_side() -> None:
+    original = claude_code_session(RUN, SESSION, 1.0)
+    assert len(original) == 4  # main, the fork, the fresh agent, the side call
+
+    document, again = imported(original)
+
+    embedded = [t["trajectory_id"] for t in document["subagent_trajectories"]]
+    assert embedded == [t.trajectory_id for t in original[1:]]
+    assert_same_tokens(original, again)
+
+
+def test_the_sink_never_takes_an_imported_sample_for_a_fresh_on_policy_one() -> None:
+    from trainer_sink.assembly import assemble
+    from trainer_sink.batching import Batcher, Sample
+    from trainer_sink.config import BatchingSettings
+
+    _, again = imported(fold(_interleaved()).trajectories)
+
+    batch = assemble(again)
+    assert batch["raw_logprobs"].tolist() == [True, True]  # no importance ratio against them
+    batcher: Batcher[None] = Batcher(BatchingSettings(max_staleness=1000, batch_size=2))
+    batcher.trainer_version = 0
+    decision = batcher.add(Sample(again[0], None), now=0.0)
+    # an unknown policy version: stale under any bound
+    assert [d.reason for d in decision.dropped] == ["stale"] and not decision.batches
 
 
 def test_tool_calls_and_their_results_become_calls_and_observations() -> None:
