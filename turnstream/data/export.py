@@ -16,6 +16,9 @@ the built-in tiny model, when ``<data_dir>/models`` has it — what the gateway 
 through the gateway's own rendering, and compared with its tokens: the rows that do not
 round-trip are counted in the summary and the manifest, and flagged in ``round_trips``.
 
+``--kind atif`` writes one ATIF trajectory (JSON) per session under ``DIR/data/`` instead, for
+eval harnesses (``turnstream.data.export_atif``, ``consumers.atif``).
+
 Rows of side requests (metadata ``side: true``: a compaction, auxiliary or side-reply call of a
 coding agent, not its own turn) are left out unless ``--keep-side-calls``; the manifest counts
 them (``side_calls``).
@@ -39,7 +42,6 @@ from pydantic_settings import CliSuppress, SettingsConfigDict
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from consumers.atif import ATIF_SCHEMA_VERSION
 from consumers.export import (
     MESSAGES_SCHEMA,
     TOKENS_SCHEMA,
@@ -56,7 +58,7 @@ from consumers.export_formats import dataset_card
 from eventlog import LogSettings
 from schemas.errors import TurnstreamError
 from schemas.ids import ID_PATTERN
-from turnstream.data.export_atif import AtifSessions, atif_card
+from turnstream.data.export_atif import AtifSessions, atif_summary
 from turnstream.stack.settings import ServiceSettings
 
 if TYPE_CHECKING:  # transformers: imported only when a chat template is loaded
@@ -172,10 +174,7 @@ def export_run(
             manifest = _manifest(selection, kind, format, tally, directory, fidelity, check)
             manifest["side_calls"] = {"kept": keep_side_calls, "left_out": tally.side_calls}
             if atif is not None:
-                manifest.update(format="json", sessions=atif.sessions)
-                manifest["atif"] = {"schema_version": ATIF_SCHEMA_VERSION}
-                del manifest["columns"]
-                directory.commit(manifest, atif_card(manifest))
+                directory.commit(*atif.manifest(manifest))
             else:
                 directory.commit(manifest, dataset_card(manifest, schema))
     finally:
@@ -367,12 +366,7 @@ class ExportCommand(ServiceSettings):
         parts = len(manifest["parts"])
         rows = manifest["rows"]
         if self.kind == "atif":
-            console.print(
-                f"exported {manifest['sessions']:,} ATIF trajectories (sessions; {rows:,} "
-                f"samples, {manifest['tokens']:,} tokens) of run {self.run} to "
-                f"{self.output / 'data'}",
-                soft_wrap=True,
-            )
+            console.print(atif_summary(manifest, self.output), soft_wrap=True)
         else:
             console.print(
                 f"exported {rows:,} {'trajectory' if rows == 1 else 'trajectories'} "

@@ -16,6 +16,8 @@ side calls were left out, are written at the end with the samples that matched.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import msgspec
 import pyarrow as pa
@@ -26,7 +28,7 @@ from schemas.agents import is_side_call
 from schemas.events import TrajectoryReady
 from schemas.shards import table_to_trajectories
 
-__all__ = ["AtifSessions", "atif_card"]
+__all__ = ["AtifSessions", "atif_card", "atif_summary"]
 
 _encode = msgspec.json.Encoder()
 
@@ -60,6 +62,13 @@ class AtifSessions:
         for session in list(self._pending):
             self._write(session)
 
+    def manifest(self, manifest: dict[str, object]) -> tuple[dict[str, object], str]:
+        """``export_run``'s manifest made this export's, and its card."""
+        manifest.update(format="json", sessions=self.sessions)
+        manifest["atif"] = {"schema_version": ATIF_SCHEMA_VERSION}
+        del manifest["columns"]  # documents, not rows
+        return manifest, atif_card(manifest)
+
     def _write(self, session: str) -> None:
         self._seen.pop(session, None)
         samples = self._pending.pop(session, [])
@@ -70,6 +79,14 @@ class AtifSessions:
         self.sessions += 1
         self.rows += len(samples)
         self.tokens += sum(len(s.input_ids) for s in samples)
+
+
+def atif_summary(manifest: dict[str, Any], output: Path) -> str:
+    """The line ``turnstream export --kind atif`` ends with."""
+    return (
+        f"exported {manifest['sessions']:,} ATIF trajectories (sessions; {manifest['rows']:,} "
+        f"samples, {manifest['tokens']:,} tokens) of run {manifest['run']} to {output / 'data'}"
+    )
 
 
 def atif_card(manifest: dict[str, object]) -> str:

@@ -28,7 +28,6 @@ import hashlib
 import json
 import re
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import Field
@@ -43,27 +42,21 @@ from schemas.codec import Codec
 from schemas.ids import EVENT_SUBJECT_PREFIX, ID_PATTERN
 from schemas.routing import route
 from turnstream.data.progress import progress_bar
-from turnstream.data.replay import BATCH_EVENTS, ReplayItem, unstored
+from turnstream.data.replay import (
+    ReplayItem,
+    ReplayReport,
+    due_times,
+    publish_paced,
+    unstored,
+)
 from turnstream.stack.event_log import open_log
 from turnstream.stack.settings import PublishingSettings
 from turnstream.stack.stack_file import join_stack
 
-__all__ = ["ImportAtifCommand", "ImportReport", "import_atif", "read_sessions"]
+__all__ = ["ImportAtifCommand", "import_atif", "read_sessions"]
 
 console = Console(stderr=True)
 _ID = re.compile(f"^{ID_PATTERN}$")
-
-
-@dataclass
-class ImportReport:
-    run: str
-    url: str
-    sessions: int
-    turns: int
-    published: int = 0
-    duplicates: int = 0
-    already_stored: int = 0
-    spooled: int = 0
 
 
 def _files(paths: list[Path]) -> list[Path]:
@@ -115,8 +108,9 @@ def read_sessions(paths: list[Path], run: str, now: float) -> list[ImportedSessi
 
 async def import_atif(
     settings: PublishingSettings, paths: list[Path], *, progress: bool = True
-) -> ImportReport:
-    """Convert every document under ``paths``, then publish their events into ``settings.run``."""
+) -> tuple[list[ImportedSession], ReplayReport]:
+    """Convert every document under ``paths``, then publish their events into ``settings.run``:
+    the sessions, and what was published."""
     sessions = await asyncio.to_thread(read_sessions, paths, settings.run, time.time())
     codec = Codec(max_payload=settings.log.max_payload)
     items = []
@@ -126,9 +120,7 @@ async def import_atif(
             items.append(ReplayItem(subject, codec.encode(event), msg_id, event.created_at))
     stream = settings.log.names.events
     async with open_log(settings, name="turnstream-import-atif") as event_log:
-        report = ImportReport(
-            settings.run, event_log.url, len(sessions), sum(s.turns for s in sessions)
-        )
+        report = ReplayReport("atif", settings.run, event_log.url, len(items))
         held = await msg_id_counts(event_log.js, stream, f"{EVENT_SUBJECT_PREFIX}.{settings.run}.>")
         todo = unstored(items, held)
         report.already_stored = len(items) - len(todo)
@@ -137,22 +129,16 @@ async def import_atif(
             label = f"importing {len(sessions)} ATIF trajectories into run {settings.run}"
             with progress_bar(label, console, enabled=progress) as bar:
                 task = bar.add_task("events", total=len(todo))
-                for i in range(0, len(todo), BATCH_EVENTS):
-                    batch = todo[i : i + BATCH_EVENTS]
-                    receipts = await publisher.publish_many_raw(
-                        [(item.subject, item.data, item.msg_id) for item in batch]
-                    )
-                    for receipt in receipts:
-                        if receipt.spooled:
-                            report.spooled += 1
-                        elif receipt.duplicate:
-                            report.duplicates += 1
-                        else:
-                            report.published += 1
-                    bar.update(task, advance=len(batch))
+                await publish_paced(
+                    publisher,
+                    todo,
+                    due_times(todo, "max"),
+                    report,
+                    lambda n: bar.update(task, advance=n),
+                )
         finally:
             await publisher.close()
-    return report
+    return sessions, report
 
 
 class ImportAtifCommand(PublishingSettings):
@@ -171,13 +157,14 @@ class ImportAtifCommand(PublishingSettings):
                 "samples of a running policy, so they go into a run of their own"
             )
         settings, _ = join_stack(self)  # a running `up` on --data-dir, unless --log.url
-        report = asyncio.run(import_atif(settings, self.paths))
+        sessions, report = asyncio.run(import_atif(settings, self.paths))
         skipped = [
             f"{report.already_stored} already stored (skipped)" if report.already_stored else "",
             f"{report.spooled} spooled to the outbox" if report.spooled else "",
         ]
         console.print(
-            f"imported {report.sessions} ATIF trajectories ({report.turns} turns) into run "
+            f"imported {len(sessions)} ATIF trajectories ({sum(s.turns for s in sessions)} "
+            f"turns) into run "
             f"{report.run} at {report.url}: {report.published} events published, "
             f"{report.duplicates} duplicates absorbed" + "".join(f", {p}" for p in skipped if p),
             soft_wrap=True,
