@@ -95,6 +95,8 @@ def _trajectory(row: TrajectoryReady) -> JSON:
     metadata = row.metadata
     agent_name = metadata.get("agent_type") or metadata.get("agent_id") or "agent"
     agent: JSON = {"name": str(agent_name), "version": "unknown"}
+    if isinstance(metadata.get("model"), str) and metadata["model"]:  # as the session named it
+        agent["model_name"] = metadata["model"]
     if row.tools:
         agent["tool_definitions"] = row.tools
     metrics = [step["metrics"] for step in steps if "metrics" in step]

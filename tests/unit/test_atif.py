@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -16,9 +17,18 @@ from consumers.atif import session_document
 from consumers.atif_events import session_events
 from consumers.errors import AtifRefused
 from schemas.events import UNKNOWN_VERSION, SessionEvent, TrajectoryReady
+from schemas.shards import trajectories_to_table
 from tests.helpers.agent_sessions import claude_code_session
 from tests.helpers.harbor import assert_valid_atif
-from tests.helpers.sessions import RUN, SESSION, closed, opened, reward, turn_specs
+from tests.helpers.sessions import (
+    RUN,
+    SESSION,
+    append_only,
+    closed,
+    opened,
+    reward,
+    turn_specs,
+)
 from tests.helpers.sessions import session_events as served_session
 from tests.helpers.tree_sessions import TreeTurn, tree_events
 
@@ -102,6 +112,7 @@ def test_a_sub_agent_is_embedded_and_referenced_from_the_turn_it_branched_off() 
     assert [s["message"] for s in sub["steps"] if s["source"] == "agent"] == ["s0", "s1", "s2"]
     assert_same_tokens(original, again)
     assert again[1].metadata["agent_id"] == original[1].trajectory_id  # named by its document
+    assert document["agent"]["model_name"] == again[0].metadata["model"] == "tiny"
 
 
 def test_a_coding_agents_session_validates_and_round_trips_main_fork_fresh_and_side() -> None:
@@ -197,3 +208,31 @@ def test_copied_context_is_conversation_and_no_ids_at_all_is_refused() -> None:
                                  {"role": "assistant", "content": "earlier"}]  # fmt: skip
     assert turn.usage == {"prompt_tokens": 12, "completion_tokens": 3}
     assert np.array_equal(turn.token_versions(), [UNKNOWN_VERSION] * 2)
+
+
+def test_an_export_writes_one_document_per_session_whatever_the_batches(tmp_path: Path) -> None:
+    from consumers.export import TOKENS_SCHEMA
+    from consumers.export_files import ExportDirectory
+    from turnstream.data.export_atif import AtifSessions
+
+    coding = claude_code_session(RUN, "coding", 1.0)  # main, fork, fresh, side call
+    linear = fold(served_session(append_only(2), session="linear")).trajectories
+    rows = list(enumerate([coding[0], coding[1], *linear, coding[2], coding[3]], start=1))
+    out = tmp_path / "out"
+    with ExportDirectory(out, format="parquet", schema=TOKENS_SCHEMA, rows_per_part=10,
+                         overwrite=False) as directory:  # fmt: skip
+        sessions = AtifSessions(directory, keep_side_calls=False)
+        for batch in (rows[:2], rows[2:4], rows[4:]):  # the coding session across batches
+            sessions.add(trajectories_to_table(batch))
+        sessions.finish()
+        directory.commit(*sessions.manifest({"run": RUN, "tokens": 0, "rows": 0, "columns": {}}))
+
+    assert sorted(p.name for p in (out / "data").iterdir()) == ["coding.json", "linear.json"]
+    assert (sessions.sessions, sessions.rows, sessions.side_calls) == (2, 4, 1)
+    document = json.loads((out / "data" / "coding.json").read_text())
+    assert_valid_atif(document)
+    embedded = [t["trajectory_id"] for t in document["subagent_trajectories"]]
+    assert embedded == [coding[1].trajectory_id, coding[2].trajectory_id]  # no side call
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["format"] == "json" and manifest["sessions"] == 2
+    assert "import-atif" in (out / "README.md").read_text()

@@ -9,8 +9,9 @@ Harbor writes per trial as ``trajectory.json`` and its validator reads — besid
 
 A session's samples are gathered as the shards yield them: a session is written once it has
 as many as its fold made (metadata ``segments``), so memory holds the sessions still arriving,
-not the run. Sessions that a ``--where`` cut (some of their samples match, others not), or whose
-side calls were left out, are written at the end with the samples that matched.
+not the run. Sessions that a ``--where`` cut (some of their samples match, others not), whose
+side calls were left out, or whose samples do not say how many there are (folds before the
+``segments`` key), are written at the end with the samples there are.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class AtifSessions:
     side_calls: int = 0  # left out
     _pending: dict[str, list[TrajectoryReady]] = field(default_factory=dict)
     _seen: dict[str, int] = field(default_factory=dict)  # samples read, side calls included
+    _written: dict[str, int] = field(default_factory=dict)  # documents written per session
 
     def add(self, shard_rows: pa.Table) -> None:
         for _, sample in table_to_trajectories(shard_rows):
@@ -54,7 +56,7 @@ class AtifSessions:
                 self.side_calls += 1
             else:
                 self._pending.setdefault(session, []).append(sample)
-            if self._seen[session] >= sample.expected_segments:
+            if _known_count(sample) and self._seen[session] >= sample.expected_segments:
                 self._write(session)
 
     def finish(self) -> None:
@@ -75,10 +77,23 @@ class AtifSessions:
         if not samples:  # only side calls, left out
             return
         document = session_document(samples)
-        self.directory.add_file(f"{session}.json", _encode.encode(document), len(samples))
+        # A session seen again after it was written (samples of an older fold, which did not
+        # say how many it made, split by --where): a document of its own, never overwritten.
+        written = self._written.get(session, 0)
+        self._written[session] = written + 1
+        name = f"{session}.json" if not written else f"{session}.{written}.json"
+        self.directory.add_file(name, _encode.encode(document), len(samples))
         self.sessions += 1
         self.rows += len(samples)
         self.tokens += sum(len(s.input_ids) for s in samples)
+
+
+def _known_count(sample: TrajectoryReady) -> bool:
+    """Whether the sample's metadata says how many samples its session's fold made (folds
+    before the ``segments`` key said only a lower bound): only then is a session written as
+    soon as it has them all."""
+    segments = sample.metadata.get("segments")
+    return isinstance(segments, int) and not isinstance(segments, bool)
 
 
 def atif_summary(manifest: dict[str, Any], output: Path) -> str:
