@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard, get_args
 
@@ -92,20 +92,35 @@ class _Chain:
 
 
 def session_events(
-    document: object, *, run: str, session: str, source: str, now: float
+    document: object,
+    *,
+    run: str,
+    session: str,
+    source: str,
+    now: float,
+    attached: Sequence[tuple[str, object]] = (),
+    reward: float | None = None,
 ) -> ImportedSession:
     """The events of ``document`` (parsed JSON) as session ``session`` of ``run``.
 
     ``source`` names the document in errors and metadata (its path); ``now`` is the time given
-    to the events when the document's steps have no timestamps. Raises AtifRefused."""
+    to the events when the document's steps have no timestamps. ``attached``: ``(source,
+    document)`` of the files it refers to (its continuation, sub-agents stored as files), their
+    trajectories chains of the same session. ``reward``: the episode's, where the document says
+    none (Harbor keeps it in the trial's result.json). Raises AtifRefused."""
     root = _object(document, f"{source}: an ATIF trajectory is a JSON object")
     imported = ImportedSession(run, session)
     start = _first_time(root) or now
     turns: list[TurnCompleted] = []
     rewards: list[tuple[int, float]] = []
-    for number, trajectory in enumerate(_trajectories(root, source)):
-        imported.trajectories += 1
-        _turns(trajectory, number, source, run, session, turns, rewards)
+    files = [(source, root), *((s, _object(d, f"{s}: not a JSON object")) for s, d in attached)]
+    for file_source, file_root in files:
+        for nested, trajectory in enumerate(_trajectories(file_root, file_source)):
+            number = imported.trajectories
+            imported.trajectories += 1
+            where = file_source if not nested else None
+            _turns(trajectory, number, where or file_source, run, session, turns, rewards,
+                   nested=bool(nested))  # fmt: skip
     if not turns:
         raise AtifRefused(
             f"{source}: no agent step with token ids (an ATIF trajectory of LLM calls is what "
@@ -148,7 +163,7 @@ def session_events(
             RewardAssigned(run=run, session=session, created_at=at, value=value, turn=turn_index,
                            source="atif")
         )  # fmt: skip
-    reward = extra.get("reward")
+    reward = extra.get("reward") if _number(extra.get("reward")) else reward
     if _number(reward):
         events.append(
             RewardAssigned(run=run, session=session, created_at=at, value=float(reward),
@@ -207,10 +222,13 @@ def _turns(
     session: str,
     turns: list[TurnCompleted],
     rewards: list[tuple[int, float]],
+    *,
+    nested: bool,
 ) -> None:
-    """Append ``trajectory``'s agent steps as turns (one chain) and their rewards."""
+    """Append ``trajectory``'s agent steps as turns (one chain) and their rewards; ``number``
+    counts the session's trajectories (0: the root), ``nested``: embedded in its file."""
     name = trajectory.get("trajectory_id") or trajectory.get("session_id") or f"#{number}"
-    where = f"{source}: trajectory {name}" if number else source
+    where = f"{source}: trajectory {name}" if nested else source
     steps = trajectory.get("steps")
     if not isinstance(steps, list) or not steps:
         raise AtifRefused(f"{where}: no steps (ATIF's `steps` is a non-empty list)")

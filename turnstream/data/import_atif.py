@@ -3,9 +3,13 @@
     turnstream import-atif PATH... --run RUN [--log.url nats://...]
 
 Each PATH is an ATIF trajectory file (``trajectory.json`` of a Harbor trial, ``data/*.json`` of
-``turnstream export --kind atif``) or a directory searched for ``*.json`` files. Every document
-becomes one session of RUN (``consumers.atif_events``): ``SessionOpened``, one ``TurnCompleted``
-per agent step, its rewards, ``SessionClosed``, published through the gateway's publisher; the
+``turnstream export --kind atif``) or a directory searched for ATIF ``*.json`` files (Harbor's
+job directories included: its other JSON files are passed over, a trajectory's continuation and
+sub-agent files join its session, and the trial's ``result.json`` gives its reward;
+``turnstream.data.atif_files``). Every trajectory file that no other one refers to becomes one
+session of RUN, with the files it refers to (``consumers.atif_events``): ``SessionOpened``,
+one ``TurnCompleted`` per agent step, its rewards, ``SessionClosed``, published through the
+gateway's publisher; the
 fold workers of that log fold them into trajectories (the shards, the trainer sink, ``export``)
 as they fold served sessions. Imported turns record an unknown policy version and log-probs of
 kind ``imported``: SFT or off-policy data, never taken for fresh on-policy samples.
@@ -25,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import re
 import time
 from pathlib import Path
@@ -41,6 +44,7 @@ from eventlog.reader import msg_id_counts
 from schemas.codec import Codec
 from schemas.ids import EVENT_SUBJECT_PREFIX, ID_PATTERN
 from schemas.routing import route
+from turnstream.data.atif_files import gather
 from turnstream.data.progress import progress_bar
 from turnstream.data.replay import (
     ReplayItem,
@@ -59,22 +63,6 @@ console = Console(stderr=True)
 _ID = re.compile(f"^{ID_PATTERN}$")
 
 
-def _files(paths: list[Path]) -> list[Path]:
-    found: list[Path] = []
-    for path in paths:
-        if path.is_dir():
-            found += sorted(p for p in path.rglob("*.json") if p.is_file())
-        elif path.is_file():
-            found.append(path)
-        else:
-            raise AtifRefused(f"{path}: no such file or directory; nothing was imported")
-    if not found:
-        raise AtifRefused(
-            f"no *.json file under {', '.join(map(str, paths))}; nothing was imported"
-        )
-    return found
-
-
 def _session_id(document: object, data: bytes) -> str:
     given = document.get("session_id") if isinstance(document, dict) else None
     if isinstance(given, str) and _ID.match(given):
@@ -83,35 +71,42 @@ def _session_id(document: object, data: bytes) -> str:
     return f"atif-{hashlib.sha256(basis).hexdigest()[:32]}"
 
 
-def read_sessions(paths: list[Path], run: str, now: float) -> list[ImportedSession]:
-    """Every document under ``paths`` as a session of ``run``; AtifRefused at the first that
-    cannot be one, or when two documents would be the same session."""
+def read_sessions(paths: list[Path], run: str, now: float) -> tuple[list[ImportedSession], int]:
+    """Every session of the ATIF files under ``paths`` (``turnstream.data.atif_files``) as a
+    session of ``run``, and how many JSON files were passed over; AtifRefused at the first that
+    cannot be one, or when two would be the same session."""
+    found, passed_over = gather(paths)
     sessions: list[ImportedSession] = []
     sources: dict[str, Path] = {}
-    for path in _files(paths):
-        data = path.read_bytes()
-        try:
-            document = json.loads(data)
-        except ValueError as exc:
-            raise AtifRefused(f"{path}: not JSON ({exc}); nothing was imported") from exc
-        session = _session_id(document, data)
+    for files in found:
+        root = files.root
+        session = _session_id(root.document, root.data)
         if session in sources:
             raise AtifRefused(
-                f"{path} and {sources[session]} are both session {session} (their session_id): "
-                f"import them into different runs; nothing was imported"
+                f"{root.path} and {sources[session]} are both session {session} (their "
+                f"session_id), and neither refers to the other: import them into different "
+                f"runs; nothing was imported"
             )
-        sources[session] = path
-        sessions.append(session_events(document, run=run, session=session, source=str(path),
-                                       now=now))  # fmt: skip
-    return sessions
+        sources[session] = root.path
+        imported = session_events(
+            root.document,
+            run=run,
+            session=session,
+            source=str(root.path),
+            now=now,
+            attached=[(str(f.path), f.document) for f in files.attached],
+            reward=files.reward,
+        )
+        sessions.append(imported)
+    return sessions, passed_over
 
 
 async def import_atif(
     settings: PublishingSettings, paths: list[Path], *, progress: bool = True
-) -> tuple[list[ImportedSession], ReplayReport]:
+) -> tuple[list[ImportedSession], int, ReplayReport]:
     """Convert every document under ``paths``, then publish their events into ``settings.run``:
-    the sessions, and what was published."""
-    sessions = await asyncio.to_thread(read_sessions, paths, settings.run, time.time())
+    the sessions, how many JSON files were no ATIF (passed over), and what was published."""
+    sessions, passed_over = await asyncio.to_thread(read_sessions, paths, settings.run, time.time())
     codec = Codec(max_payload=settings.log.max_payload)
     items = []
     for session in sessions:
@@ -138,7 +133,7 @@ async def import_atif(
                 )
         finally:
             await publisher.close()
-    return sessions, report
+    return sessions, passed_over, report
 
 
 class ImportAtifCommand(PublishingSettings):
@@ -157,8 +152,11 @@ class ImportAtifCommand(PublishingSettings):
                 "samples of a running policy, so they go into a run of their own"
             )
         settings, _ = join_stack(self)  # a running `up` on --data-dir, unless --log.url
-        sessions, report = asyncio.run(import_atif(settings, self.paths))
+        sessions, passed_over, report = asyncio.run(import_atif(settings, self.paths))
         skipped = [
+            f"{passed_over} JSON files that are no ATIF trajectory passed over"
+            if passed_over
+            else "",
             f"{report.already_stored} already stored (skipped)" if report.already_stored else "",
             f"{report.spooled} spooled to the outbox" if report.spooled else "",
         ]
