@@ -191,7 +191,7 @@ def write_shards(root: Path, maker: Maker, count: int) -> int:
 
 
 def size_mb(path: Path) -> float:
-    return sum(p.stat().st_size for p in path.iterdir()) / 1e6
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) / 1e6  # data/ too
 
 
 def main() -> int:

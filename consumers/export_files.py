@@ -10,9 +10,10 @@ user's, on their own files, but it is taken as a single SQL *expression* (DuckDB
 is opened with file access disabled and its configuration locked, so a subquery cannot read
 (or write) other files either.
 
-Output directory ``DIR``::
+Output directory ``DIR``, laid out as the Hugging Face Hub lays out a dataset (the rule, and the
+reads it lets each tool make, are ``consumers.export_layout``'s)::
 
-    part-00000.parquet | part-00000.jsonl   every ``rows_per_part`` rows a new part
+    data/train-00000-of-00002.parquet       every ``rows_per_part`` rows a new part (or .jsonl)
     manifest.json                           run, kind, format, where, rows, tokens, parts,
                                             source shards, fidelity, fields dropped
     README.md                               a dataset card (``consumers.export_formats``):
@@ -44,6 +45,7 @@ import pyarrow.parquet as pq
 
 from consumers.export import JSON, ExportError
 from consumers.export_formats import jsonl_lines
+from consumers.export_layout import data_file, part_file, staged_part_file
 from eventlog.server import pid_alive
 from schemas.shards import TRAJECTORY_SCHEMA
 from shardstore import FileShardStore
@@ -191,7 +193,8 @@ class ExportDirectory:
     ) -> None:
         self.output, self.format, self.schema = output, format, schema
         self.rows_per_part, self.overwrite = rows_per_part, overwrite
-        self.parts: list[Part] = []
+        self._part_rows: list[int] = []  # the rows of each part written so far
+        self._files: list[Part] = []  # written whole (add_file): not numbered parts
         self._writer: pq.ParquetWriter | None = None
         self._lines: BinaryIO | None = None  # the open JSON Lines part
         self._in_part = 0
@@ -259,22 +262,30 @@ class ExportDirectory:
             elif self._lines is not None:
                 self._lines.write(jsonl_lines(chunk))
             self._in_part += take
-            last = self.parts[-1]
-            self.parts[-1] = Part(last.file, last.rows + take)
+            self._part_rows[-1] += take
             if self._in_part >= self.rows_per_part:
                 self._close_part()
 
     def _open_part(self) -> None:
-        name = f"part-{len(self.parts):05d}.{self.format}"
-        path = self.staging / name
+        path = self.staging / staged_part_file(len(self._part_rows), self.format)
+        path.parent.mkdir(exist_ok=True)
         if self.format == "parquet":
             self._writer = pq.ParquetWriter(
                 path, self.schema, compression="zstd", use_dictionary=_DICTIONARY_COLUMNS
             )
         else:
             self._lines = path.open("wb")
-        self.parts.append(Part(name, 0))
+        self._part_rows.append(0)
         self._in_part = 0
+
+    @property
+    def parts(self) -> list[Part]:
+        """The parts written, by the names they have once committed."""
+        count = len(self._part_rows)
+        numbered = [
+            Part(part_file(i, count, self.format), n) for i, n in enumerate(self._part_rows)
+        ]
+        return [*numbered, *self._files]
 
     def _close_part(self) -> None:
         if self._writer is not None:
@@ -284,12 +295,13 @@ class ExportDirectory:
         self._writer = self._lines = None
 
     def add_file(self, name: str, content: bytes, rows: int) -> None:
-        """A part written whole, under ``data/`` (an ATIF document: one per session)."""
+        """A file written whole, under ``data/`` (``data_file``): an ATIF document, one per
+        session, not a numbered part."""
+        path = self.staging / data_file(name)
         with self._writing():
-            folder = self.staging / "data"
-            folder.mkdir(exist_ok=True)
-            (folder / name).write_bytes(content)
-        self.parts.append(Part(f"data/{name}", rows))
+            path.parent.mkdir(exist_ok=True)
+            path.write_bytes(content)
+        self._files.append(Part(data_file(name), rows))
 
     def commit(self, manifest: JSON, readme: str) -> None:
         """Write the manifest and the card, then put the directory in place at ``output``."""
@@ -298,6 +310,10 @@ class ExportDirectory:
 
     def _commit(self, manifest: JSON, readme: str) -> None:
         self._close_part()
+        count = len(self._part_rows)
+        for index in range(count):  # the count is known now: the names take it
+            staged = self.staging / staged_part_file(index, self.format)
+            staged.rename(self.staging / part_file(index, count, self.format))
         (self.staging / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
         (self.staging / "README.md").write_text(readme)
         self._check_output()  # again: something may have appeared there meanwhile

@@ -10,7 +10,8 @@ loads Parquet and JSON Lines alike without guessing. Guessing is what
 ``load_dataset("json", data_files=...)`` does: it infers the types from the first block of the
 first file, so a column that is null throughout that block (``tool_calls`` in a run whose first
 samples called no tool) cannot hold the values that come later. The card's features avoid that;
-so does Parquet, which carries its schema.
+so does Parquet, which carries its schema. Its body shows how each tool reads the export
+(``consumers.export_layout``: the rows are under ``data/``), lines a unit test runs as printed.
 
 >>> import pyarrow as pa
 >>> schema = pa.schema([("ids", pa.list_(pa.int32())), ("meta", pa.json_(pa.string())),
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import json
 import re
+from string import Template
 from typing import Any
 
 import msgspec
@@ -41,6 +43,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from consumers.export import JSON_TYPE
+from consumers.export_layout import DATA_DIR, data_files
 
 __all__ = ["dataset_card", "feature_lines", "jsonl_lines"]
 
@@ -161,12 +164,37 @@ def feature_lines(schema: pa.Schema) -> list[str]:
     return _field_lines(schema, "")
 
 
+# How each tool reads the export (consumers.export_layout): by the rows under data/, not by DIR,
+# which holds this card too (pyarrow, pandas and polars would read it as data). The test runs
+# these lines as the card prints them (tests/unit/test_export_layout.py).
+_READS = {
+    "parquet": Template(
+        """import datasets, duckdb, pandas as pd, polars as pl, pyarrow.parquet as pq
+
+DIR = "path/to/this/directory"
+dataset = datasets.load_dataset(DIR, split="train")  # the types above, exactly
+frame = pd.read_parquet(f"{DIR}/$data")  # $data/, not DIR: DIR holds this card too
+table = pq.read_table(f"{DIR}/$data")
+lazy = pl.scan_parquet(f"{DIR}/$files")  # or pl.read_parquet
+relation = duckdb.sql(f"from '{DIR}/$files'")"""
+    ),
+    "jsonl": Template(
+        """import datasets, duckdb
+
+DIR = "path/to/this/directory"
+dataset = datasets.load_dataset(DIR, split="train")  # the types above, exactly
+frame = dataset.to_pandas()  # or .to_polars(), the same types
+relation = duckdb.sql(f"from read_json('{DIR}/$files')")  # types inferred from the rows"""
+    ),
+}
+
+
 def dataset_card(manifest: JSON, schema: pa.Schema) -> str:
     """README.md for the export described by ``manifest`` (``consumers.export_files``)."""
-    pattern = f"part-*.{manifest['format']}"
+    format = manifest["format"]
+    pattern = data_files(format)
     where = manifest["where"] or "true"
     shards = len(manifest["source"]["shards"])
-    loader = "json" if manifest["format"] == "jsonl" else "parquet"
     lines = [
         "---",
         "configs:",
@@ -186,12 +214,7 @@ def dataset_card(manifest: JSON, schema: pa.Schema) -> str:
         f"under `{manifest['source']['target']}`. `manifest.json` has the details.",
         "",
         "```python",
-        "import datasets",
-        "# the types above, exactly:",
-        'ds = datasets.load_dataset("path/to/this/directory", split="train")',
-        "# or the files alone (JSON Lines: types inferred from the first rows)",
-        f'ds = datasets.load_dataset("{loader}", data_files="path/to/this/directory/{pattern}", '
-        'split="train")',
+        _READS[format].substitute(data=DATA_DIR, files=data_files(format)),
         "```",
         "",
     ]

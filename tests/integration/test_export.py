@@ -21,11 +21,15 @@ import httpx
 import msgspec
 import numpy as np
 import openai
+import pandas as pd
 import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
 from consumers.export import convert_messages
+from consumers.export_layout import data_files
 from schemas.events import TrajectoryReady
 from schemas.shards import ShardMetadata, trajectories_to_table
 from shardstore import FileShardStore
@@ -101,30 +105,24 @@ def shards(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Traject
     return root, mine
 
 
-def _load_hf(out: Path, format: str, cache: Path) -> list[JSON]:
-    """Parquet: the files, as they are. JSON Lines: the directory, whose dataset card gives the
-    types (from the files alone ``datasets`` infers them from the first rows, and a column null
-    there, such as tool_calls, cannot take the values of a later part)."""
-    if format == "parquet":
-        files = str(out / "part-*.parquet")
-        loaded = datasets.load_dataset(
-            "parquet", data_files=files, split="train", cache_dir=str(cache)
-        )
-    else:
-        loaded = datasets.load_dataset(str(out), split="train", cache_dir=str(cache))
-    return list(loaded)
+def _load_hf(out: Path, cache: Path) -> list[JSON]:
+    """The directory, as the README loads it: its dataset card names the parts under data/ and
+    gives the types (from JSON Lines files alone ``datasets`` infers them from the first rows,
+    and a column null there, such as tool_calls, cannot take the values of a later part)."""
+    return list(datasets.load_dataset(str(out), split="train", cache_dir=str(cache)))
 
 
 def _load_polars(out: Path, format: str) -> pl.DataFrame:
-    files = sorted(out.glob(f"part-*.{format}"))
     if format == "parquet":
-        return pl.read_parquet(files)
+        return pl.read_parquet(out / "data" / "*.parquet")
+    # polars takes the first file's types for all: one file at a time (the card says to_polars)
+    files = sorted((out / "data").glob("*.jsonl"))
     return pl.concat([pl.read_ndjson(f) for f in files], how="diagonal_relaxed")
 
 
 def _load_duckdb(out: Path, format: str) -> duckdb.DuckDBPyRelation:
     reader = "read_parquet" if format == "parquet" else "read_json_auto"
-    return duckdb.sql(f"select * from {reader}('{out}/part-*.{format}')")
+    return duckdb.sql(f"select * from {reader}('{out}/data/*.{format}')")
 
 
 @pytest.mark.parametrize("where", [None, WHERE])
@@ -159,8 +157,14 @@ def test_an_export_loads_back_in_datasets_polars_and_duckdb(
     ]
     assert [s["first_seq"] for s in manifest["source"]["shards"]] == [1, 8]  # r1's, not r2's
     assert f"exported {len(expected)} trajectories" in done.stderr
+    assert f"in {out / 'data'}, its card and manifest beside" in done.stderr
 
-    rows = _load_hf(out, format, tmp_path / "hf-cache")
+    assert [p["file"] for p in manifest["parts"]] == [
+        f"data/train-{i:05d}-of-{len(manifest['parts']):05d}.{format}"
+        for i in range(len(manifest["parts"]))
+    ]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "data", "manifest.json"]
+    rows = _load_hf(out, tmp_path / "hf-cache")
     assert sorted(r["trajectory_id"] for r in rows) == sorted(expected)
     for row in rows:
         t = expected[row["trajectory_id"]]
@@ -193,6 +197,9 @@ def test_an_export_loads_back_in_datasets_polars_and_duckdb(
 
     frame = _load_polars(out, format)
     assert sorted(frame["trajectory_id"].to_list()) == sorted(expected)
+    if format == "parquet":  # pandas and pyarrow: the directory of the rows, as the README says
+        assert sorted(pd.read_parquet(out / "data")["trajectory_id"]) == sorted(expected)
+        assert pq.read_table(out / "data").num_rows == len(expected)
     if kind == "tokens":
         by_id = dict(zip(frame["trajectory_id"], frame["input_ids"].to_list(), strict=True))
         assert by_id == {i: t.input_ids.tolist() for i, t in expected.items()}
@@ -214,10 +221,11 @@ def test_the_dataset_card_loads_the_directory_with_datasets(
     out = tmp_path / "card"
     done = export("--shards", str(root), "--run", RUN, "--kind", "messages", "-o", str(out))
     assert done.returncode == 0, done.stderr
-    assert sorted(p.name for p in out.iterdir()) == [
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == [
         "README.md",
+        "data",
+        "data/train-00000-of-00001.parquet",
         "manifest.json",
-        "part-00000.parquet",
     ]
     loaded = datasets.load_dataset(str(out), split="train", cache_dir=str(tmp_path / "cache"))
     assert len(loaded) == len(trajectories) and "messages" in loaded.column_names
@@ -234,7 +242,7 @@ def test_a_predicate_reads_the_json_columns_and_the_token_lists(
                   "-o", str(out), "--where", where)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "exported 1 trajectory (" in done.stderr
-    [line] = (out / "part-00000.jsonl").read_text().splitlines()
+    [line] = (out / "data" / "train-00000-of-00001.jsonl").read_text().splitlines()
     row = json.loads(line)
     assert row["session"] == "tooled" and row["tools"] == [*WEATHER_TOOLS, SEARCH_TOOL]
     [call] = row["messages"][2]["tool_calls"]
@@ -284,6 +292,10 @@ def test_unknown_runs_empty_selections_and_outputs_in_the_way_are_refused(
 
     out.mkdir()
     (out / "mine.txt").write_text("keep")
+    # and an export of an older turnstream, its part at the top: replaced whole, none of it
+    # left beside data/ for a reader of the directory to count twice
+    pq.write_table(pa.table({"trajectory_id": ["old"]}), out / "part-00000.parquet")
+    (out / "manifest.json").write_text('{"turnstream_export": 1}')
     refused = export("--shards", str(root), "--run", "r2", "--kind", "tokens", "-o", str(out))
     assert (
         refused.returncode == 1
@@ -294,10 +306,10 @@ def test_unknown_runs_empty_selections_and_outputs_in_the_way_are_refused(
     replaced = export("--shards", str(root), "--run", "r2", "--kind", "tokens", "-o", str(out),
                       "--overwrite")  # fmt: skip
     assert replaced.returncode == 0, replaced.stderr
-    assert (
-        not (out / "mine.txt").exists()
-        and json.loads((out / "manifest.json").read_text())["rows"] == 3
-    )
+    assert json.loads((out / "manifest.json").read_text())["rows"] == 3
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == [
+        "README.md", "data", "data/train-00000-of-00001.parquet", "manifest.json"
+    ]  # fmt: skip
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     inside = export("--shards", str(root), "--run", "r2", "--kind", "tokens", "-o",
@@ -328,9 +340,9 @@ def test_side_calls_are_exported_only_when_asked(tmp_path: Path) -> None:
     for name, segments, left_out in (("default", [0, 1, 2], 1), ("kept", [0, 1, 2, 3], 0)):
         manifest = json.loads((tmp_path / name / "manifest.json").read_text())
         assert manifest["side_calls"] == {"kept": name == "kept", "left_out": left_out}
-        exported = pl.read_parquet(sorted((tmp_path / name).glob("part-*.parquet")))
+        exported = pl.read_parquet(tmp_path / name / "data")
         assert exported["segment"].to_list() == segments
-    side = json.loads(pl.read_parquet(tmp_path / "kept" / "part-00000.parquet")["metadata"][3])
+    side = json.loads(pl.read_parquet(tmp_path / "kept" / "data")["metadata"][3])
     assert side["side"] is True and side["request_class"] == "compaction"
     assert only.returncode == 1 and "--keep-side-calls" in only.stderr
     assert "all 1 trajectories of run cc that match --where are side calls" in only.stderr
@@ -440,7 +452,7 @@ def test_served_sessions_round_trip_through_the_chat_template_and_train_with_trl
         assert "2 of 3 rows render to exactly their tokens" in done.stderr
         assert "1 do not" in done.stderr
 
-        rows = {r["session"]: r for r in _load_hf(out, format, tmp_path / "hf-cache")}
+        rows = {r["session"]: r for r in _load_hf(out, tmp_path / "hf-cache")}
         answered = rows[sessions["answered"]]
         assert answered["num_turns"] == 2 and answered["tools"] == WEATHER_TOOLS
         [call] = answered["messages"][1]["tool_calls"]  # the model's real tool call
@@ -467,7 +479,7 @@ def _sft_two_steps(model_dir: Path, out: Path, format: str, work: Path) -> dict[
     from trl import SFTConfig, SFTTrainer
 
     loaded = datasets.load_dataset(
-        "json" if format == "jsonl" else "parquet", data_files=str(out / f"part-*.{format}"),
+        "json" if format == "jsonl" else "parquet", data_files=str(out / data_files(format)),
         split="train", cache_dir=str(work / "cache"),
     )  # fmt: skip
     config = SFTConfig(

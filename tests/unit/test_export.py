@@ -29,6 +29,7 @@ from consumers.export import (
     without_side_calls,
 )
 from consumers.export_formats import dataset_card, jsonl_lines
+from consumers.export_layout import part_file
 from schemas.shards import trajectories_to_table
 from tests.helpers.agent_sessions import claude_code_session
 from tests.helpers.tiny_model import WEATHER_RESULT, WEATHER_TOOLS
@@ -390,7 +391,9 @@ def test_messages_table_flags_each_row_checked(renderer: TemplateRenderer) -> No
 @pytest.mark.parametrize("kind", ["tokens", "messages"])
 def test_the_dataset_card_gives_datasets_the_exact_types(kind: str, tmp_path: Path) -> None:
     table = (tokens_table if kind == "tokens" else messages_table)(_shard_table())
-    (tmp_path / "part-00000.jsonl").write_bytes(jsonl_lines(table))
+    part = tmp_path / part_file(0, 1, "jsonl")
+    part.parent.mkdir()
+    part.write_bytes(jsonl_lines(table))
     manifest = {
         "run": "r1", "kind": kind, "format": "jsonl", "where": None, "rows": 2, "tokens": 9,
         "source": {"target": "shards", "shards": []}, "fidelity": None,

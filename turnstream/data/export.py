@@ -7,9 +7,11 @@
 Reads the shards only (``--shards``, default ``<data_dir>/shards``; no log needed). ``--where`` is
 a DuckDB SQL predicate over the shard columns. ``tokens`` keeps the training columns,
 ``messages`` the OpenAI-shaped conversation and tool schemas for SFT (``consumers.export`` has
-the columns); DIR gets ``part-NNNNN.<format>`` files, ``manifest.json`` and a dataset card
-(``consumers.export_files``, ``consumers.export_formats``), written to a hidden sibling and renamed
-into place when complete, and loads with ``datasets.load_dataset(DIR)``, polars or DuckDB.
+the columns); DIR is laid out as the Hugging Face Hub lays out a dataset: the parts under
+``data/`` (``data/train-00000-of-00002.parquet``), ``manifest.json`` and a dataset card
+``README.md`` beside it (``consumers.export_layout``, ``consumers.export_files``,
+``consumers.export_formats``), written to a hidden sibling and renamed into place when complete.
+It loads with ``datasets.load_dataset(DIR)``, ``pd.read_parquet(DIR/data)``, polars or DuckDB.
 
 For ``messages``, every row is rendered again with the chat template of ``--tokenizer`` (default:
 the built-in tiny model, when ``<data_dir>/models`` has it — what the gateway serves by default)
@@ -55,6 +57,7 @@ from consumers.export import (
 )
 from consumers.export_files import ExportDirectory, ExportFormat, Selection
 from consumers.export_formats import dataset_card
+from consumers.export_layout import DATA_DIR
 from eventlog import LogSettings
 from schemas.errors import TurnstreamError
 from schemas.ids import ID_PATTERN
@@ -68,7 +71,8 @@ __all__ = ["ExportCommand", "FidelityCheck", "TemplateRenderer", "export_run", "
 
 console = Console(stderr=True)
 JSON = dict[str, Any]
-MANIFEST_FORMAT = 1
+# 2: the parts under data/ (issue 38); 1: at the top of DIR. Each part's "file" is relative to DIR.
+MANIFEST_FORMAT = 2
 
 
 @dataclass(frozen=True)
@@ -372,7 +376,8 @@ class ExportCommand(ServiceSettings):
                 f"exported {rows:,} {'trajectory' if rows == 1 else 'trajectories'} "
                 f"({manifest['tokens']:,} tokens) of run "
                 f"{self.run} as {self.kind} to {self.output} ({parts} {manifest['format']} "
-                f"part{'s' if parts != 1 else ''})",
+                f"part{'s' if parts != 1 else ''} in {self.output / DATA_DIR}, its card and "
+                f"manifest beside)",
                 soft_wrap=True,
             )
         if left_out := manifest["side_calls"]["left_out"]:

@@ -25,6 +25,7 @@ import pyarrow as pa
 
 from consumers.atif import ATIF_SCHEMA_VERSION, session_document
 from consumers.export_files import ExportDirectory
+from consumers.export_layout import DATA_DIR
 from schemas.agents import is_side_call
 from schemas.events import TrajectoryReady
 from schemas.shards import table_to_trajectories
@@ -100,7 +101,7 @@ def atif_summary(manifest: dict[str, Any], output: Path) -> str:
     """The line ``turnstream export --kind atif`` ends with."""
     return (
         f"exported {manifest['sessions']:,} ATIF trajectories (sessions; {manifest['rows']:,} "
-        f"samples, {manifest['tokens']:,} tokens) of run {manifest['run']} to {output / 'data'}"
+        f"samples, {manifest['tokens']:,} tokens) of run {manifest['run']} to {output / DATA_DIR}"
     )
 
 
