@@ -14,6 +14,11 @@ VERL := $(VENV)/compat/verl-$(VERL_VERSION)
 VERL_PACKAGES := verl==$(VERL_VERSION) tensordict==0.10.0 omegaconf==2.4.0 hydra-core==1.3.8 \
 	antlr4-python3-runtime==4.9.3 codetiming==1.4.0 orjson==3.13.0 torchdata==0.11.0 \
 	peft==0.21.2 cachetools==8.0.2
+# Harbor's ATIF models, to validate `turnstream export --kind atif` in the tests: Harbor needs
+# Python >= 3.12 to install, but its trajectory models are plain pydantic and load on 3.11, so
+# its wheel alone is unpacked here (tests/helpers/harbor.py); turnstream never imports it.
+HARBOR_VERSION := 0.26.0
+HARBOR := $(VENV)/compat/harbor-$(HARBOR_VERSION)
 
 .PHONY: setup demo test test-deploy test-agents lint typecheck unit bench soak clean
 
@@ -26,6 +31,8 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
 	$(BIN)/python -m pip install --quiet --no-deps --upgrade --target $(TD_OLDEST) 'tensordict==$(TD_OLDEST_VERSION)'
 	$(BIN)/python -m pip install --quiet --no-deps --upgrade --target $(VERL) $(VERL_PACKAGES)
+	$(BIN)/python -m pip install --quiet --no-deps --upgrade --target $(HARBOR) \
+		--python-version 3.12 --only-binary=:all: 'harbor==$(HARBOR_VERSION)'
 	@touch $(STAMP)
 
 demo: setup

@@ -43,10 +43,14 @@ def sampling(sample: list[RebuiltTurn]) -> JSON:
 def raw_logprobs(sample: list[RebuiltTurn]) -> JSON:
     """``logprobs_kind: "raw"`` when a turn of the sample recorded the model's raw log-probs
     instead of the sampled distribution's (a vLLM replica in its default --logprobs-mode, let
-    through by the gateway's --allow-raw-logprobs): a trainer must not take importance ratios
-    against them. Said only then, so every other sample folds to the same bytes as before."""
-    raw = any(turn.event.logprobs_kind == "raw" for turn in sample)
-    return {"logprobs_kind": "raw"} if raw else {}
+    through by the gateway's --allow-raw-logprobs), else another kind a turn recorded that is
+    not "sampled" (``"imported"``: ``turnstream import-atif``'s, an unknown distribution's): a
+    trainer must not take importance ratios against them. Said only then, so every other sample
+    folds to the same bytes as before."""
+    kinds = {turn.event.logprobs_kind for turn in sample} - {"sampled"}
+    if not kinds:
+        return {}
+    return {"logprobs_kind": "raw" if "raw" in kinds else min(kinds)}
 
 
 # TurnCompleted.agent key -> trajectory metadata key; "kind" is what the client said, read only

@@ -8,8 +8,10 @@
         │                            so retry later before dead-lettering
         ├── RecordingDamaged         a recording whose rows do not match its footer (or no
         │                            recording at all): ``turnstream replay`` refuses it
-        └── ExportError              an export that cannot be done as asked: bad predicate, no
-                                     rows, output in the way
+        ├── ExportError              an export that cannot be done as asked: bad predicate, no
+        │                            rows, output in the way
+        └── AtifRefused              an ATIF trajectory ``turnstream import-atif`` cannot make
+                                     events of (no token ids, not ATIF)
 
 Every message names the run, the session and, where there is one, the turn. (Shard target
 errors are the event-log runtime's: ``eventlog.errors``.)
@@ -21,7 +23,14 @@ from collections.abc import Sequence
 
 from schemas.errors import TurnstreamError
 
-__all__ = ["ConsumerError", "ExportError", "FoldError", "MissingTurns", "RecordingDamaged"]
+__all__ = [
+    "AtifRefused",
+    "ConsumerError",
+    "ExportError",
+    "FoldError",
+    "MissingTurns",
+    "RecordingDamaged",
+]
 
 
 class ConsumerError(TurnstreamError):
@@ -71,3 +80,7 @@ class RecordingDamaged(ConsumerError):
 
 class ExportError(ConsumerError):
     """An export that cannot be done as asked: bad predicate, no rows, output in the way."""
+
+
+class AtifRefused(ConsumerError):
+    """An ATIF trajectory that cannot become a session's events (no token ids, not ATIF)."""

@@ -86,8 +86,9 @@ __all__ = [
     "without_side_calls",
 ]
 
-ExportKind = Literal["tokens", "messages"]
-EXPORT_KINDS: tuple[ExportKind, ...] = ("tokens", "messages")
+# atif: one ATIF document per session (``consumers.atif``), not rows: no schema here
+ExportKind = Literal["tokens", "messages", "atif"]
+EXPORT_KINDS: tuple[ExportKind, ...] = ("tokens", "messages", "atif")
 JSON = dict[str, Any]
 
 

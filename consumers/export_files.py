@@ -45,7 +45,7 @@ import pyarrow.parquet as pq
 
 from consumers.export import JSON, ExportError
 from consumers.export_formats import jsonl_lines
-from consumers.export_layout import part_file, staged_part_file
+from consumers.export_layout import data_file, part_file, staged_part_file
 from eventlog.server import pid_alive
 from schemas.shards import TRAJECTORY_SCHEMA
 from shardstore import FileShardStore
@@ -194,6 +194,7 @@ class ExportDirectory:
         self.output, self.format, self.schema = output, format, schema
         self.rows_per_part, self.overwrite = rows_per_part, overwrite
         self._part_rows: list[int] = []  # the rows of each part written so far
+        self._files: list[Part] = []  # written whole (add_file): not numbered parts
         self._writer: pq.ParquetWriter | None = None
         self._lines: BinaryIO | None = None  # the open JSON Lines part
         self._in_part = 0
@@ -281,7 +282,10 @@ class ExportDirectory:
     def parts(self) -> list[Part]:
         """The parts written, by the names they have once committed."""
         count = len(self._part_rows)
-        return [Part(part_file(i, count, self.format), n) for i, n in enumerate(self._part_rows)]
+        numbered = [
+            Part(part_file(i, count, self.format), n) for i, n in enumerate(self._part_rows)
+        ]
+        return [*numbered, *self._files]
 
     def _close_part(self) -> None:
         if self._writer is not None:
@@ -289,6 +293,15 @@ class ExportDirectory:
         if self._lines is not None:
             self._lines.close()
         self._writer = self._lines = None
+
+    def add_file(self, name: str, content: bytes, rows: int) -> None:
+        """A file written whole, under ``data/`` (``data_file``): an ATIF document, one per
+        session, not a numbered part."""
+        path = self.staging / data_file(name)
+        with self._writing():
+            path.parent.mkdir(exist_ok=True)
+            path.write_bytes(content)
+        self._files.append(Part(data_file(name), rows))
 
     def commit(self, manifest: JSON, readme: str) -> None:
         """Write the manifest and the card, then put the directory in place at ``output``."""

@@ -25,7 +25,8 @@ R response columns; integer tensors int64::
     raw_logprobs       [B]       bool: rollout_log_probs hold a turn's RAW log-probs, not those
                                  of the distribution it was sampled from (metadata
                                  logprobs_kind "raw": vLLM's default --logprobs-mode let through
-                                 by the gateway's --allow-raw-logprobs); no importance ratios
+                                 by the gateway's --allow-raw-logprobs; or "imported": an
+                                 unknown one's, `turnstream import-atif`); no importance ratios
     min_weight_version [B]       int64 tensors: the trajectory's oldest / newest weight version
     max_weight_version [B]       of generated tokens (-1: none), before any truncation
     side_call          [B]       bool: the sample is a side request's (metadata side=true:
@@ -465,7 +466,8 @@ def _annotate(
     batch["truncated"] = torch.from_numpy(cut.truncated)
     batch["stale"] = torch.tensor([False] * count if stale is None else list(stale))
     batch["raw_logprobs"] = torch.tensor(
-        [t.metadata.get("logprobs_kind") == "raw" for t in trajectories], dtype=torch.bool
+        [t.metadata.get("logprobs_kind", "sampled") != "sampled" for t in trajectories],
+        dtype=torch.bool,
     )
     batch["side_call"] = torch.tensor(
         [is_side_call(t.metadata) for t in trajectories], dtype=torch.bool

@@ -17,6 +17,7 @@ GROUPS: dict[str, set[str]] = {
     "demo": {"log", "publisher", "fold", "reaper", "shards", "sink"},
     "export": set(),
     "gateway": {"log", "publisher"},
+    "import-atif": {"log", "publisher"},
     "inspect": {"log"},
     "nats": {"log"},
     "provision": {"log"},

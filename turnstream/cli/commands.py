@@ -53,6 +53,10 @@ COMMANDS: dict[str, tuple[str, Callable[[], type[ServiceSettings]]]] = {
         "Run the OpenAI-compatible gateway; every turn is published to the log before it answers.",
         _lazy("turnstream.services.gateway.command", "GatewayCommand"),
     ),
+    "import-atif": (
+        "ATIF trajectories with token ids as a run's sessions (SFT / off-policy data).",
+        _lazy("turnstream.data.import_atif", "ImportAtifCommand"),
+    ),
     "inspect": (
         "Show one session's turns and trajectories: loss mask, logprobs, forks, rewards.",
         _lazy("turnstream.inspect.command", "InspectCommand"),

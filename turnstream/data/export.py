@@ -18,6 +18,9 @@ the built-in tiny model, when ``<data_dir>/models`` has it — what the gateway 
 through the gateway's own rendering, and compared with its tokens: the rows that do not
 round-trip are counted in the summary and the manifest, and flagged in ``round_trips``.
 
+``--kind atif`` writes one ATIF trajectory (JSON) per session under ``DIR/data/`` instead, for
+eval harnesses (``turnstream.data.export_atif``, ``consumers.atif``).
+
 Rows of side requests (metadata ``side: true``: a compaction, auxiliary or side-reply call of a
 coding agent, not its own turn) are left out unless ``--keep-side-calls``; the manifest counts
 them (``side_calls``).
@@ -58,6 +61,7 @@ from consumers.export_layout import DATA_DIR
 from eventlog import LogSettings
 from schemas.errors import TurnstreamError
 from schemas.ids import ID_PATTERN
+from turnstream.data.export_atif import AtifSessions, atif_summary
 from turnstream.stack.settings import ServiceSettings
 
 if TYPE_CHECKING:  # transformers: imported only when a chat template is loaded
@@ -116,7 +120,7 @@ def export_run(
                 f"no trajectory of run {run} {matching} (in its {len(selection.sources)} "
                 f"shard(s) under {selection.target}); nothing was written"
             )
-        schema = TOKENS_SCHEMA if kind == "tokens" else MESSAGES_SCHEMA
+        schema = MESSAGES_SCHEMA if kind == "messages" else TOKENS_SCHEMA  # atif: no rows
         tally = _Tally()
         check = Fidelity() if kind == "messages" and fidelity.renderer is not None else None
         with (
@@ -138,8 +142,13 @@ def export_run(
             ) as bar,
         ):
             task = bar.add_task("rows", total=total, tokens=0)
+            atif = AtifSessions(directory, keep_side_calls) if kind == "atif" else None
             for shard_rows in selection.batches(batch_rows):
                 tally.read += shard_rows.num_rows
+                if atif is not None:  # documents per session, not rows
+                    atif.add(shard_rows)
+                    bar.update(task, completed=tally.read, tokens=atif.tokens)
+                    continue
                 if not keep_side_calls:
                     shard_rows, side_calls = without_side_calls(shard_rows)
                     tally.side_calls += side_calls
@@ -156,6 +165,9 @@ def export_run(
                 tally.rows += shard_rows.num_rows
                 tally.tokens += _tokens(shard_rows)
                 bar.update(task, completed=tally.read, tokens=tally.tokens)
+            if atif is not None:
+                atif.finish()
+                tally.rows, tally.tokens, tally.side_calls = atif.rows, atif.tokens, atif.side_calls
             if tally.rows == 0:
                 raise ExportError(
                     f"all {tally.side_calls} trajectories of run {run} that "
@@ -165,7 +177,10 @@ def export_run(
                 )
             manifest = _manifest(selection, kind, format, tally, directory, fidelity, check)
             manifest["side_calls"] = {"kept": keep_side_calls, "left_out": tally.side_calls}
-            directory.commit(manifest, dataset_card(manifest, schema))
+            if atif is not None:
+                directory.commit(*atif.manifest(manifest))
+            else:
+                directory.commit(manifest, dataset_card(manifest, schema))
     finally:
         selection.close()
     return manifest
@@ -291,9 +306,12 @@ class ExportCommand(ServiceSettings):
         description="directory to write (new or empty; see --overwrite)",
     )
     kind: ExportKind = Field(
-        description="tokens: the training columns; messages: chat conversations for SFT"
+        description="tokens: the training columns; messages: chat conversations for SFT; "
+        "atif: one ATIF trajectory (JSON) per session, for eval harnesses (Harbor)"
     )
-    format: ExportFormat = Field("parquet", description="parquet (zstd) or jsonl files")
+    format: ExportFormat | None = Field(
+        None, description="parquet (zstd; the default) or jsonl files; atif writes JSON"
+    )
     where: str | None = Field(
         None, description="DuckDB SQL predicate over the shard columns, e.g. 'reward > 0'"
     )
@@ -331,13 +349,18 @@ class ExportCommand(ServiceSettings):
         return FidelityCheck(renderer=load_renderer(model_dir), tokenizer=str(model_dir))
 
     def cli_cmd(self) -> None:
+        if self.kind == "atif" and self.format is not None:
+            raise TurnstreamError(
+                f"--kind atif writes one JSON document per session: leave out --format "
+                f"{self.format}"
+            )
         fidelity = self._fidelity()
         manifest = export_run(
             self.shards or str(self.data_dir / "shards"),
             self.run,
             self.output,
             kind=self.kind,
-            format=self.format,
+            format=self.format or "parquet",
             where=self.where,
             fidelity=fidelity,
             rows_per_part=self.rows_per_part,
@@ -346,14 +369,17 @@ class ExportCommand(ServiceSettings):
         )
         parts = len(manifest["parts"])
         rows = manifest["rows"]
-        console.print(
-            f"exported {rows:,} {'trajectory' if rows == 1 else 'trajectories'} "
-            f"({manifest['tokens']:,} tokens) of run "
-            f"{self.run} as {self.kind} to {self.output} ({parts} {self.format} "
-            f"part{'s' if parts != 1 else ''} in {self.output / DATA_DIR}, its card and "
-            f"manifest beside)",
-            soft_wrap=True,
-        )
+        if self.kind == "atif":
+            console.print(atif_summary(manifest, self.output), soft_wrap=True)
+        else:
+            console.print(
+                f"exported {rows:,} {'trajectory' if rows == 1 else 'trajectories'} "
+                f"({manifest['tokens']:,} tokens) of run "
+                f"{self.run} as {self.kind} to {self.output} ({parts} {manifest['format']} "
+                f"part{'s' if parts != 1 else ''} in {self.output / DATA_DIR}, its card and "
+                f"manifest beside)",
+                soft_wrap=True,
+            )
         if left_out := manifest["side_calls"]["left_out"]:
             console.print(
                 f"{left_out:,} side-call {'trajectory' if left_out == 1 else 'trajectories'} "

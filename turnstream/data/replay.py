@@ -86,6 +86,7 @@ __all__ = [
     "ReplayReport",
     "due_times",
     "plan_replay",
+    "publish_paced",
     "replay_recording",
     "unstored",
 ]
@@ -257,7 +258,7 @@ async def replay_recording(
             label = f"replaying run {plan.source_run} into run {plan.run}"
             with progress_bar(label, console, enabled=progress) as bar:
                 task = bar.add_task("events", total=len(todo))
-                await _publish_paced(
+                await publish_paced(
                     publisher,
                     todo,
                     due_times(todo, rate),
@@ -269,7 +270,7 @@ async def replay_recording(
     return report
 
 
-async def _publish_paced(
+async def publish_paced(
     publisher: JetStreamPublisher,
     items: Sequence[ReplayItem],
     dues: Sequence[float],

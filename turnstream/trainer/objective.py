@@ -230,7 +230,8 @@ def check_sampled_logprobs(batch: TensorDict) -> None:
     which = f"trajectory {named}" if len(flagged) == 1 else f"trajectories {named}{more}"
     raise BatchError(
         f"{which}: recorded with raw log-probs (logprobs_kind 'raw': a vLLM replica in its "
-        f"default --logprobs-mode, let through by the gateway's --allow-raw-logprobs), "
+        f"default --logprobs-mode, let through by the gateway's --allow-raw-logprobs; or "
+        f"'imported': `turnstream import-atif`'s, of a policy not this run's), "
         f"not those of the distribution the tokens were sampled from: importance ratios against "
         f"them would be wrong. Serve vLLM with --logprobs-mode processed_logprobs and drop "
         f"--allow-raw-logprobs, or leave these samples out of the trainer's batches"
