@@ -46,6 +46,9 @@ class TurnRequest:
 
     api: str  # "chat.completions" | "messages" | "responses"
     messages: list[JSON]
+    # The model name as the client asked for it (None: it named none): a --model-aliases name
+    # is recorded as asked, the turn served by the one model the gateway serves.
+    model: str | None = None
     tools: list[JSON] | None = None  # function tools only: what the model is offered
     tool_choice: ToolChoice = None
     parallel_tool_calls: bool = True  # False: at most one tool call per reply
@@ -76,6 +79,7 @@ class TurnRequest:
         second is a resend (a client retry) and gets the recorded answer."""
         asked: JSON = {
             "api": self.api,
+            "model": self.model,
             "tool_choice": self.tool_choice,
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,

@@ -244,6 +244,15 @@ def _known_item(value: Any) -> Any:
             "input item type 'item_reference' is not supported: the gateway stores no items "
             "by id; send the item itself, or previous_response_id to continue a response"
         )
+    if kind == "additional_tools":
+        # Codex 0.169 sends its tools this way for the models whose harness is "code mode" (its
+        # default, gpt-6.1-sol: the shell only behind a JavaScript `exec` custom tool), which no
+        # served open model drives; under another model name it offers plain function tools.
+        raise ValueError(
+            "input item type 'additional_tools' is not supported: Codex sends it for its own "
+            "default model's code-mode tools; set `model` in Codex's config.toml to the served "
+            "model's name (GET /v1/models), and Codex offers function tools"
+        )
     if isinstance(kind, str) and (kind.endswith("_call") or kind.endswith("_call_output")):
         raise ValueError(
             f"input item type {name!r} is not supported: only function tools are offered to "

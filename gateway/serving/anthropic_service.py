@@ -66,6 +66,7 @@ from gateway.protocol.anthropic_reply import (
 )
 from gateway.protocol.sse import TextEvents, sse_event
 from gateway.serving.engine import TurnEngine
+from gateway.serving.model_names import answered_as
 from gateway.serving.turn_data import TurnResult
 from gateway.serving.turn_service import TurnServing, TurnStream
 
@@ -207,6 +208,7 @@ def messages_turn_request(req: MessagesRequest, agent: AgentIdentity | None = No
     return TurnRequest(
         api="messages",
         messages=canonical_messages(req),
+        model=req.model,
         tools=canonical_tools(req),
         tool_choice=choice,
         parallel_tool_calls=parallel,
@@ -289,7 +291,7 @@ class AnthropicServing:
         prompt, completion = result.usage
         return Message.build(
             id=message_id(session, result.reply),
-            model=self.engine.model_name,
+            model=answered_as(request.model, self.engine.model_name),
             content=_content(result),
             stop_reason=stop_reason(self.engine, result, sequence),
             stop_sequence=sequence,
@@ -341,7 +343,7 @@ class _MessagesEncoder:
     def opening(self) -> bytes:
         message = Message.build(
             id=self.mid,
-            model=self.engine.model_name,
+            model=answered_as(self.request.model, self.engine.model_name),
             content=[],
             stop_reason=None,
             usage=MessageUsage.build(input_tokens=self.prompt_tokens, output_tokens=0),

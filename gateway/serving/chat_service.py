@@ -30,6 +30,7 @@ from gateway.protocol.chat import (
 from gateway.protocol.sse import DONE, TextEvents, sse, sse_error
 from gateway.protocol.wire import Usage
 from gateway.serving.engine import TurnEngine
+from gateway.serving.model_names import answered_as
 from gateway.serving.turn_data import TurnResult
 from gateway.serving.turn_service import TurnServing, TurnStream
 
@@ -52,6 +53,7 @@ def chat_turn_request(
     choice = req.tool_choice
     return TurnRequest(
         api="chat.completions",
+        model=req.model,
         messages=[
             {**m.model_dump(exclude_none=True), "content": message_text(m.content)}
             for m in req.messages
@@ -95,7 +97,7 @@ class ChatServing:
         return ChatCompletion.build(
             id=result.completion_id,
             created=int(time.time()),
-            model=self.engine.model_name,
+            model=answered_as(request.model, self.engine.model_name),
             choices=[choice],
             usage=usage(result),
         )
@@ -132,7 +134,10 @@ class _ChatEncoder:
         choice = ChunkChoice.build(delta=delta, finish_reason=finish, logprobs=logprobs)
         return sse(
             ChatCompletionChunk.build(
-                id=self.cid, created=self.created, model=self.engine.model_name, choices=[choice]
+                id=self.cid,
+                created=self.created,
+                model=answered_as(self.request.model, self.engine.model_name),
+                choices=[choice],
             )
         )
 
@@ -170,7 +175,7 @@ class _ChatEncoder:
                     ChatCompletionChunk.build(
                         id=self.cid,
                         created=self.created,
-                        model=self.engine.model_name,
+                        model=answered_as(self.request.model, self.engine.model_name),
                         choices=[],
                         usage=usage(result),
                     )

@@ -22,6 +22,7 @@ from gateway.protocol.completions import (
 )
 from gateway.serving.chat_service import usage
 from gateway.serving.engine import TurnEngine, sampling_record
+from gateway.serving.model_names import answered_as
 from gateway.serving.turn_data import Turn, TurnResult
 
 __all__ = ["CompletionServing"]
@@ -61,7 +62,7 @@ class CompletionServing:
             req.logprobs is not None,
             top,
             sampling_record(params, req.stop_strings, None, req.max_tokens, asked_seed=req.seed),
-            request={"api": "completions"},
+            request={"api": "completions", **({} if req.model is None else {"model": req.model})},
             reply_id=secrets.token_hex(6),
             agent={} if agent is None else agent.record(),
         )
@@ -80,7 +81,7 @@ class CompletionServing:
         return Completion.build(
             id=result.completion_id,
             created=int(time.time()),
-            model=self.engine.model_name,
+            model=answered_as(req.model, self.engine.model_name),
             choices=[choice],
             usage=usage(result),
         )

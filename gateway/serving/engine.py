@@ -40,6 +40,7 @@ from gateway.errors import ContextLengthExceeded, ModelNotFound
 from gateway.frozen import evolved
 from gateway.metrics import GatewayMetrics
 from gateway.serving.generating import SEED_MASK, Generating
+from gateway.serving.model_names import ModelAlias, ModelNames
 from gateway.serving.turn_data import ChatPrompt, Generation, Turn, TurnResult
 from gateway.templates import ChatTemplate
 from gateway.tools import ToolCallParser
@@ -75,12 +76,16 @@ class TurnEngine:
         max_versions_per_turn: int = 4,
         timeline: VersionTimeline | None = None,
         policy_version: Callable[[], Awaitable[int]] | None = None,
+        model_aliases: Sequence[ModelAlias] = (),
     ) -> None:
         self.template = template
         self.backend = backend
         self.publisher = publisher
         self.parser = parser
         self.model_name = model_name
+        # The names requests may ask for: the served one and --model-aliases (a ValueError here
+        # for an alias to another model: the gateway refuses to start).
+        self.names = ModelNames.of(model_name, model_aliases)
         self.metrics = metrics
         self.weight_version = weight_version
         # The sessions and the log behind them: appends state what they expect of it, and a
@@ -122,12 +127,18 @@ class TurnEngine:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise ModelNotFound(
-                f"model {model!r} is not served here; this gateway serves {self.model_name!r} "
-                "(GET /v1/models)",
-                param="model",
-            )
+        """A 404 for a requested model name that is neither the served one nor matched by an
+        alias (None, as Chat Completions and Responses allow: the served one)."""
+        if model is None or self.names.resolve(model) is not None:
+            return
+        head = model.split("-", 1)[0]
+        pattern = f"{head}-*" if head != model else model
+        raise ModelNotFound(
+            f"model {model!r} is not served here; this gateway serves {self.model_name!r} "
+            f"(GET /v1/models): ask for it by that name, or start the gateway with "
+            f"--model-aliases '{pattern}={self.model_name}' to answer such names with it",
+            param="model",
+        )
 
     # -- preparing ------------------------------------------------------------------------
 

@@ -195,6 +195,7 @@ def responses_turn_request(req: ResponsesRequest, previous: Sequence[JSON] = ())
     return TurnRequest(
         api="responses",
         messages=messages,
+        model=req.model,
         tools=tools or None,
         tool_choice=(
             {"type": "function", "function": {"name": choice.function}}

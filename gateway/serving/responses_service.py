@@ -44,6 +44,7 @@ from gateway.protocol.responses_reply import (
 from gateway.protocol.sse import sse_event
 from gateway.serving.chat_service import token_logprobs
 from gateway.serving.engine import TurnEngine
+from gateway.serving.model_names import answered_as
 from gateway.serving.responses_input import (
     previous_conversation,
     response_id,
@@ -98,7 +99,7 @@ class _Frame:
     """What every response object of one request shares: its parameters, echoed."""
 
     def __init__(self, engine: TurnEngine, req: ResponsesRequest) -> None:
-        self.model = engine.model_name
+        self.model = answered_as(req.model, engine.model_name)
         self.created_at = int(time.time())
         self.namespaced: Namespaced = req.namespaced_functions
         choice = req.tool_choice

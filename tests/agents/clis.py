@@ -34,14 +34,19 @@ class AgentCli:
     version: str  # pinned: the request fixtures were captured from this version
     binary: str  # its name under node_modules/.bin
     version_marker: str  # what ``<binary> --version`` prints for this version
+    # The model it asks for when given none (this version, an API key, a custom base URL): the
+    # gateway serves it through --model-aliases (tests/agents/conftest.py's stack).
+    default_model: str
 
     @property
     def dir_name(self) -> str:
         return f"{self.package.rsplit('/', 1)[-1]}-{self.version}"
 
 
-CLAUDE_CODE = AgentCli("@anthropic-ai/claude-code", "2.1.328", "claude", "2.1.328")
-CODEX = AgentCli("@openai/codex", "0.169.0", "codex", "0.169.0")
+CLAUDE_CODE = AgentCli(
+    "@anthropic-ai/claude-code", "2.1.328", "claude", "2.1.328", default_model="claude-opus-5-5"
+)
+CODEX = AgentCli("@openai/codex", "0.169.0", "codex", "0.169.0", default_model="gpt-6.1-sol")
 
 
 def cache_root() -> Path:

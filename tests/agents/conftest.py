@@ -7,7 +7,9 @@ be done fails the test with the reason: these tests never skip.
 The stack (one per test module): tests/agents/scripted_backend.py on a free port, and
 ``turnstream up --backend vllm`` pointed at it, with the tiny model's tokenizer and template (the
 backend scores with the same model directory), an API key, and ``--max-context`` large enough for
-the agents' 40-50k-token prompts (see the backend's docstring). ``slow_stack`` is the same with
+the agents' 40-50k-token prompts (see the backend's docstring), and ``--model-aliases`` for the
+CLIs' default model names (as the README's recipes: no ``--model``, no ``model =``).
+``slow_stack`` is the same with
 every backend answer held a second, for the sub-agent tests (requests in flight together overlap
 visibly); ``Stack.events`` reads a session's events back from the stack's log.
 """
@@ -28,7 +30,7 @@ import pytest
 
 from eventlog import connect, read_session
 from eventlog.server import free_port
-from schemas import SessionEvent
+from schemas import SessionEvent, TurnCompleted
 from tests.agents.clis import CLAUDE_CODE, CODEX, AgentInstallError, installed_cli
 from tests.helpers.services import shard_table_rows
 from tests.helpers.up_process import UpProcess
@@ -36,6 +38,7 @@ from tests.helpers.waiting import wait_for
 from turnstream.stack.stack_file import read_stack_file
 
 API_KEY = "sk-turnstream-agents"
+MODEL_ALIASES = "claude-*=tiny,gpt-*=tiny"  # the README's recipe, for the tiny model
 RUN = "up"  # UpProcess's --run
 MAX_CONTEXT = 131072
 SUBAGENT_DELAY_S = 1.0
@@ -128,6 +131,11 @@ class Stack:
     def backend_calls(self) -> int:
         return len(self.backend.requests())
 
+    def asked_models(self, session_id: str) -> list[str | None]:
+        """The model name each of the session's turns was asked for, in turn order."""
+        turns = [e for e in self.events(session_id) if isinstance(e, TurnCompleted)]
+        return [t.request.get("model") for t in sorted(turns, key=lambda t: t.turn)]
+
     def events(self, session_id: str) -> list[SessionEvent]:
         """The session's events, read back from the stack's log (``stack.json``'s NATS URL)."""
         found = read_stack_file(self.data_dir)
@@ -186,6 +194,7 @@ def _stack(
             model_dir,
             *("--backend", "vllm", "--backend-urls", backend.url),
             *("--max-context", str(MAX_CONTEXT), "--api-keys", API_KEY),
+            *("--model-aliases", MODEL_ALIASES),
         )
         up.wait_healthy()
         yield Stack(backend, up, data_dir)

@@ -3,6 +3,11 @@
 Both run with a fresh HOME (no user config, no login), their telemetry and update checks off,
 stdin closed, and permission to run their shell tool without asking (we run as root):
 
+Claude Code is told no model unless a test says so: it asks for its default one, which the stack
+serves through ``--model-aliases`` (the README's recipe). Codex's config names the served model
+("tiny"): the name picks Codex's harness, and its default model's (code mode, tools in an
+``additional_tools`` item, the shell behind a JavaScript ``exec`` tool) is refused by the gateway.
+
 - Claude Code: ``claude -p PROMPT --allowedTools Bash Read`` (enough for non-interactive tool use;
   ``--dangerously-skip-permissions`` is refused as root), ``ANTHROPIC_BASE_URL`` = the session
   base URL without ``/v1`` (it appends ``/v1/messages``), the key in ``ANTHROPIC_API_KEY`` (sent
@@ -103,21 +108,25 @@ def run_claude_code(
     max_turns: int = 6,
     prompt: str = PROMPT,
     env: dict[str, str] | None = None,
+    model: str | None = None,
 ) -> AgentRun:
     """``claude -p`` with ``ANTHROPIC_BASE_URL=base_url`` (a session base URL without ``/v1``,
     or the gateway's root with ``session_id`` sent as ``X-Claude-Code-Session-Id``); ``env``:
-    more of its environment (e.g. ``CLAUDE_CODE_GATEWAY_HINT_HEADERS``). Its temporary files
-    (background agents' output) go under the working directory's parent."""
+    more of its environment (e.g. ``CLAUDE_CODE_GATEWAY_HINT_HEADERS``); ``model``: its
+    ``--model`` (None: its default). Its temporary files (background agents' output) go under
+    the working directory's parent."""
     home = workdir.parent / "claude-home"
     home.mkdir(exist_ok=True)
     scratch = workdir.parent / "claude-tmp"
     scratch.mkdir(exist_ok=True)
     command = [
         str(binary),
-        *("-p", prompt, "--max-turns", str(max_turns), "--model", "tiny"),
+        *("-p", prompt, "--max-turns", str(max_turns)),
         *("--allowedTools", "Bash", "Read"),
         *("--output-format", "stream-json", "--verbose"),
     ]
+    if model is not None:
+        command += ["--model", model]
     if session_id is not None:
         command += ["--session-id", session_id]
     extra = {
@@ -137,15 +146,17 @@ def run_codex(
     *,
     prompt: str = PROMPT,
     features: dict[str, bool] | None = None,
+    model: str | None = "tiny",
 ) -> AgentRun:
     """``codex exec`` against a custom provider at ``base_url`` (ending in ``/v1``);
-    ``features``: more of its ``[features]`` table (e.g. ``multi_agent_v2``)."""
+    ``features``: more of its ``[features]`` table (e.g. ``multi_agent_v2``); ``model``: its
+    config's ``model`` (None: none, Codex's default)."""
     home = workdir.parent / "codex-home"
     home.mkdir(exist_ok=True)
     (home / "config.toml").write_text(
         "\n".join(
             [
-                'model = "tiny"',
+                *([] if model is None else [f'model = "{model}"']),
                 'model_provider = "turnstream"',
                 "",
                 "[model_providers.turnstream]",

@@ -4,7 +4,9 @@ Each test runs ``claude -p`` offline against ``turnstream up --backend vllm`` (t
 policy of tests/agents/scripted_backend.py behind it) for a three-call session: ``Bash`` reads a
 file, ``Bash`` writes one, then a final answer. The CLI executes both commands itself and sends
 their results back; the session then closes and must be in the shards as one trajectory of
-exactly those three turns (tests/agents/recorded.py says what is checked).
+exactly those three turns (tests/agents/recorded.py says what is checked). The CLI asks for its
+default model (no ``--model``), served through the stack's ``--model-aliases``, as the README's
+recipe runs it; the global-route test names the served model instead.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 import uuid
 from pathlib import Path
 
+from tests.agents.clis import CLAUDE_CODE
 from tests.agents.conftest import API_KEY, Stack
 from tests.agents.cutting_proxy import CuttingProxy
 from tests.agents.recorded import check_session
@@ -21,8 +24,18 @@ from tests.agents.runners import prepare_workdir, run_claude_code
 AGENT = "claude_code"
 
 
-def _check(stack: Stack, session_id: str, served_before: int, workdir: Path, model: Path) -> None:
+def _check(
+    stack: Stack,
+    session_id: str,
+    served_before: int,
+    workdir: Path,
+    model: Path,
+    asked: str = CLAUDE_CODE.default_model,
+) -> None:
+    """The session's record (``asked``: the model name every turn was asked for; the CLI's
+    default, which the stack serves through --model-aliases, unless the test named one)."""
     served = stack.backend.requests()[served_before:]
+    assert stack.asked_models(session_id) == [asked] * len(served), "not recorded as asked"
     stack.close_session(session_id)
     rows = stack.trajectories(session_id)
     check_session(
@@ -87,10 +100,12 @@ def test_the_global_route_takes_the_session_from_claude_codes_header(
     before = stack.backend_calls()
     workdir = prepare_workdir(tmp_path)
 
-    run = run_claude_code(claude_binary, stack.url, API_KEY, workdir, session_id=session_id)
+    run = run_claude_code(
+        claude_binary, stack.url, API_KEY, workdir, session_id=session_id, model="tiny"
+    )
 
     assert run.returncode == 0, run.describe()
     assert stack.session_info(session_id)["turns"] == 3
-    _check(stack, session_id, before, workdir, tiny_model_dir)
+    _check(stack, session_id, before, workdir, tiny_model_dir, asked="tiny")
     [row] = stack.trajectories(session_id)
     assert row["session"] == session_id

@@ -4,7 +4,9 @@ Each test runs ``codex exec`` offline against ``turnstream up --backend vllm`` (
 policy of tests/agents/scripted_backend.py behind it) for a three-call session:
 ``exec_command`` reads a file, ``exec_command`` writes one, then a final answer. Codex executes
 both commands itself and sends their output back; the session then closes and must be in the
-shards as one trajectory of exactly those three turns (tests/agents/recorded.py).
+shards as one trajectory of exactly those three turns (tests/agents/recorded.py). Codex's config
+names the served model, as the README's recipe does: Codex picks its harness by that name, and
+under its default model's the request is refused with what to do (the last test).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tests.agents.clis import CODEX
 from tests.agents.conftest import API_KEY, Stack
 from tests.agents.cutting_proxy import CuttingProxy
 from tests.agents.recorded import check_session
@@ -20,8 +23,17 @@ from tests.agents.runners import prepare_workdir, run_codex
 AGENT = "codex"
 
 
-def _check(stack: Stack, session_id: str, served_before: int, workdir: Path, model: Path) -> None:
+def _check(
+    stack: Stack,
+    session_id: str,
+    served_before: int,
+    workdir: Path,
+    model: Path,
+    asked: str = "tiny",
+) -> None:
+    """The session's record (``asked``: the model name every turn was asked for)."""
     served = stack.backend.requests()[served_before:]
+    assert stack.asked_models(session_id) == [asked] * len(served), "not recorded as asked"
     stack.close_session(session_id)
     rows = stack.trajectories(session_id)
     check_session(
@@ -91,3 +103,25 @@ def test_the_global_route_takes_the_session_from_codexs_header(
     _check(stack, session_id, before, workdir, tiny_model_dir)
     [row] = stack.trajectories(session_id)
     assert row["session"] == session_id
+
+
+def test_codexs_default_model_is_refused_saying_to_name_the_served_one(
+    stack: Stack, codex_binary: Path, tmp_path: Path
+) -> None:
+    """Without ``model`` in its config Codex asks for its default model (served here through
+    --model-aliases) with that model's code-mode harness: its tools in an ``additional_tools``
+    input item, the shell only behind a JavaScript ``exec`` tool. The gateway refuses it (400,
+    nothing recorded), saying what to set; Codex prints that and exits."""
+    created = stack.create_session(metadata={"agent": AGENT})
+    session_id = created["session_id"]
+    before = stack.backend_calls()
+
+    run = run_codex(
+        codex_binary, created["base_url"], API_KEY, prepare_workdir(tmp_path), model=None
+    )
+
+    assert run.returncode != 0, run.describe()
+    assert f"model: {CODEX.default_model}" in run.stderr, run.describe()
+    assert "set `model` in Codex's config.toml to the served model's name" in run.stderr
+    assert stack.backend_calls() == before
+    assert stack.session_info(session_id)["turns"] == 0

@@ -1,7 +1,9 @@
 """Fixtures of the deploy tests: the Docker engine, the locally built images, NATS containers.
 
 ``docker_engine`` installs and starts the engine when none answers (tests/deploy/engine.py) and
-points this process, docker-compose and testcontainers at it (``DOCKER_HOST``). A step that
+points this process, docker-compose and testcontainers at it (``DOCKER_HOST``); at the end of
+the session it stops the engine the tests started, unless another session still uses it or
+``TURNSTREAM_KEEP_DOCKER=1`` keeps it for the next run (tests/deploy/engine_use.py). A step that
 cannot be done fails the test with the reason: these tests never skip.
 """
 
@@ -22,24 +24,27 @@ from tests.deploy.engine import (
     DeployError,
     Images,
     ensure_base_image,
-    ensure_engine,
     ensure_images,
     ensure_nats_image,
+    progress,
 )
+from tests.deploy.engine_use import end_use, keep_requested, use_engine
 from tests.deploy.vllm_server import prepare_in_background
 
 SINGLE_NODE_CONFIG = REPO / "infra" / "nats" / "single-node.conf"
 
 
 @pytest.fixture(scope="session")
-def docker_engine() -> str:
-    """DOCKER_HOST of a Docker engine that answers (started if needed, left running)."""
+def docker_engine() -> Iterator[str]:
+    """DOCKER_HOST of a Docker engine that answers (started if needed); at the session's end
+    the tests' engine is stopped unless kept (``end_use``)."""
     try:
-        host = ensure_engine()
+        use = use_engine()
     except DeployError as exc:
         pytest.fail(f"the Docker engine cannot start: {exc}", pytrace=False)
-    os.environ["DOCKER_HOST"] = host
-    return host
+    os.environ["DOCKER_HOST"] = use.host
+    yield use.host
+    progress(end_use(use, keep=keep_requested()))
 
 
 @pytest.fixture(scope="session")

@@ -4,8 +4,9 @@ No image registry is reachable from these machines, so nothing is pulled:
 
 - the engine: Debian's ``docker.io`` (with ``docker-compose`` 1.29 and ``debootstrap``), installed
   with apt when missing; a ``dockerd`` of our own (vfs storage, no bridge, no iptables: containers
-  use host networking) on ``SOCKET``, its data root in the cache. It is left running for the next
-  test run; its pid is in ``<cache>/docker/dockerd.pid``.
+  use host networking) on ``SOCKET``, its data root in the cache, its pid in
+  ``<cache>/docker/dockerd.pid``. The session that ends last stops it (``engine_use``) unless
+  ``TURNSTREAM_KEEP_DOCKER=1`` keeps it for the next run.
 - the base image: a Debian bookworm ``debootstrap --variant=minbase`` root file system with
   python3, venv and wget, ``docker import``-ed; the tarball is cached.
 - the NATS image: ``infra/nats.Dockerfile`` around the static ``nats-server`` of the
@@ -186,7 +187,8 @@ def ensure_engine() -> str:
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                start_new_session=True,  # outlives this test run: the next one reuses it
+                # Its own session: a Ctrl-C of pytest does not reach it (engine_use stops it).
+                start_new_session=True,
             )
         deadline = time.monotonic() + 90
         while not engine_answers():

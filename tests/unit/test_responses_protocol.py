@@ -315,6 +315,8 @@ def test_tools_and_tool_choice_take_the_chat_shape() -> None:
         ({"input": [{"type": "custom_tool_call", "id": "x"}]}, "input", "function_call"),
         ({"input": [{"type": "web_search_call"}]}, "input", "only function tools"),
         ({"input": [{"type": "compaction"}]}, "input", "'compaction' is not supported"),
+        # Codex's default model's code-mode tools: the fix is naming the served model in Codex.
+        ({"input": [{"type": "additional_tools", "tools": []}]}, "input", "`model` in Codex"),
         ({"input": [{"type": 7}]}, "input", "not supported"),
         ({"input": [{"role": "robot", "content": "x"}]}, "input", "role"),
         ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input", "text"),

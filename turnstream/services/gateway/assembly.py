@@ -30,6 +30,7 @@ from gateway.http.app import create_app
 from gateway.http.guard import BodyLimits
 from gateway.metrics import GatewayMetrics
 from gateway.serving import SessionService, TurnEngine
+from gateway.serving.model_names import ModelNames, parse_model_aliases
 from gateway.templates import ChatTemplate, load_tokenizer
 from gateway.tools import get_parser
 from schemas.errors import TurnstreamError
@@ -175,6 +176,10 @@ async def build_gateway(settings: GatewaySettings, event_log: EventLog) -> Async
     settings = await settings.served()
     model_dir = settings.model_dir
     name = model_name(settings, model_dir)
+    try:  # before anything starts: an alias to a model other than the one served
+        names = ModelNames.of(name, parse_model_aliases(settings.model_aliases))
+    except ValueError as exc:
+        raise TurnstreamError(f"--model-aliases: {exc}") from None
     tokenizer = load_tokenizer(model_dir)
     stop_ids = stop_token_ids(model_dir)
     backend = build_backend(settings, model_dir, name)
@@ -239,6 +244,7 @@ async def build_gateway(settings: GatewaySettings, event_log: EventLog) -> Async
         timeline=timeline,
         policy_version=policy_version,
         instance=settings.instance_id or f"{socket.gethostname()}:{settings.port}",
+        model_aliases=names.aliases,
     )
     sessions = SessionService(store=store, publisher=publisher, model_name=name, metrics=metrics)
 

@@ -8,15 +8,17 @@ tiny model on first use.
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import httpx
 from pydantic import Field, field_validator
-from pydantic_settings import SettingsConfigDict
+from pydantic_settings import NoDecode, SettingsConfigDict
 
 from gateway.backends.transport import Target
+from gateway.serving.model_names import parse_model_aliases
 from schemas.errors import TurnstreamError
 from turnstream.stack.settings import PublishingSettings
 
@@ -45,6 +47,14 @@ class GatewaySettings(PublishingSettings):
         None,
         description="model name reported to clients (and sent to vllm/sglang); unset: the one "
         "the backend's /v1/models lists, else the model dir's name",
+    )
+    # NoDecode: the env var is read as the flag is, PATTERN=NAME,PATTERN=NAME (JSON too).
+    model_aliases: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="requested model names answered by the served model: PATTERN=NAME, comma "
+        "separated or the flag repeated, PATTERN a glob (e.g. 'claude-*=Qwen3-8B,gpt-*=Qwen3-8B' "
+        "for Claude Code's and Codex's default names), NAME the served model's; the first "
+        "matching pattern wins, the served name always matches",
     )
     tool_parser: str = Field("hermes", description="tool-call format the model writes")
     api_keys: list[str] = Field(
@@ -154,6 +164,20 @@ class GatewaySettings(PublishingSettings):
         """Whether the port is bound with SO_REUSEPORT: ``--worker-routing any``'s workers each
         listen on a socket of their own there, and the kernel spreads connections over them."""
         return self.workers > 1 and self.worker_routing == "any"
+
+    @field_validator("model_aliases", mode="before")
+    @classmethod
+    def _alias_specs(cls, specs: object) -> object:
+        """Each flag, env var or TOML entry may hold several specs, comma separated (the CLI
+        joins a repeated flag that way); a JSON list is taken too."""
+        if isinstance(specs, str):
+            text = specs.strip()
+            specs = json.loads(text) if text.startswith("[") else [specs]
+        if not isinstance(specs, list):
+            return specs  # pydantic names the type it wanted
+        split = [part.strip() for spec in specs for part in str(spec).split(",")]
+        parse_model_aliases(part for part in split if part)  # a ValueError names a bad one
+        return [part for part in split if part]
 
     @field_validator("backend_urls")
     @classmethod
