@@ -234,8 +234,11 @@ async def connect(
         if why is not None:
             raise EventLogUnavailable(why) from exc
         cause = exc or (first_errors[-1] if first_errors else None)
+        # A server that accepts connections and answers nothing (frozen: SIGSTOP, a paused
+        # VM) fails each try with a TimeoutError whose text is empty: its name says it.
+        said = f"{type(cause).__name__}: {cause}" if cause is not None and not str(cause) else cause
         raise EventLogUnavailable(
-            f"cannot connect to NATS at {url}: {cause or f'no answer within {deadline:g}s'}. "
+            f"cannot connect to NATS at {url}: {said or f'no answer within {deadline:g}s'}. "
             f"Start one with `turnstream up` (embedded) or check --log.url"
         ) from exc
     nc.options["max_reconnect_attempts"] = -1
