@@ -264,11 +264,13 @@ class JetStreamPublisher:
             raise LogStoreFull(
                 f"the log's store is full: JetStream did not store {msg_id} on {subject} after "
                 f"{s.max_attempts} tries ({last}); free disk space where nats-server keeps its "
-                f"store, or raise its jetstream max_file_store; nothing was stored, retry later"
+                f"store, or raise its jetstream max_file_store; it was not stored: retry later"
             )
         raise EventLogUnavailable(
             f"JetStream did not acknowledge {msg_id} on {subject} after {s.max_attempts} tries "
-            f"({last}); is nats-server up and the stream provisioned (`turnstream provision`)?"
+            f"({last}); is nats-server up, answering, with room on its store's disk (a full "
+            f"disk leaves publishes unanswered until nats-server restarts), and the stream "
+            f"provisioned (`turnstream provision`)?"
         )
 
     # -- public -----------------------------------------------------------------------------
