@@ -217,6 +217,8 @@ async def soak(settings: SoakSettings) -> dict[str, Any]:
         record.gateway_counters = dict(sorted(stack.gateway_counters.items()))
         record.save(data_dir)  # with the exits seen while settling
         summary = summarize(record, report, settled, read_proxy_stats(data_dir))
+        # What this soak could play: no disk-full where it could not mount a tmpfs.
+        summary["fault_kinds"] = list(stack.actions)
         print_tables(record, report, summary)
         supervising.set()
         await supervisor

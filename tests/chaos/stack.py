@@ -19,7 +19,6 @@ import contextlib
 import logging
 import os
 import random
-import shutil
 import signal
 import time
 from collections import Counter
@@ -320,13 +319,7 @@ class Stack:
     def keep_store(self) -> None:
         """The store off its tmpfs, into the data dir itself (nats-server stopped): the data
         dir is kept for ``--reaudit``, and a tmpfs would take it with the unmount."""
-        if not self.disk.mounted:
-            return
-        kept = self.data_dir / "nats.kept"
-        shutil.copytree(self.disk.path, kept, symlinks=True)
-        self.disk.unmount()
-        self.disk.path.rmdir()
-        kept.rename(self.disk.path)
+        self.disk.keep()
 
     def kill_all(self) -> None:
         for target in self.targets:
@@ -358,6 +351,14 @@ def kill_leftovers(data_dir: Path) -> list[int]:
     killed: list[int] = []
     if not path.exists():
         return killed
+    try:
+        return _kill_listed(path, data_dir)
+    finally:  # the store's tmpfs, once nothing holds it (the soak itself was killed)
+        SmallDisk(data_dir / "nats", 0).keep()
+
+
+def _kill_listed(path: Path, data_dir: Path) -> list[int]:
+    killed: list[int] = []
     for line in path.read_text().splitlines():
         pid_text = line.split(" ", 1)[0]
         if not pid_text.isdigit():

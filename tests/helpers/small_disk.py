@@ -15,6 +15,7 @@ not as JetStream's "insufficient resources": a different path (``docs/RELIABILIT
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -48,6 +49,19 @@ class SmallDisk:
 
     def make_room(self) -> None:
         self._resize(self.size_bytes)
+
+    def keep(self) -> None:
+        """What the filesystem holds, moved onto the disk beneath it (its directory stays, now
+        a plain one); then unmounted. For a test's data dir that outlives the run. Also where
+        this object did not mount it (cleanup after the process that did was killed)."""
+        if not os.path.ismount(self.path):
+            return
+        kept = self.path.with_name(self.path.name + ".kept")
+        shutil.copytree(self.path, kept, symlinks=True)
+        self.mounted = True
+        self.unmount()
+        self.path.rmdir()
+        kept.rename(self.path)
 
     def unmount(self) -> None:
         if self.mounted:
