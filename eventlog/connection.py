@@ -37,6 +37,7 @@ __all__ = [
     "JetStream",
     "answered",
     "close_connection",
+    "closed_socket_as_reset",
     "connect",
     "map_nats_errors",
     "reconnects",
@@ -287,6 +288,21 @@ async def answered(request: Callable[[], Awaitable[T]], what: str, tries: int = 
             )
             await asyncio.sleep(_RECONNECT_WAIT_S)
     raise AssertionError("unreachable")
+
+
+@contextlib.contextmanager
+def closed_socket_as_reset() -> Iterator[None]:
+    """Inside the block, uvloop's RuntimeError for a write on a closed socket ("unable to
+    perform operation on <TCPTransport closed=True ...>; the handler is closed") is the
+    ``ConnectionResetError`` it means. nats-py writes inline when its flusher task has ended,
+    as it does while the connection breaks; asyncio's own loop drops such a write, uvloop raises,
+    and a gateway answered a 500 for it (issue 38's soak: a session read under a nats fault)."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if "handler is closed" not in str(exc):
+            raise
+        raise ConnectionResetError(str(exc)) from exc
 
 
 @contextlib.contextmanager

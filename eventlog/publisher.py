@@ -39,6 +39,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from eventlog.config import PublisherSettings
+from eventlog.connection import closed_socket_as_reset
 from eventlog.errors import AppendRefused, LogStoreFull, PublishForbidden
 from eventlog.expectation import Expectation, refusal
 from eventlog.outbox import Outbox, OutboxRecord
@@ -181,9 +182,10 @@ class JetStreamPublisher:
         future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         self._waiting[token] = future
         try:
-            await self._nc.publish(
-                subject, payload, reply=f"{self._inbox}.{token}", headers=headers
-            )
+            with closed_socket_as_reset():
+                await self._nc.publish(
+                    subject, payload, reply=f"{self._inbox}.{token}", headers=headers
+                )
         except nats.errors.MaxPayloadError as exc:
             self._waiting.pop(token, None)
             raise PayloadTooLarge(msg_id, len(payload), self._nc.max_payload) from exc
