@@ -237,7 +237,9 @@ async def connect(
         cause = exc or (first_errors[-1] if first_errors else None)
         # A server that accepts connections and answers nothing (frozen: SIGSTOP, a paused
         # VM) fails each try with a TimeoutError whose text is empty: its name says it.
-        said = f"{type(cause).__name__}: {cause}" if cause is not None and not str(cause) else cause
+        said = str(cause or "")
+        if cause is not None and not said:
+            said = f"{type(cause).__name__}, no answer"
         raise EventLogUnavailable(
             f"cannot connect to NATS at {url}: {said or f'no answer within {deadline:g}s'}. "
             f"Start one with `turnstream up` (embedded) or check --log.url"
