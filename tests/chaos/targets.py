@@ -85,21 +85,25 @@ class Target:
         return self.service is not None and self.service.running
 
     def kill(self) -> None:
-        self.killed_by_us = True
-        self.up.clear()
-        if self.server is not None:
-            self.server.kill()
-        elif self.service is not None:
-            self.service.kill()
+        self._end(graceful=False)
 
     def stop(self) -> None:
         """SIGTERM, as the kill: the supervisor starts it again once it is ``wanted``."""
+        self._end(graceful=True)
+
+    def _end(self, *, graceful: bool) -> None:
         self.killed_by_us = True
         self.up.clear()
         if self.server is not None:
-            self.server.stop()
+            if graceful:
+                self.server.stop()
+            else:
+                self.server.kill()
         elif self.service is not None:
-            self.service.stop(timeout=20.0)
+            if graceful:
+                self.service.stop(timeout=20.0)
+            else:
+                self.service.kill()
 
     def freeze(self) -> None:
         """SIGSTOP: it keeps its sockets and its memory, and answers nothing."""
