@@ -108,6 +108,21 @@ async def test_a_bucket_opens_through_a_server_restart_longer_than_its_timeout(l
     assert await bucket.get("no-such-key") is None  # a working bucket
 
 
+async def test_a_bucket_a_frozen_server_does_not_open_is_not_called_unprovisioned(
+    log: Log,
+) -> None:
+    impatient = log.nc.jetstream(timeout=0.3)
+    log.server.pause()
+    try:
+        with pytest.raises(EventLogUnavailable, match="did not answer") as unanswered:
+            await Bucket.open(impatient, "ts_policy")
+    finally:
+        log.server.resume()
+    assert "provisioned" not in str(unanswered.value)
+    with pytest.raises(EventLogUnavailable, match="is the log provisioned"):
+        await Bucket.open(log.js, "no_such_bucket")
+
+
 async def test_a_consumer_binds_through_a_server_restart_longer_than_its_timeout(log: Log) -> None:
     # A shard writer restarted while nats-server restarted exited on `cannot bind consumer
     # shard-writer on TRAJ: nats: timeout` (issue 37's soak): binding asks again, like opening.
