@@ -42,7 +42,7 @@ from eventlog.connection import (
     map_nats_errors,
 )
 from eventlog.direct import DirectReader
-from eventlog.errors import AppendRefused, PublishForbidden
+from eventlog.errors import AppendRefused, LogStoreFull, PublishForbidden
 from eventlog.expectation import Expectation
 from eventlog.follow import Following, follow
 from eventlog.loop import ACK, HOLD, BatchHandler, Delivery, Handler, Outcome, PullLoop, Reject
@@ -76,6 +76,7 @@ __all__ = [
     "JetStream",
     "JetStreamPublisher",
     "LogSettings",
+    "LogStoreFull",
     "Outbox",
     "Outcome",
     "ProvisionAction",

@@ -47,9 +47,14 @@ class Bucket:
             kv = await answered(lambda: js.key_value(name), f"opening bucket {name}")
             return cls(js, kv, name)
         except UNAVAILABLE as exc:
-            raise EventLogUnavailable(
-                f"cannot open bucket {name}: {exc}; is the log provisioned?"
-            ) from exc
+            # Unanswered is not missing: a frozen or restarting nats-server (issue 38's soak)
+            # was reported as a log not provisioned.
+            why = (
+                "nats-server did not answer: is it up, and not frozen or overloaded?"
+                if isinstance(exc, TimeoutError)
+                else "is the log provisioned?"
+            )
+            raise EventLogUnavailable(f"cannot open bucket {name}: {exc}; {why}") from exc
 
     async def get(self, key: str) -> Entry | None:
         """The entry, or None (never written, deleted or expired)."""

@@ -37,6 +37,7 @@ __all__ = [
     "JetStream",
     "answered",
     "close_connection",
+    "closed_socket_as_reset",
     "connect",
     "map_nats_errors",
     "reconnects",
@@ -234,8 +235,13 @@ async def connect(
         if why is not None:
             raise EventLogUnavailable(why) from exc
         cause = exc or (first_errors[-1] if first_errors else None)
+        # A server that accepts connections and answers nothing (frozen: SIGSTOP, a paused
+        # VM) fails each try with a TimeoutError whose text is empty: its name says it.
+        said = str(cause or "")
+        if cause is not None and not said:
+            said = f"{type(cause).__name__}, no answer"
         raise EventLogUnavailable(
-            f"cannot connect to NATS at {url}: {cause or f'no answer within {deadline:g}s'}. "
+            f"cannot connect to NATS at {url}: {said or f'no answer within {deadline:g}s'}. "
             f"Start one with `turnstream up` (embedded) or check --log.url"
         ) from exc
     nc.options["max_reconnect_attempts"] = -1
@@ -284,6 +290,21 @@ async def answered(request: Callable[[], Awaitable[T]], what: str, tries: int = 
             )
             await asyncio.sleep(_RECONNECT_WAIT_S)
     raise AssertionError("unreachable")
+
+
+@contextlib.contextmanager
+def closed_socket_as_reset() -> Iterator[None]:
+    """Inside the block, uvloop's RuntimeError for a write on a closed socket ("unable to
+    perform operation on <TCPTransport closed=True ...>; the handler is closed") is the
+    ``ConnectionResetError`` it means. nats-py writes inline when its flusher task has ended,
+    as it does while the connection breaks; asyncio's own loop drops such a write, uvloop raises,
+    and a gateway answered a 500 for it (issue 38's soak: a session read under a nats fault)."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if "handler is closed" not in str(exc):
+            raise
+        raise ConnectionResetError(str(exc)) from exc
 
 
 @contextlib.contextmanager

@@ -38,6 +38,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from eventlog.connection import closed_socket_as_reset
 from schemas.codec import Codec
 from schemas.errors import EventLogUnavailable
 from schemas.events import SessionEvent
@@ -241,7 +242,8 @@ class DirectReader:
         answers = _Batch(where, timeout_s)
         self._batches[token] = answers
         try:
-            await self._nc.publish(api, request, reply=f"{self._inbox}.{token}")
+            with closed_socket_as_reset():
+                await self._nc.publish(api, request, reply=f"{self._inbox}.{token}")
             return answers.found, await answers.ended
         finally:
             answers.timer.cancel()

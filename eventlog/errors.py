@@ -3,6 +3,9 @@
     TurnstreamError                  (schemas.errors)
     └── EventLogError                (schemas.errors)
         ├── EventLogUnavailable      (schemas.errors) the log did not answer: retry
+        │   └── LogStoreFull         JetStream refused a publish for want of storage (its
+        │                            store's disk or max_file_store is full): retry once
+        │                            space returns
         ├── ProvisioningError        (schemas.errors) JetStream refused a configuration
         ├── PublishForbidden         the log refused a publish: these credentials' role may not
         │                            write that subject (permissions violation); never spooled
@@ -19,9 +22,17 @@ JetStream refused) with the nats error as the cause.
 
 from __future__ import annotations
 
-from schemas.errors import EventLogError
+from schemas.errors import EventLogError, EventLogUnavailable
 
-__all__ = ["AppendRefused", "PublishForbidden"]
+__all__ = ["AppendRefused", "LogStoreFull", "PublishForbidden"]
+
+
+class LogStoreFull(EventLogUnavailable):
+    """JetStream had no room for a publish (err_code 10023 / 10047): nothing was stored.
+    Transient like any outage of the log: the same publish goes through once space returns,
+    so a worker retries it, a gateway answers 503 with Retry-After, an outbox spools it."""
+
+    reason = "log_store_full"
 
 
 class PublishForbidden(EventLogError):

@@ -39,7 +39,8 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from eventlog.config import PublisherSettings
-from eventlog.errors import AppendRefused, PublishForbidden
+from eventlog.connection import closed_socket_as_reset
+from eventlog.errors import AppendRefused, LogStoreFull, PublishForbidden
 from eventlog.expectation import Expectation, refusal
 from eventlog.outbox import Outbox, OutboxRecord
 from eventlog.reader import read_subjects_after
@@ -99,7 +100,18 @@ class _PubAck(msgspec.Struct):
 
 
 class _Transient(Exception):
-    """One try failed in a way a later try may not."""
+    """One try failed in a way a later try may not; ``store_full``: JetStream refused it for
+    want of storage (``STORE_FULL_CODES``)."""
+
+    def __init__(self, message: str, *, store_full: bool = False) -> None:
+        super().__init__(message)
+        self.store_full = store_full
+
+
+# JetStream's answers when its store has no room: 10023 "insufficient resources" (the server's
+# or account's max_file_store reached; code 503), 10047 "insufficient storage resources
+# available" (code 500). Both pass once space returns: transient, not a refusal of the event.
+STORE_FULL_CODES = frozenset({10023, 10047})
 
 
 _ack_decoder = msgspec.json.Decoder(_PubAck)
@@ -170,9 +182,10 @@ class JetStreamPublisher:
         future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         self._waiting[token] = future
         try:
-            await self._nc.publish(
-                subject, payload, reply=f"{self._inbox}.{token}", headers=headers
-            )
+            with closed_socket_as_reset():
+                await self._nc.publish(
+                    subject, payload, reply=f"{self._inbox}.{token}", headers=headers
+                )
         except nats.errors.MaxPayloadError as exc:
             self._waiting.pop(token, None)
             raise PayloadTooLarge(msg_id, len(payload), self._nc.max_payload) from exc
@@ -192,6 +205,8 @@ class JetStreamPublisher:
         if ack.error is not None:
             code = ack.error.get("code")
             text = f"JetStream error {code}: {ack.error.get('description')}"
+            if ack.error.get("err_code") in STORE_FULL_CODES:
+                raise _Transient(f"{text} (err_code {ack.error['err_code']})", store_full=True)
             if code == 503 or not raw:  # JetStream recovering / no stream listening yet
                 raise _Transient(text)
             if expect is not None:
@@ -235,7 +250,7 @@ class JetStreamPublisher:
         self, subject: str, payload: bytes, msg_id: str, expect: Expectation | None = None
     ) -> PublishReceipt:
         s = self.settings
-        last = ""
+        last = _Transient("")
         for attempt in range(s.max_attempts):
             if attempt:
                 self.stats.retried += 1
@@ -246,10 +261,18 @@ class JetStreamPublisher:
                 # expectation is checked before the Msg-Id's de-duplication (AppendRefused).
                 return await self._await_ack(sent, subject, msg_id, expect, attempt > 0)
             except _Transient as exc:
-                last = str(exc)
+                last = exc
+        if last.store_full:
+            raise LogStoreFull(
+                f"the log's store is full: JetStream did not store {msg_id} on {subject} after "
+                f"{s.max_attempts} tries ({last}); free disk space where nats-server keeps its "
+                f"store, or raise its jetstream max_file_store; it was not stored: retry later"
+            )
         raise EventLogUnavailable(
             f"JetStream did not acknowledge {msg_id} on {subject} after {s.max_attempts} tries "
-            f"({last}); is nats-server up and the stream provisioned (`turnstream provision`)?"
+            f"({last}); is nats-server up, answering, with room on its store's disk (a full "
+            f"disk leaves publishes unanswered until nats-server restarts), and the stream "
+            f"provisioned (`turnstream provision`)?"
         )
 
     # -- public -----------------------------------------------------------------------------

@@ -17,6 +17,7 @@
     │   └── BackendUnavailable   503     no replica could take the request
     │       └── GenerationInterrupted 503  an aborted generation could not continue in time
     └── (schemas) EventLogUnavailable / OutboxFull -> 503: the turn could not be made durable
+        (eventlog's LogStoreFull, JetStream's store without room, among them), with Retry-After
 
 Every error reaches the client as ``{"error": {"message", "type", "param", "code"}}`` with the
 status from ``ERROR_TABLE``; nothing else decides a status code. The Anthropic Messages routes
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from eventlog.errors import LogStoreFull
 from schemas.errors import EventLogUnavailable, OutboxFull, SchemaError, TurnstreamError
 
 __all__ = [
@@ -54,6 +56,7 @@ __all__ = [
     "anthropic_status",
     "error_body",
     "error_spec",
+    "retry_after_s",
 ]
 
 
@@ -158,6 +161,25 @@ ERROR_TABLE: tuple[tuple[type[BaseException], ErrorSpec], ...] = (
     (EventLogUnavailable, ErrorSpec(503, "server_error", "log_unavailable")),
 )
 _INTERNAL = ErrorSpec(500, "server_error", "internal_error")
+
+
+# Retry-After of a 503 whose turn could not be made durable: an outage of the log is seconds
+# (a restart, a leader election); a full store waits for an operator or a retention limit.
+LOG_RETRY_AFTER_S = 1.0
+STORE_FULL_RETRY_AFTER_S = 5.0
+
+
+def retry_after_s(exc: BaseException) -> float | None:
+    """The seconds a client should wait before retrying, for a Retry-After header; None: no
+    header (retrying the same request cannot help, or the error does not say)."""
+    explicit: float | None = getattr(exc, "retry_after_s", None)
+    if explicit is not None:
+        return explicit
+    if isinstance(exc, LogStoreFull):
+        return STORE_FULL_RETRY_AFTER_S
+    if isinstance(exc, EventLogUnavailable | OutboxFull):
+        return LOG_RETRY_AFTER_S
+    return None
 
 
 def error_spec(exc: BaseException) -> ErrorSpec:

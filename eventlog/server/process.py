@@ -187,6 +187,7 @@ class NatsServer:
         sync_always: bool = False,
         binary: str | None = None,
         extra_config: str = "",
+        max_file_store: int | None = None,
     ) -> None:
         self.store_dir = Path(store_dir)
         self.host = host
@@ -197,6 +198,9 @@ class NatsServer:
         self.sync_always = sync_always
         self.binary = binary or find_nats_server()
         self.extra_config = extra_config  # appended to the config file (auth, TLS blocks)
+        # JetStream's file store limit in bytes (None: the server's default, 75% of the free
+        # disk when it starts); ``reload()`` applies a new value to a running server.
+        self.max_file_store = max_file_store
         self._proc: subprocess.Popen[bytes] | None = None
         self._lock: StoreLock | None = None  # held from start() to stop()/kill()
 
@@ -233,6 +237,7 @@ class NatsServer:
             "jetstream {",
             f"  store_dir: {json.dumps(str(self.store_dir.resolve()))}",
             "  sync_interval: always" if self.sync_always else "",
+            f"  max_file_store: {self.max_file_store}" if self.max_file_store else "",
             "}",
             self.extra_config,
         ]
@@ -331,6 +336,13 @@ class NatsServer:
         """Start again on the same port and store (after ``kill()`` or ``stop()``)."""
         self.stop()
         return self.start(timeout)
+
+    def reload(self) -> None:
+        """Write the config again and have the running server apply it (SIGHUP), e.g. a new
+        ``max_file_store``: publishes refused for want of storage go through again."""
+        self._write_config()
+        if self._proc is not None and self._proc.poll() is None:
+            os.kill(self._proc.pid, signal.SIGHUP)
 
     def pause(self) -> None:
         """SIGSTOP: the server hangs with its sockets open, like a frozen VM. Returns once every

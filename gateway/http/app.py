@@ -32,6 +32,7 @@ from gateway.errors import (
     anthropic_status,
     error_body,
     error_spec,
+    retry_after_s,
 )
 from gateway.http.guard import (
     BodyLimits,
@@ -98,7 +99,7 @@ def create_app(
         metrics.errors.labels(str(spec.status)).inc()
         if spec.status >= 500:
             log.error("%s: %s", type(exc).__name__, exc, exc_info=spec.status == 500)
-        retry_after = getattr(exc, "retry_after_s", None)
+        retry_after = retry_after_s(exc)
         headers = None if retry_after is None else {"Retry-After": str(math.ceil(retry_after))}
         if _ANTHROPIC_ROUTE.search(path):
             return JSONResponse(

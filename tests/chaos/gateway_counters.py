@@ -26,6 +26,7 @@ COUNTERS = frozenset(
         # {outcome}: generations a weight update aborted mid-turn (issue 37): continued,
         # gave_up (a 503), version_limit
         "turnstream_gateway_interrupted_generations_total",
+        "turnstream_gateway_errors_total",  # {status}: error answers (503: log down or full)
     }
 )
 

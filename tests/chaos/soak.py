@@ -1,15 +1,19 @@
-"""The chaos soak (issues 10, 36, 37): agents through the whole system while its processes are
-SIGKILLed and its weights updated mid-turn.
+"""The chaos soak (issues 10, 36, 37, 38): agents through the whole system while its processes
+are SIGKILLed or frozen, nats-server's disk fills or its answers slow down, and its weights are
+updated mid-turn.
 
     .venv/bin/python -m tests.chaos.soak --duration-s 600 --seed 7 [--sessions 32] [--data-dir D]
-        [--gateways 1|2] [--update-interval-s 6]
+        [--gateways 1|2] [--update-interval-s 6] [--faults kill,freeze,disk-full,slow]
 
 It starts nats-server, two gateways (tiny model) behind a round-robin proxy without affinity
 (``--gateways 1``: one gateway, no proxy), two fold workers with reapers, the shard writer and a
 live sink consumer, each a real process (``tests.chaos.stack``); runs ``--sessions``
 concurrent ``openai``-SDK agents (``tests.chaos.agents``) for ``--duration-s`` while a seeded
 controller SIGKILLs one of those processes at random moments and restarts it after a random
-downtime, and the soak's trainer (``tests.chaos.trainer``) publishes a new policy version every
+downtime, or SIGSTOPs it for 1-30 s, or fills nats-server's disk for 1-10 s (a tmpfs of its
+own; then room, and a restart), or delays every byte to and from nats-server by 0.05-1 s for
+2-15 s (``tests.chaos.faults``: ``--faults`` picks the kinds), and the soak's trainer
+(``tests.chaos.trainer``) publishes a new policy version every
 ``--update-interval-s`` on average, most in mode "abort": the gateways' local backends end the
 generations in flight and the gateways continue them on the new weights. Then it stops the
 faults, lets the agents finish, waits until the pipeline is quiet (every session closed, by its
@@ -46,6 +50,7 @@ from eventlog.server import NatsServer
 from schemas.errors import EventLogUnavailable
 from tests.chaos.agents import Agent, AgentSession
 from tests.chaos.audit import Auditor, Report, pipeline_idle
+from tests.chaos.faults import ACTIONS, KILL
 from tests.chaos.record import SoakRecord
 from tests.chaos.stack import SINK_JOURNAL, Fault, Stack, kill_leftovers
 from tests.chaos.summary import print_tables, read_proxy_stats, summarize
@@ -83,6 +88,7 @@ class SoakSettings:
     outbox: bool
     gateways: int = 2  # 2: behind a round-robin proxy, no affinity
     update_interval_s: float = 6.0  # mean time between two policy versions; 0: none
+    actions: tuple[str, ...] = ACTIONS  # the kinds of fault (tests.chaos.faults)
 
 
 def parse_args(argv: list[str] | None = None) -> SoakSettings | Path:
@@ -113,6 +119,12 @@ def parse_args(argv: list[str] | None = None) -> SoakSettings | Path:
         help="mean time between two weight updates of the soak's trainer (0: none)",
     )
     parser.add_argument(
+        "--faults",
+        type=_actions,
+        default=ACTIONS,
+        help=f"the kinds of fault, comma-separated (default: {','.join(ACTIONS)})",
+    )
+    parser.add_argument(
         "--reaudit", type=Path, default=None, help="audit this finished soak's data dir again"
     )
     args = parser.parse_args(argv)
@@ -137,7 +149,16 @@ def parse_args(argv: list[str] | None = None) -> SoakSettings | Path:
         outbox=args.outbox,
         gateways=args.gateways,
         update_interval_s=args.update_interval_s,
+        actions=args.faults,
     )
+
+
+def _actions(text: str) -> tuple[str, ...]:
+    chosen = tuple(a.strip() for a in text.split(",") if a.strip())
+    unknown = sorted(set(chosen) - set(ACTIONS))
+    if unknown or not chosen:
+        raise argparse.ArgumentTypeError(f"{unknown or text!r}: the kinds are {','.join(ACTIONS)}")
+    return chosen
 
 
 async def soak(settings: SoakSettings) -> dict[str, Any]:
@@ -160,6 +181,7 @@ async def soak(settings: SoakSettings) -> dict[str, Any]:
         settings.idle_timeout_s,
         gateways=settings.gateways,
         outbox=settings.outbox,
+        actions=settings.actions,
     )
     supervising = asyncio.Event()
     supervisor: asyncio.Task[None] | None = None
@@ -195,11 +217,14 @@ async def soak(settings: SoakSettings) -> dict[str, Any]:
         record.gateway_counters = dict(sorted(stack.gateway_counters.items()))
         record.save(data_dir)  # with the exits seen while settling
         summary = summarize(record, report, settled, read_proxy_stats(data_dir))
+        # What this soak could play: no disk-full where it could not mount a tmpfs.
+        summary["fault_kinds"] = list(stack.actions)
         print_tables(record, report, summary)
         supervising.set()
         await supervisor
         supervisor = None
         summary["exit_codes_on_sigterm"] = stack.stop()
+        stack.keep_store()
         summary["data_dir"] = str(data_dir)
         clean = True
         return summary
@@ -212,6 +237,7 @@ async def soak(settings: SoakSettings) -> dict[str, Any]:
         if not clean:
             stack.kill_all()
         kill_leftovers(data_dir)
+        stack.keep_store()
 
 
 async def reaudit(data_dir: Path) -> dict[str, Any]:
@@ -339,7 +365,7 @@ async def _settle_and_audit(
                         record.sessions,
                         settings.data_dir / "shards",
                         settings.data_dir / SINK_JOURNAL,
-                        [f.wall for f in record.faults if f.target == "nats"],
+                        [f.wall for f in record.faults if f.target == "nats" and f.action == KILL],
                     )
                 except EventLogUnavailable as exc:
                     # A read not answered in time (seen once, a 3-minute soak beside others'

@@ -6,7 +6,10 @@ affinity), two fold workers (reapers on), the shard writer and the live sink con
 ``tests.helpers.services.Service`` logging into the data dir. The supervisor
 restarts whatever should be up and is not (a process that exited on its own is recorded and
 restarted with a backoff, like systemd's ``Restart=always``); the controller SIGKILLs one
-target at a time at random moments and brings it back after a random downtime.
+target at a time at random moments and brings it back after a random downtime, or freezes it,
+fills nats-server's disk, or slows nats-server down (``tests.chaos.faults``). For those two,
+nats-server's store is a tmpfs of its own, and the other processes reach nats-server through
+a proxy that can delay its bytes (``nats-proxy``; the soak's trainer and auditor do not).
 """
 
 from __future__ import annotations
@@ -26,8 +29,11 @@ from pathlib import Path
 import httpx
 
 from eventlog.server import NatsServer, free_port
+from tests.chaos.controller import FaultController
+from tests.chaos.faults import ACTIONS, DISK_FULL, SLOW
 from tests.chaos.gateway_counters import read_counters
 from tests.chaos.targets import (
+    NATS_DELAY,
     PIDS_FILE,
     SINK_JOURNAL,
     Exit,
@@ -37,8 +43,13 @@ from tests.chaos.targets import (
     Target,
 )
 from tests.helpers.services import WORKER_FLAGS, WRITER_FLAGS, Service
+from tests.helpers.small_disk import SmallDisk
 
 log = logging.getLogger("soak")
+
+# The tmpfs under nats-server's store: its pages are memory only as the store fills them (a
+# 10-minute soak's store: a few hundred MiB); nats-server limits itself to 75% of it.
+NATS_DISK_BYTES = 4 * 2**30
 
 __all__ = ["SINK_JOURNAL", "Exit", "Fault", "Stack", "Target", "kill_leftovers", "with_flag"]
 
@@ -63,6 +74,7 @@ class Stack:
     workers: int = 2
     gateways: int = 1  # 2: behind a round-robin proxy, each its own fault kind
     outbox: bool = False
+    actions: tuple[str, ...] = ACTIONS  # the kinds of fault (tests.chaos.faults)
     started: float = field(default_factory=time.monotonic)
     targets: list[Target] = field(default_factory=list)
     exits: list[Exit] = field(default_factory=list)
@@ -71,9 +83,13 @@ class Stack:
 
     def __post_init__(self) -> None:
         self.nats = NatsServer(self.data_dir / "nats", port=free_port())
+        self.disk = SmallDisk(self.data_dir / "nats", NATS_DISK_BYTES)
+        self.delay_file = self.data_dir / NATS_DELAY
         self.gateway_ports = [free_port() for _ in range(self.gateways)]
         self.proxy_port = free_port() if self.gateways > 1 else None
-        url = self.nats.url
+        self.nats_proxy_port = nats_proxy_port = free_port() if SLOW in self.actions else None
+        # What the services dial: nats-server, or the proxy that can slow it down.
+        url = self.nats.url if nats_proxy_port is None else f"nats://127.0.0.1:{nats_proxy_port}"
         worker_flags = with_flag(
             WORKER_FLAGS, "--reaper.idle-timeout-s", f"{self.idle_timeout_s:g}"
         )
@@ -88,6 +104,25 @@ class Stack:
         )
         self.targets = [
             Target("nats", "nats", server=self.nats),
+            *(
+                [
+                    Target(
+                        "nats-proxy",
+                        "nats-proxy",
+                        RoundRobinProxy(
+                            nats_proxy_port,
+                            [self.nats.port],
+                            self.data_dir,
+                            name="nats-proxy",
+                            stats="nats-proxy-stats.json",
+                            delay_file=self.delay_file,
+                        ),
+                        faulted=False,
+                    )
+                ]
+                if nats_proxy_port is not None
+                else []
+            ),
             *(
                 Target(
                     name,
@@ -178,11 +213,17 @@ class Stack:
             pids.write(f"{target.pid} {target.name}\n")
 
     async def start(self) -> None:
-        """nats first; the sink once the gateways are healthy: every service provisions the
-        streams as it starts, and the sink's consumer needs TRAJ to exist."""
+        """nats first (on a tmpfs of its own, for the disk-full fault), then its proxy; the
+        sink once the gateways are healthy: every service provisions the streams as it starts,
+        and the sink's consumer needs TRAJ to exist."""
+        if DISK_FULL in self.actions and not self.disk.mount():
+            log.warning("no disk-full faults: no tmpfs for the store (%s)", self.disk.why_not)
+            self.actions = tuple(a for a in self.actions if a != DISK_FULL)
         for target in self.targets:
             if target.kind != "sink":
                 await self.start_target(target)
+            if target.kind == "nats-proxy":
+                await _listening(self.nats_proxy_port, 30.0)
         await self.wait_gateway_healthy(180.0)
         for target in self.targets:
             if target.kind == "sink":
@@ -253,96 +294,14 @@ class Stack:
     async def inject_faults(
         self, stop: asyncio.Event, rng: random.Random, mean_interval_s: float, max_down_s: float
     ) -> list[Fault]:
-        """SIGKILL a random running target at random moments until ``stop``; each comes back
-        after a random downtime (restarts run beside the next faults)."""
-        faults: list[Fault] = []
-        restarts: set[asyncio.Task[None]] = set()
-        kinds = sorted({t.kind for t in self.targets if t.faulted})
-        order: list[str] = []
-        while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), rng.uniform(0.3, 1.7) * mean_interval_s)
-            if stop.is_set():
-                break
-            # Kinds in shuffled rounds: each kind equally often, whatever its process count.
-            if not order:
-                order = rng.sample(kinds, len(kinds))
-            target = await self._next_target(order, rng)
-            if target is None and len(order) < len(kinds):
-                # Every kind left in this round is down (a gateway loading its model: tens of
-                # seconds on a busy machine): the next round starts, so the faults keep their
-                # pace; the kinds left are in it once, at the head of the line.
-                others = [k for k in kinds if k not in order]
-                order[:0] = rng.sample(others, len(others))
-                target = await self._next_target(order, rng)
-            if target is None:  # every kind is down: at the next moment
-                continue
-            pid = target.pid or -1
-            if target.url:  # its counters die with it
-                await self.read_gateway_counters([target])
-            target.wanted = False
-            target.kill()
-            fault = Fault(
-                self.elapsed(), target.name, pid, rng.uniform(0.2, max_down_s), wall=time.time()
-            )
-            faults.append(fault)
-            log.info(
-                "fault %d: SIGKILL %s (pid %d), down %.1fs",
-                len(faults),
-                target.name,
-                pid,
-                fault.downtime_s,
-            )
-            task = asyncio.create_task(self._bring_back(target, fault))
-            restarts.add(task)
-            task.add_done_callback(restarts.discard)
-        await asyncio.gather(*restarts)
-        return faults
-
-    async def _next_target(self, order: list[str], rng: random.Random) -> Target | None:
-        """A target of the next kind in ``order`` (popped from its end) that can be killed now.
-        A kind still down from an earlier fault, or a gateway whose fleet is not whole
-        (``_fleet_listening``), keeps its place and comes as soon as it can in this round;
-        the next kind is hit meanwhile, so the faults keep their pace."""
-        for i in reversed(range(len(order))):
-            up = [
-                t
-                for t in self.targets
-                if t.kind == order[i] and t.wanted and t.running and not t.starting
-            ]
-            if up and await self._fleet_listening(order[i]):
-                del order[i]
-                return rng.choice(up)
-        return None
+        """Faults at random moments until ``stop`` (``tests.chaos.controller``)."""
+        return await FaultController(self).inject_faults(stop, rng, mean_interval_s, max_down_s)
 
     async def read_gateway_counters(self, targets: Sequence[Target] | None = None) -> None:
         """Add ``targets``' (default: every gateway's) counters to ``gateway_counters``."""
         async with httpx.AsyncClient() as client:
             for target in targets or [t for t in self.targets if t.url]:
                 self.gateway_counters.update(await read_counters(client, target.url))
-
-    async def _fleet_listening(self, kind: str) -> bool:
-        """Whether a target of ``kind`` may be killed now: with two gateways, one only while
-        both answer HTTP (their 503 while the log is down included). A restarted gateway loads
-        its model for seconds (tens on a busy 2-core machine); killing the other meanwhile made
-        most of a soak an outage of every gateway, while what two gateways are for here is
-        their seam: the other one serves the sessions meanwhile. The one-gateway soak still
-        kills its only gateway."""
-        if self.gateways == 1 or not kind.startswith("gateway"):
-            return True
-        async with httpx.AsyncClient(timeout=2.0) as client:
-            for port in self.gateway_ports:
-                try:
-                    await client.get(f"http://127.0.0.1:{port}/health")
-                except httpx.HTTPError:
-                    return False
-        return True
-
-    async def _bring_back(self, target: Target, fault: Fault) -> None:
-        await asyncio.sleep(fault.downtime_s)
-        target.wanted = True  # the supervisor starts it
-        await target.up.wait()
-        fault.back_after_s = self.elapsed() - fault.at_s
 
     # -- stopping ---------------------------------------------------------------------------
 
@@ -357,11 +316,31 @@ class Stack:
                 target.server.stop()
         return codes
 
+    def keep_store(self) -> None:
+        """The store off its tmpfs, into the data dir itself (nats-server stopped): the data
+        dir is kept for ``--reaudit``, and a tmpfs would take it with the unmount."""
+        self.disk.keep()
+
     def kill_all(self) -> None:
         for target in self.targets:
             target.wanted = False
             with contextlib.suppress(OSError):
                 target.kill()
+
+
+async def _listening(port: int | None, within_s: float) -> None:
+    """Until something accepts connections on ``port``."""
+    deadline = time.monotonic() + within_s
+    while port is not None:
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.1)
+        else:
+            writer.close()
+            return
 
 
 def kill_leftovers(data_dir: Path) -> list[int]:
@@ -372,6 +351,14 @@ def kill_leftovers(data_dir: Path) -> list[int]:
     killed: list[int] = []
     if not path.exists():
         return killed
+    try:
+        return _kill_listed(path, data_dir)
+    finally:  # the store's tmpfs, once nothing holds it (the soak itself was killed)
+        SmallDisk(data_dir / "nats", 0).keep()
+
+
+def _kill_listed(path: Path, data_dir: Path) -> list[int]:
+    killed: list[int] = []
     for line in path.read_text().splitlines():
         pid_text = line.split(" ", 1)[0]
         if not pid_text.isdigit():

@@ -13,7 +13,7 @@ from rich.table import Table
 
 from tests.chaos.audit import Report, examples
 from tests.chaos.record import SoakRecord
-from tests.chaos.targets import PROXY_STATS
+from tests.chaos.targets import PROXY_STATS, Fault
 
 
 def read_proxy_stats(data_dir: Path) -> dict[str, Any]:
@@ -50,6 +50,11 @@ def summarize(
         "agents": record.agents,
         "gateways": record.gateways,
         "faults_by_target": dict(sorted(Counter(f.target for f in record.faults).items())),
+        "faults_by_action": dict(sorted(Counter(f.action for f in record.faults).items())),
+        "faults_by_action_and_target": {
+            action: dict(sorted(Counter(f.target for f in mine).items()))
+            for action, mine in _by_action(record).items()
+        },
         "policy_updates": len(record.updates),
         "policy_updates_by_mode": dict(sorted(Counter(u.mode for u in record.updates).items())),
         "continuations": versions.continuations,  # resubmissions, in the continued turns
@@ -85,21 +90,31 @@ def summarize(
     }
 
 
+def _by_action(record: SoakRecord) -> dict[str, list[Fault]]:
+    by: dict[str, list[Fault]] = {}
+    for fault in record.faults:
+        by.setdefault(fault.action, []).append(fault)
+    return dict(sorted(by.items()))
+
+
 def print_tables(record: SoakRecord, report: Report, summary: dict[str, Any]) -> None:
     console = Console(file=sys.stdout, width=110)
-    faults = Table(title="faults: SIGKILL, then a restart")
-    for column in ("target", "kills", "planned down s", "back after s", "exited on its own"):
+    faults = Table(title="faults: SIGKILL then a restart, SIGSTOP then SIGCONT, disk full, slow")
+    columns = ("target", "fault", "count", "planned s", "back after s", "exited on its own")
+    for column in columns:
         faults.add_column(column, justify="right")
     exits = Counter(e.target for e in record.exits)
-    for target in sorted({f.target for f in record.faults} | set(exits)):
-        mine = [f for f in record.faults if f.target == target]
+    played = {(f.target, f.action) for f in record.faults}
+    for target, action in sorted(played | {(t, "kill") for t in exits}):
+        mine = [f for f in record.faults if f.target == target and f.action == action]
         back = [f.back_after_s for f in mine if f.back_after_s is not None]
         faults.add_row(
             target,
+            action,
             str(len(mine)),
             f"{sum(f.downtime_s for f in mine) / max(len(mine), 1):.1f}",
             f"{sum(back) / max(len(back), 1):.1f}",
-            str(exits[target]),
+            str(exits[target]) if action == "kill" else "",
         )
     console.print(faults)
     counts = Table(title="counts")

@@ -1,8 +1,11 @@
-"""The 2-minute chaos soak (issues 10, 36, 37): ``tests.chaos.soak`` as a real process, audited.
+"""The 2-minute chaos soak (issues 10, 36, 37, 38): ``tests.chaos.soak`` as a real process,
+audited.
 
 32 openai-SDK agents through two gateways behind a round-robin proxy without affinity while
 nats-server, each gateway, the fold workers, the shard writer and the live sink consumer are
-SIGKILLed and restarted at random moments, and a trainer publishes new weights mid-turn; the
+SIGKILLed and restarted, or frozen (SIGSTOP, then SIGCONT), at random moments, nats-server's
+disk fills (where a tmpfs can be mounted: root) and its answers slow down, and a trainer
+publishes new weights mid-turn; the
 soak's own auditor then counts what was lost, duplicated or redelivered after its commit,
 continuations re-tokenized by a gateway whose copy of a session was stale, turns served after
 their session's close, and token versions that do not hold together. The
@@ -89,4 +92,9 @@ def test_two_minutes_of_sigkills_lose_duplicate_redeliver_and_re_tokenize_nothin
     assert len(gateways) == len(connections) == 2 and all(connections.values()), context
     assert set(summary["faults_by_target"]) >= {"nats", *gateways, "shard-writer", "sink"}, context
     assert any(t.startswith("worker-") for t in summary["faults_by_target"]), context
+    # The faults besides kill -9 (issue 38), each at least once.
+    # The disk-full fault needs a tmpfs: where the soak could not mount one it says so.
+    played = set(summary["faults_by_action"])
+    assert set(summary["fault_kinds"]) >= {"kill", "freeze", "slow"}, context
+    assert played == set(summary["fault_kinds"]), context
     assert proc.returncode == 0, context

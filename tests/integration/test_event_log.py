@@ -13,7 +13,14 @@ from pathlib import Path
 import pytest
 from nats.js import api as js_api
 
-from eventlog import JetStreamPublisher, LogSettings, Outbox, PublisherSettings, provision
+from eventlog import (
+    JetStreamPublisher,
+    LogSettings,
+    Outbox,
+    PublisherSettings,
+    connect,
+    provision,
+)
 from eventlog.buckets import Bucket, Entry
 from eventlog.pull import ConsumerSpec
 from schemas import (
@@ -99,6 +106,21 @@ async def test_a_bucket_opens_through_a_server_restart_longer_than_its_timeout(l
     bucket = await asyncio.wait_for(opening, 30)
 
     assert await bucket.get("no-such-key") is None  # a working bucket
+
+
+async def test_a_bucket_a_frozen_server_does_not_open_is_not_called_unprovisioned(
+    log: Log,
+) -> None:
+    impatient = log.nc.jetstream(timeout=0.3)
+    log.server.pause()
+    try:
+        with pytest.raises(EventLogUnavailable, match="did not answer") as unanswered:
+            await Bucket.open(impatient, "ts_policy")
+    finally:
+        log.server.resume()
+    assert "provisioned" not in str(unanswered.value)
+    with pytest.raises(EventLogUnavailable, match="is the log provisioned"):
+        await Bucket.open(log.js, "no_such_bucket")
 
 
 async def test_a_consumer_binds_through_a_server_restart_longer_than_its_timeout(log: Log) -> None:
@@ -199,6 +221,18 @@ async def test_a_paused_server_is_detected_and_publishing_resumes(log: Log) -> N
     assert receipt.stream == "EVENTS" and not receipt.spooled
     assert log.nc.is_connected
     assert await stored_msg_ids(log) == ["run.before.turn.0", "run.during.turn.0"]
+
+
+async def test_connecting_to_a_frozen_server_fails_with_an_error_that_says_why(log: Log) -> None:
+    """Its tries time out: the error names the timeout (it said "at nats://...: ." before, a
+    restarted gateway's last words in the soak while nats-server was frozen; issue 38)."""
+    quick = LogSettings(connect_wait_s=1.0, connect_timeout_s=0.5)
+    log.server.pause()
+    try:
+        with pytest.raises(EventLogUnavailable, match=r"cannot connect to NATS at \S+: \w*Timeout"):
+            await connect(log.server.url, quick)
+    finally:
+        log.server.resume()
 
 
 async def test_without_an_outbox_an_unavailable_log_is_an_error(log: Log) -> None:

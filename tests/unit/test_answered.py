@@ -1,14 +1,18 @@
-"""``eventlog.answered``: which failures of an idempotent log request are asked again; and
-``map_nats_errors``, how a direct request's nats errors become ours."""
+"""``eventlog.answered``: which failures of an idempotent log request are asked again;
+``map_nats_errors``, how a direct request's nats errors become ours; and
+``closed_socket_as_reset``, uvloop's error for a closed socket as the reset it is."""
 
 from __future__ import annotations
 
+import asyncio
+
 import nats.errors
 import pytest
+import uvloop
 from nats.js import errors as js_errors
 
 from eventlog import answered, map_nats_errors
-from eventlog.connection import ANSWER_TRIES
+from eventlog.connection import ANSWER_TRIES, closed_socket_as_reset
 from schemas.errors import EventLogUnavailable
 
 
@@ -75,3 +79,23 @@ def test_map_nats_errors_raises_ours_naming_the_request(error: Exception) -> Non
 def test_map_nats_errors_leaves_other_errors_alone() -> None:
     with pytest.raises(KeyError), map_nats_errors("counting x in S"):
         raise KeyError("not the log's")
+
+
+def test_a_write_on_a_closed_uvloop_socket_is_a_connection_reset() -> None:
+    """uvloop raises RuntimeError where asyncio's loop drops the write; nats-py let it through
+    a publish while its connection broke, and the gateway answered 500 (issue 38's soak)."""
+
+    async def write_after_the_close() -> None:
+        server = await asyncio.start_server(lambda reader, writer: None, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.transport.abort()
+        await asyncio.sleep(0.05)  # the handle closes on a later turn of the loop
+        with (
+            pytest.raises(ConnectionResetError, match="handler is closed"),
+            closed_socket_as_reset(),
+        ):
+            writer.writelines([b"PUB x 1\r\ny\r\n"])
+        server.close()
+
+    uvloop.run(write_after_the_close())
