@@ -8,6 +8,13 @@ the publisher. Each restart is logged with the exit status and the tail of the s
 More than ``max_restarts`` deaths within ``window_s`` is a crash loop: the supervisor gives up,
 sets ``stop`` so the service shuts down, and ``ServerCrashLoop`` is raised where the service
 leaves ``supervised``.
+
+A server alive but stuck is restarted too: after a write to its store fails (a full disk, ENOSPC),
+nats-server 2.15 answers nothing more on that stream, also once space has returned, until it
+restarts (docs/RELIABILITY.md, finding 9). The supervisor reads what the server's log gains for
+its "Critical write error", waits until the store's filesystem has room again
+(``min_free_bytes``), then restarts it: service resumes when space returns, with nothing that
+was acknowledged lost (the store's messages before the failed write are all there).
 """
 
 from __future__ import annotations
@@ -15,6 +22,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import shutil
 import signal
 import time
 from collections import deque
@@ -24,9 +33,65 @@ from eventlog.server.errors import ServerCrashLoop
 from eventlog.server.process import NatsServer
 from schemas.errors import TurnstreamError
 
-__all__ = ["supervise", "supervised"]
+__all__ = ["WriteErrors", "supervise", "supervised"]
 
 log = logging.getLogger(__name__)
+
+# What nats-server logs when a write to a stream's store failed ("Filestore [EVENTS] Critical
+# write error: write ...: no space left on device"); the stream answers nothing after it.
+_WRITE_ERROR = b"Critical write error"
+_LOG_READ_MAX = 1024 * 1024  # per look: a log that grew by more is read from its last MiB
+
+
+class WriteErrors:
+    """The critical write errors a server's log gains from now on, read a little at a time.
+
+    Only what is appended after construction counts (the log is appended to across restarts,
+    and an error before the last restart is over)."""
+
+    def __init__(self, path: os.PathLike[str] | str) -> None:
+        self.path = path
+        self.offset = self._size()
+        self._partial = b""  # a line not yet ended at the last look
+
+    def _size(self) -> int:
+        try:
+            return os.stat(self.path).st_size
+        except OSError:
+            return 0
+
+    def skip(self) -> None:
+        """Forget what the log holds so far (a restart ended the error it logged)."""
+        self.offset, self._partial = self._size(), b""
+
+    def seen(self) -> str | None:
+        """The first critical write error logged since the last look, or None."""
+        size = self._size()
+        if size < self.offset:  # a new log file: read it from its start
+            self.offset, self._partial = 0, b""
+        if size == self.offset:
+            return None
+        start = max(self.offset, size - _LOG_READ_MAX)
+        try:
+            with open(self.path, "rb") as log_file:
+                log_file.seek(start)
+                gained = log_file.read(size - start)
+        except OSError:
+            return None
+        self.offset = start + len(gained)
+        lines = (self._partial + gained).split(b"\n")
+        self._partial = lines.pop()[-4096:]
+        for line in lines:
+            if _WRITE_ERROR in line:
+                return line.decode(errors="replace").strip()
+        return None
+
+
+def _free_bytes(path: os.PathLike[str] | str) -> int:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return 0
 
 
 def _describe(code: int | None) -> str:
@@ -55,25 +120,43 @@ async def supervise(
     max_restarts: int = 5,
     window_s: float = 60.0,
     poll_s: float = 0.25,
+    min_free_bytes: int = 64 * 1024 * 1024,
 ) -> None:
-    """Restart ``server`` whenever it is not running, until cancelled.
+    """Restart ``server`` whenever it is not running, or it is stuck after a critical write
+    error and its store has ``min_free_bytes`` free again, until cancelled.
 
     Raises ``ServerCrashLoop`` when it needed more than ``max_restarts`` restarts within
     ``window_s`` seconds. A restart in progress when cancelled is finished first, so the caller
     can stop the server afterwards without racing the restart's thread.
     """
     restarts: deque[float] = deque()
+    write_errors = WriteErrors(server.log_path)
+    stuck: str | None = None  # the write error the running server has not been restarted for
     while True:
         await asyncio.sleep(poll_s)
         if server.running:
-            continue
-        code = server.exit_code
+            stuck = stuck or write_errors.seen()
+            if stuck is None or _free_bytes(server.store_dir) < min_free_bytes:
+                continue
+            log.error(
+                "nats-server on %s (store %s) logged %r and answers nothing on that stream "
+                "until it restarts; its store has room again: restarting it",
+                server.url,
+                server.store_dir,
+                stuck,
+            )
+            await asyncio.to_thread(server.stop)
+            write_errors.skip()
+            stuck = None
+            why = "was stuck after a critical write error"
+        else:
+            why = _describe(server.exit_code)
         now = time.monotonic()
         while restarts and now - restarts[0] > window_s:
             restarts.popleft()
         if len(restarts) >= max_restarts:
             raise ServerCrashLoop(
-                f"nats-server on {server.url} (store {server.store_dir}) {_describe(code)} "
+                f"nats-server on {server.url} (store {server.store_dir}) {why} "
                 f"after {len(restarts)} restarts within {window_s:.0f}s: not restarting it "
                 f"again; read {server.log_path}, fix the cause and start again. "
                 f"Its log ends:\n{_log_tail(server)}"
@@ -84,7 +167,7 @@ async def supervise(
             "Its log ends:\n%s",
             server.url,
             server.store_dir,
-            _describe(code),
+            why,
             len(restarts),
             max_restarts,
             window_s,
@@ -114,6 +197,7 @@ async def supervised(
     stop: asyncio.Event | None = None,
     max_restarts: int = 5,
     window_s: float = 60.0,
+    min_free_bytes: int = 64 * 1024 * 1024,
 ) -> AsyncIterator[None]:
     """Supervise ``server`` for the duration of the block (see the module docstring).
 
@@ -121,7 +205,9 @@ async def supervised(
     (unless the block raised an error of its own).
     """
     task = asyncio.create_task(
-        supervise(server, max_restarts=max_restarts, window_s=window_s),
+        supervise(
+            server, max_restarts=max_restarts, window_s=window_s, min_free_bytes=min_free_bytes
+        ),
         name=f"supervise nats-server {server.url}",
     )
 

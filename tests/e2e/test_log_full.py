@@ -5,15 +5,18 @@ Two ways a store fills, one after the other on one real nats-server and one real
 JetStream's own limit (``max_file_store`` reached: "insufficient resources", err_code 10023;
 space returns when the limit is raised and the server reloads), and the disk itself (a tmpfs of
 its own under the store, shrunk to what it holds: the next write fails with ENOSPC; nats-server
-keeps that stream's write error until it restarts, so space returns as an operator brings it
-back: room made, the server restarted). The disk needs root to mount; elsewhere that half is
-skipped and says so.
+keeps that stream's write error until it restarts, so the supervisor that ``turnstream up``
+runs around its server restarts it once the store has room again: the test makes room and
+nothing else). The disk needs root to mount; elsewhere that half is skipped and says so.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +25,7 @@ import pytest
 
 from eventlog import connect, read_session
 from eventlog.server import NatsServer
+from eventlog.server.supervisor import supervise
 from schemas import TurnCompleted
 from tests.helpers.gateway_process import GatewayProcess
 from tests.helpers.small_disk import SmallDisk
@@ -66,18 +70,8 @@ def test_a_full_store_answers_503_with_retry_after_and_serves_again_when_space_r
 
             # The disk itself full.
             if real_disk:
-                disk.fill()
-                # A turn or two may still fit in the last page of the store's open files.
-                for n in range(3, 23):
-                    refused = httpx.post(chat, json=ask(n), timeout=30)
-                    if refused.status_code != 200:
-                        break
-                    answered.append(refused.json())
-                assert refused.status_code == 503, refused.text
-                assert refused.headers["retry-after"] == "1"
-                disk.make_room()
-                server.restart(30.0)
-                answered.append(_served(chat, 23))
+                with _supervised(server):
+                    _refused_until_room(disk, chat, answered)
         finally:
             gateway.stop()
         # Nothing answered is lost, nothing refused was stored.
@@ -89,6 +83,42 @@ def test_a_full_store_answers_503_with_retry_after_and_serves_again_when_space_r
         disk.unmount()
     if not real_disk:
         pytest.skip(f"JetStream's limit checked; a full disk needs a tmpfs: {disk.why_not}")
+
+
+def _refused_until_room(disk: SmallDisk, chat: str, answered: list[dict[str, Any]]) -> None:
+    disk.fill()
+    # A turn or two may still fit in the last page of the store's open files.
+    for n in range(3, 23):
+        refused = httpx.post(chat, json=ask(n), timeout=30)
+        if refused.status_code != 200:
+            break
+        answered.append(refused.json())
+    assert refused.status_code == 503, refused.text
+    assert refused.headers["retry-after"] == "1"
+    disk.make_room()  # and nothing else: the supervisor restarts the stuck server
+    answered.append(_served(chat, 23))
+
+
+@contextlib.contextmanager
+def _supervised(server: NatsServer) -> Iterator[None]:
+    """``eventlog.server.supervisor.supervise`` around ``server``, as ``turnstream up`` runs it,
+    on a thread of its own (the test's calls block)."""
+    loop = asyncio.new_event_loop()
+    task = loop.create_task(supervise(server, poll_s=0.1, min_free_bytes=MiB))
+
+    def run() -> None:
+        with contextlib.suppress(asyncio.CancelledError):
+            loop.run_until_complete(task)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        loop.call_soon_threadsafe(task.cancel)
+        thread.join(30)
+        loop.close()
+    assert task.cancelled(), task.exception()
 
 
 def _served(url: str, n: int, within_s: float = 60.0) -> dict[str, Any]:
