@@ -10,6 +10,7 @@ side by side: this file is slow itself (run by ``make test-slow``, as CI does).
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import subprocess
@@ -29,9 +30,11 @@ def selection(variable: str) -> list[str]:
 
 
 def collect(*args: str) -> subprocess.Popen[str]:
+    """A plain collection: not this run's pytest-xdist worker, nor its options from the env."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
     return subprocess.Popen(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
 
 
