@@ -61,8 +61,9 @@ LONGEST_FIRST = (
 # wait for CI's second target; a slow test whose ground nothing faster covers stays in make test
 # (e2e/test_supervision.py: kill -9 of `up`). A new test file that takes more than ~30 s: add it
 # here (with its seconds and the faster tests that cover its ground) or to LONGEST_FIRST. Keys
-# are paths under tests/, or "path::test" for one test of a file that stays. Seconds as in
-# LONGEST_FIRST (2026-11-26).
+# are paths under tests/, or "path::test" for one test of a file that stays (a test's own
+# `@pytest.mark.slow`, or a file's `pytestmark`, selects the same, but SLOW keeps every reason in
+# one place). Seconds as in LONGEST_FIRST (2026-11-26).
 SLOW = {
     # 188: two minutes of SIGKILLs; each fault alone: integration/test_pipeline (workers, shard
     # writer, nats-server), e2e/test_gateway (a restarted gateway), e2e/test_supervision (up).
