@@ -24,9 +24,10 @@ from eventlog.server import NatsServer
 
 pytest_plugins = ["tests.conftest_model"]
 
-# make test runs files on pytest-xdist workers in collection order (--no-loadscope-reorder):
-# the longest files first, so that none of them is left to run alone at the end. Seconds per
-# file on the 2-core VM (make test's pytest on 2 workers, 2026-11-26: 1,792 test-seconds).
+# make test and make test-slow run files on pytest-xdist workers in collection order
+# (--no-loadscope-reorder): the longest files first, so that none of them is left to run alone
+# at the end. Seconds per file on the 2-core VM (the whole suite's pytest on 2 workers,
+# 2026-11-26: 1,792 test-seconds; SLOW's files run in make test-slow).
 LONGEST_FIRST = (
     "e2e/test_soak.py",  # 188
     "e2e/test_demo.py",  # 146
