@@ -1,7 +1,9 @@
 """Every shell command and Python snippet in README.md runs as written (issue 11, point 9).
 
-The blocks run in order in one scratch directory (so ``data/`` is the test's, never the
-working copy's), with the venv's ``turnstream`` and ``python`` first on PATH. The one change to
+The blocks run in order, grouped by the stack they talk to (a ``services`` block and the blocks
+after it: one test each, ``stacks`` in ``tests/helpers/readme.py``), each group in a scratch
+directory of its own (so ``data/`` is the test's, never the working copy's), with the venv's
+``turnstream`` and ``python`` first on PATH. The one change to
 what a reader would type: the ports. The README's 4222 (NATS) and 8000 (gateway) become free
 ports, in the text and in ``TURNSTREAM_LOG__PORT`` / ``TURNSTREAM_PORT`` (what the commands
 read when no flag says otherwise), so the test never collides with a stack of the reader's.
@@ -25,7 +27,7 @@ import httpx
 import pytest
 
 from eventlog.server import free_port
-from tests.helpers.readme import Snippet, commands, snippets
+from tests.helpers.readme import Snippet, commands, snippets, stacks
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 BLOCK_TIMEOUT_S = 300
@@ -143,8 +145,11 @@ def test_the_readme_has_runnable_blocks_and_says_why_it_skips_any() -> None:
             assert s.ready_urls, f"{s.where}: a services block names what to wait for"
 
 
-def test_every_readme_block_runs_as_written(scratch: Scratch) -> None:
-    for snippet in snippets(README):
+@pytest.mark.parametrize(
+    "stack", stacks(snippets(README)), ids=lambda group: f"line{group[0].line}"
+)
+def test_every_readme_block_runs_as_written(scratch: Scratch, stack: list[Snippet]) -> None:
+    for snippet in stack:
         if snippet.kind == "skip":
             continue
         if snippet.kind == "services":

@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Snippet", "commands", "snippets"]
+__all__ = ["Snippet", "commands", "snippets", "stacks"]
 
 RUNNABLE = ("sh", "python")
 _DIRECTIVE = re.compile(r"<!--\s*readme-test:\s*(?P<kind>\w+)\s*(?P<arg>.*?)\s*-->")
@@ -66,6 +66,18 @@ def snippets(readme: Path) -> list[Snippet]:
             found.append(Snippet(lang, code, start + 1, kind, arg))
         i = end + 1
     return found
+
+
+def stacks(found: list[Snippet]) -> list[list[Snippet]]:
+    """The blocks grouped by the stack they talk to: each ``services`` block with the blocks
+    after it, up to the next one (those before the first: a group of their own); a group whose
+    blocks are all skipped is left out. Each group runs on its own, in a directory of its own."""
+    groups: list[list[Snippet]] = [[]]
+    for snippet in found:
+        if snippet.kind == "services":
+            groups.append([])
+        groups[-1].append(snippet)
+    return [group for group in groups if any(s.kind != "skip" for s in group)]
 
 
 def commands(sh: str) -> list[str]:
