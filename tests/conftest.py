@@ -100,6 +100,10 @@ SLOW = {
     "integration/test_verl.py": 43,
     "integration/test_base_install.py": 37,
     "integration/test_tensordict_compat.py": 34,
+    # 117 on a busy machine (issue 38): a served run exported as ATIF, validated by Harbor's
+    # models, imported and folded again; the documents, their validation and the import's
+    # refusals without a stack: unit/test_atif, unit/test_atif_files.
+    "e2e/test_atif.py": 117,
     # ~60 (three collections of the whole suite): the check of this split itself.
     "test_suite_split.py": 60,
 }
