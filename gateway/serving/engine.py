@@ -131,10 +131,11 @@ class TurnEngine:
         alias (None, as Chat Completions and Responses allow: the served one)."""
         if model is None or self.names.resolve(model) is not None:
             return
-        head = model.split("-", 1)[0]
-        pattern = f"{head}-*" if head != model else model
+        shown = model if len(model) <= 120 else model[:120] + "..."  # a name is the client's
+        head = shown.split("-", 1)[0]
+        pattern = f"{head}-*" if head != shown else shown
         raise ModelNotFound(
-            f"model {model!r} is not served here; this gateway serves {self.model_name!r} "
+            f"model {shown!r} is not served here; this gateway serves {self.model_name!r} "
             f"(GET /v1/models): ask for it by that name, or start the gateway with "
             f"--model-aliases '{pattern}={self.model_name}' to answer such names with it",
             param="model",

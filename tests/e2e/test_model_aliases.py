@@ -117,6 +117,10 @@ def test_a_name_no_alias_matches_is_still_a_404_naming_the_setting(
     with pytest.raises(anthropic.NotFoundError) as not_served:
         claude.messages.create(model="Claude-Sonnet", max_tokens=8, messages=HI)  # case counts
     assert "--model-aliases" in str(not_served.value)
+    long_name = "ü" * 50_000  # a client's name, shown cut in the message
+    with pytest.raises(openai.NotFoundError) as too_long:
+        client.chat.completions.create(model=long_name, messages=HI, max_tokens=8)
+    assert len(str(too_long.value)) < 2_000, len(str(too_long.value))
     info = httpx.get(f"{gateway.url}/v1/sessions/{session['session_id']}", timeout=10).json()
     assert info["turns"] == 0
 
