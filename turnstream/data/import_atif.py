@@ -39,20 +39,11 @@ from rich.console import Console
 
 from consumers.atif_events import ImportedSession, session_events
 from consumers.errors import AtifRefused
-from eventlog import JetStreamPublisher
-from eventlog.reader import msg_id_counts
 from schemas.codec import Codec
-from schemas.ids import EVENT_SUBJECT_PREFIX, ID_PATTERN
+from schemas.ids import ID_PATTERN
 from schemas.routing import route
 from turnstream.data.atif_files import gather
-from turnstream.data.progress import progress_bar
-from turnstream.data.replay import (
-    ReplayItem,
-    ReplayReport,
-    due_times,
-    publish_paced,
-    unstored,
-)
+from turnstream.data.replay import ReplayItem, ReplayReport, publish_unstored
 from turnstream.stack.event_log import open_log
 from turnstream.stack.settings import PublishingSettings
 from turnstream.stack.stack_file import join_stack
@@ -113,26 +104,10 @@ async def import_atif(
         for event in session.events:
             subject, msg_id = route(event)
             items.append(ReplayItem(subject, codec.encode(event), msg_id, event.created_at))
-    stream = settings.log.names.events
     async with open_log(settings, name="turnstream-import-atif") as event_log:
         report = ReplayReport("atif", settings.run, event_log.url, len(items))
-        held = await msg_id_counts(event_log.js, stream, f"{EVENT_SUBJECT_PREFIX}.{settings.run}.>")
-        todo = unstored(items, held)
-        report.already_stored = len(items) - len(todo)
-        publisher = await JetStreamPublisher(event_log.nc, settings.publisher, codec).start()
-        try:
-            label = f"importing {len(sessions)} ATIF trajectories into run {settings.run}"
-            with progress_bar(label, console, enabled=progress) as bar:
-                task = bar.add_task("events", total=len(todo))
-                await publish_paced(
-                    publisher,
-                    todo,
-                    due_times(todo, "max"),
-                    report,
-                    lambda n: bar.update(task, advance=n),
-                )
-        finally:
-            await publisher.close()
+        label = f"importing {len(sessions)} ATIF trajectories into run {settings.run}"
+        await publish_unstored(event_log, settings, items, report, label, "max", progress)
     return sessions, passed_over, report
 
 

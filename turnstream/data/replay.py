@@ -75,7 +75,7 @@ from schemas.ids import EVENT_SUBJECT_PREFIX, ID_PATTERN
 from turnstream.data.progress import progress_bar
 from turnstream.data.regenerate import LOGPROB_TOLERANCE
 from turnstream.data.regenerate_command import regenerate_recording
-from turnstream.stack.event_log import open_log
+from turnstream.stack.event_log import EventLog, open_log
 from turnstream.stack.settings import PublishingSettings
 from turnstream.stack.stack_file import join_stack
 
@@ -87,6 +87,7 @@ __all__ = [
     "due_times",
     "plan_replay",
     "publish_paced",
+    "publish_unstored",
     "replay_recording",
     "unstored",
 ]
@@ -239,7 +240,6 @@ async def replay_recording(
     plan = await asyncio.to_thread(
         plan_replay, recording, into, Codec(max_payload=settings.log.max_payload)
     )
-    stream = settings.log.names.events
     async with open_log(settings, name="turnstream-replay") as event_log:
         report = ReplayReport(
             plan.source_run,
@@ -248,26 +248,41 @@ async def replay_recording(
             len(recording.events),
             without_msg_id=plan.without_msg_id,
         )
-        held = await msg_id_counts(event_log.js, stream, f"{EVENT_SUBJECT_PREFIX}.{plan.run}.>")
-        todo = unstored(plan.items, held)
-        report.already_stored = len(plan.items) - len(todo)
-        publisher = await JetStreamPublisher(
-            event_log.nc, settings.publisher, Codec(max_payload=settings.log.max_payload)
-        ).start()
-        try:
-            label = f"replaying run {plan.source_run} into run {plan.run}"
-            with progress_bar(label, console, enabled=progress) as bar:
-                task = bar.add_task("events", total=len(todo))
-                await publish_paced(
-                    publisher,
-                    todo,
-                    due_times(todo, rate),
-                    report,
-                    lambda n: bar.update(task, advance=n),
-                )
-        finally:
-            await publisher.close()
+        label = f"replaying run {plan.source_run} into run {plan.run}"
+        await publish_unstored(event_log, settings, plan.items, report, label, rate, progress)
     return report
+
+
+async def publish_unstored(
+    event_log: EventLog,
+    settings: PublishingSettings,
+    items: Sequence[ReplayItem],
+    report: ReplayReport,
+    label: str,
+    rate: str,
+    progress: bool,
+) -> None:
+    """Publish those of ``items`` whose Msg-Id ``report.run`` does not hold yet, paced at
+    ``rate``, under a progress bar: a replay's and an import's last step (``report`` counts)."""
+    stream = settings.log.names.events
+    held = await msg_id_counts(event_log.js, stream, f"{EVENT_SUBJECT_PREFIX}.{report.run}.>")
+    todo = unstored(items, held)
+    report.already_stored = len(items) - len(todo)
+    publisher = await JetStreamPublisher(
+        event_log.nc, settings.publisher, Codec(max_payload=settings.log.max_payload)
+    ).start()
+    try:
+        with progress_bar(label, console, enabled=progress) as bar:
+            task = bar.add_task("events", total=len(todo))
+            await publish_paced(
+                publisher,
+                todo,
+                due_times(todo, rate),
+                report,
+                lambda n: bar.update(task, advance=n),
+            )
+    finally:
+        await publisher.close()
 
 
 async def publish_paced(
