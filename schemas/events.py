@@ -19,6 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from schemas.ids import validate_id
+from schemas.images import ImageRef
 from schemas.spans import generated_runs, token_arrays
 
 SCHEMA_VERSION = 1
@@ -137,6 +138,11 @@ class TurnCompleted(_Event, tag="TurnCompleted", kw_only=True):
     # every token at ``weight_version``. A turn the backend aborted and the gateway continued
     # (DESIGN §4) has one pair per version; ``weight_version`` is then the oldest known one.
     version_spans: list[tuple[int | None, int]] | None = None
+    # The images whose placeholder tokens lie in ``prompt_ids`` (the part after the shared
+    # prefix), in order, offsets counted in the full prompt (schemas.images): the full prompt's
+    # images are the parent's inside the prefix + these (``schemas.images.prompt_images``).
+    # Their bytes are in the log's object store under their digest. [] in text-only turns.
+    images: list[ImageRef] = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -157,6 +163,8 @@ class TurnCompleted(_Event, tag="TurnCompleted", kw_only=True):
             )
         if self.version_spans is not None:
             _check_version_spans(self.version_spans, len(self.completion_ids))
+        if self.images:
+            _check_images(self.images, self.prefix_len, self.prefix_len + len(self.prompt_ids))
 
     def token_versions(self) -> Int32Array:
         """Each completion token's policy version (``UNKNOWN_VERSION`` where unknown)."""
@@ -316,6 +324,18 @@ class TrajectoryReady(_Event, tag="TrajectoryReady", kw_only=True):
 
 def _integer(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)  # JSON true is no number
+
+
+def _check_images(images: list[ImageRef], start: int, end: int) -> None:
+    """A turn's own images lie in its prompt's new ids, in order, apart."""
+    at = start
+    for ref in images:
+        if ref.offset < at or ref.end > end:
+            raise ValueError(
+                f"image {ref.sha256[:12]} at tokens {ref.offset}..{ref.end} is outside the "
+                f"turn's new prompt ids {start}..{end} or overlaps the image before it"
+            )
+        at = ref.end
 
 
 def _check_version_spans(spans: list[tuple[int | None, int]], n: int) -> None:

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import Literal, NamedTuple, Protocol, runtime_checkable
 
 import msgspec
 import numpy as np
 
+from schemas.images import ImageRef
 from schemas.sampling import is_greedy
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "GenerationChunk",
     "JsonHead",
     "Prompt",
+    "PromptImage",
     "SamplingParams",
     "TopLogprob",
     "needs_processed_logprobs",
@@ -33,6 +35,15 @@ JsonHead = tuple[bytes | memoryview, ...]
 
 
 _JSON = msgspec.json.Encoder()
+
+
+class PromptImage(NamedTuple):
+    """An image of a prompt as a backend takes it: where its placeholder tokens sit in the
+    prompt's ids (already expanded, as the model's processor expands them) and its bytes as the
+    client sent them (checked at the API edge: a decodable PNG, JPEG, GIF or WebP)."""
+
+    ref: ImageRef
+    data: bytes
 
 
 class Prompt:
@@ -53,12 +64,19 @@ class Prompt:
     (b'[1,2,3,4,5,6]', True, False)
     """
 
-    __slots__ = ("_head", "_head_len", "_json", "_list", "ids")
+    __slots__ = ("_head", "_head_len", "_json", "_list", "ids", "images")
 
     def __init__(
-        self, ids: Sequence[int] | np.ndarray, *, head: JsonHead = (), head_len: int = 0
+        self,
+        ids: Sequence[int] | np.ndarray,
+        *,
+        head: JsonHead = (),
+        head_len: int = 0,
+        images: tuple[PromptImage, ...] = (),
     ) -> None:
         self.ids: np.ndarray = np.asarray(ids, dtype=np.int32)
+        # The images the ids' placeholder runs stand for, in order ((): a text prompt).
+        self.images = images
         # A list given is kept: encoding it needs no conversion from the array.
         self._list: list[int] | None = ids if isinstance(ids, list) else None
         if head_len > len(self.ids) or (head_len > 0) != bool(head):
@@ -88,8 +106,9 @@ class Prompt:
         """
         ids = np.concatenate([self.ids, np.asarray(more, dtype=np.int32)])
         if self._json is not None and len(self.ids):
-            return Prompt(ids, head=(memoryview(self._json)[:-1],), head_len=len(self.ids))
-        return Prompt(ids, head=self._head, head_len=self._head_len)
+            head: JsonHead = (memoryview(self._json)[:-1],)
+            return Prompt(ids, head=head, head_len=len(self.ids), images=self.images)
+        return Prompt(ids, head=self._head, head_len=self._head_len, images=self.images)
 
     def tolist(self) -> list[int]:
         if self._list is None:
