@@ -148,7 +148,8 @@ def _vl_tokenizer() -> PreTrainedTokenizerFast:
 
 def _build_model(tokenizer: PreTrainedTokenizerFast, seed: int) -> PreTrainedModel:
     import torch
-    from transformers import GenerationConfig, Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers import GenerationConfig
+    from transformers.models.qwen2_vl import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in (*VISION_TOKENS, ENDOFTEXT, IM_END)}
     assert all(isinstance(i, int) for i in ids.values())
