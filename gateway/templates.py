@@ -24,9 +24,12 @@ import numpy as np
 
 from gateway.core.conversation import arguments_object
 from gateway.errors import InvalidRequest
+from schemas.images import image_parts
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+    from gateway.images.vision import VisionSpec
 
 __all__ = ["ChatTemplate", "load_tokenizer", "template_messages"]
 
@@ -70,17 +73,23 @@ class ChatTemplate:
         stop_token_ids: Sequence[int] = (),
         *,
         max_context: int | None = None,
+        vision: VisionSpec | None = None,
     ) -> None:
         """``max_context``: the served context length. The serving code refuses longer prompts
         itself (413, ``ContextLengthExceeded``), so the tokenizer's own limit is lifted: with it
         transformers warned about any longer encoding ("30994 > 4096" where the model served
         takes 32k, or a refused over-context prompt: "running this sequence through the model
-        will result in indexing errors", though nothing ran)."""
+        will result in indexing errors", though nothing ran).
+
+        ``vision``: the served model's image placeholder (None: a text model, which refuses
+        image parts): every id this template returns has each image's placeholder expanded as
+        the model's processor expands it (``gateway.images.vision``)."""
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat_template; serve a chat model")
         if max_context is not None:
             tokenizer.model_max_length = sys.maxsize
         self.tokenizer = tokenizer
+        self.vision = vision
         self.hash = hashlib.sha256(str(tokenizer.chat_template).encode()).hexdigest()[:16]
         eos = tokenizer.eos_token_id
         ids = list(stop_token_ids) + ([eos] if isinstance(eos, int) else [])
@@ -122,7 +131,38 @@ class ChatTemplate:
                 )
         except Exception as exc:  # jinja raises anything: a template error is the request's
             raise InvalidRequest(f"the chat template cannot render these messages: {exc}") from exc
-        return str(text)
+        rendered = str(text)
+        if self.vision is not None:
+            self._check_placeholders(rendered, messages)
+        return rendered
+
+    def _check_placeholders(self, rendered: str, messages: Sequence[JSON]) -> None:
+        """Each image placeholder of a render stands for an image part: text holding the
+        model's image token would take an image's place (and its pixels another's)."""
+        assert self.vision is not None
+        token = self.vision.image_token
+        found = rendered.count(token)
+        images = sum(1 for _ in image_parts(messages))
+        if found != images:
+            raise InvalidRequest(
+                f"the messages render {found} image placeholders ({token}) for {images} "
+                f"images: a message's text holds the model's image token {token!r}; remove it "
+                "from the text",
+                param="messages",
+            )
+
+    def _expanded(self, ids: list[int], messages: Sequence[JSON]) -> list[int]:
+        """``ids`` (the encoding of a render's tail, or of all of it) with their image
+        placeholders expanded: the tail's k placeholders are the conversation's last k images
+        (a render's tail is its last messages)."""
+        if self.vision is None:
+            return ids
+        pad = self.vision.image_token_id
+        k = ids.count(pad)
+        if not k:
+            return ids
+        parts = list(image_parts(messages))
+        return self.vision.expand(ids, parts[len(parts) - k :] if k <= len(parts) else parts)
 
     def min_tokens(self, chars: int) -> int:
         """A lower bound on the tokens of ``chars`` characters of text."""
@@ -141,7 +181,11 @@ class ChatTemplate:
 
     def prompt_ids(self, messages: Sequence[JSON], tools: list[JSON] | None) -> list[int]:
         """The full render of a conversation, ready for the model's reply."""
-        return self.encode(self.render(messages, tools, generation=True))
+        return self.prompt_ids_of(self.render(messages, tools, generation=True), messages)
+
+    def prompt_ids_of(self, rendered: str, messages: Sequence[JSON]) -> list[int]:
+        """The ids of ``rendered``, the render of ``messages`` (images expanded)."""
+        return self._expanded(self.encode(rendered), messages)
 
     def extension_ids(
         self, context_text: Sequence[str], messages: Sequence[JSON], tools: list[JSON] | None
@@ -161,7 +205,7 @@ class ChatTemplate:
             if not full.startswith(part, at):
                 return None, full
             at += len(part)
-        return self.encode(full[at:]), full
+        return self._expanded(self.encode(full[at:]), messages), full
 
     def continuation_ids(
         self,
@@ -174,7 +218,8 @@ class ChatTemplate:
         holds ``new_messages``; None when the template does not render them as a pure suffix
         (then the caller renders the whole conversation, and the turn forks)."""
         base = self.render(conversation, tools, generation=False)
-        full = self.render([*conversation, *new_messages], tools, generation=True)
+        messages = [*conversation, *new_messages]
+        full = self.render(messages, tools, generation=True)
         if not full.startswith(base):
             return None
         tail = self.turn_end_text
@@ -183,7 +228,7 @@ class ChatTemplate:
             sampled = self.decode([last], skip_special_tokens=False)
             if tail.startswith(sampled):
                 tail = tail[len(sampled) :]
-        return self.encode(tail + full[len(base) :])
+        return self._expanded(self.encode(tail + full[len(base) :]), messages)
 
 
 def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:

@@ -38,6 +38,7 @@ __all__ = [
     "image_parts",
     "part_digest",
     "prompt_images",
+    "sniff_mime",
 ]
 
 JSON = dict[str, Any]
@@ -49,6 +50,23 @@ _PREFIX = "sha256:"
 def content_digest(data: bytes | memoryview) -> str:
     """The name of an image's bytes: their SHA-256, 64 lowercase hex digits."""
     return hashlib.sha256(data).hexdigest()
+
+
+_MAGIC = (
+    (b"\x89PNG\r\n\x1a\n", "image/png"),
+    (b"\xff\xd8\xff", "image/jpeg"),
+    (b"GIF87a", "image/gif"),
+    (b"GIF89a", "image/gif"),
+)
+
+
+def sniff_mime(data: bytes | memoryview) -> str:
+    """The media type of an image's bytes by their signature ("" for none known): PNG, JPEG,
+    GIF, WebP (the formats the gateway takes)."""
+    head = bytes(data[:12])
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return "image/webp"
+    return next((mime for magic, mime in _MAGIC if head.startswith(magic)), "")
 
 
 def image_part(digest: str, width: int, height: int) -> JSON:

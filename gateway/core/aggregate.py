@@ -68,6 +68,7 @@ from gateway.core.agents import SIDE_CLASSES
 from gateway.core.conversation import MessageKey, message_key, message_keys
 from gateway.frozen import evolved
 from schemas.delta import (
+    PromptDelta,
     common_prefix_len,
     context_ids,
     conversation_items,
@@ -75,6 +76,7 @@ from schemas.delta import (
     encode_delta,
 )
 from schemas.events import SessionClosed, SessionEvent, SessionOpened, TurnCompleted
+from schemas.images import ImageRef, prompt_images
 
 __all__ = [
     "Kept",
@@ -118,6 +120,8 @@ class TurnNode:
     keys: tuple[MessageKey, ...]  # message_key of each message of ``conversation``
     tools: list[JSON] | None
     continued: bool = False  # a later turn extends it: no longer the tip of a conversation
+    # The images of its full prompt, in order (schemas.images.prompt_images); () for text.
+    images: tuple[ImageRef, ...] = ()
 
     @property
     def turn(self) -> int:
@@ -213,6 +217,7 @@ class TurnDraft:
     reply_id: str = ""  # TurnCompleted.reply_id: the request's own id, made before its index
     agent: JSON = field(default_factory=dict)  # TurnCompleted.agent
     client_gone: bool = False  # TurnCompleted.client_gone
+    images: Sequence[ImageRef] = ()  # the images of the whole prompt, in order
 
 
 # -- the delta base of a turn that continues none ------------------------------------------
@@ -255,6 +260,9 @@ def turn_event(state: SessionState, draft: TurnDraft) -> TurnCompleted:
         message_keys=map(message_key, draft.messages) if draft.keys is None else draft.keys,
         shared=draft.prefix_len if parent == draft.parent_turn else None,
     )
+    own: list[ImageRef] = []
+    if draft.images or (node is not None and node.images):
+        delta, own = _with_images(delta, draft, () if node is None else node.images)
     return TurnCompleted(
         run=state.run,
         session=state.id,
@@ -287,7 +295,29 @@ def turn_event(state: SessionState, draft: TurnDraft) -> TurnCompleted:
         reply_id=draft.reply_id,
         agent=draft.agent,
         client_gone=draft.client_gone,
+        images=own,
     )
+
+
+def _with_images(
+    delta: PromptDelta, draft: TurnDraft, parent: Sequence[ImageRef]
+) -> tuple[PromptDelta, list[ImageRef]]:
+    """The delta and the turn's own images (those after its prefix), the prefix cut before the
+    first image it does not share with the parent: two images of one size are the same
+    placeholder tokens, so a prefix shared by tokens alone may hold another image than the
+    parent's (or end inside one)."""
+    cut = delta.prefix_len
+    inherited = {(r.offset, r.sha256, r.length) for r in parent if r.end <= cut}
+    for ref in draft.images:
+        if ref.offset >= cut:
+            break
+        if ref.end > cut or (ref.offset, ref.sha256, ref.length) not in inherited:
+            cut = ref.offset
+            break
+    if cut < delta.prefix_len:
+        ids = np.asarray(draft.prompt_ids, dtype=np.int32)
+        delta = delta._replace(prefix_len=cut, prompt_ids=ids[cut:].copy())
+    return delta, [ref for ref in draft.images if ref.offset >= cut]
 
 
 def apply(
@@ -396,6 +426,7 @@ def _node(
         conversation_items(conversation, event),
         (*keys, *new_keys, message_key(event.assistant_message)),
         inherited if event.tools is None else (event.tools or None),
+        images=_turn_images(parent, event),
     )
     if parent is not None and event.prefix_len == len(context):
         shared = context
@@ -409,6 +440,15 @@ def _node(
         side = event.agent.get("request_class") in SIDE_CLASSES
         parent = evolved(parent, context_ids=shared, continued=parent.continued or not side)
     return node, parent
+
+
+def _turn_images(parent: TurnNode | None, event: TurnCompleted) -> tuple[ImageRef, ...]:
+    """A turn's whole prompt's images: its parent's inside its prefix, then its own."""
+    if not event.images and (parent is None or not parent.images):
+        return ()
+    return tuple(
+        prompt_images(() if parent is None else parent.images, event.prefix_len, event.images)
+    )
 
 
 def fold(events: Iterable[SessionEvent], *, kept: Kept | None = None) -> SessionState | None:

@@ -19,7 +19,7 @@ rendered prompt, not the bytes a client sent.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -33,6 +33,7 @@ __all__ = [
     "message_key",
     "message_keys",
     "same_messages",
+    "text_chars",
 ]
 
 JSON = dict[str, Any]
@@ -64,6 +65,10 @@ class TurnRequest:
     extras: JSON = field(default_factory=dict)
     # Who in the session's tree of agents asks (from the client's headers); None: it said nothing.
     agent: AgentIdentity | None = None
+    # The bytes of the messages' image parts (schemas.images), by digest, as decoded and
+    # checked at the edge; {} for a text conversation. Not part of the record: events name
+    # images by digest, their bytes go to the log's object store.
+    images: Mapping[str, bytes] = field(default_factory=dict)
 
     @cached_property
     def keys(self) -> tuple[MessageKey, ...]:
@@ -128,10 +133,33 @@ def message_key(message: JSON) -> MessageKey:
         )
         for c in message.get("tool_calls") or ()
     )
+    content = message.get("content") or ""
     return (
         message.get("role"),
-        message.get("content") or "",
+        content if isinstance(content, str) else _content_key(content),
         calls,
         message.get("tool_call_id"),
         message.get("name"),
     )
+
+
+def _content_key(parts: object) -> tuple[object, ...]:
+    """A content given as parts (a conversation with images, schemas.images): its text parts'
+    texts and its images' digests, in order (an image's size follows from its bytes)."""
+    if not isinstance(parts, list):
+        return (repr(parts),)
+    return tuple(
+        ("image", p.get("image")) if p.get("type") == "image" else p.get("text")
+        for p in parts
+        if isinstance(p, dict)
+    )
+
+
+def text_chars(message: JSON) -> int:
+    """The characters of a message's text content (its text parts' where it has parts)."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(len(p.get("text") or "") for p in content if isinstance(p, dict))
+    return 0

@@ -21,23 +21,24 @@ import hashlib
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from eventlog import AppendRefused, Publisher
-from gateway.backends.interface import Backend, Prompt, SamplingParams
+from gateway.backends.interface import Backend, Prompt, PromptImage, SamplingParams
 from gateway.core.agents import AgentIdentity
 from gateway.core.aggregate import SessionState, TurnDraft, prefix_parent, turn_event
 from gateway.core.branches import attachment, continued_turn, placement
-from gateway.core.conversation import MessageKey
+from gateway.core.conversation import MessageKey, text_chars
 from gateway.core.session_store import ContextCache, Session, SessionLog, SessionStore
 from gateway.core.versions import VersionTimeline
 from gateway.decoding import Detokenizer
-from gateway.errors import ContextLengthExceeded, ModelNotFound
+from gateway.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound
 from gateway.frozen import evolved
+from gateway.images.uploads import ImageUploads
 from gateway.metrics import GatewayMetrics
 from gateway.serving.generating import SEED_MASK, Generating
 from gateway.serving.model_names import ModelAlias, ModelNames
@@ -46,6 +47,7 @@ from gateway.templates import ChatTemplate
 from gateway.tools import ToolCallParser
 from schemas.errors import EventLogUnavailable
 from schemas.events import SessionEvent, TurnCompleted
+from schemas.images import image_parts
 
 __all__ = ["TurnEngine", "derived_seed", "sampling_record"]
 
@@ -56,6 +58,7 @@ JSON = dict[str, Any]
 _OFF_LOOP_CHARS = 64 * 1024
 _OFF_LOOP_MESSAGES = 512
 _NO_CACHE = ContextCache()
+_NO_IMAGES: Mapping[str, bytes] = {}
 
 
 class TurnEngine:
@@ -77,6 +80,7 @@ class TurnEngine:
         timeline: VersionTimeline | None = None,
         policy_version: Callable[[], Awaitable[int]] | None = None,
         model_aliases: Sequence[ModelAlias] = (),
+        images: ImageUploads | None = None,
     ) -> None:
         self.template = template
         self.backend = backend
@@ -91,6 +95,9 @@ class TurnEngine:
         # The sessions and the log behind them: appends state what they expect of it, and a
         # refused one catches up (None: no log, as in tests of the core).
         self.store = store
+        # Where a turn's images go before its event (the log's object store; None: nowhere,
+        # as in tests of the core without a log).
+        self.images = images
         # This gateway's name among a fleet's, mixed into derived seeds (derived_seed).
         self.instance = instance
         # --allow-raw-logprobs: a raw-mode replica serves any sampling, its turns marked "raw".
@@ -150,14 +157,16 @@ class TurnEngine:
         tools: list[JSON] | None,
         keys: Sequence[MessageKey],
         agent: AgentIdentity | None = None,
+        images: Mapping[str, bytes] = _NO_IMAGES,
     ) -> ChatPrompt:
         """The prompt and the parent turn, from a snapshot of the session's state: the kept turn
         the request continues (``placement``: by ``agent``'s identity, then its tokens),
         continued token for token (its context ids, as an array, + the new messages' ids; its
         cached JSON text too), else the rendered conversation and its delta base (a fork's
         spawning turn; else the kept turn sharing the longest token prefix with it; -1: none).
-        ``keys``: the messages' (``TurnRequest.keys``)."""
-        chars = sum(len(m.get("content") or "") for m in messages)
+        ``keys``: the messages' (``TurnRequest.keys``); ``images``: the bytes of their image
+        parts, by digest (``TurnRequest.images``)."""
+        chars = sum(text_chars(m) for m in messages)
         least = self.template.min_tokens(chars)
         if least > self.backend.max_context:
             raise ContextLengthExceeded(
@@ -165,12 +174,19 @@ class TurnEngine:
                 f"model's context length of {self.backend.max_context} tokens",
                 param="messages",
             )
+        if images and self.template.vision is None:
+            raise InvalidRequest(
+                f"model {self.model_name!r} takes no images (its directory has no image "
+                "processor, preprocessor_config.json): send text only, or serve a "
+                "vision-language model",
+                param="messages",
+            )
         state = session.state  # immutable: the snapshot this turn is prepared from
         if chars > _OFF_LOOP_CHARS or len(messages) > _OFF_LOOP_MESSAGES:
             return await asyncio.to_thread(
-                self._chat_prompt, session, state, messages, tools, keys, agent
+                self._chat_prompt, session, state, messages, tools, keys, agent, images
             )
-        return self._chat_prompt(session, state, messages, tools, keys, agent)
+        return self._chat_prompt(session, state, messages, tools, keys, agent, images)
 
     def _chat_prompt(
         self,
@@ -180,6 +196,7 @@ class TurnEngine:
         tools: list[JSON] | None,
         keys: Sequence[MessageKey],
         agent: AgentIdentity | None,
+        images: Mapping[str, bytes],
     ) -> ChatPrompt:
         place = placement(state, messages, tools, keys, agent)
         recorded = place.record(agent)
@@ -201,14 +218,29 @@ class TurnEngine:
             if suffix is not None:
                 context = node.context_ids
                 ids = np.concatenate([context, np.asarray(suffix, dtype=np.int32)])
-                prompt = Prompt(ids, head=head, head_len=len(context) if head else 0)
+                prompt = Prompt(
+                    ids,
+                    head=head,
+                    head_len=len(context) if head else 0,
+                    images=self._images(ids, messages, images),
+                )
                 said = full if rendered else None
                 return ChatPrompt(prompt, node.turn, len(context), said, recorded, place.unsure)
         if full is None:
             full = self.template.render(messages, tools, generation=True)
-        prompt = Prompt(self.template.encode(full))
+        encoded = self.template.prompt_ids_of(full, messages)
+        prompt = Prompt(encoded, images=self._images(encoded, messages, images))
         base = place.base if place.base is not None else prefix_parent(state, prompt.ids)
         return ChatPrompt(prompt, base, None, full, recorded, place.unsure)
+
+    def _images(
+        self, ids: Sequence[int] | np.ndarray, messages: list[JSON], images: Mapping[str, bytes]
+    ) -> tuple[PromptImage, ...]:
+        """The images of a chat prompt's ids (() for a text prompt)."""
+        vision = self.template.vision
+        if vision is None:
+            return ()
+        return vision.locate(np.asarray(ids), list(image_parts(messages)), images)
 
     def params(
         self,
@@ -334,7 +366,10 @@ class TurnEngine:
             keys=turn.keys,
             reply_id=turn.reply_id,
             agent=turn.agent,
+            images=tuple(image.ref for image in turn.prompt.images),
         )
+        if turn.prompt.images:
+            await self._store_images(turn)
         async with session.lock:
             session.ensure_open()  # closed while this turn generated: it is not recorded
             if client_gone is not None and client_gone():
@@ -355,6 +390,17 @@ class TurnEngine:
         self.metrics.tokens_out.inc(len(detok.ids))
         self.metrics.turns.labels(turn.kind).inc()
         return TurnResult.of(event, detok, tools_parsed=turn.parse_tools)
+
+    async def _store_images(self, turn: Turn) -> None:
+        """Put the turn's new images (those after the kept context it continues; all of them
+        for a turn that continues none) in the log's object store, before the event that names
+        them is published: a stored event never names a missing image."""
+        if self.images is None:
+            return
+        after = turn.prefix_len or 0
+        for image in turn.prompt.images:
+            if image.ref.offset >= after:
+                await self.images.put(image.data, image.ref.sha256)
 
     async def _append(self, session: Session, draft: TurnDraft) -> TurnCompleted:
         """``draft`` as the session's next turn: published stating the session's last sequence

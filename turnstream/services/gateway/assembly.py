@@ -27,6 +27,7 @@ from gateway.core.aggregate import Kept
 from gateway.core.session_store import SessionLog, SessionStore
 from gateway.core.versions import VersionTimeline
 from gateway.http.app import create_app
+from gateway.images import VisionSpec
 from gateway.http.guard import BodyLimits
 from gateway.metrics import GatewayMetrics
 from gateway.serving import SessionService, TurnEngine
@@ -182,6 +183,10 @@ async def build_gateway(settings: GatewaySettings, event_log: EventLog) -> Async
         raise TurnstreamError(f"--model-aliases: {exc}") from None
     tokenizer = load_tokenizer(model_dir)
     stop_ids = stop_token_ids(model_dir)
+    try:  # a model that takes images: its placeholder and its processor's sizing rule
+        vision = VisionSpec.load(model_dir)
+    except ValueError as exc:
+        raise TurnstreamError(f"--model {model_dir}: {exc}") from None
     backend = build_backend(settings, model_dir, name)
     await _probe_logprobs(backend)
     outbox = (
@@ -230,7 +235,9 @@ async def build_gateway(settings: GatewaySettings, event_log: EventLog) -> Async
         kept=Kept(settings.session_turns_kept, settings.session_tokens_kept),
     )
     engine = TurnEngine(
-        template=ChatTemplate(tokenizer, stop_token_ids=stop_ids, max_context=backend.max_context),
+        template=ChatTemplate(
+            tokenizer, stop_token_ids=stop_ids, max_context=backend.max_context, vision=vision
+        ),
         backend=backend,
         publisher=publisher,
         parser=get_parser(settings.tool_parser),

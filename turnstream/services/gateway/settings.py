@@ -25,6 +25,7 @@ from turnstream.stack.settings import PublishingSettings
 __all__ = ["GatewaySettings"]
 
 log = logging.getLogger(__name__)
+TINY_VL = "tiny-vl"  # --model's name for the built-in tiny vision-language model
 
 
 class GatewaySettings(PublishingSettings):
@@ -41,7 +42,8 @@ class GatewaySettings(PublishingSettings):
     model: Path | None = Field(
         None,
         description="local HF model dir (tokenizer + chat template; weights for local); "
-        "unset: the built-in tiny model, created on first use",
+        "unset: the built-in tiny model, created on first use; 'tiny-vl': the built-in tiny "
+        "vision-language model (Qwen2-VL), created on first use",
     )
     model_name: str | None = Field(
         None,
@@ -215,6 +217,10 @@ class GatewaySettings(PublishingSettings):
 
     @property
     def model_dir(self) -> Path:
+        if self.model is not None and self.model == Path(TINY_VL) and not self.model.exists():
+            from gateway.model import ensure_tiny_vl_model
+
+            return ensure_tiny_vl_model(self.data_dir / "models")
         if self.model is not None:
             return self.model
         try:
