@@ -46,6 +46,15 @@ class CompletionServing:
                     f"token id {max(prompt_ids)} is outside the vocabulary (0..{vocab - 1})",
                     param="prompt",
                 )
+        vision = engine.template.vision
+        if vision is not None and vision.image_token_id in prompt_ids:
+            # A placeholder with no image behind it: the backend would read pixels it lacks.
+            raise InvalidRequest(
+                f"the prompt holds the model's image placeholder {vision.image_token!r} (id "
+                f"{vision.image_token_id}); /v1/completions takes text only: send images as "
+                "image parts through chat/completions, messages or responses",
+                param="prompt",
+            )
         top = req.logprobs or 0
         params = engine.params(
             session, len(prompt_ids), req.max_tokens, req.temperature, req.top_p, req.seed, top
