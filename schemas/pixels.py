@@ -71,7 +71,7 @@ def decode_rgb(data: bytes | memoryview) -> Image:
     try:
         with PILImage.open(io.BytesIO(data)) as image:
             return image.convert("RGB")  # decodes it whole: a truncated file fails here
-    except (UnidentifiedImageError, OSError, SyntaxError) as exc:
+    except (UnidentifiedImageError, PILImage.DecompressionBombError, OSError, SyntaxError) as exc:
         raise ValueError(f"not a decodable image ({len(data)} bytes): {exc}") from exc
 
 

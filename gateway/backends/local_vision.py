@@ -103,6 +103,12 @@ class VisionReader:
         spans = [(image.ref.offset, image.ref.length) for image in prompt.images]
         try:
             inputs = image_inputs(self._processor, [image.data for image in prompt.images])
+            for i, (image, grid) in enumerate(zip(prompt.images, inputs.grid_thw, strict=True)):
+                if image.ref.grid and tuple(image.ref.grid) != tuple(grid.tolist()):
+                    raise ValueError(
+                        f"image {i}: its reference names the patch grid {tuple(image.ref.grid)}, "
+                        f"the model's image processor gives {tuple(grid.tolist())}"
+                    )
             check_placeholders(
                 prompt.ids, spans, inputs.placeholders, image_token_id=self._image_token_id
             )

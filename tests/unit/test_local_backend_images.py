@@ -25,6 +25,7 @@ from gateway.errors import InvalidRequest
 from gateway.model.tiny_vl import IMAGE_PAD, ensure_tiny_vl_model
 from schemas.images import ImageRef, content_digest, image_part
 from schemas.pixels import PROCESSOR_BACKEND, image_inputs
+from tests.helpers.generation import logprobs, tokens
 from tests.helpers.tiny_model import render_ids
 
 SAMPLINGS = [(0.0, 1.0), (0.7, 0.9), (1.0, 1.0)]
@@ -106,14 +107,6 @@ async def run(
     backend: LocalBackend, prompt: Prompt, params: SamplingParams
 ) -> list[GenerationChunk]:
     return [chunk async for chunk in backend.generate(prompt, params)]
-
-
-def tokens(chunks: list[GenerationChunk]) -> list[int]:
-    return [t for c in chunks for t in c.token_ids]
-
-
-def logprobs(chunks: list[GenerationChunk]) -> list[float]:
-    return [lp for c in chunks for lp in c.logprobs]
 
 
 def full_forward_scores(model_dir: Path, prompt: Prompt, completion: list[int]) -> torch.Tensor:
@@ -254,11 +247,16 @@ async def test_placeholders_that_do_not_fit_their_images_are_refused(
     # The run is there, but the image is another size (another grid: 4 tokens).
     small = png(60, 60, "red")
     await refused(ids, [PromptImage(ref, small)], "expands this image to 4")
+    # A grid recorded with the reference that is not the processor's.
+    gridded = ImageRef(ref.sha256, ref.offset, ref.length, ref.width, ref.height, grid=(1, 8, 4))
+    await refused(ids, [PromptImage(gridded, image.data)], r"grid \(1, 8, 4\).* \(1, 4, 8\)")
     # The ids at the offset are not the image token.
     moved = ImageRef(ref.sha256, ref.offset - 1, ref.length, ref.width, ref.height)
     await refused(ids, [PromptImage(moved, image.data)], f"should all be the image token {pad}")
     # An image token outside any image's placeholders.
     await refused([*ids, pad], [image], "outside an image's placeholders")
+    # An image the processor cannot take (too long and thin).
+    await refused(ids, [PromptImage(ref, png(2000, 8, "red"))], "aspect ratio")
     # Not an image at all.
     await refused(ids, [PromptImage(ref, b"GIF89a not really")], "not a decodable image")
     # Nothing ran: the backend still serves.
