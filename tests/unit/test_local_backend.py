@@ -27,6 +27,7 @@ from gateway.errors import (
     InvalidRequest,
 )
 from gateway.model import ensure_tiny_model
+from tests.helpers.generation import logprobs, tokens
 from tests.helpers.tiny_model import WEATHER_TOOLS, WEATHER_TRANSCRIPT, render_ids
 from tests.helpers.waiting import eventually
 
@@ -60,14 +61,6 @@ async def run(
     backend: LocalBackend, prompt: list[int], params: SamplingParams
 ) -> list[GenerationChunk]:
     return [chunk async for chunk in backend.generate(Prompt(prompt), params)]
-
-
-def tokens(chunks: list[GenerationChunk]) -> list[int]:
-    return [t for c in chunks for t in c.token_ids]
-
-
-def logprobs(chunks: list[GenerationChunk]) -> list[float]:
-    return [lp for c in chunks for lp in c.logprobs]
 
 
 def test_implements_the_backend_protocol(tiny_model_dir: Path) -> None:
