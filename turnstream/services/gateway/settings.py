@@ -85,7 +85,9 @@ class GatewaySettings(PublishingSettings):
         "empty: no auth",
     )
     metrics_auth: bool = Field(False, description="/metrics needs a key too (with --api-keys)")
-    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="request body limit")
+    # 64 MiB: a GUI agent resends its screenshots on every turn, as base64 (4/3 of their
+    # bytes); a history of 40 screenshots of ~1 MB is ~53 MB of body.
+    max_body_bytes: int = Field(64 * 1024 * 1024, ge=1024, description="request body limit")
     body_timeout_s: float = Field(30.0, gt=0, description="deadline to receive a request body")
     max_json_depth: int = Field(64, ge=4, le=512, description="deepest JSON nesting accepted")
     max_image_bytes: int = Field(
