@@ -163,6 +163,20 @@ async def _ensure_stream(js: JetStreamContext, want: js_api.StreamConfig) -> Pro
     return ProvisionAction(want.name, "updated", tuple(changed))
 
 
+async def _match_bucket(
+    js: JetStreamContext, bucket: str, live: js_api.StreamConfig, wanted: dict[str, Any]
+) -> ProvisionAction:
+    """Update the fields of a bucket's stream that differ from ``wanted`` (the stream's names)."""
+    changed = [f for f, v in wanted.items() if _norm(getattr(live, f)) != _norm(v)]
+    if not changed:
+        return ProvisionAction(bucket, "unchanged")
+    updated = js_api.StreamConfig.from_response(live.as_dict())
+    for field in changed:
+        setattr(updated, field, wanted[field])
+    await js.update_stream(config=updated)
+    return ProvisionAction(bucket, "updated", tuple(changed))
+
+
 async def _ensure_bucket(js: JetStreamContext, want: js_api.KeyValueConfig) -> ProvisionAction:
     stream = f"KV_{want.bucket}"
     try:
@@ -176,14 +190,7 @@ async def _ensure_bucket(js: JetStreamContext, want: js_api.KeyValueConfig) -> P
         "max_msgs_per_subject": want.history,
         "num_replicas": want.replicas,
     }
-    changed = [f for f, v in wanted.items() if _norm(getattr(live, f)) != _norm(v)]
-    if not changed:
-        return ProvisionAction(want.bucket, "unchanged")
-    updated = js_api.StreamConfig.from_response(live.as_dict())
-    for field in changed:
-        setattr(updated, field, wanted[field])
-    await js.update_stream(config=updated)
-    return ProvisionAction(want.bucket, "updated", tuple(changed))
+    return await _match_bucket(js, want.bucket, live, wanted)
 
 
 async def _ensure_object_store(
@@ -208,14 +215,7 @@ async def _ensure_object_store(
         "num_replicas": want.replicas,
         "description": want.description,
     }
-    changed = [f for f, v in wanted.items() if _norm(getattr(live, f)) != _norm(v)]
-    if not changed:
-        return ProvisionAction(want.bucket, "unchanged")
-    updated = js_api.StreamConfig.from_response(live.as_dict())
-    for field in changed:
-        setattr(updated, field, wanted[field])
-    await js.update_stream(config=updated)
-    return ProvisionAction(want.bucket, "updated", tuple(changed))
+    return await _match_bucket(js, want.bucket, live, wanted)
 
 
 async def provision(js: JetStreamContext, settings: LogSettings) -> list[ProvisionAction]:

@@ -8,7 +8,11 @@ would: ``raw`` is that bucket.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from nats.js import api as js_api
@@ -22,11 +26,14 @@ from eventlog import (
     LogSettings,
     LogStoreFull,
     StreamNames,
+    connect,
     provision,
 )
+from eventlog.connection import close_connection
+from eventlog.server import NatsServer, free_ports
 from schemas.errors import EventLogUnavailable
 from schemas.images import content_digest
-from tests.conftest import Log
+from tests.conftest import FAST_LOG, Log
 
 pytestmark = pytest.mark.integration
 
@@ -167,3 +174,54 @@ def test_retention_outlives_every_event_naming_an_image() -> None:
         assert r.ttl_s is not None and r.refresh_after_s is not None
         assert r.ttl_s - r.refresh_after_s >= events_age
     assert LogSettings().images_max_bytes == -1
+
+
+# -- on a cluster -------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _cluster(root: Path, size: int = 3) -> Iterator[list[NatsServer]]:
+    """``size`` local nats-servers routed into one JetStream cluster (a few seconds to elect)."""
+    routes = free_ports(size)
+    nodes = []
+    for i, route in enumerate(routes):
+        peers = ", ".join(f'"nats://127.0.0.1:{p}"' for p in routes if p != route)
+        config = (
+            f'server_name: "node-{i}"\n'
+            f'cluster {{ name: "images", listen: "127.0.0.1:{route}", routes: [{peers}] }}'
+        )
+        nodes.append(NatsServer(root / f"node-{i}", extra_config=config))
+    try:
+        for node in nodes:
+            node.start()
+        yield nodes
+    finally:
+        for node in nodes:
+            node.stop()
+
+
+async def test_on_a_cluster_an_image_is_replicated_and_read_after_its_leader_dies(
+    tmp_path: Path,
+) -> None:
+    settings = FAST_LOG.model_copy(update={"replicas": 3})
+    with _cluster(tmp_path) as nodes:
+        nc = await connect(",".join(n.url for n in nodes), settings, name="test")
+        try:
+            await provision(nc.jetstream(), settings)  # asks again until a leader is elected
+            images = await JetStreamImageStore.open(nc, settings, read_timeout_s=2.0)
+            digest = await images.put(SCREENSHOT)
+            info = await nc.jetstream().stream_info("OBJ_ts_images")
+            assert info.config.num_replicas == 3 and info.cluster is not None
+            assert len(info.cluster.replicas or []) == 2
+            [leader] = [n for n in nodes if n.store_dir.name == info.cluster.leader]
+            leader.kill()
+            deadline = time.monotonic() + 30
+            while True:  # the other two elect a leader; until then the log does not answer
+                try:
+                    assert await images.get(digest) == SCREENSHOT
+                    break
+                except EventLogUnavailable:
+                    assert time.monotonic() < deadline, "no new leader within 30 s"
+                    await asyncio.sleep(0.2)
+        finally:
+            await close_connection(nc)
