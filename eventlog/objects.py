@@ -63,7 +63,7 @@ _DIGEST = re.compile(r"[0-9a-f]{64}")
 # JetStream's 'store failed' (10077) says why; 'maximum bytes exceeded': the bucket's own
 # max_bytes reached (discard new, as object stores are made).
 _STORE_FAILED = 10077
-_SUBJECTS_PAGE = 100_000  # nats-server's subjects per STREAM.INFO answer (JSMaxSubjectDetails)
+_REQUEST_TIMEOUT_S = 5.0  # nats-py's JetStream API default (a plain request's is 0.5 s)
 
 
 @dataclass(frozen=True)
@@ -188,7 +188,10 @@ class JetStreamImageStore:
     async def get(self, digest: str) -> bytes:
         _checked(digest)
         with self._translated(f"reading image {digest} from bucket {self.bucket}"):
-            for _ in range(2):  # once more when a concurrent refresh replaced the chunks read
+            # Once more when a concurrent refresh replaced the chunks being read. A read cut
+            # off by the timeout leaves nats-py's chunk subscription behind (its ``get`` does
+            # not unsubscribe when cancelled): rare, only when chunks are gone or late.
+            for _ in range(2):
                 try:
                     async with asyncio.timeout(self.read_timeout_s):
                         result = await self._store.get(digest)
@@ -225,8 +228,10 @@ class JetStreamImageStore:
 
     async def digests(self) -> list[str]:
         """Every object name of the bucket's meta subjects, paged as nats-server pages them
-        (nats-py's ``stream_info`` does not page, ``list`` races like a KV watch: see
-        ``Bucket.entries``); names that are no SHA-256 (put there by hand) are left out."""
+        (100,000 subjects an answer; nats-py's ``stream_info`` does not page, and ``list``
+        races like a KV watch: see ``Bucket.entries``); names that are no SHA-256 (put there
+        by hand) are left out. An object deleted by hand keeps its meta subject (a delete
+        marker), so it is listed and ``get`` says it is missing."""
         prefix = f"$O.{self.bucket}.M."
         found: list[str] = []
         offset = 0
@@ -234,7 +239,9 @@ class JetStreamImageStore:
             while True:
                 request = {"subjects_filter": prefix + ">", "offset": offset}
                 reply = await self._nc.request(
-                    f"$JS.API.STREAM.INFO.OBJ_{self.bucket}", json.dumps(request).encode()
+                    f"$JS.API.STREAM.INFO.OBJ_{self.bucket}",
+                    json.dumps(request).encode(),
+                    timeout=_REQUEST_TIMEOUT_S,
                 )
                 answer = json.loads(reply.data)
                 if "error" in answer:
@@ -245,7 +252,7 @@ class JetStreamImageStore:
                     if name is not None and _DIGEST.fullmatch(name):
                         found.append(name)
                 offset += len(subjects)
-                if len(subjects) < answer.get("limit", _SUBJECTS_PAGE) or not subjects:
+                if not subjects or offset >= answer.get("total", 0):
                     return sorted(found)
 
     # -- inside --------------------------------------------------------------------------------
