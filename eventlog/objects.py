@@ -63,7 +63,6 @@ _DIGEST = re.compile(r"[0-9a-f]{64}")
 # JetStream's 'store failed' (10077) says why; 'maximum bytes exceeded': the bucket's own
 # max_bytes reached (discard new, as object stores are made).
 _STORE_FAILED = 10077
-_REQUEST_TIMEOUT_S = 5.0  # nats-py's JetStream API default (a plain request's is 0.5 s)
 
 
 @dataclass(frozen=True)
@@ -140,7 +139,8 @@ def _nats_digest(data_digest: str) -> str:
 class JetStreamImageStore:
     """``ImageStore`` over a nats-py connection (``open`` it; the bucket must be provisioned).
 
-    ``read_timeout_s`` bounds one ``get`` (a big image on a slow link needs more)."""
+    ``read_timeout_s`` bounds one ``get`` (a big image on a slow link needs more),
+    ``request_timeout_s`` each request and chunk publish (nats-py's JetStream default)."""
 
     def __init__(
         self,
@@ -149,19 +149,25 @@ class JetStreamImageStore:
         bucket: str,
         retention: ImageRetention,
         read_timeout_s: float = 30.0,
+        request_timeout_s: float = 5.0,
     ) -> None:
         self._nc = nc
         self._store = store
         self.bucket = bucket
         self.retention = retention
         self.read_timeout_s = read_timeout_s
+        self.request_timeout_s = request_timeout_s
 
     @classmethod
     async def open(
-        cls, nc: Connection, settings: LogSettings, read_timeout_s: float = 30.0
+        cls,
+        nc: Connection,
+        settings: LogSettings,
+        read_timeout_s: float = 30.0,
+        request_timeout_s: float = 5.0,
     ) -> JetStreamImageStore:
         bucket = settings.names.images_bucket
-        js = nc.jetstream()
+        js = nc.jetstream(timeout=request_timeout_s)
         try:
             store = await answered(lambda: js.object_store(bucket), f"opening bucket {bucket}")
         except js_errors.BucketNotFoundError as exc:
@@ -172,7 +178,7 @@ class JetStreamImageStore:
         except (TimeoutError, nats.errors.Error, OSError) as exc:
             raise EventLogUnavailable(f"cannot open the image bucket {bucket}: {exc}") from exc
         retention = ImageRetention.following(settings.events_max_age_s)
-        return cls(nc, store, bucket, retention, read_timeout_s)
+        return cls(nc, store, bucket, retention, read_timeout_s, request_timeout_s)
 
     # -- the port ------------------------------------------------------------------------------
 
@@ -241,7 +247,7 @@ class JetStreamImageStore:
                 reply = await self._nc.request(
                     f"$JS.API.STREAM.INFO.OBJ_{self.bucket}",
                     json.dumps(request).encode(),
-                    timeout=_REQUEST_TIMEOUT_S,
+                    timeout=self.request_timeout_s,
                 )
                 answer = json.loads(reply.data)
                 if "error" in answer:
@@ -283,7 +289,8 @@ class JetStreamImageStore:
         if stored is None:
             raise ImageMissing(digest, self.bucket)
         chunks = f"$O.{self.bucket}.C.{stored.nuid}"
-        info = await self._nc.jetstream().stream_info(f"OBJ_{self.bucket}", chunks)
+        js = self._nc.jetstream(timeout=self.request_timeout_s)
+        info = await js.stream_info(f"OBJ_{self.bucket}", chunks)
         held = sum((info.state.subjects or {}).values())
         if held < (stored.chunks or 0):
             raise ImageMissing(

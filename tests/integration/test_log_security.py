@@ -327,7 +327,9 @@ async def test_the_gateway_stores_images_and_every_role_reads_them(secure: Secur
         assert not secure.violations(name)
 
     async with role(secure, "worker") as (worker, _):
-        images = await JetStreamImageStore.open(worker, secure.settings("worker"))
+        # A refused publish gets no answer: each waits out its timeout (nats-py's put purges
+        # its chunks after the refusal, refused too).
+        images = await JetStreamImageStore.open(worker, secure.settings("worker"), 30.0, 1.0)
         with pytest.raises(PublishForbidden, match="ts_images"):
             await images.put(b"a forged screenshot")  # only gateways store images
     assert any("$O.ts_images" in line for line in secure.violations("worker"))
