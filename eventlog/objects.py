@@ -157,6 +157,7 @@ class JetStreamImageStore:
         self.retention = retention
         self.read_timeout_s = read_timeout_s
         self.request_timeout_s = request_timeout_s
+        self._putting: dict[str, asyncio.Future[str]] = {}
 
     @classmethod
     async def open(
@@ -183,7 +184,20 @@ class JetStreamImageStore:
     # -- the port ------------------------------------------------------------------------------
 
     async def put(self, data: bytes) -> str:
+        """Concurrent puts of one image share one look-up and upload: the n samples of a GRPO
+        group start from the same screenshot at once, and each would upload it (nats-py's
+        put of a name not yet recorded purges nothing). Two processes can still race; the
+        loser's chunks are left until the bucket's max age (nothing reads them)."""
         digest = content_digest(data)
+        putting = self._putting.get(digest)
+        if putting is None:
+            putting = asyncio.ensure_future(self._put(digest, data))
+            self._putting[digest] = putting
+            putting.add_done_callback(lambda _: self._putting.pop(digest, None))
+        # shielded: a caller that gives up (its request cancelled) leaves the others' upload
+        return await asyncio.shield(putting)
+
+    async def _put(self, digest: str, data: bytes) -> str:
         with self._translated(f"storing image {digest} in bucket {self.bucket}"):
             stored = await self._stored(digest)
             if stored is not None and not self._needs_upload(stored, digest):

@@ -161,9 +161,10 @@ async def test_opening_an_unprovisioned_image_bucket_says_to_provision(log: Log)
         await JetStreamImageStore.open(log.nc, elsewhere)
 
 
-async def test_concurrent_puts_of_one_new_image_leave_it_readable(log: Log) -> None:
-    images = await _images(log)
+async def test_concurrent_puts_of_one_new_image_upload_it_once(log: Log) -> None:
+    images = await _images(log)  # a GRPO group's samples start from one screenshot at once
     assert set(await asyncio.gather(*(images.put(SCREENSHOT) for _ in range(4)))) == {DIGEST}
+    assert (await _stream(log)).state.last_seq == 4  # three chunks and a record: once
     assert await images.get(DIGEST) == SCREENSHOT
 
 
