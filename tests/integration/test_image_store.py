@@ -75,6 +75,8 @@ async def test_a_missing_image_is_its_own_error_naming_the_digest(log: Log) -> N
     assert missing.value.digest == absent and absent in str(missing.value)
     assert missing.value.permanent and missing.value.reason == "image_missing"
     assert not await images.has(absent) and await images.info(absent) is None
+    with pytest.raises(ValueError, match="not an image digest"):  # a caller's bug, not the log's
+        await images.get("sha256:" + absent)
 
 
 async def test_an_object_altered_behind_the_stores_back_is_caught_and_a_put_repairs_it(
