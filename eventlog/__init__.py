@@ -21,6 +21,9 @@ only, and the one place in turnstream that imports nats-py. Running a server of 
   dead letters, ``metrics`` counts them; ``commits`` (``CommitLedger``), ``seqset`` and
   ``streams`` (stream and consumer facts) serve the writers and sinks.
 - consumer state: ``Bucket`` (JetStream KV, compare-and-set, ``watch``).
+- images (``objects``): the ``ImageStore`` port and ``JetStreamImageStore`` (a JetStream object
+  store bucket: put-if-absent by SHA-256, reads checked against the name; ``ImageMissing``,
+  ``ImageAltered``), its retention following the events' (``ImageRetention``).
 
 Errors: ``schemas.errors`` (``EventLogUnavailable``, ``ProvisioningError``) and ``errors``.
 """
@@ -42,10 +45,17 @@ from eventlog.connection import (
     map_nats_errors,
 )
 from eventlog.direct import DirectReader
-from eventlog.errors import AppendRefused, LogStoreFull, PublishForbidden
+from eventlog.errors import (
+    AppendRefused,
+    ImageAltered,
+    ImageMissing,
+    LogStoreFull,
+    PublishForbidden,
+)
 from eventlog.expectation import Expectation
 from eventlog.follow import Following, follow
 from eventlog.loop import ACK, HOLD, BatchHandler, Delivery, Handler, Outcome, PullLoop, Reject
+from eventlog.objects import ImageInfo, ImageRetention, ImageStore, JetStreamImageStore
 from eventlog.outbox import Outbox
 from eventlog.provision import ProvisionAction, provision
 from eventlog.publisher import JetStreamPublisher, Publisher, PublishReceipt
@@ -73,7 +83,13 @@ __all__ = [
     "Expectation",
     "Following",
     "Handler",
+    "ImageAltered",
+    "ImageInfo",
+    "ImageMissing",
+    "ImageRetention",
+    "ImageStore",
     "JetStream",
+    "JetStreamImageStore",
     "JetStreamPublisher",
     "LogSettings",
     "LogStoreFull",

@@ -35,6 +35,7 @@ class StreamNames(BaseModel):
     sessions_bucket: str = "ts_sessions"  # reaper: last activity per open session
     folded_bucket: str = "ts_folded"  # fold worker: markers of sessions already folded
     commits_bucket: str = "ts_commits"  # live sinks: TRAJ sequences each durable committed
+    images_bucket: str = "ts_images"  # object store: images of turns by SHA-256 (OBJ_ts_images)
 
 
 class LogSettings(BaseModel):
@@ -61,6 +62,11 @@ class LogSettings(BaseModel):
     events_max_bytes: int = Field(-1, description="EVENTS size cap in bytes; -1 = unlimited")
     trajectories_max_age_s: float = Field(30 * DAY, ge=0, description="TRAJ retention; 0 = forever")
     trajectories_max_bytes: int = Field(-1, description="TRAJ size cap in bytes; -1 = unlimited")
+    images_max_bytes: int = Field(
+        -1,
+        description="image bucket size cap in bytes; -1 = unlimited (kept 2x events_max_age_s "
+        "after upload); a cap is reserved on the server's store up front",
+    )
     dead_letters_max_age_s: float = Field(90 * DAY, ge=0, description="DLQ retention")
     session_idle_ttl_s: float = Field(7 * DAY, ge=0, description="TTL of reaper session entries")
     folded_marker_ttl_s: float = Field(30 * DAY, ge=0, description="TTL of fold markers")

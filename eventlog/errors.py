@@ -9,8 +9,12 @@
         ├── ProvisioningError        (schemas.errors) JetStream refused a configuration
         ├── PublishForbidden         the log refused a publish: these credentials' role may not
         │                            write that subject (permissions violation); never spooled
-        └── AppendRefused            an append's expectation (the last sequence on its subjects)
-                                     was stale: the caller must catch up; never retried/spooled
+        ├── AppendRefused            an append's expectation (the last sequence on its subjects)
+        │                            was stale: the caller must catch up; never retried/spooled
+        ├── ImageMissing             an image named by an event is not in the image bucket
+        │                            (expired, deleted): permanent, dead-lettered
+        └── ImageAltered             the bytes stored under an image's digest are not what the
+                                     digest names: permanent, dead-lettered
 
 Operating an embedded server has its own (``eventlog.server.errors``: StoreInUse,
 ServerCrashLoop, LogSecurityError), as has the shard store (``shardstore.errors``).
@@ -24,7 +28,7 @@ from __future__ import annotations
 
 from schemas.errors import EventLogError, EventLogUnavailable
 
-__all__ = ["AppendRefused", "LogStoreFull", "PublishForbidden"]
+__all__ = ["AppendRefused", "ImageAltered", "ImageMissing", "LogStoreFull", "PublishForbidden"]
 
 
 class LogStoreFull(EventLogUnavailable):
@@ -76,4 +80,40 @@ class AppendRefused(EventLogError):
             f"the log refused {msg_id}: it expected the last message on {subjects} at stream "
             f"sequence {expected_seq}, but that {now}; read the events after {expected_seq}, "
             f"apply them and append again"
+        )
+
+
+class ImageMissing(EventLogError):
+    """The image bucket holds no object (or no data) under ``digest``. The gateway stores a
+    turn's images before the event that names them, so an event naming a missing one outlived
+    it or was written by someone else: handling it again cannot help."""
+
+    reason = "image_missing"
+    permanent = True
+
+    def __init__(self, digest: str, bucket: str, why: str = "no object of that name") -> None:
+        self.digest = digest
+        self.bucket = bucket
+        super().__init__(
+            f"image sha256:{digest} is not in the log's image bucket {bucket} ({why}): it "
+            f"expired (images outlive the events that name them: was the bucket's max age "
+            f"lowered?) or was deleted; the event naming it cannot be used"
+        )
+
+
+class ImageAltered(EventLogError):
+    """The bytes the image bucket holds under ``digest`` do not hash to it: changed behind
+    the store's back (written with another client), so not the image the event named."""
+
+    reason = "image_altered"
+    permanent = True
+
+    def __init__(self, digest: str, bucket: str, why: str) -> None:
+        self.digest = digest
+        self.bucket = bucket
+        super().__init__(
+            f"image sha256:{digest} in the log's image bucket {bucket} is not what its name "
+            f"says ({why}): it was changed by something other than turnstream; the event "
+            f"naming it cannot be used until the right bytes are stored again (a put of them "
+            f"repairs it)"
         )

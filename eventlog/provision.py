@@ -1,8 +1,9 @@
-"""Create or update the streams and KV buckets from settings; running it twice changes nothing.
+"""Create or update the streams and buckets from settings; running it twice changes nothing.
 
 Streams: EVENTS (``ts.ev.>``, direct get on, so a fold worker can read one session's events by
-subject), TRAJ (``ts.traj.>``), DLQ (``ts.dlq.>``). Buckets: policy versions, reaper idle state,
-fold markers. A setting that differs from the live config is updated in place; one JetStream
+subject), TRAJ (``ts.traj.>``), DLQ (``ts.dlq.>``). KV buckets: policy versions, reaper idle
+state, fold markers, commit records. Object store: images (``eventlog.objects``: its max age
+follows the events'). A setting that differs from the live config is updated in place; one JetStream
 cannot change (storage type, for one) raises ProvisioningError naming both values.
 """
 
@@ -19,6 +20,7 @@ from nats.js import errors as js_errors
 
 from eventlog.config import LogSettings
 from eventlog.connection import answered
+from eventlog.objects import image_bucket_config
 from schemas.errors import EventLogUnavailable, ProvisioningError
 from schemas.ids import DLQ_SUBJECT_PREFIX, EVENT_SUBJECT_PREFIX, TRAJ_SUBJECT_PREFIX
 
@@ -161,6 +163,20 @@ async def _ensure_stream(js: JetStreamContext, want: js_api.StreamConfig) -> Pro
     return ProvisionAction(want.name, "updated", tuple(changed))
 
 
+async def _match_bucket(
+    js: JetStreamContext, bucket: str, live: js_api.StreamConfig, wanted: dict[str, Any]
+) -> ProvisionAction:
+    """Update the fields of a bucket's stream that differ from ``wanted`` (the stream's names)."""
+    changed = [f for f, v in wanted.items() if _norm(getattr(live, f)) != _norm(v)]
+    if not changed:
+        return ProvisionAction(bucket, "unchanged")
+    updated = js_api.StreamConfig.from_response(live.as_dict())
+    for field in changed:
+        setattr(updated, field, wanted[field])
+    await js.update_stream(config=updated)
+    return ProvisionAction(bucket, "updated", tuple(changed))
+
+
 async def _ensure_bucket(js: JetStreamContext, want: js_api.KeyValueConfig) -> ProvisionAction:
     stream = f"KV_{want.bucket}"
     try:
@@ -174,25 +190,45 @@ async def _ensure_bucket(js: JetStreamContext, want: js_api.KeyValueConfig) -> P
         "max_msgs_per_subject": want.history,
         "num_replicas": want.replicas,
     }
-    changed = [f for f, v in wanted.items() if _norm(getattr(live, f)) != _norm(v)]
-    if not changed:
-        return ProvisionAction(want.bucket, "unchanged")
-    updated = js_api.StreamConfig.from_response(live.as_dict())
-    for field in changed:
-        setattr(updated, field, wanted[field])
-    await js.update_stream(config=updated)
-    return ProvisionAction(want.bucket, "updated", tuple(changed))
+    return await _match_bucket(js, want.bucket, live, wanted)
+
+
+async def _ensure_object_store(
+    js: JetStreamContext, want: js_api.ObjectStoreConfig
+) -> ProvisionAction:
+    assert want.bucket is not None
+    stream = f"OBJ_{want.bucket}"
+    try:
+        info = await js.stream_info(stream)
+    except js_errors.NotFoundError:
+        await js.create_object_store(want.bucket, config=want)
+        return ProvisionAction(want.bucket, "created")
+    live = info.config
+    if _norm(live.storage) != _norm(want.storage):
+        raise ProvisioningError(
+            f"bucket {want.bucket} uses {_norm(live.storage)} storage but settings ask for "
+            f"{_norm(want.storage)}; JetStream cannot change that in place: migrate the bucket"
+        )
+    wanted = {
+        "max_age": want.ttl,
+        "max_bytes": want.max_bytes,
+        "num_replicas": want.replicas,
+        "description": want.description,
+    }
+    return await _match_bucket(js, want.bucket, live, wanted)
 
 
 async def provision(js: JetStreamContext, settings: LogSettings) -> list[ProvisionAction]:
-    """Make the live streams and buckets match ``settings``; returns what was done to each.
+    """Make the live streams and buckets (the image bucket too) match ``settings``; returns
+    what was done to each.
 
     Every step is idempotent, so a lost answer (nats-server restarting) provisions again
     (``answered``); a step whose answer was lost may then be reported ``unchanged``."""
 
     async def each() -> list[ProvisionAction]:
         actions = [await _ensure_stream(js, stream) for stream in desired_streams(settings)]
-        return actions + [await _ensure_bucket(js, b) for b in desired_buckets(settings)]
+        actions += [await _ensure_bucket(js, b) for b in desired_buckets(settings)]
+        return [*actions, await _ensure_object_store(js, image_bucket_config(settings))]
 
     async def once_its_store_is_free() -> list[ProvisionAction]:
         # nats-server removes a deleted (or purged) stream's messages in the background

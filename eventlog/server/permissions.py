@@ -6,10 +6,12 @@ pipeline's trust boundaries: only the gateway writes turns, only workers write t
 the trainer reads trajectories and moves the policy.
 
     role      publishes                                 reads
-    gateway   ts.ev.>                                   EVENTS (direct get), ts_policy (watch)
+    gateway   ts.ev.>, ts_images (put)                  EVENTS (direct get), ts_policy (watch),
+                                                        ts_images
     worker    ts.traj.>, ts.dlq.>, ts.ev.*.*.close      EVENTS, TRAJ (durable consumers),
-                                                        ts_sessions, ts_folded (read + write)
-    trainer   ts.dlq.>, ts_policy (write)               TRAJ (durable consumer)
+                                                        ts_sessions, ts_folded (read + write),
+                                                        ts_images
+    trainer   ts.dlq.>, ts_policy (write)               TRAJ (durable consumer), ts_images
     admin     everything                                everything
 
 Every role may read the config of turnstream's streams and buckets (``$JS.API.STREAM.INFO``):
@@ -46,7 +48,7 @@ Role = Literal["admin", "gateway", "worker", "trainer"]
 ROLES: tuple[Role, ...] = ("admin", "gateway", "worker", "trainer")
 ROLE_DUTIES: Mapping[Role, str] = {
     "admin": "provisioning, `turnstream status`, tools: everything",
-    "gateway": "`turnstream gateway`: writes turns (ts.ev.>), follows the policy",
+    "gateway": "`turnstream gateway`: writes turns (ts.ev.>) and their images, follows the policy",
     "worker": "`turnstream worker`, `shard-writer`: reads EVENTS, writes TRAJ and dead letters",
     "trainer": "a trainer's live sink: reads TRAJ, writes the policy bucket",
 }
@@ -75,6 +77,7 @@ def _stream_info(names: StreamNames) -> list[str]:
         [f"{_API}.INFO"]
         + [f"{_API}.STREAM.INFO.{s}" for s in streams]
         + [f"{_API}.STREAM.INFO.KV_{b}" for b in buckets]
+        + [f"{_API}.STREAM.INFO.OBJ_{names.images_bucket}"]
     )
 
 
@@ -111,6 +114,17 @@ def _bucket(bucket: str, *, write: bool) -> list[str]:
     return _consume(f"KV_{bucket}") + ([f"$KV.{bucket}.>"] if write else [])
 
 
+def _images(bucket: str, *, write: bool) -> list[str]:
+    """An object store bucket is the stream ``OBJ_<bucket>``. A read (nats-py's ``get``) looks
+    the object up (``STREAM.MSG.GET``), finds the stream of its chunk subject
+    (``STREAM.NAMES``) and follows the chunks with an ordered consumer; a put publishes chunks
+    and the object's record to ``$O.<bucket>.>`` and purges the chunks it replaces (or its own,
+    cut short)."""
+    stream = f"OBJ_{bucket}"
+    read = [f"{_API}.STREAM.NAMES", *_consume(stream)]
+    return read + ([f"$O.{bucket}.>", f"{_API}.STREAM.PURGE.{stream}"] if write else [])
+
+
 def role_permissions(role: Role, names: StreamNames) -> Permissions:
     """The subjects ``role`` may publish to and subscribe on."""
     if role == "admin":
@@ -121,6 +135,7 @@ def role_permissions(role: Role, names: StreamNames) -> Permissions:
             f"{EVENT_SUBJECT_PREFIX}.>",
             *_get(names.events),  # a session's events read back after an eviction or restart
             *_bucket(names.policy_bucket, write=False),
+            *_images(names.images_bucket, write=True),  # a turn's images, before its event
         ]
     elif role == "worker":
         publish += [
@@ -134,6 +149,7 @@ def role_permissions(role: Role, names: StreamNames) -> Permissions:
             *_consume(names.trajectories),  # the shard writer, and the fold's repeat check
             *_bucket(names.sessions_bucket, write=True),
             *_bucket(names.folded_bucket, write=True),
+            *_images(names.images_bucket, write=False),
         ]
     elif role == "trainer":
         publish += [
@@ -141,6 +157,7 @@ def role_permissions(role: Role, names: StreamNames) -> Permissions:
             *_consume(names.trajectories),
             *_bucket(names.policy_bucket, write=True),
             *_bucket(names.commits_bucket, write=True),  # the live sink's commit records
+            *_images(names.images_bucket, write=False),
         ]
     else:
         raise ValueError(f"unknown role {role!r}: one of {', '.join(ROLES)}")

@@ -52,6 +52,7 @@ AFTER_S = 6.0  # and this long once the third is back
 TEST_LOG = LogSettings(ping_interval_s=0.5, max_outstanding_pings=2, connect_timeout_s=1.0)
 STREAMS = ("EVENTS", "TRAJ", "DLQ")
 BUCKETS = ("ts_policy", "ts_sessions", "ts_folded", "ts_commits")
+OBJECT_BUCKETS = ("ts_images",)  # issue 39: images, replicated like the events
 
 # A session the reaper closes while its agent waits out the election is a story the auditor
 # tells apart, but not the one under test: idle means 10 s here. A close whose session cannot
@@ -102,7 +103,7 @@ async def _close(nc: NATS) -> None:
 async def replica_counts(js: JetStreamContext) -> dict[str, tuple[int, int]]:
     """(configured replicas, peers besides the leader) of every stream and bucket's stream."""
     counts = {}
-    for name in [*STREAMS, *(f"KV_{b}" for b in BUCKETS)]:
+    for name in [*STREAMS, *(f"KV_{b}" for b in BUCKETS), *(f"OBJ_{b}" for b in OBJECT_BUCKETS)]:
         info = await js.stream_info(name)
         peers = info.cluster.replicas if info.cluster and info.cluster.replicas else []
         counts[name] = (info.config.num_replicas or 1, len(peers))

@@ -65,13 +65,14 @@ async def stored_msg_ids(log: Log, stream: str = "EVENTS") -> list[str]:
 
 
 async def test_provisioning_twice_changes_nothing(log: Log) -> None:
-    before = {s: await log.js.stream_info(s) for s in ("EVENTS", "TRAJ", "DLQ", "KV_ts_policy")}
+    streams = ("EVENTS", "TRAJ", "DLQ", "KV_ts_policy", "OBJ_ts_images")
+    before = {s: await log.js.stream_info(s) for s in streams}
     await log.js.publish("ts.ev.run.s.open", b"x")
 
     actions = await provision(log.js, log.settings)
 
     assert {a.action for a in actions} == {"unchanged"}
-    assert len(actions) == 7  # 3 streams, 4 buckets
+    assert len(actions) == 8  # 3 streams, 4 KV buckets, the image bucket
     for name, info in before.items():
         after = await log.js.stream_info(name)
         assert after.config == info.config, name
@@ -92,7 +93,7 @@ async def test_provisioning_rides_out_a_server_restart_longer_than_its_timeout(l
     actions = await asyncio.wait_for(provisioning, 30)
 
     assert {a.action for a in actions} == {"unchanged"}
-    assert len(actions) == 7
+    assert len(actions) == 8
 
 
 async def test_a_bucket_opens_through_a_server_restart_longer_than_its_timeout(log: Log) -> None:

@@ -2,8 +2,8 @@
 
 The CA, the server certificate and the role passwords are made by ``eventlog.server.security`` in
 the test's temp dir; each role works through the real services (publisher, fold worker, reaper,
-shard writer, live sink, policy bucket) and is refused what it may not do. The server's own log
-is the witness that a role's normal work needs nothing it is denied.
+shard writer, live sink, policy bucket, image store) and is refused what it may not do. The
+server's own log is the witness that a role's normal work needs nothing it is denied.
 """
 
 from __future__ import annotations
@@ -30,7 +30,14 @@ from pydantic import SecretStr
 from consumers import FoldWorker, FoldWorkerSettings, Reaper, ReaperSettings, fold
 from consumers.config import ShardWriterSettings
 from consumers.shard_writer import ShardWriter
-from eventlog import JetStreamPublisher, LogSettings, PublisherSettings, connect
+from eventlog import (
+    ImageRetention,
+    JetStreamImageStore,
+    JetStreamPublisher,
+    LogSettings,
+    PublisherSettings,
+    connect,
+)
 from eventlog import provision as provision_log
 from eventlog.connection import close_connection
 from eventlog.errors import PublishForbidden
@@ -296,6 +303,36 @@ async def test_the_trainer_reads_trajectories_and_nothing_else(secure: SecureLog
         with pytest.raises(EventLogUnavailable):  # EVENTS are not the trainer's to read
             await read_session_messages(trainer.jetstream(), RUN, "learned", timeout_s=0.5)
     assert any("DIRECT.GET.EVENTS" in line for line in secure.violations("trainer"))
+
+
+async def test_the_gateway_stores_images_and_every_role_reads_them(secure: SecureLog) -> None:
+    screenshot = os.urandom(200 * 1024)  # two chunks: a read follows them with a consumer
+    async with role(secure, "gateway") as (gateway, _):
+        images = await JetStreamImageStore.open(gateway, secure.settings("gateway"))
+        digest = await images.put(screenshot)
+        assert await images.put(screenshot) == digest  # looked up, not uploaded again
+        assert await images.get(digest) == screenshot
+        # A refresh re-uploads and purges the chunks it replaces: the gateway's too.
+        old = ImageRetention(ttl_s=60.0, refresh_after_s=0.0)
+        raw = await gateway.jetstream().object_store(images.bucket)
+        await JetStreamImageStore(gateway, raw, images.bucket, old).put(screenshot)
+        assert await images.digests() == [digest]
+    readers: tuple[Role, ...] = ("worker", "trainer")
+    for name in readers:
+        async with role(secure, name) as (reader, _):
+            images = await JetStreamImageStore.open(reader, secure.settings(name))
+            assert await images.get(digest) == screenshot
+            assert await images.has(digest) and await images.digests() == [digest]
+    for name in ("gateway", "worker", "trainer"):
+        assert not secure.violations(name)
+
+    async with role(secure, "worker") as (worker, _):
+        # A refused publish gets no answer: each waits out its timeout (nats-py's put purges
+        # its chunks after the refusal, refused too).
+        images = await JetStreamImageStore.open(worker, secure.settings("worker"), 30.0, 1.0)
+        with pytest.raises(PublishForbidden, match="ts_images"):
+            await images.put(b"a forged screenshot")  # only gateways store images
+    assert any("$O.ts_images" in line for line in secure.violations("worker"))
 
 
 # -- other ways to log in ---------------------------------------------------------------------

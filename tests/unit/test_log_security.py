@@ -152,6 +152,18 @@ def may_publish(role: Role, subject: str, names: StreamNames | None = None) -> b
         ("trainer", "$JS.API.DIRECT.GET.EVENTS", False),
         ("trainer", "ts.ev.r.s.turn", False),
         ("trainer", "ts.traj.r", False),
+        # images: the gateway stores a turn's images, every role reads them (issue 39)
+        ("gateway", "$O.ts_images.C.nuid", True),
+        ("gateway", "$O.ts_images.M.bmFtZQ==", True),
+        ("gateway", "$JS.API.STREAM.PURGE.OBJ_ts_images", True),  # the chunks a refresh replaces
+        ("gateway", "$JS.API.STREAM.MSG.GET.OBJ_ts_images", True),
+        ("worker", "$JS.API.STREAM.MSG.GET.OBJ_ts_images", True),
+        ("worker", "$JS.API.CONSUMER.CREATE.OBJ_ts_images", True),  # get's ordered consumer
+        ("worker", "$JS.FC.OBJ_ts_images.x.1", True),
+        ("worker", "$O.ts_images.C.nuid", False),
+        ("worker", "$O.ts_images.M.bmFtZQ==", False),
+        ("trainer", "$JS.API.STREAM.MSG.GET.OBJ_ts_images", True),
+        ("trainer", "$O.ts_images.C.nuid", False),
         ("admin", "$JS.API.STREAM.CREATE.EVENTS", True),
         ("admin", "ts.ev.r.s.turn", True),
     ],
@@ -165,7 +177,9 @@ def test_each_role_may_publish_what_its_service_needs_and_no_more(
 @pytest.mark.parametrize("role", [r for r in ROLES if r != "admin"])
 @pytest.mark.parametrize("verb", ["CREATE", "UPDATE", "DELETE", "PURGE", "MSG.DELETE"])
 def test_only_admin_may_change_or_delete_a_stream(role: Role, verb: str) -> None:
-    for stream in ("EVENTS", "TRAJ", "DLQ", "KV_ts_policy", "KV_ts_folded"):
+    for stream in ("EVENTS", "TRAJ", "DLQ", "KV_ts_policy", "KV_ts_folded", "OBJ_ts_images"):
+        if (role, verb, stream) == ("gateway", "PURGE", "OBJ_ts_images"):
+            continue  # a put purges the chunks it replaces
         assert not may_publish(role, f"$JS.API.STREAM.{verb}.{stream}")
     assert role_permissions(role, StreamNames()).subscribe == ("_INBOX.>",)
 

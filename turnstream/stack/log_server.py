@@ -75,7 +75,7 @@ def _credentials_table(security: LogSecurity) -> Table:
 
 
 class ProvisionCommand(ServiceSettings):
-    """Create or update the streams and KV buckets on a running NATS (--log.url)."""
+    """Create or update the streams and buckets (KV, images) on a running NATS (--log.url)."""
 
     model_config = SettingsConfigDict(cli_prog_name="turnstream provision")
 
