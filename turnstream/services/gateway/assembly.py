@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 
-from eventlog import Bucket, DirectReader, JetStreamPublisher, Outbox
+from eventlog import Bucket, DirectReader, JetStreamImageStore, JetStreamPublisher, Outbox
 from gateway.backends.interface import Backend
 from gateway.backends.policy_watch import PolicyTarget, PolicyVersion, watch_policy
 from gateway.core.aggregate import Kept
@@ -28,7 +28,7 @@ from gateway.core.session_store import SessionLog, SessionStore
 from gateway.core.versions import VersionTimeline
 from gateway.http.app import create_app
 from gateway.http.guard import BodyLimits
-from gateway.images import VisionSpec
+from gateway.images import ImageUploads, VisionSpec
 from gateway.metrics import GatewayMetrics
 from gateway.serving import SessionService, TurnEngine
 from gateway.serving.model_names import ModelNames, parse_model_aliases
@@ -234,6 +234,10 @@ async def build_gateway(settings: GatewaySettings, event_log: EventLog) -> Async
         closed_grace_s=settings.closed_session_grace_s,
         kept=Kept(settings.session_turns_kept, settings.session_tokens_kept),
     )
+    # A vision model's turns put their images in the log's store before their events name them.
+    images = None
+    if vision is not None:
+        images = ImageUploads(await JetStreamImageStore.open(event_log.nc, settings.log))
     engine = TurnEngine(
         template=ChatTemplate(
             tokenizer, stop_token_ids=stop_ids, max_context=backend.max_context, vision=vision
@@ -252,6 +256,7 @@ async def build_gateway(settings: GatewaySettings, event_log: EventLog) -> Async
         policy_version=policy_version,
         instance=settings.instance_id or f"{socket.gethostname()}:{settings.port}",
         model_aliases=names.aliases,
+        images=images,
     )
     sessions = SessionService(store=store, publisher=publisher, model_name=name, metrics=metrics)
 
