@@ -52,7 +52,6 @@ from typing import Any
 
 import httpx
 import numpy as np
-
 from harness.cpu import cpu_seconds
 from harness.options import gateway_arguments
 from harness.reporting import banner, finish, gateway_machine_info, say
