@@ -102,11 +102,14 @@ class VLLMStandIn:
 
     ``vision``: the processor it expands images with (the gateway's own spec: the same
     expansion; another one: another). ``completion``: the tokens it "samples", each with
-    logprob -0.5 and one alternative."""
+    logprob -0.5 and one alternative. ``abort_after``: the first generation ends after that
+    many tokens with finish_reason "abort" (paused for a weight update), the next one samples
+    the rest."""
 
     vision: VisionSpec
     completion: list[int]
     scale_out: bool = True
+    abort_after: int | None = None
     requests: list[httpx.Request] = field(default_factory=list)
     served_prompts: list[list[int]] = field(default_factory=list)  # as expanded here
 
@@ -162,6 +165,12 @@ class VLLMStandIn:
         if body.return_token_ids:
             echo = {"prompt_token_ids": ids, "mm_placeholders": {"image": ranges} if ranges else {}}
         top = body.sampling_params.logprobs
+        sampled, finish = self.completion, "stop"
+        if self.abort_after is not None:
+            if len(self.served_prompts) == 1:
+                sampled, finish = self.completion[: self.abort_after], "abort"
+            else:
+                sampled = self.completion[self.abort_after :]
         positions = [
             {
                 "token_id": token,
@@ -171,22 +180,22 @@ class VLLMStandIn:
                     {"token_id": token + 1, "logprob": -1.5, "rank": 2},
                 ][: max(top or 0, 1)],
             }
-            for token in self.completion
+            for token in sampled
         ]
         usage = {
             "prompt_tokens": len(ids),
-            "completion_tokens": len(self.completion),
-            "total_tokens": len(ids) + len(self.completion),
+            "completion_tokens": len(sampled),
+            "total_tokens": len(ids) + len(sampled),
         }
         if not body.stream:
-            choice = {"index": 0, "finish_reason": "stop", "token_ids": self.completion}
+            choice = {"index": 0, "finish_reason": finish, "token_ids": sampled}
             choice["logprobs"] = {"content": positions} if top is not None else None
             whole = {"request_id": "generate-tokens-1", "choices": [choice], "usage": usage}
             return httpx.Response(200, json={**whole, **echo, "output_mode": "tokens"})
         events: list[JSON] = []
-        for i, (token, position) in enumerate(zip(self.completion, positions, strict=True)):
-            last = i == len(self.completion) - 1
-            choice = {"index": 0, "finish_reason": "stop" if last else None, "token_ids": [token]}
+        for i, (token, position) in enumerate(zip(sampled, positions, strict=True)):
+            last = i == len(sampled) - 1
+            choice = {"index": 0, "finish_reason": finish if last else None, "token_ids": [token]}
             choice["logprobs"] = {"content": [position]} if top is not None else None
             event: JSON = {"request_id": "generate-tokens-1", "choices": [choice]}
             events.append({**event, **echo} if i == 0 else event)

@@ -214,3 +214,25 @@ async def test_another_expansion_is_recorded_as_vllm_read_it_and_marked(
     assert other.placeholders(200, 120) == own.placeholders(200, 120)
     assert "prompt_fork" not in second.sampling
     assert [(r.sha256, r.length) for r in second.images] == [(content_digest(more), 28)]
+
+
+async def test_a_continued_generation_goes_on_after_the_prompt_vllm_read(
+    template: ChatTemplate,
+) -> None:
+    """Aborted (a weight update) after 2 tokens, the turn is sent again as the prompt vLLM
+    read plus those tokens, its image collapsed where vLLM placed it: vLLM reads it as sent."""
+    shot = png(100, 60)
+    own = vision_of(template)
+    other = dataclasses.replace(own, min_pixels=own.min_pixels * 16)
+    standin = VLLMStandIn(other, completion(template), abort_after=2)
+    stack = ImageTurns(template, backend(standin))
+    session = await stack.session()
+    await stack.turn(session, [user("what is this?", shot)], [shot])
+    [event] = stack.events
+    first, again = standin.served_prompts
+    assert again == first + completion(template)[:2]  # the continuation, expanded alike
+    assert full_prompts([event]) == [first]
+    assert event.completion_ids.tolist() == completion(template)
+    assert event.sampling["continued"][0]["at"] == 2
+    assert event.sampling["prompt_fork"]["served_tokens"] == len(first)
+    assert stack.metrics.prompt_forks._value.get() == 1
