@@ -1,5 +1,5 @@
 """Image turns through the turn core (``TurnServing``) on a given backend, the events kept in
-memory: what tests/unit/test_vllm_images.py (a stand-in of vLLM) and
+memory (``MemoryLog``): what tests/unit/test_vllm_images.py (a stand-in of vLLM) and
 tests/deploy/test_vllm_images.py (the real one) drive. Requests are ``TurnRequest``s carrying
 the images' bytes, as the API adapters make them."""
 
@@ -20,6 +20,7 @@ from gateway.templates import ChatTemplate
 from gateway.tools import get_parser
 from schemas.events import TurnCompleted
 from schemas.images import content_digest, image_part
+from tests.helpers.memory_log import MemoryLog
 
 __all__ = ["ImageTurns", "full_prompts", "png", "user"]
 
@@ -41,29 +42,16 @@ def user(text: str, *images: bytes) -> JSON:
     return {"role": "user", "content": parts}
 
 
-class _Receipt:
-    seq, duplicate = 1, False
-
-
-class _Publisher:
-    def __init__(self) -> None:
-        self.events: list[TurnCompleted] = []
-
-    async def publish(self, event: TurnCompleted) -> _Receipt:
-        self.events.append(event)
-        return _Receipt()
-
-
 class ImageTurns:
     """One session's turns on ``backend``; ``events``: what the log would hold."""
 
     def __init__(self, template: ChatTemplate, backend: Backend) -> None:
-        self.publisher = _Publisher()
+        self.log = MemoryLog()
         self.metrics = GatewayMetrics()
         engine = TurnEngine(
             template=template,
             backend=backend,
-            publisher=self.publisher,  # type: ignore[arg-type]
+            publisher=self.log,
             parser=get_parser("hermes"),
             model_name="tiny-vl",
             metrics=self.metrics,
@@ -73,7 +61,7 @@ class ImageTurns:
 
     @property
     def events(self) -> list[TurnCompleted]:
-        return self.publisher.events
+        return [e for e in self.log.events("run", "s") if isinstance(e, TurnCompleted)]
 
     async def session(self) -> Session:
         async def create() -> tuple[SessionState, int]:
