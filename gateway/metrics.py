@@ -90,6 +90,13 @@ class GatewayMetrics:
             "events the catch-up reads applied (stored by another writer)",
             registry=self.registry,
         )
+        self.prompt_forks = Counter(
+            "turnstream_gateway_prompt_forks",
+            "turns whose backend expanded the prompt's images otherwise than the gateway (vLLM "
+            "with another image processor config): recorded with the backend's ids, marked "
+            "sampling.prompt_fork (should stay 0)",
+            registry=self.registry,
+        )
         self.stale_prompts = Counter(
             "turnstream_gateway_stale_prompts",
             "turns recorded whose prompt was built from a stale copy: they continue a turn "

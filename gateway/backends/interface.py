@@ -210,6 +210,11 @@ class GenerationChunk:
     # Set (on every chunk) by a backend whose log-probs are not those of the distribution sampled
     # from: "raw" (the model's untempered distribution). None: the sampled one's, as promised.
     logprobs_kind: str | None = None
+    # Set (on one chunk) by a backend whose server expands a prompt's images itself and
+    # expanded them otherwise than the gateway did (vLLM's image path): the prompt the tokens
+    # were sampled after, its images where the server placed them. The turn is recorded with
+    # it, marked (gateway.serving.generating says how): never the ids the server did not read.
+    served_prompt: Prompt | None = None
 
 
 @runtime_checkable

@@ -1,11 +1,13 @@
 """A remote inference server (vLLM, SGLang) as a Backend: the request/stream skeleton they share.
 
 ``RemoteBackend.generate`` checks a turn's sampling against the replica's log-prob kind
-(``gateway.backends.probe``), POSTs the server's request body through the backend transport,
+(``gateway.backends.probe``), POSTs the server's request body to the prompt's endpoint (one per
+server, but vLLM's image prompts: ``gateway.backends.vllm``) through the backend transport,
 reads the answer (one JSON response when the caller reads the completion whole, else the
 server-sent events, a network read's worth at a time) with the server's ``PayloadReader``, and
 yields its chunks. A subclass supplies only its request body (``_request``) and its reader
-(``_reader``): ``gateway.backends.vllm`` and ``gateway.backends.sglang``.
+(``_reader``), and where a prompt goes when not to its one URL (``_endpoint``):
+``gateway.backends.vllm`` and ``gateway.backends.sglang``.
 
 This module is also the one place where transport errors (httpx's exception classes:
 ``gateway.backends.transport``) become gateway errors (STYLE: translate at the adapter
@@ -29,7 +31,8 @@ from collections.abc import (
 )
 from contextlib import aclosing, contextmanager
 from dataclasses import replace
-from typing import Any, NotRequired, Protocol, TypedDict
+from types import MappingProxyType
+from typing import Any, NamedTuple, NotRequired, Protocol, TypedDict
 
 import httpx
 import msgspec
@@ -45,6 +48,7 @@ from gateway.backends.transport import Response, StreamingTransport, Target, Tra
 from gateway.errors import BackendError, BackendUnavailable
 
 __all__ = [
+    "Endpoint",
     "PayloadReader",
     "RemoteBackend",
     "RemoteOptions",
@@ -64,6 +68,7 @@ _JSON = msgspec.json.Decoder()  # 3-4x json.loads on these events; the same dict
 # rest ~10x faster than json.dumps.
 _BODY = msgspec.json.Encoder()
 _BODY_HEADERS = ((b"content-type", b"application/json"), (b"user-agent", b"turnstream"))
+_NO_ADVICE: Mapping[int, str] = MappingProxyType({})
 
 
 class PayloadReader(Protocol):
@@ -84,6 +89,14 @@ class PayloadReader(Protocol):
     def last(self) -> GenerationChunk | None:
         """After the last payload, once ``finished``: a chunk held back, or None."""
         ...
+
+
+class Endpoint(NamedTuple):
+    """Where a generation is POSTed, and what to tell the operator when the server refuses it
+    with a status (``advice``: status -> how to start the server so that it serves it)."""
+
+    target: Target
+    advice: Mapping[int, str] = _NO_ADVICE
 
 
 class RemoteOptions(TypedDict):
@@ -125,7 +138,7 @@ class RemoteBackend(GuardedLogprobs, ABC):
         probe_prompt: Sequence[int] = PROBE_PROMPT,
     ) -> None:
         self._url = url
-        self._target = Target(url)  # parsed once, not on every request
+        self._endpoint_of_all = Endpoint(Target(url))  # parsed once, not on every request
         self._server = server
         self._id = backend_id
         self._max_context = max_context
@@ -158,6 +171,11 @@ class RemoteBackend(GuardedLogprobs, ABC):
     def _reader(self, prompt: Prompt, params: SamplingParams) -> PayloadReader:
         """A reader of one generation's payloads from the server."""
 
+    def _endpoint(self, prompt: Prompt) -> Endpoint:
+        """Where ``prompt``'s generation is POSTed: the backend's URL, unless the server has
+        another endpoint for such a prompt (vLLM's token-in/token-out one for images)."""
+        return self._endpoint_of_all
+
     def generate(
         self, prompt: Prompt, params: SamplingParams, *, session: str | None = None
     ) -> AsyncIterator[GenerationChunk]:
@@ -172,13 +190,15 @@ class RemoteBackend(GuardedLogprobs, ABC):
             mark = await self._logprobs.admit(params)
         body = self._request(prompt, params)
         reader = self._reader(prompt, params)
+        endpoint = self._endpoint(prompt)
         try:
             if not params.stream:  # one response, one chunk
-                chunk = reader.read_whole(await self._whole(body, params.max_tokens))
+                whole = await self._whole(endpoint, body, params.max_tokens)
+                chunk = reader.read_whole(whole)
                 if chunk is not None:
                     yield chunk if mark is None else replace(chunk, logprobs_kind=mark)
             else:
-                async with aclosing(self._event_batches(body)) as batches:
+                async with aclosing(self._event_batches(endpoint, body)) as batches:
                     async for batch in batches:
                         chunk = reader.read_batch(batch)  # one network read's events
                         if chunk is not None:
@@ -192,12 +212,19 @@ class RemoteBackend(GuardedLogprobs, ABC):
         if chunk is not None:
             yield chunk if mark is None else replace(chunk, logprobs_kind=mark)
 
-    def _event_batches(self, body: dict[str, Any]) -> AsyncGenerator[list[bytes], None]:
+    def _event_batches(
+        self, endpoint: Endpoint, body: dict[str, Any]
+    ) -> AsyncGenerator[list[bytes], None]:
         return post_event_batches(
-            self._transport, self._target, body, server=self._server, http_timeout=self._timeout
+            self._transport,
+            endpoint.target,
+            body,
+            server=self._server,
+            http_timeout=self._timeout,
+            advice=endpoint.advice,
         )
 
-    async def _whole(self, body: dict[str, Any], max_tokens: int) -> bytes:
+    async def _whole(self, endpoint: Endpoint, body: dict[str, Any], max_tokens: int) -> bytes:
         """POST a non-streamed request; its response comes when the whole generation is done,
         so the wait is bounded by ``timeout_s`` plus the time of ``max_tokens`` at the slowest
         rate a server is expected to decode at (_SLOWEST_TOKENS_PER_S)."""
@@ -205,10 +232,11 @@ class RemoteBackend(GuardedLogprobs, ABC):
         timeout = self._timeout.as_dict() | {"read": read + max_tokens / _SLOWEST_TOKENS_PER_S}
         return await post_whole(
             self._transport,
-            self._target,
+            endpoint.target,
             body,
             server=self._server,
             http_timeout=httpx.Timeout(**timeout),
+            advice=endpoint.advice,
         )
 
     async def close(self) -> None:
@@ -243,12 +271,14 @@ async def post_whole(
     *,
     server: str,
     http_timeout: httpx.Timeout,
+    advice: Mapping[int, str] = _NO_ADVICE,
 ) -> bytes:
-    """POST ``body`` as JSON and return the body of the (non-streamed) response."""
+    """POST ``body`` as JSON and return the body of the (non-streamed) response (an error
+    status: a BackendError, with ``advice[status]`` where given)."""
     with _translated(url, server):
         response = await _post(transport, url, body, http_timeout)
         if response.status != 200:
-            raise await _status_error(response, url, server)
+            raise await _status_error(response, url, server, advice)
         return await response.read()
 
 
@@ -284,9 +314,11 @@ async def post_event_batches(
     *,
     server: str,
     http_timeout: httpx.Timeout,
+    advice: Mapping[int, str] = _NO_ADVICE,
 ) -> AsyncGenerator[list[bytes], None]:
     """POST ``body`` as JSON and yield the payloads of the ``data:`` lines until ``[DONE]``,
     undecoded, a list per network read: the events that arrived together (never an empty list).
+    An error status is a BackendError, with ``advice[status]`` where given.
 
     Close the iterator (``contextlib.aclosing``) to stop early: that closes the connection, which
     is how vLLM and SGLang learn to abort the request.
@@ -295,7 +327,7 @@ async def post_event_batches(
         response = await _post(transport, url, body, http_timeout)
         try:
             if response.status != 200:
-                raise await _status_error(response, url, server)
+                raise await _status_error(response, url, server, advice)
             batches = _data_batches(response)
             async for batch in batches:
                 if b"[DONE]" in batch:
@@ -312,9 +344,13 @@ async def post_event_batches(
             await response.aclose()
 
 
-async def _status_error(response: Response, url: Target, server: str) -> BackendError:
+async def _status_error(
+    response: Response, url: Target, server: str, advice: Mapping[int, str] = _NO_ADVICE
+) -> BackendError:
     detail = (await response.read()).decode("utf-8", errors="replace")[:_BODY_EXCERPT]
     message = f"{server} at {url} answered HTTP {response.status}: {detail}"
+    if response.status in advice:
+        message = f"{message}. {advice[response.status]}"
     # 503: starting up, overloaded or shutting down; another replica may take the request.
     if response.status == 503:
         return BackendUnavailable(message)

@@ -43,12 +43,19 @@ neither it nor any other setting records a top_p below 1 truthfully. The gateway
 replica as it does vLLM's (``gateway.backends.probe``: "tempered", "processed" or "raw") and
 refuses what it would record wrongly (400), unless ``--allow-raw-logprobs`` marks it "raw".
 
+A prompt with images is refused (``InvalidRequest``, 400, naming SGLang): SGLang's image path
+(``image_data`` beside the ids) runs its own processor over the prompt, and with no SGLang here
+to check it against, the gateway cannot hold that it reads the gateway's expanded ids token for
+token: image turns through it would not be token-exact. Serve image turns with vLLM
+(``gateway.backends.vllm_generate``) or the local backend.
+
 Written against SGLang 0.4.x/0.5.x; it cannot run here (no GPU): tests/unit/
 test_remote_backends.py checks the translation against payloads shaped as SGLang produces them.
 """
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any, Unpack
 
 import msgspec
@@ -63,7 +70,7 @@ from gateway.backends.interface import (
 from gateway.backends.payload import as_float, as_int, as_int_list, as_list, member
 from gateway.backends.probe import LogprobsKind
 from gateway.backends.remote import RemoteBackend, RemoteOptions, decode_event, merge_chunks
-from gateway.errors import BackendError
+from gateway.errors import BackendError, InvalidRequest
 from schemas.sampling import is_greedy
 
 __all__ = ["SGLangBackend", "SGLangStreamReader", "generate_request"]
@@ -92,6 +99,18 @@ class SGLangBackend(RemoteBackend):
     ) -> None:
         super().__init__(f"{base_url.rstrip('/')}/generate", "SGLang", _ADVICE, **options)
         self._incremental = incremental_streaming
+
+    def generate(
+        self, prompt: Prompt, params: SamplingParams, *, session: str | None = None
+    ) -> AsyncIterator[GenerationChunk]:
+        if prompt.images:
+            raise InvalidRequest(
+                f"the SGLang backend ({self.id}) takes no images: SGLang expands a prompt's "
+                "image placeholders itself and the gateway cannot check them token for token; "
+                "send text only, or serve this model with vLLM or the local backend",
+                param="messages",
+            )
+        return super().generate(prompt, params, session=session)
 
     def _request(self, prompt: Prompt, params: SamplingParams) -> dict[str, Any]:
         return generate_request(prompt, params)

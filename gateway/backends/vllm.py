@@ -41,8 +41,13 @@ raw-mode replica (400), unless ``--allow-raw-logprobs`` marks such turns "raw".
 ``--max-logprobs`` must be at least the largest ``top_logprobs`` an agent asks for (and 1, for
 the probe).
 
+A prompt with images goes to vLLM's token-in/token-out endpoint instead, ``/inference/v1/generate``
+(the server needs ``--enable-scale-out``): ``gateway.backends.vllm_generate`` says why and how.
+Text prompts never do: their path, and its cost, are the ones above.
+
 tests/unit/test_remote_backends.py checks this translation against payloads shaped as vLLM
-documents them; tests/deploy/test_vllm.py runs it against a real vLLM 0.32 (its CPU build), two
+documents them; tests/unit/test_vllm_images.py the image path against a stand-in of vLLM's;
+tests/deploy/test_vllm.py runs it against a real vLLM 0.32 (its CPU build), two
 replicas, streamed and not, with log-probs checked against the reference trainer's.
 """
 
@@ -54,7 +59,9 @@ import msgspec
 
 from gateway.backends.interface import Prompt, SamplingParams
 from gateway.backends.probe import LogprobsKind
-from gateway.backends.remote import RemoteBackend, RemoteOptions
+from gateway.backends.remote import Endpoint, PayloadReader, RemoteBackend, RemoteOptions
+from gateway.backends.transport import Target
+from gateway.backends.vllm_generate import GENERATE_PATH, GenerateReader, generate_request
 from gateway.backends.vllm_reader import CompletionReader
 
 __all__ = ["VLLMBackend", "completion_request"]
@@ -67,6 +74,13 @@ _ADVICE: dict[LogprobsKind, str] = {
     "processed": _PROCESSED,
     "unknown": _PROCESSED,
 }
+# vLLM mounts /inference/v1/generate only with --enable-scale-out; else 403 (its
+# entrypoints/scale_out/factories.py:84-111).
+_SCALE_OUT = {
+    403: "The gateway sends prompts with images to vLLM's token-in/token-out endpoint "
+    f"({GENERATE_PATH}), which vLLM serves only when started with --enable-scale-out "
+    "(vLLM >= 0.32): restart it with that flag. Text turns are not affected."
+}
 
 
 class VLLMBackend(RemoteBackend):
@@ -75,11 +89,20 @@ class VLLMBackend(RemoteBackend):
         root = base_url.rstrip("/").removesuffix("/v1")
         super().__init__(f"{root}/v1/completions", "vLLM", _ADVICE, **options)
         self._model = model
+        self._generate_url = f"{root}{GENERATE_PATH}"
+        self._generate = Endpoint(Target(self._generate_url), _SCALE_OUT)
+
+    def _endpoint(self, prompt: Prompt) -> Endpoint:
+        return self._generate if prompt.images else super()._endpoint(prompt)
 
     def _request(self, prompt: Prompt, params: SamplingParams) -> dict[str, Any]:
+        if prompt.images:
+            return generate_request(self._model, prompt, params)
         return completion_request(self._model, prompt, params)
 
-    def _reader(self, prompt: Prompt, params: SamplingParams) -> CompletionReader:
+    def _reader(self, prompt: Prompt, params: SamplingParams) -> PayloadReader:
+        if prompt.images:
+            return GenerateReader(prompt, top_logprobs=params.top_logprobs, url=self._generate_url)
         return CompletionReader(prompt, top_logprobs=params.top_logprobs, url=self._url)
 
 

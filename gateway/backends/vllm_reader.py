@@ -25,7 +25,7 @@ from gateway.backends.remote import decode_event
 from gateway.errors import BackendError
 from gateway.frozen import evolved
 
-__all__ = ["CompletionReader"]
+__all__ = ["CompletionReader", "read_finish_reason"]
 
 _TOKEN_ID_PREFIX = "token_id:"
 # "abort": vLLM ended the request unfinished (paused for a weight update with /pause?mode=abort,
@@ -237,7 +237,7 @@ class CompletionReader:
             echo = choice.prompt_token_ids
             if _given(echo) and not self._same_prompt(echo):
                 raise BackendError(f"{where} generated from a different prompt than sent")
-            reason = _finish_reason(choice.finish_reason, where)
+            reason = read_finish_reason(choice.finish_reason, where)
             lp = choice.logprobs
             part: list[int] | bytes = []
             if choice.token_ids:
@@ -355,7 +355,7 @@ def _token_id(token: Any, where: str) -> int:
         raise BackendError(f"{where} sent a malformed logprob token {token!r:.50}") from None
 
 
-def _finish_reason(value: Any, where: str) -> FinishReason | None:
+def read_finish_reason(value: Any, where: str) -> FinishReason | None:
     if value is None:
         return None
     reason = _FINISH_REASONS.get(value) if isinstance(value, str) else None

@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from dataclasses import replace
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from eventlog import AppendRefused, Publisher
@@ -40,14 +41,14 @@ from gateway.errors import ContextLengthExceeded, InvalidRequest, ModelNotFound
 from gateway.frozen import evolved
 from gateway.images.uploads import ImageUploads
 from gateway.metrics import GatewayMetrics
-from gateway.serving.generating import SEED_MASK, Generating
+from gateway.serving.generating import SEED_MASK, Generating, prompt_fork
 from gateway.serving.model_names import ModelAlias, ModelNames
 from gateway.serving.turn_data import ChatPrompt, Generation, Turn, TurnResult
 from gateway.templates import ChatTemplate
 from gateway.tools import ToolCallParser
 from schemas.errors import EventLogUnavailable
 from schemas.events import SessionEvent, TurnCompleted
-from schemas.images import image_parts
+from schemas.images import ImageRef, image_parts, part_digest
 
 __all__ = ["TurnEngine", "derived_seed", "sampling_record"]
 
@@ -222,7 +223,7 @@ class TurnEngine:
                     ids,
                     head=head,
                     head_len=len(context) if head else 0,
-                    images=self._images(ids, messages, images),
+                    images=self._images(ids, messages, images, node.images, len(context)),
                 )
                 said = full if rendered else None
                 return ChatPrompt(prompt, node.turn, len(context), said, recorded, place.unsure)
@@ -234,13 +235,40 @@ class TurnEngine:
         return ChatPrompt(prompt, base, None, full, recorded, place.unsure)
 
     def _images(
-        self, ids: Sequence[int] | np.ndarray, messages: list[JSON], images: Mapping[str, bytes]
+        self,
+        ids: Sequence[int] | np.ndarray,
+        messages: list[JSON],
+        images: Mapping[str, bytes],
+        kept: Sequence[ImageRef] = (),
+        context_len: int = 0,
     ) -> tuple[PromptImage, ...]:
-        """The images of a chat prompt's ids (() for a text prompt)."""
+        """The images of a chat prompt's ids (() for a text prompt). A prompt that continues a
+        kept turn (``context_len`` of its ids are that turn's context) keeps that turn's images
+        where they are (``kept``: placed as the backend read them, which may differ from this
+        gateway's expansion: gateway.serving.generating) and locates only the new ones."""
         vision = self.template.vision
         if vision is None:
             return ()
-        return vision.locate(np.asarray(ids), list(image_parts(messages)), images)
+        parts = list(image_parts(messages))
+        if not kept or [part_digest(p) for p in parts[: len(kept)]] != [r.sha256 for r in kept]:
+            return vision.locate(np.asarray(ids), parts, images)
+        missing = next((r.sha256 for r in kept if r.sha256 not in images), None)
+        if missing is not None:  # as VisionSpec.locate says it
+            raise InvalidRequest(
+                f"image sha256:{missing[:16]}... is named but its bytes were not sent: send "
+                "each image of the conversation as data (a data URL or base64)",
+                param="messages",
+            )
+        new = vision.locate(np.asarray(ids)[context_len:], parts[len(kept) :], images)
+        return (
+            *(PromptImage(ref, images[ref.sha256]) for ref in kept),
+            *(
+                PromptImage(
+                    msgspec.structs.replace(i.ref, offset=i.ref.offset + context_len), i.data
+                )
+                for i in new
+            ),
+        )
 
     def params(
         self,
@@ -342,9 +370,18 @@ class TurnEngine:
         sampling = turn.sampling
         if gen.continued:
             sampling = {**sampling, "continued": gen.continued}
+        # The prompt the backend read (gateway.serving.generating): the turn's, or another
+        # expansion of its images, recorded as it was read, its delta against the parent taken
+        # anew (prefix_len None), marked.
+        prompt = turn.prompt
+        prefix_len = turn.prefix_len
+        if gen.served_prompt is not None:
+            prompt, prefix_len = gen.served_prompt, None
+            fork = prompt_fork(turn.prompt, prompt, gen.backend_id)
+            sampling = {**sampling, "prompt_fork": fork}
         generated = time.perf_counter()
         draft = TurnDraft(
-            prompt_ids=turn.prompt.ids,
+            prompt_ids=prompt.ids,
             messages=turn.messages,
             tools=turn.tools,
             completion_ids=detok.ids,
@@ -362,11 +399,11 @@ class TurnEngine:
             request=turn.request,
             logprobs_kind=gen.logprobs_kind,
             parent_turn=turn.parent,
-            prefix_len=turn.prefix_len,
+            prefix_len=prefix_len,
             keys=turn.keys,
             reply_id=turn.reply_id,
             agent=turn.agent,
-            images=tuple(image.ref for image in turn.prompt.images),
+            images=tuple(image.ref for image in prompt.images),
         )
         if turn.prompt.images:
             await self._store_images(turn)
@@ -383,7 +420,7 @@ class TurnEngine:
                 if turn.prompt_text is not None:
                     sampled = self.template.decode(detok.ids, skip_special_tokens=False)
                     text_parts = (turn.prompt_text, turn.forced_text, sampled)
-                head = turn.prompt.extended_json_head(detok.ids) if turn.prompt.encoded else ()
+                head = prompt.extended_json_head(detok.ids) if prompt.encoded else ()
                 if text_parts is not None or head:
                     session.keep_context(event.turn, ContextCache(text_parts, head))
         self.metrics.tokens_in.inc(len(turn.prompt))

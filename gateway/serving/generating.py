@@ -7,6 +7,15 @@ again as the turn's prompt plus every token so far (ids, never text), with what 
 ``max_tokens`` and a seed of its own, and the same detokenizer reads on: stop strings, tool
 parsing and ``max_tokens`` apply to the whole turn, and the caller sees one generation. Which
 version sampled each token: ``gateway.core.versions`` (the contract between trainer and gateway).
+
+A backend whose server expands a prompt's images itself (vLLM's image path,
+``gateway.backends.vllm_generate``) says so when it expanded them otherwise than the gateway
+did (``GenerationChunk.served_prompt``): the tokens were sampled after *that* prompt, so the
+turn is recorded with it (``Generation.served_prompt``; its images where the server put them),
+never with the ids the model did not read, and the disagreement is recorded in the turn's
+``sampling["prompt_fork"]`` (``prompt_fork``), counted and logged: the kept turn then holds the
+server's ids, a later turn continues those, and the fold compares them with its parent's as it
+compares any prompt (a fork where they part inside generated history).
 """
 
 from __future__ import annotations
@@ -26,9 +35,10 @@ from gateway.frozen import evolved
 from gateway.metrics import GatewayMetrics
 from gateway.serving.turn_data import Generation, Turn
 from gateway.templates import ChatTemplate
+from schemas.delta import common_prefix_len
 from schemas.errors import EventLogUnavailable
 
-__all__ = ["Generating", "continued_seed"]
+__all__ = ["Generating", "continued_seed", "prompt_fork"]
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +150,8 @@ class Generating:
                     gen.first_token_at = time.perf_counter()
                 if chunk.replica is not None:
                     gen.backend_id = chunk.replica
+                if chunk.served_prompt is not None:
+                    self._served(turn, gen, chunk.served_prompt)
                 version, said = chunk.weight_version, chunk.weight_version is not None
                 if not said and chunk.token_ids:
                     if part_version is None:
@@ -170,6 +182,23 @@ class Generating:
                     return
         finally:
             await _close(stream)  # stops the generation on the backend
+
+    def _served(self, turn: Turn, gen: Generation, served: Prompt) -> None:
+        """The backend read another prompt than the one sent (see the module's docstring); a
+        continuation's holds the tokens so far after it, which are the turn's completion."""
+        done = len(gen.detok.ids) if gen.continued else 0
+        if done:
+            served = Prompt(served.ids[: len(served) - done], images=served.images)
+        gen.served_prompt = served
+        self.metrics.prompt_forks.inc()
+        log.warning(
+            "session %s: backend %s expanded the prompt's images to %d tokens, the gateway to "
+            "%d; the turn is recorded with the backend's (sampling.prompt_fork)",
+            turn.session.name,
+            gen.backend_id,
+            len(served),
+            len(turn.prompt),
+        )
 
     async def _first_chunk(
         self, turn: Turn, gen: Generation, stream: AsyncIterator[GenerationChunk]
@@ -229,7 +258,10 @@ class Generating:
             turn.session.name,
             done,
         )
-        return turn.prompt.extended(gen.detok.ids), evolved(params, max_tokens=left, seed=seed)
+        # After the prompt the backend read: a server that expanded it otherwise expands the
+        # same images the same way again.
+        prompt = gen.served_prompt or turn.prompt
+        return prompt.extended(gen.detok.ids), evolved(params, max_tokens=left, seed=seed)
 
     async def _part_version(self, resumed: bool) -> int:
         """The policy version a part's tokens were sampled by, read as its first token arrived
@@ -255,6 +287,22 @@ async def _close(stream: AsyncIterator[GenerationChunk]) -> None:
     aclose = getattr(stream, "aclose", None)
     if aclose is not None:
         await aclose()
+
+
+def prompt_fork(sent: Prompt, served: Prompt, backend: str) -> dict[str, int | str]:
+    """The record of a turn whose backend read ``served`` where the gateway sent ``sent``
+    (``TurnCompleted.sampling["prompt_fork"]``): the first index where they part, both
+    lengths, the backend.
+
+    >>> prompt_fork(Prompt([1, 2, 2, 3]), Prompt([1, 2, 2, 2, 3]), "vllm-0")
+    {'at': 3, 'sent_tokens': 4, 'served_tokens': 5, 'backend': 'vllm-0'}
+    """
+    return {
+        "at": common_prefix_len(sent.ids, served.ids),
+        "sent_tokens": len(sent),
+        "served_tokens": len(served),
+        "backend": backend,
+    }
 
 
 def continued_seed(seed: int, at: int) -> int:

@@ -97,6 +97,10 @@ class Generation:
     continued: list[JSON] = field(default_factory=list)
     interrupted_s: float = 0.0
     aborted_at: float = 0.0  # perf_counter at the latest abort
+    # The prompt the backend read where it differs from the turn's (its server expanded the
+    # images otherwise: GenerationChunk.served_prompt): the turn is recorded with it, marked
+    # sampling["prompt_fork"] (gateway.serving.generating). None: the turn's own, as sent.
+    served_prompt: Prompt | None = None
 
 
 @dataclass

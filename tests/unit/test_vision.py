@@ -3,7 +3,6 @@ turn expanding only its new images, and events naming each image once (issue 39,
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,8 @@ from gateway.images import VisionSpec
 from gateway.model.tiny_vl import IMAGE_PAD, ensure_tiny_vl_model
 from gateway.templates import ChatTemplate, load_tokenizer
 from schemas.events import SessionOpened
-from schemas.images import content_digest, image_part, image_parts, sniff_mime
+from schemas.images import content_digest, image_parts, sniff_mime
+from tests.helpers.image_turns import png, user
 
 JSON = dict[str, Any]
 
@@ -32,20 +32,6 @@ def template(vl_dir: Path) -> ChatTemplate:
     vision = VisionSpec.load(vl_dir)
     assert vision is not None
     return ChatTemplate(load_tokenizer(vl_dir), vision=vision)
-
-
-def png(width: int, height: int, colour: str = "red") -> bytes:
-    out = io.BytesIO()
-    Image.new("RGB", (width, height), colour).save(out, format="PNG")
-    return out.getvalue()
-
-
-def user(text: str, *images: bytes) -> JSON:
-    parts: list[JSON] = [{"type": "text", "text": text}]
-    for data in images:
-        with Image.open(io.BytesIO(data)) as img:
-            parts.append(image_part(content_digest(data), *img.size))
-    return {"role": "user", "content": parts}
 
 
 @pytest.mark.parametrize("size", [(100, 60), (28, 28), (1, 1), (640, 480), (1920, 1080), (3, 500)])
