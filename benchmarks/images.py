@@ -227,6 +227,8 @@ async def main(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     info = gateway_machine_info()
     banner("images", args.quick, info)
+    if args.max_inflight_per_replica is None:
+        args.max_inflight_per_replica = 16
     turns = 8 if args.quick else 20
     rounds = args.rounds or (4 if args.quick else 12)
     from gateway.model import ensure_tiny_vl_model

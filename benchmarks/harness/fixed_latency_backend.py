@@ -56,6 +56,7 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 __all__ = ["BackendConfig", "serve"]
@@ -73,6 +74,7 @@ class BackendConfig:
     tokens_per_event: int = 1
     model: str = "fixed-latency"
     max_model_len: int = 4096
+    vision: Any = None  # a gateway.images.VisionSpec: /inference/v1/generate expands images
 
 
 @dataclass
@@ -263,6 +265,20 @@ class Completions:
         )
 
 
+def _image_size(url: str) -> tuple[int, int]:
+    """The (width, height) of a base64 data URL's image (its header read, as vLLM loads it)."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    head, _, data = url.partition(",")
+    if not head.startswith("data:") or not head.endswith(";base64"):
+        raise ValueError("a content part is not a base64 data URL")
+    with Image.open(io.BytesIO(base64.b64decode(data))) as image:
+        return image.size
+
+
 def _sse(event: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
 
@@ -342,6 +358,8 @@ class HTTPConnection(asyncio.Protocol):
             self._complete(body, close)
         elif path == "/v1/chat/completions" and method == "POST":
             self._chat(body, close)
+        elif path == "/inference/v1/generate" and method == "POST":
+            self._generate(body, close)
         elif path == "/interrupt" and method == "POST":
             try:
                 self.pause.armed = int(json.loads(body)["after_tokens"])
@@ -394,6 +412,94 @@ class HTTPConnection(asyncio.Protocol):
         delay = self.config.ttft_s + max(n - 1, 0) * self.config.itl_s
         loop = asyncio.get_running_loop()
         self.timer = loop.call_later(delay, self._send_whole, json.dumps(answer).encode(), close)
+
+    def _generate(self, body: bytes, close: bool) -> None:
+        """``POST /inference/v1/generate`` (vLLM 0.32's token-in/token-out endpoint, the
+        gateway's path for prompts with images): each image placeholder expanded from its data
+        URL's image size with the served model's rule (``--vision-model-dir``), as vLLM's
+        processor does, echoed with ``return_token_ids``; the same tokens after the same delay.
+        The image's bytes are decoded (as vLLM must) to read its size."""
+        try:
+            request = json.loads(body)
+            vision = self.config.vision
+            if vision is None:
+                raise ValueError("start the backend with --vision-model-dir for image prompts")
+            parts = request.get("content_parts") or []
+            sizes = [_image_size(part["url"]) for part in parts]
+            pad = vision.image_token_id
+            prompt: list[int] = []
+            ranges = []
+            images = iter(sizes)
+            for token in request["token_ids"]:
+                if token != pad:
+                    prompt.append(token)
+                    continue
+                length, _ = vision.placeholders(*next(images))
+                ranges.append({"offset": len(prompt), "length": length})
+                prompt += [pad] * length
+            sampling = request.get("sampling_params") or {}
+            n = self.completions.count(0, int(sampling.get("max_tokens") or 1 << 30))
+            k = int(sampling.get("logprobs") or 0)
+        except (ValueError, KeyError, TypeError, StopIteration) as exc:
+            self.stats.bad_requests += 1
+            self._respond(400, {"error": {"message": str(exc)}}, close=close)
+            return
+        tokens = list(self.config.tokens[:n])
+        finish = "stop" if n == len(self.config.tokens) else "length"
+        positions = [
+            {
+                "token_id": token,
+                "logprob": -0.05,
+                "top_logprobs": [
+                    {"token_id": (token + j) % 256, "logprob": -0.05 - j, "rank": j + 1}
+                    for j in range(max(k, 1))
+                ],
+            }
+            for token in tokens
+        ]
+        usage = {
+            "prompt_tokens": len(prompt),
+            "completion_tokens": n,
+            "total_tokens": len(prompt) + n,
+        }
+        echo = {}
+        if request.get("return_token_ids"):
+            echo = {"prompt_token_ids": prompt, "mm_placeholders": {"image": ranges}}
+        self.busy = True
+        self.stats.tokens += n
+        self.stats.started()
+        loop = asyncio.get_running_loop()
+        if not request.get("stream"):
+            choice = {
+                "index": 0,
+                "finish_reason": finish,
+                "token_ids": tokens,
+                "logprobs": {"content": positions},
+            }
+            answer = {"request_id": "generate-fixed", "choices": [choice], "usage": usage, **echo}
+            self.timer = loop.call_later(
+                self.config.ttft_s, self._send_whole, json.dumps(answer).encode(), close
+            )
+            return
+        events = []
+        for i, (token, position) in enumerate(zip(tokens, positions, strict=True)):
+            last = i == n - 1
+            choice = {
+                "index": 0,
+                "finish_reason": finish if last else None,
+                "token_ids": [token],
+                "logprobs": {"content": [position]},
+            }
+            event = {"request_id": "generate-fixed", "choices": [choice]}
+            events.append(_sse({**event, **echo} if i == 0 else event))
+        events.append(_sse({"request_id": "generate-fixed", "choices": [], "usage": usage}))
+        events.append(b"data: [DONE]\n\n")
+        assert self.transport is not None
+        self.transport.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
+            b"cache-control: no-cache\r\ntransfer-encoding: chunked\r\n\r\n"
+        )
+        self.timer = loop.call_later(self.config.ttft_s, self._finish, [b"".join(events)], close)
 
     def _complete(self, body: bytes, close: bool) -> None:
         try:
@@ -563,6 +669,14 @@ async def serve(config: BackendConfig, host: str, port: int, *, reuse_port: bool
         await stop.wait()
 
 
+def _vision(model_dir: str | None) -> Any:
+    if model_dir is None:
+        return None
+    from gateway.images.vision import VisionSpec
+
+    return VisionSpec.load(Path(model_dir))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--host", default="127.0.0.1")
@@ -585,6 +699,12 @@ def main() -> None:
         help="SO_REUSEPORT: several processes serve one port, the kernel spreads connections",
     )
     parser.add_argument("--uvloop", action="store_true", help="run on uvloop's event loop")
+    parser.add_argument(
+        "--vision-model-dir",
+        default=None,
+        help="a vision model's directory: /inference/v1/generate expands its images' "
+        "placeholders with its processor's rule",
+    )
     args = parser.parse_args()
     if args.tokens:
         tokens = tuple(int(t) for t in args.tokens.split(","))
@@ -601,6 +721,7 @@ def main() -> None:
         tokens_per_event=max(1, args.tokens_per_event),
         model=args.model,
         max_model_len=args.max_model_len,
+        vision=_vision(args.vision_model_dir),
     )
     started = time.perf_counter()
     run: Any = asyncio.run

@@ -77,6 +77,8 @@ async def fixed_latency_stack(
     backend_url = f"http://127.0.0.1:{backend_port}"
     gateway_url = f"http://127.0.0.1:{gateway_port}"
     backend_cmd = backend_command(args, backend_port, conv, model_dir.name)
+    if (model_dir / "preprocessor_config.json").is_file():  # a vision model: images too
+        backend_cmd += ["--vision-model-dir", str(model_dir)]
     backend = spawn(
         [*backend_cmd, "--max-model-len", str(max_context)], log_dir / "backend.log", os.environ
     )
