@@ -27,6 +27,12 @@ did the first time.
   so the replayed stream holds both, in order, and the fold vets them as it did the first time.
 - Recorded messages without a Msg-Id (published by something other than turnstream; no fold
   trusts them) are skipped and counted: without one they could not be deduplicated.
+- **Images first** (issue 39): a recording holds the images its events name (format 2); each
+  is put into the target log's image store (put-if-absent: one the store holds is kept)
+  before any event is published, so no replayed event names an image the log lacks. Images
+  are named by their bytes, so ``--run NEW`` changes none of them. An image the recording
+  lacks (its store had lost it when recorded: the footer's ``images_missing``) and the target
+  does not hold is warned about and counted: the fold dead-letters the events naming it.
 - ``--rate max`` (default) publishes as fast as the log acknowledges; ``original`` reproduces
   the recorded gaps between stored times; a number N publishes N events per second.
 
@@ -57,7 +63,7 @@ import collections
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, NamedTuple
 
@@ -68,6 +74,7 @@ from rich.console import Console
 
 from consumers.recording import Recording, read_recording
 from eventlog import JetStreamPublisher
+from eventlog.objects import JetStreamImageStore
 from eventlog.reader import msg_id_counts
 from schemas.codec import Codec
 from schemas.errors import SchemaError, TurnstreamError
@@ -88,6 +95,7 @@ __all__ = [
     "plan_replay",
     "publish_paced",
     "publish_unstored",
+    "put_images",
     "replay_recording",
     "unstored",
 ]
@@ -130,6 +138,9 @@ class ReplayReport:
     already_stored: int = 0  # Msg-Id found in the target run before publishing: skipped
     without_msg_id: int = 0  # skipped: nothing to deduplicate them by
     spooled: int = 0  # in the publisher's outbox (an outbox is configured and the log was down)
+    images: int = 0  # in the recording, all put into the target's store
+    images_held: int = 0  # of those, already in the target's store
+    images_missing: list[str] = field(default_factory=list)  # lacked by recording and target
 
 
 def plan_replay(recording: Recording, into: str | None, codec: Codec) -> ReplayPlan:
@@ -249,8 +260,41 @@ async def replay_recording(
             without_msg_id=plan.without_msg_id,
         )
         label = f"replaying run {plan.source_run} into run {plan.run}"
+        await put_images(event_log, settings, recording, report, label, progress)
         await publish_unstored(event_log, settings, plan.items, report, label, rate, progress)
     return report
+
+
+async def put_images(
+    event_log: EventLog,
+    settings: PublishingSettings,
+    recording: Recording,
+    report: ReplayReport,
+    label: str,
+    progress: bool,
+) -> None:
+    """Put the recording's images into the target log's store, before any event that names
+    them is published; count those it already held, and the ones nobody has."""
+    lacking = recording.meta.images_missing
+    if not (recording.images or lacking):
+        return
+    store = await JetStreamImageStore.open(event_log.nc, settings.log)
+    with progress_bar(label, console, enabled=progress) as bar:
+        task = bar.add_task("images", total=len(recording.images))
+        for digest, data in recording.images.items():
+            report.images_held += await store.has(digest)
+            await store.put(data)
+            report.images += 1
+            bar.update(task, advance=1)
+    report.images_missing = [d for d in lacking if not await store.has(d)]
+    if report.images_missing:
+        console.print(
+            f"[bold yellow]warning:[/] {len(report.images_missing)} image(s) that events of "
+            f"the recording name are neither in it (its log had lost them when it was "
+            f"recorded) nor in the target's image store; the fold dead-letters the events "
+            f"naming them (first: sha256:{report.images_missing[0]})",
+            soft_wrap=True,
+        )
 
 
 async def publish_unstored(
@@ -434,6 +478,11 @@ class ReplayCommand(PublishingSettings):
             f"{report.without_msg_id} without a Msg-Id (skipped)" if report.without_msg_id else "",
             f"{report.spooled} spooled to the outbox" if report.spooled else "",
         ]
+        if report.images or report.images_missing:
+            skipped.append(
+                f"{report.images} images put first ({report.images_held} already held)"
+                + (f", {len(report.images_missing)} missing" if report.images_missing else "")
+            )
         console.print(
             f"replayed {self.file} (run {report.source_run}, {report.events} events) into run "
             f"{report.run} at {report.url}: {report.published} published, {report.duplicates} "
