@@ -17,7 +17,10 @@ JSON logical type), DuckDB reads it as ``JSON``, and Hugging Face ``datasets`` d
 which is what the gateway rendered (``gateway.templates.template_messages``) — and every tool
 schema keeps its own shape. ``arguments`` holds the text the conversation held when it is JSON,
 else that text as a JSON string. Content given as parts is joined into its text. Fields the
-fixed shape has no room for are counted by name (``Conversion.dropped``), not kept.
+fixed shape has no room for are counted by name (``Conversion.dropped``), not kept. Rows that
+hold images are written as vision chat datasets are: content as parts with ``{"type":
+"image"}`` where each image sits, and an ``images`` column of ``datasets.Image()`` values
+(``consumers.export_images``).
 
 Side calls. A row the fold made of a side request (metadata ``side: true``: compaction,
 auxiliary, side_reply, count_tokens; ``schemas.agents``) is not the agent's own turn: ``turnstream
@@ -65,12 +68,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from consumers.errors import ExportError
+from consumers.export_images import ImageSource, image_parts_of, images_column, with_images
 from schemas.agents import is_side_call
 from schemas.shards import TRAJECTORY_SCHEMA
 
 __all__ = [
     "EXPORT_KINDS",
     "JSON_TYPE",
+    "MESSAGES_IMAGES_SCHEMA",
     "MESSAGES_SCHEMA",
     "MESSAGE_TYPE",
     "TOKENS_SCHEMA",
@@ -157,6 +162,9 @@ MESSAGES_SCHEMA = pa.schema(
     ]
 )
 _MESSAGES_STORAGE = pa.schema([f.with_type(_storage(f.type)) for f in MESSAGES_SCHEMA])
+MESSAGES_IMAGES_SCHEMA = with_images(MESSAGES_SCHEMA)
+"""``messages`` rows that hold images (``consumers.export_images``)."""
+_MESSAGES_IMAGES_STORAGE = with_images(_MESSAGES_STORAGE)
 
 
 def _as_json(column: pa.Array | pa.ChunkedArray) -> pa.Array:
@@ -228,31 +236,47 @@ def _str(value: object) -> str | None:
 
 @dataclass
 class Conversion:
-    """A conversation in the export's fixed shape, and what the shape had no room for."""
+    """A conversation in the export's fixed shape, and what the shape had no room for; with
+    ``parts``, also its images' digests in order, and the messages the chat template is
+    checked against (``checked``: the canonical image parts, whose sizes set the
+    placeholders, where ``messages`` hold bare ``{"type": "image"}``)."""
 
     messages: list[JSON] = field(default_factory=list)
     dropped: dict[str, int] = field(default_factory=dict)  # field name -> how many times
+    images: list[str] = field(default_factory=list)
+    checked: list[JSON] = field(default_factory=list)
 
 
-def convert_messages(messages: Sequence[object]) -> Conversion:
-    """The OpenAI chat messages as MESSAGE_TYPE rows (see the module docstring)."""
+def convert_messages(messages: Sequence[object], *, parts: bool = False) -> Conversion:
+    """The OpenAI chat messages as MESSAGE_TYPE rows (see the module docstring); ``parts``:
+    content as parts, images kept in place (``consumers.export_images``)."""
     dropped: Counter[str] = Counter()
     out: list[JSON] = []
+    checked: list[JSON] = []
+    images: list[str] = []
     for message in messages:
         if not isinstance(message, dict):
             dropped["<not an object>"] += 1
             continue
         dropped.update(k for k in message if k not in _MESSAGE_FIELDS)
-        out.append(
-            {
-                "role": _str(message.get("role")),
-                "content": _content(message.get("content"), dropped),
-                "tool_calls": _tool_calls(message.get("tool_calls"), dropped),
-                "tool_call_id": _str(message.get("tool_call_id")),
-                "name": _str(message.get("name")),
-            }
-        )
-    return Conversion(out, dict(dropped))
+        row = {
+            "role": _str(message.get("role")),
+            "content": None,
+            "tool_calls": _tool_calls(message.get("tool_calls"), dropped),
+            "tool_call_id": _str(message.get("tool_call_id")),
+            "name": _str(message.get("name")),
+        }
+        if parts:
+            content = image_parts_of(message.get("content"), dropped)
+            images += content.digests
+            row["content"] = content.exported if message.get("content") is not None else None
+            raw = message.get("content")
+            checked.append({**row, "content": content.checked if isinstance(raw, list) else raw})
+        else:
+            row["content"] = _content(message.get("content"), dropped)
+            checked.append(row)
+        out.append(row)
+    return Conversion(out, dict(dropped), images, checked)
 
 
 def _content(content: object, dropped: Counter[str]) -> str | None:
@@ -393,9 +417,11 @@ def messages_table(
     renderer: ChatRenderer | None = None,
     fidelity: Fidelity | None = None,
     dropped: Counter[str] | None = None,
+    images: ImageSource | None = None,
 ) -> pa.Table:
     """The ``messages`` rows of shard rows; checks each against ``renderer`` into ``fidelity``
-    when both are given (``round_trips`` is null otherwise) and counts dropped fields."""
+    when both are given (``round_trips`` is null otherwise) and counts dropped fields. With
+    ``images`` (where the bytes are), the rows are in the image layout (``with_images``)."""
     ids = shard.column("trajectory_id").to_pylist()
     metadata = shard.column("metadata").to_pylist()
     tool_texts = shard.column("tools").to_pylist()
@@ -403,22 +429,29 @@ def messages_table(
     tools_column: list[list[str]] = []
     checks: list[bool | None] = []
     input_ids = _token_lists(shard.column("input_ids")) if renderer is not None else []
+    row_images: list[list[str]] = []
     for i, text in enumerate(shard.column("messages").to_pylist()):
-        conversion = convert_messages(_decode.decode(text))
+        conversion = convert_messages(_decode.decode(text), parts=images is not None)
         if dropped is not None:
             dropped.update(conversion.dropped)
         tools = _decode.decode(tool_texts[i]) if tool_texts[i] is not None else []
         conversations.append(conversion.messages)
+        row_images.append(conversion.images)
         tools_column.append([_json_text(tool) for tool in tools])
         if renderer is not None and fidelity is not None:
-            row = (ids[i], conversion.messages, tools, input_ids[i], metadata[i])
+            row = (ids[i], conversion.checked, tools, input_ids[i], metadata[i])
             checks.append(fidelity.check(renderer, row))
         else:
             checks.append(None)
+    schema, storage = MESSAGES_SCHEMA, _MESSAGES_STORAGE
+    if images is not None:
+        schema, storage = MESSAGES_IMAGES_SCHEMA, _MESSAGES_IMAGES_STORAGE
     built: dict[str, pa.Array | pa.ChunkedArray] = {
-        "messages": pa.array(conversations, _MESSAGES_STORAGE.field("messages").type),
+        "messages": pa.array(conversations, storage.field("messages").type),
         "tools": pa.array(tools_column, pa.list_(_S)),
         "round_trips": pa.array(checks, pa.bool_()),
     }
-    columns = [built[f.name] if f.name in built else shard.column(f.name) for f in MESSAGES_SCHEMA]
-    return pa.Table.from_arrays(columns, schema=_MESSAGES_STORAGE).cast(MESSAGES_SCHEMA)
+    if images is not None:
+        built["images"] = images_column(row_images, images)
+    columns = [built[f.name] if f.name in built else shard.column(f.name) for f in schema]
+    return pa.Table.from_arrays(columns, schema=storage).cast(schema)

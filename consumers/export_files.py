@@ -40,11 +40,13 @@ from typing import BinaryIO, Literal
 
 import duckdb
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from consumers.export import JSON, ExportError
 from consumers.export_formats import jsonl_lines
+from consumers.export_images import IMAGE_MENTION
 from consumers.export_layout import data_file, part_file, staged_part_file
 from eventlog.server import pid_alive
 from schemas.shards import TRAJECTORY_SCHEMA
@@ -137,6 +139,23 @@ class Selection:
                 raise self._unreadable(exc) from exc
         try:
             [(rows,)] = self._relation.aggregate("count(*)").fetchall()
+        except duckdb.Error as exc:
+            raise self._failed(exc) from exc
+        return int(rows)
+
+    def mentioning_images(self) -> int:
+        """How many matching rows may hold an image (their messages' JSON has an image part's
+        opening, ``IMAGE_MENTION``): a scan of the messages, which decides the export's layout
+        before its first row is written."""
+        if self._relation is None:
+            mentions = pc.match_substring(ds.field("messages"), IMAGE_MENTION)
+            try:
+                return int(self._dataset.count_rows(filter=mentions))
+            except (OSError, pa.ArrowException) as exc:
+                raise self._unreadable(exc) from exc
+        try:
+            found = self._relation.filter(f"contains(messages, '{IMAGE_MENTION}')")
+            [(rows,)] = found.aggregate("count(*)").fetchall()
         except duckdb.Error as exc:
             raise self._failed(exc) from exc
         return int(rows)

@@ -43,6 +43,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from consumers.export import JSON_TYPE
+from consumers.export_images import IMAGE_TYPE
 from consumers.export_layout import DATA_DIR, data_files
 
 __all__ = ["dataset_card", "feature_lines", "jsonl_lines"]
@@ -122,6 +123,8 @@ def _dtype(type_: pa.DataType) -> str:
     """The ``datasets`` dtype name of an Arrow type that is not nested."""
     if getattr(type_, "extension_name", None) == _JSON_EXTENSION:
         return "json"
+    if type_ == IMAGE_TYPE:  # datasets.Image()'s storage: decoded to a PIL image on access
+        return "image"
     if pa.types.is_timestamp(type_):
         return f"timestamp[{type_.unit}" + (f", tz={type_.tz}]" if type_.tz else "]")
     names = {pa.float32(): "float32", pa.float64(): "float64", pa.bool_(): "bool"}
@@ -129,7 +132,7 @@ def _dtype(type_: pa.DataType) -> str:
 
 
 def _nested(type_: pa.DataType) -> bool:
-    return bool(pa.types.is_list(type_) or pa.types.is_struct(type_))
+    return type_ != IMAGE_TYPE and bool(pa.types.is_list(type_) or pa.types.is_struct(type_))
 
 
 def _scalar(text: str) -> str:
@@ -146,7 +149,7 @@ def _type_lines(key: str, type_: pa.DataType, indent: str) -> list[str]:
         if pa.types.is_struct(value):
             return [f"{indent}list:", *_field_lines(value, indent)]
         return [f"{indent}list:", *_type_lines("", value, indent + "  ")]  # list of lists
-    if pa.types.is_struct(type_):
+    if _nested(type_):
         return [f"{indent}struct:", *_field_lines(type_, indent)]
     return [f"{indent}{key}: {_scalar(_dtype(type_))}"]
 
@@ -223,6 +226,13 @@ def dataset_card(manifest: JSON, schema: pa.Schema) -> str:
         lines += [
             f"Chat-template round trip: {fidelity['round_trips']:,} of {fidelity['checked']:,} "
             f"rows render to exactly their tokens (column `round_trips`).",
+            "",
+        ]
+    if images := manifest.get("images"):
+        lines += [
+            f"{images['rows']:,} rows show {images['count']:,} images in all (column `images`, "
+            f"`datasets.Image()`: PIL images once loaded; each message shows an image as "
+            f'`{{"type": "image"}}` where it sits, the images in order of appearance).',
             "",
         ]
     dropped = manifest.get("dropped_message_fields") or {}

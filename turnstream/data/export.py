@@ -4,8 +4,9 @@
         [--where "reward > 0 and num_turns >= 3"] [--shards URI] [--overwrite]
         [--tokenizer MODEL_DIR | --no-fidelity] [--rows-per-part 100000] [--keep-side-calls]
 
-Reads the shards only (``--shards``, default ``<data_dir>/shards``; no log needed). ``--where`` is
-a DuckDB SQL predicate over the shard columns. ``tokens`` keeps the training columns,
+Reads the shards (``--shards``, default ``<data_dir>/shards``), and the log only for the images
+the conversations show (``--log.url``, else the data dir's; ``turnstream.data.export_images``).
+``--where`` is a DuckDB SQL predicate over the shard columns. ``tokens`` keeps the training columns,
 ``messages`` the OpenAI-shaped conversation and tool schemas for SFT (``consumers.export`` has
 the columns); DIR is laid out as the Hugging Face Hub lays out a dataset: the parts under
 ``data/`` (``data/train-00000-of-00002.parquet``), ``manifest.json`` and a dataset card
@@ -17,6 +18,12 @@ For ``messages``, every row is rendered again with the chat template of ``--toke
 the built-in tiny model, when ``<data_dir>/models`` has it — what the gateway serves by default)
 through the gateway's own rendering, and compared with its tokens: the rows that do not
 round-trip are counted in the summary and the manifest, and flagged in ``round_trips``.
+
+Conversations that show images (issue 39) are exported as vision chat datasets are: an ``images``
+column of ``datasets.Image()`` values (the bytes, read from the log's image store), and
+``{"type": "image"}`` in the messages where each sits (``consumers.export_images``); Parquet
+only (JSON Lines has no image type: refused, naming ``--format parquet``). Without the log (no
+``--log.url``, no log in ``--data-dir``) such an export is refused, naming what it needs.
 
 ``--kind atif`` writes one ATIF trajectory (JSON) per session under ``DIR/data/`` instead, for
 eval harnesses (``turnstream.data.export_atif``, ``consumers.atif``).
@@ -40,11 +47,12 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import AliasChoices, Field
-from pydantic_settings import CliSuppress, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from consumers.export import (
+    MESSAGES_IMAGES_SCHEMA,
     MESSAGES_SCHEMA,
     TOKENS_SCHEMA,
     ChatRenderer,
@@ -57,11 +65,12 @@ from consumers.export import (
 )
 from consumers.export_files import ExportDirectory, ExportFormat, Selection
 from consumers.export_formats import dataset_card
+from consumers.export_images import ImageSource
 from consumers.export_layout import DATA_DIR
-from eventlog import LogSettings
 from schemas.errors import TurnstreamError
 from schemas.ids import ID_PATTERN
 from turnstream.data.export_atif import AtifSessions, atif_summary
+from turnstream.data.export_images import LogImages
 from turnstream.stack.settings import ServiceSettings
 
 if TYPE_CHECKING:  # transformers: imported only when a chat template is loaded
@@ -92,6 +101,8 @@ class _Tally:
     read: int = 0  # shard rows read, side calls left out included
     side_calls: int = 0  # left out
     dropped: Counter[str] = field(default_factory=Counter)
+    image_rows: int = 0  # rows showing at least one image
+    images: int = 0  # images shown, a resent one each time
 
 
 def export_run(
@@ -108,9 +119,11 @@ def export_run(
     progress: bool = True,
     batch_rows: int = 1024,
     keep_side_calls: bool = False,
+    images: ImageSource | None = None,
 ) -> JSON:
     """Export ``run``'s shard rows matching ``where`` to ``output``, those of side requests only
-    with ``keep_side_calls``; the manifest written."""
+    with ``keep_side_calls``; the manifest written. ``images``: where the bytes of the images
+    the ``messages`` rows show are (the log's store); needed only when a row shows one."""
     selection = Selection(shards, run, where)
     try:
         total = selection.count()
@@ -121,6 +134,11 @@ def export_run(
                 f"shard(s) under {selection.target}); nothing was written"
             )
         schema = MESSAGES_SCHEMA if kind == "messages" else TOKENS_SCHEMA  # atif: no rows
+        if kind == "messages" and selection.mentioning_images():
+            _can_export_images(run, format, images)
+            schema = MESSAGES_IMAGES_SCHEMA
+        else:
+            images = None
         tally = _Tally()
         check = Fidelity() if kind == "messages" and fidelity.renderer is not None else None
         with (
@@ -160,7 +178,12 @@ def export_run(
                         renderer=fidelity.renderer,
                         fidelity=check,
                         dropped=tally.dropped,
+                        images=images,
                     )
+                    if images is not None:
+                        shown = pc.list_value_length(rows.column("images"))
+                        tally.images += int(pc.sum(shown).as_py() or 0)
+                        tally.image_rows += int(pc.sum(pc.greater(shown, 0)).as_py() or 0)
                 directory.write(rows)
                 tally.rows += shard_rows.num_rows
                 tally.tokens += _tokens(shard_rows)
@@ -177,6 +200,8 @@ def export_run(
                 )
             manifest = _manifest(selection, kind, format, tally, directory, fidelity, check)
             manifest["side_calls"] = {"kept": keep_side_calls, "left_out": tally.side_calls}
+            if images is not None:
+                manifest["images"] = {"rows": tally.image_rows, "count": tally.images}
             if atif is not None:
                 directory.commit(*atif.manifest(manifest))
             else:
@@ -184,6 +209,25 @@ def export_run(
     finally:
         selection.close()
     return manifest
+
+
+def _can_export_images(run: str, format: ExportFormat, images: ImageSource | None) -> None:
+    """Rows that show images are exported with the images' bytes, from the log's store, as
+    Parquet: JSON Lines has no image type ``datasets`` loads (base64 text would load as
+    text), and the shards hold the images' digests only."""
+    if format == "jsonl":
+        raise ExportError(
+            f"the conversations of run {run} show images, and JSON Lines has no image type "
+            f"that datasets loads as images: export them with --format parquet (its images "
+            f"column loads as PIL images), or export --kind tokens; nothing was written"
+        )
+    if images is None:
+        raise ExportError(
+            f"the conversations of run {run} show images; the shards name them by digest "
+            f"only, and their bytes are in the log's image store: give the log (--log.url, "
+            f"or the --data-dir of its `turnstream up`), or export --kind tokens; nothing "
+            f"was written"
+        )
 
 
 def _tokens(shard_rows: pa.Table) -> int:
@@ -252,7 +296,7 @@ class TemplateRenderer:
             text = self.template.render(messages, list(tools) or None, generation=False)
         except InvalidRequest as exc:
             raise ValueError(str(exc)) from exc
-        return list(self.template.encode(text))
+        return list(self.template.prompt_ids_of(text, messages))  # images expanded
 
     def closing_ids(self, last_token: int | None) -> list[int]:
         # As ChatTemplate.continuation_ids closes a turn: its turn-end text, less the stop
@@ -271,6 +315,7 @@ def load_renderer(model_dir: Path) -> TemplateRenderer:
     """The chat template of the model at ``model_dir``, loaded as the gateway loads it."""
     from transformers import GenerationConfig
 
+    from gateway.images import VisionSpec
     from gateway.templates import ChatTemplate, load_tokenizer
 
     try:
@@ -288,7 +333,12 @@ def load_renderer(model_dir: Path) -> TemplateRenderer:
     try:
         # Samples are checked whole, whatever their length: the template lifts the tokenizer's
         # own limit, so no "longer than the maximum" warning.
-        template = ChatTemplate(tokenizer, stop_token_ids=stop_ids, max_context=sys.maxsize)
+        template = ChatTemplate(
+            tokenizer,
+            stop_token_ids=stop_ids,
+            max_context=sys.maxsize,
+            vision=VisionSpec.load(model_dir),  # None for a text model
+        )
         return TemplateRenderer(template)
     except ValueError as exc:
         raise TurnstreamError(f"--tokenizer {model_dir}: {exc}") from exc
@@ -299,7 +349,6 @@ class ExportCommand(ServiceSettings):
 
     model_config = SettingsConfigDict(cli_prog_name="turnstream export")
 
-    log: CliSuppress[LogSettings] = LogSettings()  # shards only: no log to connect to
     run: str = Field("default", pattern=f"^{ID_PATTERN}$", description="the run to export")
     output: Path = Field(
         validation_alias=AliasChoices("o", "output"),
@@ -355,18 +404,20 @@ class ExportCommand(ServiceSettings):
                 f"{self.format}"
             )
         fidelity = self._fidelity()
-        manifest = export_run(
-            self.shards or str(self.data_dir / "shards"),
-            self.run,
-            self.output,
-            kind=self.kind,
-            format=self.format or "parquet",
-            where=self.where,
-            fidelity=fidelity,
-            rows_per_part=self.rows_per_part,
-            overwrite=self.overwrite,
-            keep_side_calls=self.keep_side_calls,
-        )
+        with LogImages(self) as images:  # the log is opened only if a row shows an image
+            manifest = export_run(
+                self.shards or str(self.data_dir / "shards"),
+                self.run,
+                self.output,
+                kind=self.kind,
+                format=self.format or "parquet",
+                where=self.where,
+                fidelity=fidelity,
+                rows_per_part=self.rows_per_part,
+                overwrite=self.overwrite,
+                keep_side_calls=self.keep_side_calls,
+                images=images,
+            )
         parts = len(manifest["parts"])
         rows = manifest["rows"]
         if self.kind == "atif":
