@@ -18,7 +18,9 @@ The session's events are read back from EVENTS (``--log.url``, or the ``stack.js
 - per turn: its boundary (index, weight_version, where its versions meet when its weights
   were updated while it was generated, finish reason, per-turn reward), the messages
   it added, prompt tokens dimmed (loss_mask 0), generated tokens (loss_mask 1) coloured by their
-  sampling probability (red: unlikely, green: likely), its tool calls.
+  sampling probability (red: unlikely, green: likely), its tool calls. An image is shown where
+  it sits, in its message and among the tokens in place of its placeholder tokens:
+  ``[image 640x480 sha256:1a2b3c4d… 256 tokens at 120..375]`` (``turnstream.inspect.text``).
 
 Tokens are decoded one by one with the model's tokenizer (``--model``; unset: the stack's, else
 the built-in tiny model). ``--html FILE`` writes the same view as one standalone page (inline CSS,
@@ -49,14 +51,22 @@ from schemas.codec import Codec
 from schemas.errors import TurnstreamError
 from schemas.events import TurnCompleted
 from schemas.ids import ID_PATTERN
+from schemas.images import ImageRef
 from schemas.trust import VettedSession, vet_session
-from turnstream.inspect.text import message_text, printable, tool_call_text, version_marks
+from turnstream.inspect.text import (
+    image_text,
+    new_message_texts,
+    printable,
+    tool_call_text,
+    version_marks,
+)
 from turnstream.inspect.tree import FORK, ROOT, TreeNode, TreePath, node_text
 from turnstream.inspect.view import (
     SessionView,
     Token,
     agent_text,
     heat,
+    prompt_items,
     segment_title,
     session_view,
     shared_text,
@@ -110,17 +120,21 @@ def render_terminal(view: SessionView) -> list[RenderableType]:
             parts.append(Text(start, style="bold magenta" if segment.fork else "bold blue"))
         for index, turn in enumerate(segment.turns):
             parts.append(Text(f"── {turn_title(turn)} ──", style="bold cyan"))
-            for message in turn.event.new_messages:
-                parts.append(Text(f"  → {message_text(message)}", style="italic"))
+            for line in new_message_texts(turn.event):
+                parts.append(Text(f"  → {line}", style="italic"))
             tokens = Text()
             if index == 0 and segment.shared:
                 tokens.append(shared_text(segment), style="dim italic")
+            for item in prompt_items(turn):
+                if isinstance(item, ImageRef):
+                    tokens.append(image_text(item), style="bold reverse blue")
+                else:
+                    tokens.append(item.text, style=Style(dim=True))
             marks = version_marks(turn.event)
-            for at, token in enumerate([*turn.prompt, *turn.completion], -len(turn.prompt)):
+            for at, token in enumerate(turn.completion):
                 if at in marks:
                     tokens.append(marks[at], style="bold reverse magenta")
-                style = _token_style(token.logprob) if token.generated else Style(dim=True)
-                tokens.append(token.text, style=style)
+                tokens.append(token.text, style=_token_style(token.logprob))
             parts.append(tokens)
             for call in turn.event.tool_calls:
                 parts.append(Text(f"  ⚙ {tool_call_text(call)}", style="yellow"))
@@ -174,6 +188,7 @@ li.node.fork { color: #a0a; }
 li.node.root { font-weight: bold; }
 .boundary { color: #fff; background: #a0a; font-weight: bold; border-radius: 2px; }
 .tool-call { color: #850; font-family: ui-monospace, monospace; }
+.image { color: #fff; background: #36c; border-radius: 2px; }
 """
 
 
@@ -208,15 +223,15 @@ def render_html(view: SessionView) -> str:
         for index, turn in enumerate(segment.turns):
             out.append(f'<div class="turn" id="turn-{turn.event.turn}">')
             out.append(f'<div class="turn-head">{e(turn_title(turn))}</div>')
-            for message in turn.event.new_messages:
-                out.append(f'<div class="message">→ {e(message_text(message))}</div>')
+            for line in new_message_texts(turn.event):
+                out.append(f'<div class="message">→ {e(line)}</div>')
             shared = (
                 f'<span class="shared">{e(shared_text(segment))}</span>'
                 if index == 0 and segment.shared
                 else ""
             )
             marks = version_marks(turn.event)
-            spans = "".join(_token_span(t) for t in turn.prompt) + "".join(
+            spans = "".join(map(_prompt_span, prompt_items(turn))) + "".join(
                 (f'<span class="boundary">{e(marks[at])}</span>' if at in marks else "")
                 + _token_span(token)
                 for at, token in enumerate(turn.completion)
@@ -263,6 +278,13 @@ def _node_item(node: TreeNode) -> str:
         f'<li class="{classes}" id="node-{node.turn}" data-turn="{node.turn}" '
         f'data-parent="{node.parent}">{html.escape(node_text(node))}</li>'
     )
+
+
+def _prompt_span(item: Token | ImageRef) -> str:
+    if isinstance(item, ImageRef):
+        title = html.escape(f"{item.mime or 'image'} sha256:{item.sha256}", quote=True)
+        return f'<span class="image" title="{title}">{html.escape(image_text(item))}</span>'
+    return _token_span(item)
 
 
 def _token_span(token: Token) -> str:

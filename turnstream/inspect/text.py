@@ -8,6 +8,20 @@ goes through ``printable``: a terminal escape in model output is shown, not obey
 'user: hi'
 >>> first_words("user: one two three four five six seven eight nine ten", 4)
 'user: one two three …'
+
+An image (issue 39) is shown where it sits: in a message, by its size, digest and the prompt
+tokens that stand for it (``image_text``); among the tokens, as that one mark in place of its
+placeholder tokens (``turnstream.inspect.view.prompt_items``).
+
+>>> ref = ImageRef("1a2b3c4d" * 8, offset=120, length=256, width=640, height=480)
+>>> image_text(ref)
+'[image 640x480 sha256:1a2b3c4d… 256 tokens at 120..375]'
+>>> from schemas.images import image_part
+>>> turn = TurnCompleted(run="r", session="s", turn=0, prompt_ids=[0] * 400, completion_ids=[],
+...     logprobs=[], images=[ref], new_messages=[{"role": "user", "content": [
+...     image_part(ref.sha256, 640, 480), {"type": "text", "text": "what is this?"}]}])
+>>> new_message_texts(turn)
+['user: [image 640x480 sha256:1a2b3c4d… 256 tokens at 120..375] what is this?']
 """
 
 from __future__ import annotations
@@ -17,10 +31,13 @@ from itertools import pairwise
 from typing import Any
 
 from schemas.events import JSON, TurnCompleted
+from schemas.images import ImageRef, part_digest
 
 __all__ = [
     "first_words",
+    "image_text",
     "message_text",
+    "new_message_texts",
     "number",
     "printable",
     "tool_call_text",
@@ -42,12 +59,39 @@ def number(value: float | None) -> str:
     return "-" if value is None else f"{value:g}"
 
 
-def message_text(message: JSON) -> str:
+def image_text(ref: ImageRef) -> str:
+    """An image where it sits: its size, digest (short) and its placeholder tokens."""
+    return (
+        f"[image {ref.width}x{ref.height} sha256:{ref.sha256[:8]}… {ref.length} tokens at "
+        f"{ref.offset}..{ref.end - 1}]"
+    )
+
+
+def _part_text(part: object, refs: list[ImageRef]) -> str:
+    digest = part_digest(part)
+    if digest is None:
+        return str(part.get("text", part)) if isinstance(part, dict) else str(part)
+    ref = next((r for r in refs if r.sha256 == digest), None)
+    if ref is None:  # its tokens are not the turn's own (in a prefix it shares)
+        assert isinstance(part, dict)
+        return f"[image {part.get('width')}x{part.get('height')} sha256:{digest[:8]}…]"
+    refs.remove(ref)
+    return image_text(ref)
+
+
+def new_message_texts(turn: TurnCompleted) -> list[str]:
+    """The turn's new messages, each image by its own tokens (``turn.images``, in order)."""
+    refs = list(turn.images)
+    return [message_text(message, refs) for message in turn.new_messages]
+
+
+def message_text(message: JSON, images: list[ImageRef] | None = None) -> str:
+    """One line of a message; its images with their tokens where ``images`` (the refs of its
+    turn not yet shown, taken in order) has them."""
     content: Any = message.get("content")
     if isinstance(content, list):  # OpenAI content parts
-        content = " ".join(
-            str(part.get("text", part)) if isinstance(part, dict) else str(part) for part in content
-        )
+        refs = images if images is not None else []
+        content = " ".join(_part_text(part, refs) for part in content)
     text = content if isinstance(content, str) else json.dumps(content)
     if message.get("tool_call_id"):
         text = f"[{message['tool_call_id']}] {text}"

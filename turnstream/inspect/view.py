@@ -29,6 +29,7 @@ from schemas.events import (
     SessionOpened,
     TurnCompleted,
 )
+from schemas.images import ImageRef
 from schemas.trust import VettedSession
 from turnstream.inspect.text import number, printable, version_story
 from turnstream.inspect.tree import (
@@ -49,6 +50,7 @@ __all__ = [
     "TurnView",
     "agent_text",
     "heat",
+    "prompt_items",
     "segment_title",
     "session_view",
     "shared_text",
@@ -76,6 +78,33 @@ class TurnView:
     prompt: list[Token]  # the prompt tokens this turn added to its segment
     completion: list[Token]
     reward: float | None  # per-turn reward
+    start: int = 0  # the index of ``prompt[0]`` in the turn's full prompt
+
+
+def prompt_items(view: TurnView) -> list[Token | ImageRef]:
+    """The turn's prompt tokens, each of its images (``event.images``) standing in place of
+    its run of placeholder tokens: what the views draw (one mark, not 256 ``<|image_pad|>``).
+
+    >>> ref = ImageRef("ab" * 32, offset=11, length=2, width=8, height=8)
+    >>> turn = TurnCompleted(run="r", session="s", turn=0, prompt_ids=[1] * 14, completion_ids=[],
+    ...                      logprobs=[], images=[ref])
+    >>> tokens = [Token(i, "t", False, 0.0, -1) for i in range(4)]
+    >>> items = prompt_items(TurnView(turn, tokens, [], None, start=10))
+    >>> [getattr(item, "offset", None) for item in items]
+    [None, 11, None]
+    """
+    at = {ref.offset: ref for ref in view.event.images}
+    items: list[Token | ImageRef] = []
+    skip_to = -1
+    for position, token in enumerate(view.prompt, view.start):
+        if position < skip_to:
+            continue
+        if (ref := at.get(position)) is not None:
+            items.append(ref)
+            skip_to = ref.end
+        else:
+            items.append(token)
+    return items
 
 
 @dataclass(frozen=True)
@@ -235,6 +264,7 @@ def session_view(
                     prompt=tokens[begin : end - generated],
                     completion=tokens[end - generated : end],
                     reward=reward,
+                    start=begin,  # a sample's ids are its turns' full prompts, extended
                 )
             )
             begin = end
@@ -319,6 +349,7 @@ def _unfolded(turns: list[TurnCompleted], decode: dict[int, str]) -> SegmentView
                 )
             ],
             reward=None,
+            start=turn.prefix_len,
         )
         for turn in turns
     ]
