@@ -8,10 +8,13 @@ import re
 import msgspec
 import pytest
 
+from eventlog import JetStreamImageStore
 from schemas.codec import Codec
 from schemas.events import SessionEvent, TrajectoryReady, TurnCompleted
+from schemas.images import content_digest, image_parts, part_digest
 from schemas.routing import route
 from tests.conftest import Log
+from tests.helpers.image_sessions import png, put_images, with_images
 from tests.helpers.sessions import RUN, append_only, reward, session_events
 from tests.helpers.streams import message_count, publish_events, stream_payloads
 from tests.helpers.waiting import eventually
@@ -23,6 +26,7 @@ pytestmark = pytest.mark.integration
 CODEC = Codec()
 GOOD = 4
 TURNS = 3
+SHOWN = [png(5), png(6)]
 
 
 async def publish_run(log: Log) -> tuple[list[SessionEvent], int]:
@@ -38,6 +42,8 @@ async def publish_run(log: Log) -> tuple[list[SessionEvent], int]:
         )
         for i in range(GOOD)
     ]
+    good[0] = with_images(good[0], {0: SHOWN[0], 2: SHOWN[1]})  # a session that sees
+    await put_images(await JetStreamImageStore.open(log.nc, log.settings), SHOWN)
     stepwise = session_events(
         append_only(4), session="stepwise", metadata={"fold": {"per_turn": True}}
     )
@@ -106,6 +112,11 @@ async def test_a_refold_is_byte_identical_to_the_workers_fold_under_the_new_run(
             trajectory, run=RUN, trajectory_id=tid.replace("run-1b/", f"{RUN}/", 1)
         )
         assert CODEC.encode(back) == original[back.trajectory_id]  # byte for byte
+    seeing = CODEC.decode(refolded["run-1b/good-0/0"])  # its images where they were
+    assert isinstance(seeing, TrajectoryReady)
+    assert [part_digest(p) for p in image_parts(seeing.messages)] == [
+        content_digest(d) for d in SHOWN
+    ]
     conflicted = CODEC.decode(refolded["run-1b/conflicted/0"])
     assert isinstance(conflicted, TrajectoryReady)
     assert conflicted.metadata["conflicting_turns"] == 1

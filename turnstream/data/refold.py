@@ -11,7 +11,9 @@ same fold (``consumers.worker.fold_session``). The events' run is set to R2 befo
 the trajectories are R2's (``R2/<session>/<segment>``); each is published on ``ts.traj.R2`` with
 its id as Msg-Id, so the shard writer writes them under ``run=R2`` and live sinks take them.
 With an unchanged fold, every trajectory is byte-identical to the worker's, but for its run and
-id. ``--mode per_turn`` makes every turn its own sample, ``--mode merge`` one sample per segment,
+id. The events are folded whole (only their run is set), so a turn's images travel with it: they
+are named by digest, in the same log's image store, so R2 needs no copy of them.
+``--mode per_turn`` makes every turn its own sample, ``--mode merge`` one sample per segment,
 for every session; unset, each session folds as the worker folded it (merge, unless the session
 asked otherwise in ``metadata.fold``).
 
