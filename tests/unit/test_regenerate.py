@@ -17,8 +17,10 @@ from gateway.backends.local import LocalBackend
 from gateway.serving.engine import derived_seed
 from schemas.delta import replay_context
 from schemas.events import SessionOpened, TurnCompleted
+from schemas.images import ImageRef
 from turnstream.data.regenerate import (
     compare,
+    full_prompt_images,
     full_prompts,
     regenerate,
     regeneration_params,
@@ -157,6 +159,19 @@ async def test_turns_without_a_seed_or_their_parent_are_not_reproducible(
     assert "recorded without a seed" in report.turns[0].reason
     assert "parent turn 1" in report.turns[1].reason
     assert not report.ok  # nothing could be sent again
+
+
+async def test_a_turn_showing_an_image_the_recording_lacks_is_not_reproducible(
+    backend: LocalBackend,
+) -> None:
+    turns = await recorded_session(backend)
+    shot = ImageRef("ab" * 32, offset=0, length=2, width=8, height=8)
+    seeing = msgspec.structs.replace(turns[0], images=[shot])
+    report = await regenerate([seeing, turns[1]], backend, images={"cd" * 32: b"other"})
+    first, second = report.turns
+    assert first.status == second.status == "not_reproducible"  # turn 1's prompt holds it too
+    assert f"its image sha256:{'ab' * 32} is not in the recording" in first.reason
+    assert full_prompt_images({0: seeing, 1: turns[1]}) == {0: [shot], 1: [shot]}
 
 
 async def test_a_greedy_turn_needs_no_seed(backend: LocalBackend) -> None:

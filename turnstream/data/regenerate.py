@@ -12,7 +12,9 @@ For each ``TurnCompleted``: its full prompt is rebuilt from the deltas (``contex
 generated with the recorded sampling, and the ids compared with ``completion_ids`` (and the
 log-probs, within a tolerance, where the tokens agree). A turn recorded without a seed (events
 older than issue 19) is reported as not reproducible, unless it was greedy (a temperature below
-1e-5, ``schemas.sampling``).
+1e-5, ``schemas.sampling``). A turn that shows images is sent with them (``Prompt.images``: its
+full prompt's images, ``full_prompt_images``, their bytes from the recording); one whose image
+the recording lacks is not reproducible.
 
     report = await regenerate(events, backend)
     assert report.ok, [t.line() for t in report.turns if t.status != "same"]
@@ -21,16 +23,23 @@ older than issue 19) is reported as not reproducible, unless it was greedy (a te
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Callable, Collection, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 import numpy as np
 
-from gateway.backends.interface import Backend, GenerationChunk, Prompt, SamplingParams
+from gateway.backends.interface import (
+    Backend,
+    GenerationChunk,
+    Prompt,
+    PromptImage,
+    SamplingParams,
+)
 from schemas.delta import EMPTY_CONTEXT, Context, decode_context
 from schemas.errors import TurnstreamError
 from schemas.events import SessionEvent, TurnCompleted
+from schemas.images import ImageRef, prompt_images
 from schemas.sampling import is_greedy
 from turnstream.data.parts import (
     OWN_WEIGHTS,
@@ -48,6 +57,7 @@ __all__ = [
     "RegenerationReport",
     "VersionWeights",
     "compare",
+    "full_prompt_images",
     "full_prompts",
     "regenerate",
     "regeneration_params",
@@ -155,6 +165,44 @@ def full_prompts(turns: dict[int, TurnCompleted]) -> dict[int, np.ndarray | None
     return prompts
 
 
+def full_prompt_images(turns: dict[int, TurnCompleted]) -> dict[int, list[ImageRef] | None]:
+    """Each turn's full prompt's images: its parent's inside its shared prefix, then its own
+    (``schemas.images.prompt_images``, memoized along the tree). None: an ancestor is missing.
+
+    >>> a, b = ImageRef("ab" * 32, 0, 2, 8, 8), ImageRef("cd" * 32, 5, 1, 8, 8)
+    >>> t0 = TurnCompleted(run="r", session="s", turn=0, prompt_ids=[1, 1, 2],
+    ...                    completion_ids=[3], logprobs=[-0.5], images=[a])
+    >>> t1 = TurnCompleted(run="r", session="s", turn=1, prefix_len=4, prompt_ids=[4, 1],
+    ...                    completion_ids=[5], logprobs=[-0.1], images=[b])
+    >>> [[r.offset for r in refs] for refs in full_prompt_images({0: t0, 1: t1}).values()]
+    [[0], [0, 5]]
+    """
+    images: dict[int, list[ImageRef] | None] = {-1: []}
+    for index in sorted(turns):
+        turn = turns[index]
+        parent = images.get(turn.parent)
+        images[index] = (
+            None if parent is None else prompt_images(parent, turn.prefix_len, turn.images)
+        )
+    del images[-1]
+    return images
+
+
+def _prompt_images(
+    refs: list[ImageRef] | None, data: Mapping[str, bytes]
+) -> tuple[PromptImage, ...] | str:
+    """The images to send a turn with, or why they cannot be."""
+    found = []
+    for ref in refs or ():
+        if ref.sha256 not in data:
+            return (
+                f"its image sha256:{ref.sha256} is not in the recording (its log had lost it "
+                f"when the run was recorded)"
+            )
+        found.append(PromptImage(ref, data[ref.sha256]))
+    return tuple(found)
+
+
 def regeneration_params(
     turn: TurnCompleted, stop_token_ids: Sequence[int] = ()
 ) -> SamplingParams | str:
@@ -225,13 +273,14 @@ async def _generate(
     params: SamplingParams,
     session: str,
     enough: int | None,
+    images: tuple[PromptImage, ...] = (),
 ) -> tuple[list[int], list[float]]:
     """The ids and log-probs ``backend`` samples; with ``enough``, stops once it has that many
     (the gateway cut the recorded turn there: a stop string)."""
     ids: list[int] = []
     logprobs: list[float] = []
     stream: AsyncIterator[GenerationChunk] = backend.generate(
-        Prompt(prompt), params, session=session
+        Prompt(prompt, images=images), params, session=session
     )
     try:
         async for chunk in stream:
@@ -269,6 +318,7 @@ class _Plan:
     verdict: RegeneratedTurn | None = None
     parts: list[Part] = field(default_factory=list)
     done: dict[int, PartVerdict] = field(default_factory=dict)  # by part index
+    images: tuple[PromptImage, ...] = ()  # its full prompt's, with their bytes
 
 
 async def regenerate(
@@ -279,6 +329,7 @@ async def regenerate(
     stop_token_ids: Sequence[int] = (),
     tolerance: float = LOGPROB_TOLERANCE,
     progress: Callable[[RegeneratedTurn], object] | None = None,
+    images: Mapping[str, bytes] | None = None,
 ) -> RegenerationReport:
     """Send every recorded turn of ``events`` to ``backend`` again and compare (module doc).
 
@@ -287,15 +338,18 @@ async def regenerate(
     in turn, so a recording of many versions loads each once. ``stop_token_ids``: the
     template's, for turns recorded before their stop ids were (newer events carry their own).
     ``progress`` is called with each turn's verdict as it is complete. A backend error fails
-    that turn (part), named in the report, and the next is tried.
+    that turn (part), named in the report, and the next is tried. ``images``: the bytes of the
+    images the turns show, by digest (a recording's).
     """
     plans: list[_Plan] = []
     jobs: dict[int | None, list[tuple[_Plan, Part]]] = {OWN_WEIGHTS: []}
     checkpoints = weights.versions if weights is not None else ()
     for turns in session_turns(events).values():
         prompts = full_prompts(turns)
+        shown = full_prompt_images(turns)
         for index, turn in sorted(turns.items()):
-            plan = _plan(turn, prompts[index], stop_token_ids, checkpoints, jobs)
+            sent = _prompt_images(shown[index], images or {})
+            plan = _plan(turn, prompts[index], stop_token_ids, checkpoints, jobs, sent)
             plans.append(plan)
             if plan.verdict is not None and progress is not None:
                 progress(plan.verdict)
@@ -307,7 +361,7 @@ async def regenerate(
             plan.done[part.index] = (
                 PartVerdict(part, "failed", reason=unloaded)
                 if unloaded
-                else await _regenerate_part(backend, plan.turn, part, tolerance)
+                else await _regenerate_part(backend, plan, part, tolerance)
             )
             if len(plan.done) == len(plan.parts):
                 plan.verdict = _joined(plan)
@@ -322,6 +376,7 @@ def _plan(
     stop_token_ids: Sequence[int],
     checkpoints: Collection[int],
     jobs: dict[int | None, list[tuple[_Plan, Part]]],
+    images: tuple[PromptImage, ...] | str = (),
 ) -> _Plan:
     """``turn``'s parts queued under the weights each is sent to, or its verdict already."""
 
@@ -340,7 +395,9 @@ def _plan(
     params = regeneration_params(turn, stop_token_ids)
     if isinstance(params, str):
         return unreproducible(params)
-    plan = _Plan(turn, parts=turn_parts(turn, prompt, params))
+    if isinstance(images, str):
+        return unreproducible(images)
+    plan = _Plan(turn, parts=turn_parts(turn, prompt, params), images=images)
     versions = {v for part in plan.parts for v in part.versions}
     for part in plan.parts:
         where = part_weights(versions, part, checkpoints)
@@ -365,11 +422,17 @@ async def _serve(weights: VersionWeights | None, version: int | None) -> str:
 
 
 async def _regenerate_part(
-    backend: Backend, turn: TurnCompleted, part: Part, tolerance: float
+    backend: Backend, plan: _Plan, part: Part, tolerance: float
 ) -> PartVerdict:
+    turn = plan.turn
     try:
         ids, logprobs = await _generate(
-            backend, part.prompt, part.params, f"{turn.run}/{turn.session}", part.enough
+            backend,
+            part.prompt,
+            part.params,
+            f"{turn.run}/{turn.session}",
+            part.enough,
+            plan.images,
         )
     except (TurnstreamError, OSError) as exc:
         reason = f"the backend failed: {type(exc).__name__}: {exc}"

@@ -128,4 +128,5 @@ async def regenerate_recording(
                 stop_token_ids=stop_ids,
                 tolerance=tolerance,
                 progress=done,
+                images=recording.images,
             )
