@@ -20,7 +20,8 @@ from tests.conftest import Log
 from tests.helpers.image_sessions import png, put_images, with_images
 from tests.helpers.sessions import RUN, append_only, session_events
 from tests.helpers.streams import message_count, publish_events, stream_payloads
-from tests.integration.test_replay import fresh, run_cli
+from tests.integration.test_fold_worker import running, until_trajectories
+from tests.integration.test_replay import fold_all, fresh, run_cli, traj_by_id
 
 pytestmark = pytest.mark.integration
 
@@ -53,6 +54,7 @@ async def test_a_recording_holds_its_images_and_a_replay_rebuilds_them_byte_for_
     store = await JetStreamImageStore.open(log.nc, log.settings)
     await put_images(store, SCREEN)  # SCREEN[2] is named by no event: not recorded
     await publish_events(log.nc, events)
+    folded = await fold_all(log, 2)
     recording = tmp_path / "run-1.parquet"
 
     said = await record(log, recording)
@@ -65,10 +67,13 @@ async def test_a_recording_holds_its_images_and_a_replay_rebuilds_them_byte_for_
     assert table.column("image").null_count == len(events) == recorded.meta.count
     assert table.column("image").to_pylist()[-2:] == list(recorded.images)
 
-    done = await run_cli("replay", str(recording), "--log.url", fresh.server.url)
+    async with running(fresh):
+        done = await run_cli("replay", str(recording), "--log.url", fresh.server.url)
+        assert done.returncode == 0, done.stderr
+        await until_trajectories(fresh, 2)
 
-    assert done.returncode == 0, done.stderr
     assert "2 images put first (0 already held)" in done.stderr
+    assert await traj_by_id(fresh) == folded  # the same trajectories, byte for byte
     again = await JetStreamImageStore.open(fresh.nc, fresh.settings)
     assert await again.digests() == sorted(recorded.images)
     for digest, data in recorded.images.items():
