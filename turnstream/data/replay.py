@@ -107,6 +107,7 @@ console = Console(stderr=True)
 BATCH_EVENTS = 4096
 BATCH_BYTES = 16 * 1024 * 1024
 PACING_SLICE_S = 0.02  # events due within this much of now go out together
+IMAGE_PUTS = 8  # images put at once
 _AGAIN = re.compile(r"\.again-\d+$")  # a later copy's Msg-Id suffix (see the module doc)
 
 
@@ -279,13 +280,20 @@ async def put_images(
     if not (recording.images or lacking):
         return
     store = await JetStreamImageStore.open(event_log.nc, settings.log)
+
+    async def put(digest: str, data: bytes) -> bool:
+        held = await store.has(digest)
+        await store.put(data)  # held ones too: an old upload is refreshed (eventlog.objects)
+        return held
+
     with progress_bar(label, console, enabled=progress) as bar:
         task = bar.add_task("images", total=len(recording.images))
-        for digest, data in recording.images.items():
-            report.images_held += await store.has(digest)
-            await store.put(data)
-            report.images += 1
-            bar.update(task, advance=1)
+        images = list(recording.images.items())
+        for start in range(0, len(images), IMAGE_PUTS):
+            window = images[start : start + IMAGE_PUTS]
+            report.images_held += sum(await asyncio.gather(*(put(*image) for image in window)))
+            report.images += len(window)
+            bar.update(task, advance=len(window))
     report.images_missing = [d for d in lacking if not await store.has(d)]
     if report.images_missing:
         console.print(
