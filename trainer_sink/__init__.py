@@ -39,6 +39,7 @@ from trainer_sink.config import AssemblySettings, BatchingSettings, LiveSourceSe
 from trainer_sink.dataproto import to_dataproto
 from trainer_sink.errors import BatchCommitted, BatchError, PolicyError, SinkError
 from trainer_sink.ray_actor import (
+    ImagesSpec,
     LiveSpec,
     OfflineSpec,
     SinkActor,
@@ -80,6 +81,7 @@ __all__ = [
     "Dropped",
     "ImageBytes",
     "ImageDirectory",
+    "ImagesSpec",
     "LiveSource",
     "LiveSourceSettings",
     "LiveSpec",

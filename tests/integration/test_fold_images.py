@@ -1,19 +1,32 @@
 """The fold worker on a real nats-server with the log's image store: a trajectory naming an
 image the store lacks, or holds altered, is not published, and the turn that named it is
-dead-lettered with the reason; the session's other trajectories, and other sessions, go on."""
+dead-lettered with the reason; the session's other trajectories, and other sessions, go on.
+And a real image session through it all: the store, the fold, TRAJ, a live sink reading the
+images back from the store (a Ray actor's spec) into verl's multi_modal_inputs."""
 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 
 from consumers import FoldWorker
 from eventlog import JetStreamImageStore, JetStreamPublisher
+from gateway.model.tiny_vl import ensure_tiny_vl_model
 from schemas.events import SessionClosed, SessionEvent, TurnCompleted
 from schemas.images import ImageRef, content_digest
 from tests.conftest import Log
 from tests.helpers.streams import dead_letters, trajectories
+from tests.helpers.vision_turns import vision_session
+from trainer_sink import (
+    BatchingSettings,
+    ImagesSpec,
+    LiveSourceSettings,
+    LiveSpec,
+    SinkSpec,
+    non_tensor_values,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -45,28 +58,36 @@ def session(name: str, first: bytes, retry: bytes) -> list[SessionEvent]:
     ]
 
 
+async def fold_all(log: Log, events: list[SessionEvent], store: JetStreamImageStore) -> FoldWorker:
+    publisher = await JetStreamPublisher(log.nc).start()
+    await publisher.publish_many(events)
+    worker = FoldWorker(log.js, publisher, images=store)
+    closes = sum(isinstance(e, SessionClosed) for e in events)
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    for _ in range(400):
+        if worker.stats.sessions_folded == closes:
+            break
+        await asyncio.sleep(0.05)
+    stop.set()
+    await task
+    await publisher.close()
+    return worker
+
+
 async def test_trajectories_naming_missing_or_altered_images_are_dead_lettered(log: Log) -> None:
     store = await JetStreamImageStore.open(log.nc, log.settings)
     await store.put(KEPT)
     await store.put(CHANGED)
     raw = await log.js.object_store(log.settings.names.images_bucket)
     await raw.put(content_digest(CHANGED), b"other bytes")  # behind the store's back
-    publisher = await JetStreamPublisher(log.nc).start()
-    await publisher.publish_many(
+    worker = await fold_all(
+        log,
         session("whole", KEPT, KEPT)
         + session("missing", KEPT, ABSENT)
-        + session("altered", CHANGED, KEPT)
+        + session("altered", CHANGED, KEPT),
+        store,
     )
-    worker = FoldWorker(log.js, publisher, images=store)
-    stop = asyncio.Event()
-    task = asyncio.create_task(worker.run(stop))
-    for _ in range(400):
-        if worker.stats.sessions_folded == 3:
-            break
-        await asyncio.sleep(0.05)
-    stop.set()
-    await task
-    await publisher.close()
 
     published = {t.trajectory_id: t for t in await trajectories(log.js)}
     # "missing": its first chain is whole, its retry names the absent image. "altered": both
@@ -81,3 +102,28 @@ async def test_trajectories_naming_missing_or_altered_images_are_dead_lettered(l
     assert content_digest(ABSENT) in letters[1].error and "r/missing/1" in letters[1].error
     assert "r/altered/0, r/altered/1" in letters[0].error
     assert worker.stats.without_images == 3
+
+
+async def test_a_live_sink_reads_an_image_sessions_images_from_the_logs_store(
+    log: Log, tmp_path: Path
+) -> None:
+    model_dir = ensure_tiny_vl_model(tmp_path / "models")
+    seen = await vision_session(model_dir)
+    store = await JetStreamImageStore.open(log.nc, log.settings)
+    for data in seen.images.values():
+        await store.put(data)
+    await fold_all(log, seen.events, store)
+    spec = SinkSpec(
+        LiveSpec(log.server.url, LiveSourceSettings(durable="vision"), log.settings),
+        BatchingSettings(policy="count", batch_size=1),
+        images=ImagesSpec(str(model_dir)),
+    )
+    sink = await spec.open()
+    try:
+        batch = await anext(sink)
+        await sink.commit(batch)
+    finally:
+        await sink.close()
+    [inputs] = non_tensor_values(batch.tensors, "multi_modal_inputs")
+    assert inputs["image_grid_thw"].tolist() == [[1, 4, 8], [1, 6, 4]]
+    assert batch.tensors["position_ids"].shape[:2] == (1, 4)

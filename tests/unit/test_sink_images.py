@@ -6,16 +6,19 @@ ones (fp32, <= 1e-4)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 
 import msgspec
+import pyarrow.parquet as pq
 import pytest
 import torch
 
 from consumers import fold
 from gateway.model.tiny_vl import ensure_tiny_vl_model
 from schemas.events import TrajectoryReady
+from schemas.shards import trajectories_to_table
 from tests.helpers.sessions import append_only, session_events
 from tests.helpers.vision_turns import VisionSession, vision_session
 from trainer_sink import (
@@ -23,7 +26,10 @@ from trainer_sink import (
     BatchError,
     BatchingSettings,
     ImageDirectory,
+    ImagesSpec,
+    OfflineSpec,
     Received,
+    SinkSpec,
     SinkVision,
     TrainerSink,
     VisionModel,
@@ -202,3 +208,31 @@ def test_the_reference_trainers_log_probs_over_image_turns_are_the_recorded_ones
     report = trainer.train_step(alone)
     assert report.agreement_samples == 1 and report.logprob_delta is not None
     assert report.logprob_delta <= 1e-4
+
+
+async def test_an_offline_sink_spec_reads_image_rows_from_shards_and_bytes_from_a_directory(
+    seen: VisionSession, vl_dir: Path, tmp_path: Path
+) -> None:
+    """Shards (the images column) -> OfflineSource -> the sink, as a Ray actor's spec builds it;
+    an offline spec without a directory has no store to read from and says so."""
+    images = tmp_path / "images"
+    images.mkdir()
+    for digest, data in seen.images.items():
+        (images / digest).write_bytes(data)
+    shards = tmp_path / "shards"
+    (shards / "run=r").mkdir(parents=True)
+    table = trajectories_to_table(list(enumerate(samples(seen), start=1)))
+    pq.write_table(table, shards / "run=r" / "part-1.parquet")
+    spec = SinkSpec(
+        OfflineSpec(str(shards)),
+        BatchingSettings(policy="count", batch_size=2),
+        images=ImagesSpec(str(vl_dir), directory=str(images)),
+    )
+    sink = await spec.open()
+    [batch] = [b async for b in sink]
+    inputs = non_tensor_values(batch.tensors, "multi_modal_inputs")
+    assert [sorted(x) for x in inputs] == [["image_grid_thw", "images_seqlens", "pixel_values"], []]
+    assert batch.tensors["position_ids"].dim() == 3
+    blind = dataclasses.replace(spec, images=ImagesSpec(str(vl_dir)))
+    with pytest.raises(ValueError, match="give an offline sink ImagesSpec"):
+        await blind.open()
