@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 from tensordict import TensorDict
 from torch.utils.data import IterableDataset
 
-from schemas.errors import EventLogUnavailable
+from schemas.errors import EventLogError, EventLogUnavailable
 from schemas.events import TrajectoryReady
 from trainer_sink.assembly import assemble
 from trainer_sink.batching import Batcher, Decision, Sample
@@ -155,9 +155,10 @@ class TrainerSink:
                 buffers=self._buffers,
             )
             tensors = await self._with_images(tensors, trajectories)
-        except BatchError:
-            # Settings the samples do not fit (the error says which): hand them back rather
-            # than strand them uncommitted; they come again once the settings are fixed.
+        except (BatchError, EventLogError):
+            # Settings the samples do not fit (the error says which), or images that could not
+            # be read (the store did not answer, or lacks one): hand them back rather than
+            # strand them uncommitted; they come again once that is fixed.
             await self._hand_back(samples)
             raise
         token = AckToken(next(self._numbers), tuple(samples))

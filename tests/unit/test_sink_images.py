@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from consumers import fold
+from eventlog import ImageMissing
 from gateway.model.tiny_vl import ensure_tiny_vl_model
 from schemas.events import TrajectoryReady
 from schemas.shards import trajectories_to_table
@@ -136,6 +137,11 @@ def test_placeholders_that_do_not_fit_their_image_are_refused(
         add_images(assemble([t]), [t], swapped, vision)
 
 
+class _Lacking:
+    async def get(self, digest: str) -> bytes:
+        raise ImageMissing(digest, "ts_images")
+
+
 class _Listed:
     """A finite source of the given trajectories."""
 
@@ -151,7 +157,8 @@ class _Listed:
 
     async def ack(self, items: Sequence[Received]) -> None: ...
 
-    async def nak(self, items: Sequence[Received]) -> None: ...
+    async def nak(self, items: Sequence[Received]) -> None:
+        self.handed_back = [item.trajectory.trajectory_id for item in items]
 
     async def close(self) -> None: ...
 
@@ -171,6 +178,12 @@ async def test_the_sink_reads_the_images_from_its_port_or_refuses_without_one(
     blind = TrainerSink(_Listed(trajectories), batching)
     with pytest.raises(BatchError, match="no vision="):
         [b async for b in blind]
+    # A store that lacks an image: the error is the store's, the samples are handed back.
+    lacking = _Listed(trajectories)
+    missing = TrainerSink(lacking, batching, vision=SinkVision(vision, _Lacking()))
+    with pytest.raises(ImageMissing):
+        [b async for b in missing]
+    assert lacking.handed_back == [t.trajectory_id for t in trajectories]
     (tmp_path / trajectories[0].images[0].sha256).write_bytes(b"other bytes")
     altered = TrainerSink(
         _Listed(trajectories), batching, vision=SinkVision(vision, ImageDirectory(tmp_path))
