@@ -34,6 +34,7 @@ from schemas.delta import (
     decode_conversation,
 )
 from schemas.events import JSON, UNKNOWN_VERSION, Float32Array, Int32Array, TurnCompleted
+from schemas.images import ImageRef, prompt_images
 from schemas.spans import merge_spans
 
 _INT32_MIN, _INT32_MAX = int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).max)
@@ -52,6 +53,7 @@ class RebuiltTurn:
     shared: int  # leading tokens of the full prompt equal to the parent's full context
     first_generated: int | None  # where the first token any turn generated lies in ``context``
     conversation: Linked[JSON]  # the messages the model answered and its own reply
+    images: tuple[ImageRef, ...] = ()  # its full prompt's images (schemas.images.prompt_images)
 
     @property
     def inside_generated(self) -> bool:
@@ -142,6 +144,11 @@ def rebuild(run: str, session: str, turns: Sequence[TurnCompleted]) -> list[Rebu
                 shared=shared,
                 first_generated=inherited,
                 conversation=decode_conversation(history, event),
+                images=tuple(
+                    prompt_images(
+                        parent.images if parent is not None else (), event.prefix_len, event.images
+                    )
+                ),
             )
         )
     return rebuilt

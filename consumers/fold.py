@@ -95,7 +95,7 @@ __all__ = [
     "initial",
 ]
 
-FOLD_VERSION = 7
+FOLD_VERSION = 8
 """Stored in every TrajectoryReady: bump it whenever the same events would fold differently.
 4: a turn's delta and chain follow its ``parent_turn`` (a session is a tree); a fork is a chain
 that begins inside generated history. (Issue 19's ``logprobs_kind: "raw"`` in metadata needed no
@@ -115,7 +115,11 @@ generated tokens split into one span per version, and a token whose version is u
 7 (issue 38): a sample's metadata holds each turn's sampling (``sampling``: temperature, top_p,
 top_k, min_p, one entry per turn), so a trainer recomputes each token's distribution, nucleus
 included; ``temperatures`` stays beside it for readers of older rows. Events recording no
-sampling fold as under 6."""
+sampling fold as under 6.
+8 (issue 39): a sample carries its images (``images``: digest, where its placeholder tokens sit
+in the sample's ids, size, patch grid): its last turn's full prompt images, each turn's being
+its parent's inside its shared prefix + its own (``schemas.images.prompt_images``). Text-only
+events fold as under 7."""
 
 RewardKey = tuple[str, int | None]  # (key, turn); turn None is the episode reward
 
@@ -421,6 +425,7 @@ def finish(state: SessionState, options: FoldOptions = FoldOptions()) -> FoldRes
             finish_reason=last.event.finish_reason,
             messages=last.conversation.all(),
             tools=tools[last.event.turn],
+            images=list(last.images),
             metadata={
                 **base_metadata,
                 "first_turn": sample[0].event.turn,

@@ -31,6 +31,11 @@ the same way (``schemas.trust.vet_session``): an event stored under another subj
 Msg-Id, or a second different turn *t* (the one the stream stored first wins) is dead-lettered
 and left out of the fold; the trajectories' metadata counts ``conflicting_turns``. Bytes that are
 no event at all stop the fold: the session is dead-lettered with the bad event's bytes.
+A trajectory naming an image the log's image store lacks, or holds altered (bytes that do not
+hash to the name), is not published: the turn that named it is dead-lettered with the reason
+(``image_missing``, ``image_altered``) and the trajectories left out; the session's other
+trajectories are published. (An event whose images do not fit its prompt never decodes:
+``TurnCompleted`` refuses it.) Without an image store (``images=None``) nothing is checked.
 """
 
 from __future__ import annotations
@@ -41,13 +46,21 @@ import datetime
 import logging
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import msgspec
 
 from consumers.config import FoldWorkerSettings
 from consumers.errors import FoldError
 from consumers.fold import FoldOptions, FoldResult, fold
-from eventlog import JetStream, Publisher, StreamNames, read_session_messages
+from eventlog import (
+    ImageAltered,
+    ImageMissing,
+    JetStream,
+    Publisher,
+    StreamNames,
+    read_session_messages,
+)
 from eventlog.buckets import Bucket
 from eventlog.loop import ACK, Delivery, Outcome, PullLoop, Reject
 from eventlog.metrics import ConsumerMetrics, LoopMetrics
@@ -55,13 +68,14 @@ from eventlog.pull import ConsumerSpec
 from eventlog.reader import stored_msg_ids
 from eventlog.streams import stream_facts
 from schemas.codec import Codec
-from schemas.events import CompactTrajectory, SessionClosed, SessionOpened
+from schemas.events import CompactTrajectory, SessionClosed, SessionOpened, TurnCompleted
 from schemas.ids import EVENT_SUBJECT_PREFIX, traj_subject
-from schemas.trust import PoisonEvent, VettedSession, check_stored, vet_session
+from schemas.trust import PoisonEvent, StoredMessage, VettedSession, check_stored, vet_session
 
 __all__ = [
     "FoldMarker",
     "FoldWorker",
+    "ImageReader",
     "WorkerStats",
     "fold_options",
     "fold_session",
@@ -75,6 +89,14 @@ SOURCE = "fold"
 # How far before a close TRAJ is searched for an earlier delivery's trajectories: the close and
 # the trajectories may be stamped by different servers' clocks (streams led by different nodes).
 CLOCK_SKEW_S = 5.0
+
+
+class ImageReader(Protocol):
+    """What the worker needs of the log's image store (``eventlog.ImageStore``)."""
+
+    async def get(self, digest: str) -> bytes:
+        """The bytes named ``digest``: ``ImageMissing`` / ``ImageAltered`` when it cannot."""
+        ...
 
 
 class FoldMarker(msgspec.Struct, frozen=True):
@@ -97,6 +119,7 @@ class WorkerStats:
     late_events: int = 0  # events the fold left out because they came after the close
     forks: int = 0
     untrusted_events: int = 0  # events of folded sessions left out (schemas.trust)
+    without_images: int = 0  # trajectories left out: an image missing or altered in the store
 
 
 def fold_options(defaults: FoldWorkerSettings, opened: SessionOpened | None) -> FoldOptions:
@@ -179,9 +202,11 @@ class FoldWorker:
         codec: Codec | None = None,
         max_payload: int = 8 * 1024 * 1024,
         metrics: ConsumerMetrics | None = None,
+        images: ImageReader | None = None,
     ) -> None:
         self._js = js
         self._publisher = publisher
+        self._images = images
         self.settings = settings or FoldWorkerSettings()
         self.names = names or StreamNames()
         self._codec = codec or Codec(max_payload=max_payload)
@@ -233,7 +258,7 @@ class FoldWorker:
             )
         await self._dead_letter_untrusted(delivery, vetted)
         result = fold_session(vetted, self.settings)
-        trajectories = result.compact_trajectories
+        trajectories = await self._with_images_stored(delivery, vetted, stored, result)
         await self._publish_unstored(delivery, close, trajectories)
         marker = FoldMarker(
             trajectories=len(trajectories),
@@ -259,6 +284,56 @@ class FoldWorker:
                 delivery, Reject(error.reason, f"UntrustedEvent: {error}", about=stored)
             )
         self.stats.untrusted_events += len(vetted.rejected)
+
+    async def _with_images_stored(
+        self,
+        delivery: Delivery,
+        vetted: VettedSession,
+        stored: list[StoredMessage],
+        result: FoldResult,
+    ) -> list[CompactTrajectory]:
+        """The trajectories whose every image the store holds as named (read back and hashed:
+        ``ImageReader.get``); for the others, a dead letter per turn that named a bad image,
+        published before anything else (a failure retries the close; Msg-Ids absorb repeats)."""
+        trajectories = result.compact_trajectories
+        digests = sorted({ref.sha256 for t in trajectories for ref in t.images})
+        if self._images is None or not digests:
+            return trajectories
+        found = await asyncio.gather(*(self._image_problem(d) for d in digests))
+        bad = {d: problem for d, problem in zip(digests, found, strict=True) if problem}
+        if not bad:
+            return trajectories
+        left_out = [
+            t.trajectory_id for t in trajectories if any(ref.sha256 in bad for ref in t.images)
+        ]
+        named = ", ".join(left_out)
+        by_seq = {message.seq: message for message in stored}
+        for event, seq in zip(vetted.events, vetted.seqs, strict=True):
+            if not isinstance(event, TurnCompleted):
+                continue
+            mine = [bad[r.sha256] for r in event.images if r.sha256 in bad]
+            if mine:  # the turn that brought the image in, not those that kept it in the prefix
+                reason = mine[0].reason
+                error = "; ".join(dict.fromkeys(str(p) for p in mine))
+                await self.loop.dead_letter(
+                    delivery,
+                    Reject(
+                        reason,
+                        f"{type(mine[0]).__name__}: {error} (turn {event.turn}; trajectories "
+                        f"not published: {named})",
+                        about=by_seq[seq],
+                    ),
+                )
+        self.stats.without_images += len(left_out)
+        return [t for t in trajectories if t.trajectory_id not in left_out]
+
+    async def _image_problem(self, digest: str) -> ImageMissing | ImageAltered | None:
+        assert self._images is not None
+        try:
+            await self._images.get(digest)
+        except (ImageMissing, ImageAltered) as exc:
+            return exc
+        return None
 
     async def _publish_unstored(
         self, delivery: Delivery, close: SessionClosed, trajectories: list[CompactTrajectory]

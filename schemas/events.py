@@ -262,6 +262,10 @@ class TrajectoryReady(_Event, tag="TrajectoryReady", kw_only=True):
     metadata: JSON
     fold_version: int
     tools: list[JSON] = msgspec.field(default_factory=list)  # the tool schemas the model was given
+    # The images whose placeholder tokens lie in ``input_ids`` (offsets into them), in order:
+    # the sample's last turn's full prompt images (fold v8). Their bytes are in the log's object
+    # store under their digest. [] in text-only samples and in those folded before v8.
+    images: list[ImageRef] = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -275,6 +279,8 @@ class TrajectoryReady(_Event, tag="TrajectoryReady", kw_only=True):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"{name} has {len(getattr(self, name))} entries, input_ids {n}")
         _check_samples(n, self.prompt_len, self.turn_ends, self.turn_rewards)
+        if self.images:
+            _check_images(self.images, 0, n)
 
     @property
     def response_len(self) -> int:
@@ -327,13 +333,14 @@ def _integer(value: object) -> TypeGuard[int]:
 
 
 def _check_images(images: list[ImageRef], start: int, end: int) -> None:
-    """A turn's own images lie in its prompt's new ids, in order, apart."""
+    """Images lie in their ids ``start..end`` (a turn's: its prompt's new ids; a sample's: all
+    of its ids), in order, apart."""
     at = start
     for ref in images:
         if ref.offset < at or ref.end > end:
             raise ValueError(
                 f"image {ref.sha256[:12]} at tokens {ref.offset}..{ref.end} is outside the "
-                f"turn's new prompt ids {start}..{end} or overlaps the image before it"
+                f"ids {start}..{end} it may lie in or overlaps the image before it"
             )
         at = ref.end
 
@@ -384,6 +391,7 @@ _COMMON_FIELDS = (
     "metadata",
     "fold_version",
     "tools",
+    "images",
 )
 
 
@@ -423,6 +431,7 @@ class CompactTrajectory(_Event, tag="TrajectoryReady", kw_only=True):
     metadata: JSON
     fold_version: int
     tools: list[JSON] = msgspec.field(default_factory=list)
+    images: list[ImageRef] = msgspec.field(default_factory=list)  # as TrajectoryReady's
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -448,6 +457,8 @@ class CompactTrajectory(_Event, tag="TrajectoryReady", kw_only=True):
                 "loss_mask, logprobs and versions"
             )
         _check_samples(n, self.prompt_len, self.turn_ends, self.turn_rewards)
+        if self.images:
+            _check_images(self.images, 0, n)
 
     def _check_spans(self, n: int) -> None:
         spans = self.spans = as_array(self.spans, "<i4", "spans")

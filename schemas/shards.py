@@ -13,8 +13,9 @@ Types: ids and enums ``string``; token columns ``list<int32>`` / ``list<int8>`` 
 ``list<float32>``; counts and versions ``int32``; ``reward`` nullable ``float64``;
 ``turn_rewards`` ``list<float64>`` with null items (a turn nobody rewarded); ``created_at``
 ``timestamp[us, UTC]`` (the event's float seconds rounded to microseconds: readers get a real
-timestamp, DuckDB and pandas included). JSON turns non-string map keys into strings, so a
-metadata key ``1`` reads back as ``"1"``.
+timestamp, DuckDB and pandas included); ``images`` ``list<struct<sha256, offset, length, width,
+height, mime, grid>>`` (``IMAGE_TYPE``; null in shards older than the column). JSON turns
+non-string map keys into strings, so a metadata key ``1`` reads back as ``"1"``.
 
 >>> t = TrajectoryReady(run="r", session="s", trajectory_id="r/s/0", group="g", segment=0,
 ...     status="completed", input_ids=[1, 2, 3], loss_mask=[0, 1, 1], logprobs=[0, -0.5, -1],
@@ -48,9 +49,11 @@ import numpy as np
 import pyarrow as pa
 
 from schemas.events import CompactTrajectory, TrajectoryReady
+from schemas.images import ImageRef
 from schemas.spans import token_arrays
 
 __all__ = [
+    "IMAGE_TYPE",
     "ROW_ERRORS",
     "SHARD_FORMAT",
     "TRAJECTORY_SCHEMA",
@@ -70,6 +73,20 @@ SHARD_FORMAT = 1
 
 def _required(name: str, type_: pa.DataType) -> pa.Field:
     return pa.field(name, type_, nullable=False)
+
+
+IMAGE_TYPE = pa.struct(
+    [
+        _required("sha256", pa.string()),
+        _required("offset", pa.int32()),
+        _required("length", pa.int32()),
+        _required("width", pa.int32()),
+        _required("height", pa.int32()),
+        _required("mime", pa.string()),
+        _required("grid", pa.list_(pa.int32())),
+    ]
+)
+"""One ``schemas.images.ImageRef`` of a row's ``images``."""
 
 
 TRAJECTORY_SCHEMA = pa.schema(
@@ -96,6 +113,9 @@ TRAJECTORY_SCHEMA = pa.schema(
         _required("messages", pa.string()),  # JSON: the conversation, for SFT export
         _required("metadata", pa.string()),  # JSON: the session's metadata (task, env, ...)
         _required("tools", pa.string()),  # JSON: the tool schemas the model was given, for SFT
+        # The sample's images (fold v8): where each one's placeholder tokens sit in input_ids.
+        # Nullable: shards written before the column read back null, as no images.
+        pa.field("images", pa.list_(IMAGE_TYPE), nullable=True),
         _required("created_at", pa.timestamp("us", tz="UTC")),
         _required("fold_version", pa.int32()),
         _required("traj_seq", pa.int64()),  # TRAJ stream sequence of the row's message
@@ -256,6 +276,10 @@ def _column(
         return _list_column(arrays, type_.value_type, _NUMPY_DTYPE[name])
     if name in ("messages", "metadata", "tools", "traj_seq"):
         return pa.array([getattr(r, name) for r in rows], type_)
+    if name == "images":
+        return pa.array(
+            [[msgspec.structs.asdict(i) for i in r.trajectory.images] for r in rows], type_
+        )
     if name == "created_at":
         micros = [round(r.trajectory.created_at * 1e6) for r in rows]
         return pa.array(np.array(micros, dtype=np.int64), type_)
@@ -347,11 +371,16 @@ def table_to_trajectories(table: pa.Table) -> list[tuple[int, TrajectoryReady]]:
         row["metadata"] = msgspec.json.decode(row["metadata"])
         # Shards written before the column existed read back with tools null.
         row["tools"] = msgspec.json.decode(row["tools"]) if row["tools"] is not None else []
+        row["images"] = [_image_ref(image) for image in row["images"] or ()]
         arrays = {name: lists[name][i] for name in lists}
         out.append(
             (seq, TrajectoryReady(**row, **arrays, created_at=created[i] / 1e6))  # type: ignore[arg-type]
         )
     return out
+
+
+def _image_ref(image: dict[str, Any]) -> ImageRef:
+    return ImageRef(**{**image, "grid": tuple(image["grid"])})
 
 
 _KEY = "turnstream."

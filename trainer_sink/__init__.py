@@ -16,6 +16,8 @@ A pipeline of values: ``Source -> Batcher -> assemble -> Batch``, committed thro
 - ``sink``: ``async for batch in TrainerSink(source, ...)`` ... ``await sink.commit(batch)``,
   and ``SyncSink`` / ``SinkDataset`` for code outside asyncio.
 - ``dataproto``: ``to_dataproto(batch)``, verl's ``DataProto`` (verl imported when called).
+- ``vision``: batches with images: verl's ``multi_modal_inputs`` and M-RoPE ``position_ids``,
+  the bytes through an ``ImageBytes`` port (the log's image store, or an ``ImageDirectory``).
 - ``ray_actor``: the sink as a Ray actor (``sink_actor``) for Ray-based trainers; Ray is
   imported only there, when an actor is made.
 """
@@ -37,6 +39,7 @@ from trainer_sink.config import AssemblySettings, BatchingSettings, LiveSourceSe
 from trainer_sink.dataproto import to_dataproto
 from trainer_sink.errors import BatchCommitted, BatchError, PolicyError, SinkError
 from trainer_sink.ray_actor import (
+    ImagesSpec,
     LiveSpec,
     OfflineSpec,
     SinkActor,
@@ -61,6 +64,7 @@ from trainer_sink.sources import (
     ShardFilter,
     Source,
 )
+from trainer_sink.vision import ImageBytes, ImageDirectory, SinkVision, VisionModel, add_images
 
 __all__ = [
     "AckToken",
@@ -75,6 +79,9 @@ __all__ = [
     "Decision",
     "DropReason",
     "Dropped",
+    "ImageBytes",
+    "ImageDirectory",
+    "ImagesSpec",
     "LiveSource",
     "LiveSourceSettings",
     "LiveSpec",
@@ -92,9 +99,12 @@ __all__ = [
     "SinkError",
     "SinkSpec",
     "SinkStats",
+    "SinkVision",
     "Source",
     "SyncSink",
     "TrainerSink",
+    "VisionModel",
+    "add_images",
     "assemble",
     "assemble_jagged",
     "assemble_padded",

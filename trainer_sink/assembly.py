@@ -3,7 +3,9 @@
 Over ~450 lines only through this docstring: it is the batch's key contract, kept beside the
 code that writes each key (the code is ~370 lines).
 
-Every key a batch carries is listed here (the sink adds none). B samples; padded: P prompt and
+Every key a batch carries is listed here (the sink adds none; for samples with images,
+``trainer_sink.vision`` fills ``multi_modal_inputs`` and makes ``position_ids`` [B, 4, P+R]
+M-RoPE positions). B samples; padded: P prompt and
 R response columns; integer tensors int64::
 
     prompts            [B, P]    input_ids[:prompt_len], LEFT-padded with pad_token_id
@@ -52,7 +54,8 @@ Non-tensor entries, one value per sample:
                        gateway resolved from the tokens, else the client's word); "" unnamed.
                        For per-agent weighting of a session's one advantage (docs/verl.md)
     multi_modal_inputs an empty dict (``AssemblySettings.multi_modal_inputs``): verl's trainer
-                       reads it for every sample, text-only ones included
+                       reads it for every sample, text-only ones included; a sample's images'
+                       tensors once ``trainer_sink.vision.add_images`` ran
 
 ``uids`` and ``stale`` come from the batcher; called directly, ``assemble`` takes each sample's
 uid to be ``<run>/<group>`` (one instance per group name and run: right for a set of

@@ -3,7 +3,10 @@
 ``to_dataproto(batch)`` puts the tensors in ``DataProto.batch`` and each non-tensor entry in
 ``non_tensor_batch`` as a numpy object array (one value per sample), as verl's own rollout
 does (``uid``, and ``session_uid``, which ``trainer_sink.sessions`` reads for GRPO per session:
-docs/verl.md); ``__num_turns__`` becomes ``np.int32``, as verl's agent loop writes it. It builds the
+docs/verl.md); ``__num_turns__`` becomes ``np.int32``, as verl's agent loop writes it.
+``multi_modal_inputs`` becomes an ``np.ndarray`` of dicts (``dtype=object``, one dict of
+tensors per sample, ``{}`` without images), what verl's agent loop builds and its engine's
+``extract_multi_modal_inputs`` joins. It builds the
 ``DataProto`` from its fields rather than with ``DataProto.from_tensordict``: that method exists
 only from verl 0.5 and needs tensordict >= 0.10, and it turns a non-tensor entry whose values
 tensordict 0.8 collapsed into one (a batch that was indexed) into ``meta_info``.

@@ -42,14 +42,23 @@ from typing import Any
 
 from tensordict import TensorDict
 
-from eventlog import LogSettings
+from eventlog import JetStreamImageStore, LogSettings
 from trainer_sink.batching import BatchingStats
 from trainer_sink.config import AssemblySettings, BatchingSettings, LiveSourceSettings
 from trainer_sink.errors import BatchCommitted
 from trainer_sink.sink import Batch, SinkStats, TrainerSink
 from trainer_sink.sources import LiveSource, OfflineSource, ShardFilter
+from trainer_sink.vision import ImageDirectory, SinkVision, VisionModel
 
-__all__ = ["LiveSpec", "OfflineSpec", "SinkActor", "SinkActorStats", "SinkSpec", "sink_actor"]
+__all__ = [
+    "ImagesSpec",
+    "LiveSpec",
+    "OfflineSpec",
+    "SinkActor",
+    "SinkActorStats",
+    "SinkSpec",
+    "sink_actor",
+]
 
 
 @dataclass(frozen=True)
@@ -72,6 +81,16 @@ class OfflineSpec:
 
 
 @dataclass(frozen=True)
+class ImagesSpec:
+    """Batches with images (``trainer_sink.vision``): the vision-language model's directory
+    (its image processor and config), and where the images' bytes are: ``directory`` (files
+    named by digest), else the log's image store over the live feed's own connection."""
+
+    model_dir: str
+    directory: str | None = None
+
+
+@dataclass(frozen=True)
 class SinkSpec:
     """Everything the actor needs to build its sink; picklable, so it can cross to the actor."""
 
@@ -80,6 +99,7 @@ class SinkSpec:
     assembly: AssemblySettings = field(default_factory=AssemblySettings)
     receive_max: int = 256
     wait_s: float = 1.0
+    images: ImagesSpec | None = None
 
     async def open(self) -> TrainerSink:
         """The sink, its source connected (call it on the loop that will run the sink)."""
@@ -91,8 +111,29 @@ class SinkSpec:
         else:
             source = OfflineSource(src.uri, src.where, src.read_rows)
         return TrainerSink(
-            source, self.batching, self.assembly, receive_max=self.receive_max, wait_s=self.wait_s
+            source,
+            self.batching,
+            self.assembly,
+            receive_max=self.receive_max,
+            wait_s=self.wait_s,
+            vision=await self._vision(source),
         )
+
+    async def _vision(self, source: LiveSource | OfflineSource) -> SinkVision | None:
+        spec = self.images
+        if spec is None:
+            return None
+        model = await asyncio.to_thread(VisionModel.load, spec.model_dir)
+        if spec.directory is not None:
+            return SinkVision(model, ImageDirectory(spec.directory))
+        if not isinstance(source, LiveSource) or source.connection is None:
+            raise ValueError(
+                "ImagesSpec without a directory reads the log's image store over the live "
+                "feed's connection: give an offline sink ImagesSpec(model_dir, directory=...)"
+            )
+        settings = self.source.log_settings if isinstance(self.source, LiveSpec) else None
+        store = await JetStreamImageStore.open(source.connection, settings or LogSettings())
+        return SinkVision(model, store)
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 from tensordict import TensorDict
 from torch.utils.data import IterableDataset
 
-from schemas.errors import EventLogUnavailable
+from schemas.errors import EventLogError, EventLogUnavailable
 from schemas.events import TrajectoryReady
 from trainer_sink.assembly import assemble
 from trainer_sink.batching import Batcher, Decision, Sample
@@ -43,6 +43,7 @@ from trainer_sink.buffers import BatchBuffers
 from trainer_sink.config import AssemblySettings, BatchingSettings
 from trainer_sink.errors import BatchCommitted, BatchError
 from trainer_sink.sources import Received, Source
+from trainer_sink.vision import SinkVision
 
 __all__ = [
     "AckToken",
@@ -107,8 +108,10 @@ class TrainerSink:
         receive_max: int = 256,
         wait_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
+        vision: SinkVision | None = None,
     ) -> None:
         self.source = source
+        self.vision = vision
         self.batching = batching or BatchingSettings()
         self.assembly = assembly or AssemblySettings()
         self._buffers = BatchBuffers() if self.assembly.reuse_memory else None
@@ -142,23 +145,43 @@ class TrainerSink:
                 raise StopAsyncIteration
             await self._pull()
         samples = self._ready.popleft()
+        trajectories = [s.trajectory for s in samples]
         try:
             tensors = assemble(
-                [s.trajectory for s in samples],
+                trajectories,
                 self.assembly,
                 uids=[s.uid for s in samples],
                 stale=[s.stale for s in samples],
                 buffers=self._buffers,
             )
-        except BatchError:
-            # Settings the samples do not fit (the error says which): hand them back rather
-            # than strand them uncommitted; they come again once the settings are fixed.
+            tensors = await self._with_images(tensors, trajectories)
+        except (BatchError, EventLogError):
+            # Settings the samples do not fit (the error says which), or images that could not
+            # be read (the store did not answer, or lacks one): hand them back rather than
+            # strand them uncommitted; they come again once that is fixed.
             await self._hand_back(samples)
             raise
         token = AckToken(next(self._numbers), tuple(samples))
         self._outstanding[token.number] = token
         self.stats.batches += 1
         return Batch(tensors, token)
+
+    async def _with_images(
+        self, tensors: TensorDict, trajectories: list[TrajectoryReady]
+    ) -> TensorDict:
+        """The batch with its images' model inputs (``trainer_sink.vision``) where it has
+        images; a batch with images and no ``vision`` to read them is a BatchError, not a
+        batch that trains on placeholder tokens without their pixels."""
+        if self.vision is not None:
+            return await self.vision.add(tensors, trajectories)
+        with_images = [t.trajectory_id for t in trajectories if t.images]
+        if with_images:
+            raise BatchError(
+                f"{len(with_images)} trajectories have images (first {with_images[0]}) but the "
+                f"sink was given no vision= (trainer_sink.SinkVision: the model's image "
+                f"processor and the log's image store) to read them with"
+            )
+        return tensors
 
     async def commit(self, batch: Batch) -> None:
         """Acknowledge the batch's trajectories: they will not be delivered again. When the log

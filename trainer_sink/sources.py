@@ -168,6 +168,11 @@ class LiveSource:
     def unacked(self) -> int:
         return len(self._held)
 
+    @property
+    def connection(self) -> Connection | None:
+        """The connection ``connect`` made for this source (None: the caller's)."""
+        return self._owned[0] if self._owned is not None else None
+
     @classmethod
     async def connect(
         cls,

@@ -72,16 +72,23 @@ class ImageTurns:
         return session
 
     async def turn(
-        self, session: Session, messages: list[JSON], data: list[bytes], max_tokens: int = 16
+        self,
+        session: Session,
+        messages: list[JSON],
+        data: list[bytes],
+        max_tokens: int = 16,
+        **request: Any,
     ) -> JSON:
-        """One turn of ``messages`` (``data``: the bytes of their images); the reply."""
-        request = TurnRequest(
+        """One turn of ``messages`` (``data``: the bytes of their images; ``request``: more
+        ``TurnRequest`` fields, e.g. sampling); the reply."""
+        turn_request = TurnRequest(
             api="chat.completions",
             messages=messages,
             max_tokens=max_tokens,
             images={content_digest(d): d for d in data},
+            **request,
         )
-        result = await self.serving.complete(session, request)
+        result = await self.serving.complete(session, turn_request)
         return {"role": "assistant", "content": result.content}
 
 

@@ -893,7 +893,7 @@ def test_each_turns_sampling_is_in_the_metadata_from_fold_v7() -> None:
         for e in session_events(append_only(3))
     ]
     [sample] = fold(events).trajectories
-    assert sample.fold_version == FOLD_VERSION == 7
+    assert sample.fold_version == FOLD_VERSION >= 7
     assert sample.metadata["sampling"] == [
         {"temperature": 0.7, "top_p": 0.9, "top_k": 0, "min_p": 0.0},
         {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0},

@@ -6,6 +6,7 @@ import datetime as dt
 import itertools
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -17,7 +18,9 @@ from hypothesis import strategies as st
 from consumers import fold
 from eventlog.seqset import SeqSet
 from schemas.events import TrajectoryReady
+from schemas.images import ImageRef
 from schemas.shards import (
+    IMAGE_TYPE,
     TRAJECTORY_SCHEMA,
     ShardMetadata,
     shard_row,
@@ -51,6 +54,7 @@ EXPECTED_TYPES = {
     "messages": pa.string(),
     "metadata": pa.string(),
     "tools": pa.string(),
+    "images": pa.list_(IMAGE_TYPE),
     "created_at": pa.timestamp("us", tz="UTC"),
     "fold_version": pa.int32(),
     "traj_seq": pa.int64(),
@@ -101,6 +105,7 @@ def same(a: TrajectoryReady, b: TrajectoryReady) -> None:
         "metadata",
         "tools",
         "fold_version",
+        "images",
     ):
         assert getattr(a, name) == getattr(b, name), name
     assert a.created_at == pytest.approx(b.created_at, abs=1e-6)
@@ -108,7 +113,16 @@ def same(a: TrajectoryReady, b: TrajectoryReady) -> None:
 
 def test_every_column_has_the_specified_type_and_nullability() -> None:
     assert {f.name: f.type for f in TRAJECTORY_SCHEMA} == EXPECTED_TYPES
-    assert [f.name for f in TRAJECTORY_SCHEMA if f.nullable] == ["reward"]
+    assert [f.name for f in TRAJECTORY_SCHEMA if f.nullable] == ["reward", "images"]
+    assert [f.name for f in IMAGE_TYPE] == [
+        "sha256",
+        "offset",
+        "length",
+        "width",
+        "height",
+        "mime",
+        "grid",
+    ]
 
 
 def test_a_table_holds_the_trajectory_values_column_by_column() -> None:
@@ -163,6 +177,35 @@ def test_any_folded_sessions_round_trip_through_a_table(sessions: list) -> None:
     assert [seq for seq, _ in back] == [seq for seq, _ in items]
     for (_, original), (_, read) in zip(items, back, strict=True):
         same(original, read)
+
+
+def test_images_round_trip_and_a_shard_older_than_the_column_reads_as_no_images(
+    tmp_path: Path,
+) -> None:
+    ref = ImageRef(
+        "ab" * 32, offset=1, length=2, width=28, height=56, mime="image/png", grid=(1, 2, 4)
+    )
+    t = msgspec.structs.replace(folded("r", "s", turns=2), images=[ref])
+    table = trajectories_to_table([(3, t)])
+    assert table.column("images").to_pylist()[0] == [
+        {
+            "sha256": "ab" * 32,
+            "offset": 1,
+            "length": 2,
+            "width": 28,
+            "height": 56,
+            "mime": "image/png",
+            "grid": [1, 2, 4],
+        }
+    ]
+    [(_, back)] = table_to_trajectories(table)
+    assert back.images == [ref]
+    # A shard written before the column existed: the dataset reads it null, the row no images.
+    old = trajectories_to_table([(4, folded("r", "old"))]).drop_columns(["images"])
+    (tmp_path / "run=r").mkdir()
+    pq.write_table(old, tmp_path / "run=r" / "part-old.parquet")
+    [(seq, read)] = table_to_trajectories(open_shards_dataset(str(tmp_path)).to_table())
+    assert (seq, read.images) == (4, [])
 
 
 def test_rows_hold_messages_as_json_and_let_go_of_the_objects() -> None:

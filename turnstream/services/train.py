@@ -30,8 +30,9 @@ from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
+from transformers import AutoConfig
 
-from eventlog import JetStreamPublisher
+from eventlog import JetStreamImageStore, JetStreamPublisher
 from eventlog.buckets import Bucket
 from schemas.codec import Codec
 from schemas.ids import ID_PATTERN
@@ -40,7 +41,9 @@ from trainer_sink import (
     BatchingSettings,
     LiveSource,
     LiveSourceSettings,
+    SinkVision,
     TrainerSink,
+    VisionModel,
 )
 from turnstream.stack.event_log import EventLog, open_log, require_log_url
 from turnstream.stack.process import stop_on_signals, without_progress_bars
@@ -171,7 +174,8 @@ async def train(
         codec=Codec(max_payload=settings.log.max_payload),
         commits_bucket=names.commits_bucket,
     )
-    sink = TrainerSink(source, settings.sink.batching(), wait_s=0.5)
+    vision = await _vision(event_log, settings, model_dir)
+    sink = TrainerSink(source, settings.sink.batching(), wait_s=0.5, vision=vision)
     try:
         trainer = await asyncio.to_thread(ReferenceTrainer, settings.trainer_settings(model_dir))
         policy = await Bucket.open(event_log.js, names.policy_bucket)
@@ -188,6 +192,18 @@ async def train(
     finally:
         await sink.close()
         await publisher.close()
+
+
+async def _vision(
+    event_log: EventLog, settings: TrainSettings, model_dir: Path
+) -> SinkVision | None:
+    """For a vision-language model: its image processor and the log's image store, which the
+    sink reads each batch's images from; None for a text model."""
+    config = await asyncio.to_thread(AutoConfig.from_pretrained, model_dir)
+    if getattr(config, "vision_config", None) is None:
+        return None
+    model = await asyncio.to_thread(VisionModel.load, model_dir)
+    return SinkVision(model, await JetStreamImageStore.open(event_log.nc, settings.log))
 
 
 def _log_step(report: StepReport) -> None:

@@ -16,7 +16,7 @@ from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from consumers import FoldWorker, FoldWorkerSettings, Reaper, ReaperSettings
-from eventlog import JetStreamPublisher, LogSettings
+from eventlog import JetStreamImageStore, JetStreamPublisher, LogSettings
 from eventlog.metrics import ConsumerMetrics
 from turnstream.stack.event_log import EventLog, open_log, require_log_url
 from turnstream.stack.process import run_service, stop_on_signals
@@ -40,7 +40,7 @@ class WorkerSettings(PublishingSettings):
     )
 
 
-def fold_workers(
+async def fold_workers(
     event_log: EventLog,
     publisher: JetStreamPublisher,
     fold: FoldWorkerSettings,
@@ -48,10 +48,18 @@ def fold_workers(
     log_settings: LogSettings,
     metrics: ConsumerMetrics | None = None,
 ) -> tuple[FoldWorker, Reaper | None]:
-    """A fold worker, and a reaper when enabled, on ``event_log`` (not started)."""
+    """A fold worker, and a reaper when enabled, on ``event_log`` (not started). The worker
+    reads the log's image store, to hold back trajectories naming an image it lacks."""
     names, max_payload = log_settings.names, log_settings.max_payload
+    images = await JetStreamImageStore.open(event_log.nc, log_settings)
     worker = FoldWorker(
-        event_log.js, publisher, fold, names, max_payload=max_payload, metrics=metrics
+        event_log.js,
+        publisher,
+        fold,
+        names,
+        max_payload=max_payload,
+        metrics=metrics,
+        images=images,
     )
     if not reaper.enabled:
         return worker, None
@@ -68,7 +76,7 @@ async def run_workers(
     metrics = ConsumerMetrics()
     if settings.metrics_port is not None:
         metrics.serve(settings.metrics_port)
-    worker, reaper = fold_workers(
+    worker, reaper = await fold_workers(
         event_log, publisher, settings.fold, settings.reaper, settings.log, metrics
     )
     runs = [worker.run(stop)] + ([reaper.run(stop)] if reaper is not None else [])

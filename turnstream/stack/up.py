@@ -113,7 +113,7 @@ async def embedded_stack(
             server = http_server(gateway.app)
             url = http_url(settings.host, listener.getsockname()[1])
         publisher = await JetStreamPublisher(event_log.nc, settings.publisher).start()
-        worker, reaper = fold_workers(
+        worker, reaper = await fold_workers(
             event_log, publisher, settings.fold, settings.reaper, settings.log
         )
         writer = shard_writer(

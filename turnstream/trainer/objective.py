@@ -67,15 +67,35 @@ def response_logits(model: PreTrainedModel, batch: TensorDict) -> torch.Tensor:
     One forward pass over ``input_ids`` with the batch's ``attention_mask`` and
     ``position_ids``: positions count from the first real token whatever the left padding,
     like the gateway's unpadded prompt. The logits at column P-1+j predict response token j.
+    A batch with images (``trainer_sink.vision``) also gives the model its images' pixels
+    (``multi_modal_inputs`` joined in sample order, as verl's ``extract_multi_modal_inputs``
+    joins them) and its M-RoPE positions ([B, 4, L], the model takes them [4, B, L]).
     """
     prompt_width = batch["prompts"].shape[1]
+    position_ids = batch["position_ids"]
+    images: dict[str, torch.Tensor] = {}
+    if position_ids.dim() == 3:
+        position_ids = position_ids.transpose(0, 1)
+        images = _image_inputs(batch)
     logits: torch.Tensor = model(
         input_ids=batch["input_ids"],
         attention_mask=batch["attention_mask"],
-        position_ids=batch["position_ids"],
+        position_ids=position_ids,
         use_cache=False,
+        **images,
     ).logits
     return logits[:, prompt_width - 1 : -1].float()
+
+
+def _image_inputs(batch: TensorDict) -> dict[str, torch.Tensor]:
+    """The batch's pixels and patch grids, its samples' images in order."""
+    per_sample = [x for x in non_tensor_values(batch, "multi_modal_inputs") if x]
+    device = batch["input_ids"].device
+    return {
+        key: torch.cat([x[key] for x in per_sample]).to(device)
+        for key in ("pixel_values", "image_grid_thw")
+        if per_sample
+    }
 
 
 def token_sampling(batch: TensorDict, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -59,7 +59,12 @@ from typing import Literal, Protocol
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from tensordict import TensorDict
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    PreTrainedModel,
+)
 
 from eventlog.buckets import Entry
 from schemas.errors import EventLogUnavailable
@@ -162,9 +167,11 @@ class ReferenceTrainer:
 
     def _load(self, model_dir: Path) -> tuple[PreTrainedModel, torch.optim.Adam]:
         """The model in ``model_dir`` on the settings' device, and a fresh optimizer for it."""
-        model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=torch.float32
-        )
+        # A vision-language model (a config with a vision tower) is no causal LM to transformers'
+        # auto classes: it reads its images through multi_modal_inputs (response_logits).
+        vision = getattr(AutoConfig.from_pretrained(model_dir), "vision_config", None)
+        auto = AutoModelForCausalLM if vision is None else AutoModelForImageTextToText
+        model: PreTrainedModel = auto.from_pretrained(model_dir, dtype=torch.float32)
         torch.nn.Module.to(model, torch.device(self.settings.device))
         # Eval mode throughout: no dropout, so the recomputed log-probs are the sampling ones
         # and the first ratio of an on-policy sample is exactly 1.
