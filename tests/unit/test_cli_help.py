@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # The nested settings groups each command takes (``--log.url`` is group "log").
 GROUPS: dict[str, set[str]] = {
     "demo": {"log", "publisher", "fold", "reaper", "shards", "sink"},
-    "export": set(),
+    "export": {"log"},  # the log holds the images a messages export writes
     "gateway": {"log", "publisher"},
     "import-atif": {"log", "publisher"},
     "inspect": {"log"},
