@@ -18,6 +18,14 @@ from pydantic import Field, field_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
 
 from gateway.backends.transport import Target
+from gateway.images import (
+    DEFAULT_FETCH_TIMEOUT_S,
+    DEFAULT_MAX_IMAGE_BYTES,
+    DEFAULT_MAX_IMAGE_PIXELS,
+    DEFAULT_MAX_IMAGES,
+    ImageLimits,
+    parse_host_rule,
+)
 from gateway.serving.model_names import parse_model_aliases
 from schemas.errors import TurnstreamError
 from turnstream.stack.settings import PublishingSettings
@@ -26,6 +34,18 @@ __all__ = ["GatewaySettings"]
 
 log = logging.getLogger(__name__)
 TINY_VL = "tiny-vl"  # --model's name for the built-in tiny vision-language model
+
+
+def _listed(specs: object) -> object:
+    """A list setting read from a flag, env var or TOML entry, each of which may hold several
+    items, comma separated (the CLI joins a repeated flag that way); a JSON list is taken too.
+    Checked here, so a bad item stops the gateway before anything starts."""
+    if isinstance(specs, str):
+        text = specs.strip()
+        specs = json.loads(text) if text.startswith("[") else [specs]
+    if not isinstance(specs, list):
+        return specs  # pydantic names the type it wanted
+    return [part.strip() for spec in specs for part in str(spec).split(",") if part.strip()]
 
 
 class GatewaySettings(PublishingSettings):
@@ -68,6 +88,31 @@ class GatewaySettings(PublishingSettings):
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="request body limit")
     body_timeout_s: float = Field(30.0, gt=0, description="deadline to receive a request body")
     max_json_depth: int = Field(64, ge=4, le=512, description="deepest JSON nesting accepted")
+    max_image_bytes: int = Field(
+        DEFAULT_MAX_IMAGE_BYTES,
+        ge=1,
+        description="largest image accepted, in bytes (an inline one also counts, as base64, "
+        "against --max-body-bytes)",
+    )
+    max_image_pixels: int = Field(
+        DEFAULT_MAX_IMAGE_PIXELS,
+        ge=1,
+        le=89_478_485,  # Pillow's own decompression-bomb threshold, which stays as it is
+        description="largest image accepted, in pixels (width x height), checked before it is "
+        "decoded; default: 8K UHD",
+    )
+    max_images: int = Field(DEFAULT_MAX_IMAGES, ge=1, description="images in one request")
+    # NoDecode: the env var is read as the flag is, HOST,HOST:PORT,*.DOMAIN (JSON too).
+    image_url_hosts: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="hosts whose http(s) image URLs the gateway fetches: HOST, HOST:PORT, "
+        "*.DOMAIN or *.DOMAIN:PORT (no port: the scheme's default), comma separated or the flag "
+        "repeated; empty: remote image URLs are refused (a server fetching a client's URL is a "
+        "request forgery risk), images are sent inline",
+    )
+    image_fetch_timeout_s: float = Field(
+        DEFAULT_FETCH_TIMEOUT_S, gt=0, description="deadline of one image URL's whole fetch"
+    )
     kept_body_bytes: int = Field(
         256 * 1024 * 1024,
         ge=0,
@@ -170,16 +215,30 @@ class GatewaySettings(PublishingSettings):
     @field_validator("model_aliases", mode="before")
     @classmethod
     def _alias_specs(cls, specs: object) -> object:
-        """Each flag, env var or TOML entry may hold several specs, comma separated (the CLI
-        joins a repeated flag that way); a JSON list is taken too."""
-        if isinstance(specs, str):
-            text = specs.strip()
-            specs = json.loads(text) if text.startswith("[") else [specs]
-        if not isinstance(specs, list):
-            return specs  # pydantic names the type it wanted
-        split = [part.strip() for spec in specs for part in str(spec).split(",")]
-        parse_model_aliases(part for part in split if part)  # a ValueError names a bad one
-        return [part for part in split if part]
+        specs = _listed(specs)
+        if isinstance(specs, list):
+            parse_model_aliases(specs)  # a ValueError names a bad one
+        return specs
+
+    @field_validator("image_url_hosts", mode="before")
+    @classmethod
+    def _image_hosts(cls, specs: object) -> object:
+        specs = _listed(specs)
+        if isinstance(specs, list):
+            for host in specs:
+                parse_host_rule(host)  # a ValueError names a bad one
+        return specs
+
+    @property
+    def image_limits(self) -> ImageLimits:
+        """What the API adapters accept of a request's images (``gateway.images``)."""
+        return ImageLimits(
+            max_bytes=self.max_image_bytes,
+            max_pixels=self.max_image_pixels,
+            max_images=self.max_images,
+            url_hosts=tuple(self.image_url_hosts),
+            fetch_timeout_s=self.image_fetch_timeout_s,
+        )
 
     @field_validator("backend_urls")
     @classmethod
