@@ -21,6 +21,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
+from pydantic import ValidationError
+from pydantic_settings import CliApp
 
 from gateway.errors import InvalidRequest, error_body, error_spec
 from gateway.images import (
@@ -33,6 +35,7 @@ from gateway.images import (
     image_from_url,
 )
 from schemas.images import part_digest
+from turnstream.services.gateway.settings import GatewaySettings
 
 WHERE = "messages[2].content[1].image_url"
 LIMITS = ImageLimits()
@@ -475,3 +478,36 @@ def test_the_allow_list(hosts: list[str], url: str, allowed: bool) -> None:
 def test_a_bad_allow_list_entry_is_refused_up_front(spec: str) -> None:
     with pytest.raises(ValueError, match="is not HOST"):
         ImageLimits(url_hosts=(spec,))
+
+
+# -- the settings: flags, env vars, what reaches the adapters ---------------------------------
+
+
+def test_the_settings_build_the_limits() -> None:
+    argv = ["--max-image-bytes", "1000", "--max-image-pixels", "5000", "--max-images", "3"]
+    argv += ["--image-url-hosts", "cdn.example.com,*.example.org:8443", "--image-url-hosts", "a.io"]
+    read = CliApp.run(GatewaySettings, cli_args=[*argv, "--image-fetch-timeout-s", "2.5"])
+    assert read.image_limits == ImageLimits(
+        1000, 5000, 3, ("cdn.example.com", "*.example.org:8443", "a.io"), 2.5
+    )
+    assert GatewaySettings().image_limits == ImageLimits()  # the defaults are one's
+
+
+def test_the_env_var_lists_hosts_as_the_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TURNSTREAM_IMAGE_URL_HOSTS", "cdn.example.com, 127.0.0.1:8080")
+    assert GatewaySettings().image_limits.url_hosts == ("cdn.example.com", "127.0.0.1:8080")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "mention"),
+    [
+        ("image_url_hosts", ["cdn.example.com/images"], "is not HOST"),
+        ("max_image_pixels", 10**9, "less than or equal to 89478485"),  # Pillow's bomb limit
+        ("max_images", 0, "greater than or equal to 1"),
+    ],
+)
+def test_a_bad_setting_stops_the_gateway_before_it_starts(
+    field: str, value: object, mention: str
+) -> None:
+    with pytest.raises(ValidationError, match=mention):
+        GatewaySettings.model_validate({field: value})
