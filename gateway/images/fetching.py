@@ -19,6 +19,7 @@ import asyncio
 
 import httpx
 
+from gateway.errors import InvalidRequest
 from gateway.images.limits import (
     ACCEPTED_MEDIA_TYPES,
     DATA_URL,
@@ -95,7 +96,11 @@ async def _get(
     async with http.stream("GET", target, headers=_HEADERS, follow_redirects=False) as response:
         if response.is_redirect:
             location = response.headers.get("location", "")
-            return fetchable_url(str(target.join(location)), where=where, limits=limits)
+            try:
+                return fetchable_url(str(target.join(location)), where=where, limits=limits)
+            except InvalidRequest as exc:
+                problem = str(exc.args[0]).removeprefix(f"{where}: ")
+                raise refusal(where, f"{url} redirects elsewhere: {problem}") from None
         if response.status_code != 200:
             raise refusal(where, f"{url} answered {response.status_code}, not the image")
         encoding = response.headers.get("content-encoding", "identity").strip().lower()

@@ -12,6 +12,7 @@ import io
 import re
 import struct
 import threading
+import time
 import warnings
 import zlib
 from collections.abc import Callable, Iterator
@@ -353,6 +354,12 @@ class Site(http.server.BaseHTTPRequestHandler):
             if value:
                 self.send_header(name, value)
         self.end_headers()
+        if self.path == "/drip":  # a byte every 0.2 s: no read waits long, the fetch does
+            for byte in body:
+                time.sleep(0.2)
+                self.wfile.write(bytes([byte]))
+                self.wfile.flush()
+            return
         if self.path == "/endless":
             try:
                 while True:
@@ -384,6 +391,7 @@ def site() -> Iterator[str]:
         "/svg": (200, {"Content-Type": "image/png"}, SVG),
         "/cut": (200, {}, PNG[:-12]),
         "/gone": (410, {}, b""),
+        "/drip": (200, {}, PNG),
     }
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -410,7 +418,10 @@ async def test_a_listed_host_is_fetched_and_checked(site: str) -> None:
 @pytest.mark.parametrize(
     ("path", "mention"),
     [
-        ("/away", "does not fetch images from localhost:1"),  # another host, though the same IP
+        (
+            "/away",
+            "redirects elsewhere: the gateway does not fetch images from localhost:1",
+        ),  # another host, though the same IP
         ("/meta", "169.254.169.254:80"),
         ("/file", "not an image URL"),
         ("/loop", "more than 3 redirects"),
@@ -421,12 +432,13 @@ async def test_a_listed_host_is_fetched_and_checked(site: str) -> None:
         ("/cut", "PNG is damaged or truncated"),
         ("/gone", "answered 410"),
         ("/nothing", "answered 404"),
+        ("/drip", "was not fetched within 1.0 s"),
     ],
 )
 async def test_a_listed_host_gets_no_further_than_an_inline_image(
     site: str, path: str, mention: str
 ) -> None:
-    limits = ImageLimits(url_hosts=(site,), max_bytes=len(PNG) + 100)
+    limits = ImageLimits(url_hosts=(site,), max_bytes=len(PNG) + 100, fetch_timeout_s=1.0)
     with pytest.raises(InvalidRequest, match=re.escape(WHERE)) as caught:
         await image_from_url(f"http://{site}{path}", where=WHERE, limits=limits)
     assert mention in str(caught.value) and caught.value.param == WHERE
