@@ -138,11 +138,11 @@ def image_from_base64(
 ) -> CheckedImage:
     """An Anthropic ``{"type": "base64", "media_type": ..., "data": ...}`` source's fields (or
     any base64 string and its declared media type) -> a ``CheckedImage``, or a 400."""
-    _declared(media_type, where=where)
-    if not isinstance(data, str) or not isinstance(media_type, str):
+    _declared(media_type, where=where)  # refused before the base64 is decoded
+    if not isinstance(data, str):
         raise refusal(where, f"the image data must be a base64 string, not {type(data).__name__}")
     decoded = _base64_bytes(data, where=where, limits=limits)
-    return check_image(decoded, where=where, limits=limits, declared=media_type)
+    return check_image(decoded, where=where, limits=limits, declared=str(media_type))
 
 
 async def image_from_url(
@@ -223,9 +223,10 @@ def check_image(
             if width * height > limits.max_pixels or width < 1 or height < 1:
                 raise refusal(
                     where,
-                    f"the image is {width}x{height} = {width * height:,} "
-                    f"pixels; {_pixels_hint(limits)}",
+                    f"the image is {width}x{height} = {width * height:,} pixels; "
+                    f"{_pixels_hint(limits)}",
                 )
+            mime = _true_type(kind, declared, where=where)
             image.verify()  # chunk structure and CRCs: a PNG cut before its end chunk
         with Image.open(io.BytesIO(data), formats=_FORMATS) as image:
             image.load()  # every pixel of the first frame: a cut JPEG, a short IDAT
@@ -242,9 +243,14 @@ def check_image(
     except Exception as exc:
         raise refusal(
             where,
-            f"the {kind} is damaged or truncated ({type(exc).__name__}: {exc}): send the whole "
-            f"file",
+            f"the {kind} is damaged or truncated ({type(exc).__name__}: {str(exc)[:200]}): "
+            f"send the whole file",
         ) from None
+    return CheckedImage(content_digest(data), data, mime, width, height)
+
+
+def _true_type(kind: str, declared: str | None, *, where: str) -> str:
+    """The media type of Pillow's format ``kind``, if the client declared that one (or none)."""
     mime = _MEDIA_TYPES.get(kind)
     if mime is None:  # a format one of the four parsers names otherwise (none known to us)
         raise refusal(where, f"the image is {kind}, not one of {_ACCEPTED}")
@@ -253,7 +259,7 @@ def check_image(
             where,
             f"the image is declared {shown(declared)} but its bytes are {mime}: declare {mime}",
         )
-    return CheckedImage(content_digest(data), data, mime, width, height)
+    return mime
 
 
 def _pixels_hint(limits: ImageLimits) -> str:
