@@ -27,8 +27,8 @@ from gateway.core.aggregate import Kept
 from gateway.core.session_store import SessionLog, SessionStore
 from gateway.core.versions import VersionTimeline
 from gateway.http.app import create_app
-from gateway.images import VisionSpec
 from gateway.http.guard import BodyLimits
+from gateway.images import VisionSpec
 from gateway.metrics import GatewayMetrics
 from gateway.serving import SessionService, TurnEngine
 from gateway.serving.model_names import ModelNames, parse_model_aliases
@@ -277,6 +277,7 @@ async def build_gateway(settings: GatewaySettings, event_log: EventLog) -> Async
             settings.max_json_depth,
             settings.kept_body_bytes,
         ),
+        image_limits=settings.image_limits,
         health=health,
     )
     try:
