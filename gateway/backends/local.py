@@ -14,6 +14,11 @@ token with ``finish_reason`` "abort" (the gateway continues it, DESIGN §4) and 
 wait until the new weights are in; "keep", each goes on with the new weights from its next token
 (its prompt and tokens so far read again by them). Every chunk reports the version of the
 weights that sampled it.
+
+A vision-language model (a config with a ``vision_config``: Qwen2-VL) also takes prompts with
+images (``local_vision``): the prefill reads the images' pixels, and every forward pass of such a
+generation gets its M-RoPE positions explicitly. Text prompts run the text path, as on a
+causal LM.
 """
 
 from __future__ import annotations
@@ -32,9 +37,16 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    DynamicCache,
+    PreTrainedModel,
+)
 
 from gateway.backends.interface import FinishReason, GenerationChunk, Prompt, SamplingParams
+from gateway.backends.local_vision import ImagePrompt, VisionReader, is_vision_config
 from gateway.backends.sampler import sample_token
 from gateway.errors import BackendError, BackendUnavailable, ContextLengthExceeded, InvalidRequest
 from schemas.policy import UpdateMode
@@ -97,6 +109,7 @@ class _Job:
     emit: Callable[[GenerationChunk | BaseException | _WorkerEnded], None]
     cancelled: threading.Event
     submitted_at: float
+    images: ImagePrompt | None = None  # the prompt's images (None: a text prompt)
     aborted: threading.Event = field(default_factory=threading.Event)  # a load in mode "abort"
     switch_to: _Policy | None = None  # a load in mode "keep": the weights from the next token
 
@@ -113,14 +126,19 @@ class LocalBackend:
         eos_token_ids: Sequence[int] | None = None,
         max_concurrency: int = 4,
         weight_version: int = 0,
+        vision: VisionReader | None = None,
     ) -> None:
+        """``vision``: the image reader of a vision-language ``model`` (None: it takes no
+        images)."""
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be at least 1, not {max_concurrency}")
         model.train(False)
         self._id = backend_id
         self._policy = _Policy(model, weight_version)
-        self._max_context = max_context or int(model.config.max_position_embeddings)
-        self._vocab_size = int(model.config.vocab_size)
+        self._vision = vision
+        text_config = model.config.get_text_config()  # a vision model's language half
+        self._max_context = max_context or int(text_config.max_position_embeddings)
+        self._vocab_size = int(text_config.vocab_size)
         self._eos_token_ids = frozenset(
             _model_eos_ids(model) if eos_token_ids is None else eos_token_ids
         )
@@ -149,9 +167,12 @@ class LocalBackend:
         max_context: int | None = None,
         weight_version: int = 0,
     ) -> LocalBackend:
-        """Load a Hugging Face model directory with ``from_pretrained``. Blocks: call it at
-        startup, or through ``asyncio.to_thread``."""
-        model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        """Load a Hugging Face model directory with ``from_pretrained``: a causal LM, or a
+        vision-language model with its image processor. Blocks: call it at startup, or through
+        ``asyncio.to_thread``."""
+        vision = is_vision_config(AutoConfig.from_pretrained(path))
+        auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+        model: PreTrainedModel = auto.from_pretrained(path, dtype=dtype)
         # nn.Module.to moves in place; PreTrainedModel.to's decorated signature confuses mypy,
         # and device_map= would need accelerate.
         torch.nn.Module.to(model, torch.device(device))
@@ -161,6 +182,7 @@ class LocalBackend:
             max_context=max_context,
             max_concurrency=max_concurrency,
             weight_version=weight_version,
+            vision=VisionReader.load(path, model, backend_id) if vision else None,
         )
 
     @property
@@ -204,6 +226,7 @@ class LocalBackend:
     ) -> AsyncIterator[GenerationChunk]:
         prompt_ids = prompt.tolist()
         self._check_request(prompt_ids, params)
+        images = await self._read_images(prompt) if prompt.images else None
         loop = asyncio.get_running_loop()
         chunks: asyncio.Queue[GenerationChunk | BaseException | _WorkerEnded] = asyncio.Queue()
         cancelled = threading.Event()
@@ -216,7 +239,7 @@ class LocalBackend:
 
         submitted = time.perf_counter()
         await self._accepting.wait()  # a load aborting generations: its weights come first
-        job = _Job(self._policy, prompt_ids, params, emit, cancelled, submitted)
+        job = _Job(self._policy, prompt_ids, params, emit, cancelled, submitted, images)
         self._running.add(job)
         try:
             try:
@@ -297,6 +320,14 @@ class LocalBackend:
         # Workers stop within one forward pass; waiting for them must not block the loop.
         await asyncio.to_thread(self._executor.shutdown, wait=True, cancel_futures=True)
 
+    async def _read_images(self, prompt: Prompt) -> ImagePrompt:
+        if self._vision is None:
+            raise InvalidRequest(
+                f"the model of backend {self._id} takes no images: it is a text model (its "
+                f"config has no vision_config); send text only, or serve a vision-language model"
+            )
+        return await asyncio.to_thread(self._vision.read, prompt, self._policy.model)
+
     def _check_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         if self._closed:
             raise BackendUnavailable(f"backend {self._id} is closed")
@@ -351,6 +382,8 @@ class LocalBackend:
         stops = self._eos_token_ids | frozenset(params.stop_token_ids)
         input_ids = torch.tensor([job.prompt_ids], dtype=torch.long, device=device)
         cache = kv_cache(model)
+        images = job.images
+        inputs: dict[str, object] = {} if images is None else images.prefill()
         prefill_s = 0.0
         generated: list[int] = []
         for step in range(params.max_tokens):
@@ -363,10 +396,20 @@ class LocalBackend:
             if switch is not None and switch is not policy:  # a load in mode "keep"
                 policy, model = switch, switch.model
                 cache = kv_cache(model)  # the new weights read the prompt and tokens so far
-                input_ids = torch.tensor(
-                    [job.prompt_ids + generated], dtype=torch.long, device=device
-                )
-            output = model(input_ids=input_ids, **cache, logits_to_keep=1)
+                if images is None:
+                    input_ids = torch.tensor(
+                        [job.prompt_ids + generated], dtype=torch.long, device=device
+                    )
+                elif generated:
+                    # The prompt with its pixels, then the tokens so far: read in one pass, a
+                    # sampled image token would take an image's place.
+                    prompt = torch.tensor([job.prompt_ids], dtype=torch.long, device=device)
+                    model(input_ids=prompt, **cache, **images.prefill(), logits_to_keep=1)
+                    input_ids = torch.tensor([generated], dtype=torch.long, device=device)
+                    inputs = images.after(len(job.prompt_ids), len(generated))
+                else:
+                    inputs = images.prefill()
+            output = model(input_ids=input_ids, **cache, **inputs, logits_to_keep=1)
             with self._counter_lock:
                 self._decode_steps += 1
             sampled = sample_token(output.logits[0, -1].float(), params, generator)
@@ -398,6 +441,8 @@ class LocalBackend:
                 return
             generated.append(sampled.token_id)
             input_ids = torch.tensor([[sampled.token_id]], dtype=torch.long, device=device)
+            if images is not None:
+                inputs = images.after(len(job.prompt_ids) + step)
 
     @staticmethod
     def _aborted_chunk(policy: _Policy, params: SamplingParams) -> GenerationChunk:
@@ -426,6 +471,8 @@ def _model_with_weights(current: PreTrainedModel, checkpoint: Path) -> PreTraine
     so generations running on it are not disturbed. Runs on a worker thread."""
     state = read_checkpoint(Path(checkpoint), current.device)
     expected = current.state_dict()
+    if state.keys() - expected.keys():
+        state = _checkpoint_names_to_module_names(current, state)
     unexpected = sorted(state.keys() - expected.keys())
     aliases = _aliases(expected)
     missing = sorted(k for k in expected.keys() - state.keys() if not aliases[k] & state.keys())
@@ -444,6 +491,20 @@ def _model_with_weights(current: PreTrainedModel, checkpoint: Path) -> PreTraine
     model.load_state_dict(state, strict=False)
     model.train(False)
     return model
+
+
+def _checkpoint_names_to_module_names(
+    model: PreTrainedModel, state: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """``state`` with its keys renamed as ``from_pretrained`` renames a checkpoint's: transformers
+    5 lays some models out differently from their checkpoints (Qwen2-VL's language model moved
+    under ``model.language_model``) and ``save_pretrained`` writes the checkpoint's names back.
+    Renamings only (no tensor is split or merged)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming, rename_source_key
+
+    renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+    return {rename_source_key(key, renamings, [])[0]: value for key, value in state.items()}
 
 
 def _aliases(state: dict[str, torch.Tensor]) -> dict[str, frozenset[str]]:
