@@ -148,7 +148,9 @@ class TurnServing:
         tools = req.tools if use_tools else None
         named = named_tool_choice(req)
         seen = session.state  # the snapshot chat_prompt prepares from (read before it awaits)
-        chat = await engine.chat_prompt(session, req.messages, tools, req.keys, req.agent)
+        chat = await engine.chat_prompt(
+            session, req.messages, tools, req.keys, req.agent, req.images
+        )
         if chat.unsure and self.store.log is not None:
             await self._sync(session, "unsure")
             # Changed since the snapshot, by this catch-up or by another request's meanwhile
@@ -156,7 +158,9 @@ class TurnServing:
             if session.state is not seen:
                 session.ensure_open()
                 seen = session.state
-                chat = await engine.chat_prompt(session, req.messages, tools, req.keys, req.agent)
+                chat = await engine.chat_prompt(
+                    session, req.messages, tools, req.keys, req.agent, req.images
+                )
         prompt = chat.prompt
         # "required" / a named function: open the call in the prompt, so the model cannot
         # decline it; these tokens are the gateway's: prompt tokens, not the policy's actions.
