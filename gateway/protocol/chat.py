@@ -3,7 +3,9 @@
 Parameters the gateway does not implement are refused (400) when set to a value that would
 change the result, and ignored when they are at their defaults, so unmodified agents work.
 Tools keep the exact JSON the client sent (``ChatTool.raw``): it is what the chat template
-renders and what the log records.
+renders and what the log records. A user's or a tool's message may hold ``image_url`` parts
+(``ImagePart``; checked at the edge by ``gateway.serving.image_input``); the system's and the
+assistant's hold text.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Anthropic Messages, the request's side: the conversation as the turn core's canonical one,
-its images checked at the edge, the request as a ``TurnRequest`` (``anthropic_service`` answers
-the turn).
+its image blocks and where each is (for the edge's check), the request as a ``TurnRequest``
+(``anthropic_service`` answers the turn).
 
 The canonical conversation is the same whichever way a client serializes its history:
 

@@ -117,8 +117,13 @@ def test_chat_completions_agent_sees_a_screen_every_turn(
             {"type": "image_url", "image_url": {"url": data_url(shot), "detail": "high"}},
         ]
         messages.append({"role": "user", "content": parts})
-        reply = client.chat.completions.create(messages=messages, **ASK)
-        messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+        if k < 2:
+            reply = client.chat.completions.create(messages=messages, **ASK)
+            text = reply.choices[0].message.content
+        else:  # streamed: the same translation, the same turn
+            chunks = client.chat.completions.create(messages=messages, stream=True, **ASK)
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        messages.append({"role": "assistant", "content": text})
     again = client.chat.completions.create(messages=messages[:-1], **ASK)
     assert again.choices[0].message.content == messages[-1]["content"], "a resend: its reply"
     turns = turns_of(events_of(nats_server, str(session["session_id"])))
@@ -160,9 +165,12 @@ def test_anthropic_agent_sees_a_screen_every_turn(
         image = {"type": "base64", "media_type": "image/png", "data": b64(shot)}
         blocks = [{"type": "text", "text": f"Screen {k}:"}, {"type": "image", "source": image}]
         messages.append({"role": "user", "content": blocks})
+        counted = client.messages.count_tokens(model="tiny", messages=messages)
         reply = client.messages.create(
             model="tiny", max_tokens=6, messages=messages, extra_body={"temperature": 0}
         )
+        if k == 0:  # a first turn is rendered from scratch, as count_tokens renders it
+            assert counted.input_tokens == reply.usage.input_tokens
         messages.append({"role": "assistant", "content": [b.model_dump() for b in reply.content]})
     assert_sees_each_screen_once(turns_of(events_of(nats_server, sid)), vision)
 
