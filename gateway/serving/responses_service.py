@@ -166,7 +166,9 @@ class ResponsesServing:
         """The request as a turn: its images checked (a 400 naming a bad one), those of the
         conversation ``previous_response_id`` continues from the kept ones."""
         found = responses_images(req)
-        images = await check_images(found, limits=self.image_limits, where="input")
+        images = await check_images(
+            found, limits=self.image_limits, where="input", kept=self.kept_images
+        )
         previous = previous_conversation(session.state, req)
         if previous:
             images |= self.kept_images.bytes_of(
@@ -175,7 +177,6 @@ class ResponsesServing:
                 named=f"previous_response_id {req.previous_response_id!r}",
                 param="previous_response_id",
             )
-        self.kept_images.keep(images)
         request = responses_turn_request(req, previous, images)
         return request if agent is None else replace(request, agent=agent)
 

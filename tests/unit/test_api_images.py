@@ -308,3 +308,26 @@ def test_kept_images_supply_a_continued_conversations_bytes_until_forgotten() ->
     with pytest.raises(InvalidRequest, match="resend the full conversation") as caught:
         kept.bytes_of(previous, {}, named="previous_response_id 'resp_s_1'", param="x")
     assert caught.value.param == "x"
+
+
+def test_a_screenshot_resent_in_a_later_request_is_not_decoded_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    kept = KeptImages(max_bytes=len(RED) + len(BLUE))
+    body = {"messages": [{"role": "user", "content": [chat_image(RED)]}]}
+
+    def check(source: dict[str, Any]) -> dict[str, bytes]:
+        req = ChatCompletionRequest.model_validate(source)
+        return asyncio.run(check_images(chat_images(req), limits=LIMITS, where="m", kept=kept))
+
+    assert check(body) == {content_digest(RED): RED}
+
+    def decoded(*_: object, **__: object) -> None:
+        raise AssertionError("decoded again")
+
+    monkeypatch.setattr("gateway.serving.image_input.image_from_data_url", decoded)
+    assert check(body) == {content_digest(RED): RED}  # remembered: its text's hash, no decode
+    # Its bytes forgotten (the memory's bound), the source is checked again.
+    kept.keep({"0" * 64: b"x" * (len(RED) + len(BLUE))})
+    with pytest.raises(AssertionError, match="decoded again"):
+        check(body)
