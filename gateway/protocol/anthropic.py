@@ -50,7 +50,7 @@ from pydantic import (
     model_validator,
 )
 
-from gateway.protocol.images import Base64Data, ImageInput, URLSource
+from gateway.protocol.images import ImageBlock
 from gateway.protocol.wire import (
     JSON_VALUE_SCHEMA,
     JSONObject,
@@ -150,50 +150,6 @@ def block_text(content: str | list[TextBlock] | None) -> str:
     if isinstance(content, str):
         return content
     return "".join(block.text for block in content)
-
-
-class Base64Source(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    type: Literal["base64"]
-    media_type: str = Field(description="image/png, image/jpeg, image/gif or image/webp")
-    data: str = Field(description="the image's bytes, base64")
-
-
-class URLImageSource(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    type: Literal["url"]
-    url: str = Field(description="fetched only from a host the gateway lists; else a 400")
-
-
-def _known_source(value: Any) -> Any:
-    """A ``file`` source (the Files API's) is refused by name: this gateway stores no files."""
-    if isinstance(value, dict) and value.get("type") == "file":
-        raise ValueError(
-            "an image source of type 'file' names an upload of Anthropic's Files API, which "
-            "this gateway does not have: send the image as a base64 source"
-        )
-    return value
-
-
-class ImageBlock(ImageInput):
-    """An image (``cache_control`` and other decorations ignored)."""
-
-    model_config = ConfigDict(extra="allow", json_schema_extra=free_form_extras)
-
-    type: Literal["image"]
-    source: Annotated[
-        Base64Source | URLImageSource,
-        Field(discriminator="type"),
-        BeforeValidator(_known_source),
-    ]
-
-    @property
-    def image_source(self) -> URLSource | Base64Data:
-        if isinstance(self.source, Base64Source):
-            return Base64Data(self.source.data, self.source.media_type)
-        return URLSource(self.source.url)
 
 
 ResultBlock = Annotated[TextBlock | ImageBlock, Field(discriminator="type")]

@@ -21,7 +21,7 @@ from pydantic import (
     model_validator,
 )
 
-from gateway.protocol.images import ImageInput, URLSource
+from gateway.protocol.images import ImageInput, ImagePart
 from gateway.protocol.wire import (
     JSON_VALUE_SCHEMA,
     Int64,
@@ -137,31 +137,6 @@ class TextPart(BaseModel):
 
     type: Literal["text"]
     text: str
-
-
-class ImageURL(BaseModel):
-    model_config = ConfigDict(extra="allow", json_schema_extra=free_form_extras)
-
-    url: str = Field(
-        description="a data URL (data:image/png;base64,...); http(s) only from a "
-        "host the gateway lists"
-    )
-    detail: Literal["auto", "low", "high"] | None = Field(
-        None, description="ignored: the model's image processor decides the resolution"
-    )
-
-
-class ImagePart(ImageInput):
-    """An image in a user's or a tool's message (``gateway.images.intake`` checks it)."""
-
-    model_config = ConfigDict(extra="allow", json_schema_extra=free_form_extras)
-
-    type: Literal["image_url"]
-    image_url: ImageURL
-
-    @property
-    def image_source(self) -> URLSource:
-        return URLSource(self.image_url.url)
 
 
 Content = str | list[TextPart] | None

@@ -1,5 +1,6 @@
-"""What the three APIs' image parts share (Chat ``image_url``, Anthropic ``image``, Responses
-``input_image``): where the image comes from, and the checked image the edge keeps on the part.
+"""The three APIs' image parts (Chat ``image_url``: ``ImagePart``, Anthropic ``image``:
+``ImageBlock``, Responses ``input_image``: ``InputImagePart``), and what they share: where the
+image comes from, and the checked image the edge keeps on the part.
 
 A request is validated (pydantic), then its image parts are checked (``gateway.images.intake``,
 by ``gateway.serving.image_input``: async, a listed remote URL is fetched), then translated into
@@ -10,13 +11,22 @@ translation reads it there, with no lookup to keep in step with the walk that fo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, PrivateAttr
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr
 
 from gateway.images.intake import CheckedImage
+from gateway.protocol.wire import free_form_extras
 
-__all__ = ["Base64Data", "ImageInput", "URLSource"]
+__all__ = [
+    "Base64Data",
+    "ImageBlock",
+    "ImageInput",
+    "ImagePart",
+    "InputImagePart",
+    "URLSource",
+    "refused_file_id",
+]
 
 JSON = dict[str, Any]
 
@@ -37,7 +47,7 @@ class Base64Data:
 
 
 class ImageInput(BaseModel):
-    """An image part of a request; ``source`` says where its bytes are."""
+    """An image part of a request; ``image_source`` says where its bytes are."""
 
     _checked: CheckedImage | None = PrivateAttr(None)
 
@@ -59,3 +69,109 @@ class ImageInput(BaseModel):
     def part(self) -> JSON:
         """The canonical conversation's content part (``schemas.images.image_part``)."""
         return self.checked.part
+
+
+# -- Chat Completions ----------------------------------------------------------------------
+
+
+class ImageURL(BaseModel):
+    model_config = ConfigDict(extra="allow", json_schema_extra=free_form_extras)
+
+    url: str = Field(
+        description="a data URL (data:image/png;base64,...); http(s) only from a "
+        "host the gateway lists"
+    )
+    detail: Literal["auto", "low", "high"] | None = Field(
+        None, description="ignored: the model's image processor decides the resolution"
+    )
+
+
+class ImagePart(ImageInput):
+    """An image in a user's or a tool's message (``gateway.images.intake`` checks it)."""
+
+    model_config = ConfigDict(extra="allow", json_schema_extra=free_form_extras)
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+    @property
+    def image_source(self) -> URLSource:
+        return URLSource(self.image_url.url)
+
+
+# -- Anthropic Messages --------------------------------------------------------------------
+
+
+class Base64Source(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["base64"]
+    media_type: str = Field(description="image/png, image/jpeg, image/gif or image/webp")
+    data: str = Field(description="the image's bytes, base64")
+
+
+class URLImageSource(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["url"]
+    url: str = Field(description="fetched only from a host the gateway lists; else a 400")
+
+
+def _known_source(value: Any) -> Any:
+    """A ``file`` source (the Files API's) is refused by name: this gateway stores no files."""
+    if isinstance(value, dict) and value.get("type") == "file":
+        raise ValueError(
+            "an image source of type 'file' names an upload of Anthropic's Files API, which "
+            "this gateway does not have: send the image as a base64 source"
+        )
+    return value
+
+
+class ImageBlock(ImageInput):
+    """An image (``cache_control`` and other decorations ignored)."""
+
+    model_config = ConfigDict(extra="allow", json_schema_extra=free_form_extras)
+
+    type: Literal["image"]
+    source: Annotated[
+        Base64Source | URLImageSource,
+        Field(discriminator="type"),
+        BeforeValidator(_known_source),
+    ]
+
+    @property
+    def image_source(self) -> URLSource | Base64Data:
+        if isinstance(self.source, Base64Source):
+            return Base64Data(self.source.data, self.source.media_type)
+        return URLSource(self.source.url)
+
+
+# -- Responses -----------------------------------------------------------------------------
+
+
+def refused_file_id(value: Any) -> Any:
+    if isinstance(value, dict) and value.get("file_id") is not None:
+        raise ValueError(
+            "input_image.file_id names an uploaded file: this gateway has no file uploads; send "
+            "the image inline as image_url, a data URL (data:image/png;base64,...)"
+        )
+    return value
+
+
+class InputImagePart(ImageInput):
+    """``input_image``: an image by ``image_url`` (``detail`` is accepted and ignored: the
+    model's image processor decides the resolution)."""
+
+    model_config = ConfigDict(extra="allow", json_schema_extra=free_form_extras)
+
+    type: Literal["input_image"]
+    image_url: str = Field(
+        description="a data URL (data:image/png;base64,...); http(s) only from a host the "
+        "gateway lists"
+    )
+    detail: Literal["auto", "low", "high"] | None = Field(None, description="ignored")
+    file_id: None = Field(None, description="not supported: the gateway has no file uploads")
+
+    @property
+    def image_source(self) -> URLSource:
+        return URLSource(self.image_url)

@@ -23,7 +23,7 @@ from pydantic import (
     Tag,
 )
 
-from gateway.protocol.images import ImageInput, URLSource
+from gateway.protocol.images import ImageInput, InputImagePart, refused_file_id
 from gateway.protocol.responses_tools import NamespaceName, flat_name
 from gateway.protocol.wire import free_form_extras
 
@@ -69,34 +69,6 @@ def _text_part(value: Any, images: bool = False) -> Any:
 
 def _seeing_part(value: Any) -> Any:
     return _text_part(value, images=True)
-
-
-def _refused_file(value: Any) -> Any:
-    if isinstance(value, dict) and value.get("file_id") is not None:
-        raise ValueError(
-            "input_image.file_id names an uploaded file: this gateway has no file uploads; send "
-            "the image inline as image_url, a data URL (data:image/png;base64,...)"
-        )
-    return value
-
-
-class InputImagePart(ImageInput):
-    """``input_image``: an image by ``image_url`` (``detail`` is accepted and ignored: the
-    model's image processor decides the resolution)."""
-
-    model_config = ConfigDict(extra="allow", json_schema_extra=free_form_extras)
-
-    type: Literal["input_image"]
-    image_url: str = Field(
-        description="a data URL (data:image/png;base64,...); http(s) only from a host the "
-        "gateway lists"
-    )
-    detail: Literal["auto", "low", "high"] | None = Field(None, description="ignored")
-    file_id: None = Field(None, description="not supported: the gateway has no file uploads")
-
-    @property
-    def image_source(self) -> URLSource:
-        return URLSource(self.image_url)
 
 
 class InputTextPart(BaseModel):
@@ -147,7 +119,7 @@ MessagePart = Annotated[
     | Annotated[EncryptedPart, Tag("encrypted")]
     | Annotated[InputImagePart, Tag("image")],
     Discriminator(_part_kind),
-    BeforeValidator(_refused_file),
+    BeforeValidator(refused_file_id),
     BeforeValidator(_seeing_part),
 ]
 
@@ -270,7 +242,7 @@ def _output_kind(value: Any) -> str:
 OutputPart = Annotated[
     Annotated[ToolOutputPart, Tag("text")] | Annotated[InputImagePart, Tag("image")],
     Discriminator(_output_kind),
-    BeforeValidator(_refused_file),
+    BeforeValidator(refused_file_id),
     BeforeValidator(_output_part),
 ]
 
