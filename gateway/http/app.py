@@ -62,7 +62,7 @@ from gateway.serving import (
     TurnServing,
 )
 from gateway.serving.anthropic_service import AnthropicServing
-from gateway.serving.image_input import KeptImages
+from gateway.serving.image_input import ImageEdge
 from schemas.errors import TurnstreamError
 
 __all__ = ["GatewayApp", "Health", "create_app"]
@@ -149,13 +149,12 @@ def create_app(
 
     # Starlette matches routes in order: turns first, then the session API, then service routes.
     turns = TurnServing(engine, sessions.store)
-    # One memory of checked images for the three APIs: a conversation may change API.
-    seeing = (image_limits or ImageLimits(), KeptImages())
-    chat, completions = ChatServing(turns, *seeing), CompletionServing(engine)
+    images = ImageEdge(image_limits or ImageLimits())  # one for the three APIs
+    chat, completions = ChatServing(turns, images), CompletionServing(engine)
     routes = ScopedRoutes(app.router, default_run)
     add_openai_routes(routes, sessions, chat, completions)
-    add_responses_routes(routes, sessions, ResponsesServing(turns, *seeing))
-    add_anthropic_routes(routes, sessions, AnthropicServing(turns, *seeing))
+    add_responses_routes(routes, sessions, ResponsesServing(turns, images))
+    add_anthropic_routes(routes, sessions, AnthropicServing(turns, images))
     add_session_routes(app.router, sessions, default_run)
 
     @app.api_route("/", methods=["GET", "HEAD"], response_model=None, include_in_schema=False)

@@ -21,7 +21,6 @@ from gateway.core.conversation import TurnRequest, arguments_object, text_chars
 from gateway.core.session_store import Session
 from gateway.decoding import Detokenizer
 from gateway.errors import anthropic_error_body
-from gateway.images.limits import ImageLimits
 from gateway.protocol.anthropic import CountTokensRequest, MessagesRequest
 from gateway.protocol.anthropic_reply import (
     ContentBlockDeltaEvent,
@@ -50,7 +49,7 @@ from gateway.serving.anthropic_input import (
     tool_choice,
 )
 from gateway.serving.engine import TurnEngine
-from gateway.serving.image_input import KeptImages, check_images
+from gateway.serving.image_input import ImageEdge
 from gateway.serving.model_names import answered_as
 from gateway.serving.turn_data import TurnResult
 from gateway.serving.turn_service import TurnServing, TurnStream
@@ -125,23 +124,15 @@ def message_id(session: Session, reply: str) -> str:
 class AnthropicServing:
     """Anthropic Messages over the turn core."""
 
-    def __init__(
-        self,
-        turns: TurnServing,
-        image_limits: ImageLimits | None = None,
-        kept_images: KeptImages | None = None,
-    ) -> None:
+    def __init__(self, turns: TurnServing, images: ImageEdge | None = None) -> None:
         self.turns = turns
         self.engine = turns.engine
-        self.image_limits = image_limits or ImageLimits()
-        self.kept_images = kept_images or KeptImages()
+        self.images = images or ImageEdge()
 
     async def _images(self, req: MessagesRequest | CountTokensRequest) -> dict[str, bytes]:
         """The request's images checked (a 400 naming a bad one), their bytes by digest."""
         found = anthropic_images(req)
-        return await check_images(
-            found, limits=self.image_limits, where="messages", kept=self.kept_images
-        )
+        return await self.images.check(found, where="messages")
 
     async def complete(
         self, session: Session, req: MessagesRequest, agent: AgentIdentity | None = None

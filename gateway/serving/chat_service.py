@@ -11,7 +11,6 @@ from gateway.core.agents import AgentIdentity
 from gateway.core.conversation import TurnRequest
 from gateway.core.session_store import Session
 from gateway.decoding import Detokenizer
-from gateway.images.limits import ImageLimits
 from gateway.protocol.chat import (
     AssistantMessage,
     ChatCompletion,
@@ -35,7 +34,7 @@ from gateway.protocol.chat import (
 from gateway.protocol.sse import DONE, TextEvents, sse, sse_error
 from gateway.protocol.wire import Usage
 from gateway.serving.engine import TurnEngine
-from gateway.serving.image_input import FoundImage, KeptImages, check_images, content_parts
+from gateway.serving.image_input import FoundImage, ImageEdge, content_parts
 from gateway.serving.model_names import answered_as
 from gateway.serving.turn_data import TurnResult
 from gateway.serving.turn_service import TurnServing, TurnStream
@@ -101,25 +100,17 @@ def _content(content: Content | SeeingContent) -> str | list[JSON] | None:
 class ChatServing:
     """Chat Completions over the turn core."""
 
-    def __init__(
-        self,
-        turns: TurnServing,
-        image_limits: ImageLimits | None = None,
-        kept_images: KeptImages | None = None,
-    ) -> None:
+    def __init__(self, turns: TurnServing, images: ImageEdge | None = None) -> None:
         self.turns = turns
         self.engine = turns.engine
-        self.image_limits = image_limits or ImageLimits()
-        self.kept_images = kept_images or KeptImages()
+        self.images = images or ImageEdge()
 
     async def turn_request(
         self, req: ChatCompletionRequest, agent: AgentIdentity | None = None
     ) -> TurnRequest:
         """The request as a turn, its images checked (a 400 naming a bad one)."""
         found = chat_images(req)
-        images = await check_images(
-            found, limits=self.image_limits, where="messages", kept=self.kept_images
-        )
+        images = await self.images.check(found, where="messages")
         return chat_turn_request(req, agent, images)
 
     async def complete(

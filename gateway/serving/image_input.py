@@ -16,6 +16,7 @@ import asyncio
 import hashlib
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.errors import InvalidRequest
@@ -30,7 +31,14 @@ from gateway.images.limits import ImageLimits
 from gateway.protocol.images import Base64Data, ImageInput, URLSource
 from schemas.images import image_parts, part_digest
 
-__all__ = ["DEFAULT_KEPT_IMAGE_BYTES", "FoundImage", "KeptImages", "check_images", "content_parts"]
+__all__ = [
+    "DEFAULT_KEPT_IMAGE_BYTES",
+    "FoundImage",
+    "ImageEdge",
+    "KeptImages",
+    "check_images",
+    "content_parts",
+]
 
 JSON = dict[str, Any]
 FoundImage = tuple[str, ImageInput]  # where the part is (as the client's request names it), it
@@ -198,3 +206,16 @@ class KeptImages:
             self._kept.move_to_end(digest)
             out[digest] = data
         return out
+
+
+@dataclass(frozen=True)
+class ImageEdge:
+    """What every API's adapter checks its images with: the gateway's limits, and the
+    process's one memory of checked images (a conversation may change API)."""
+
+    limits: ImageLimits = field(default_factory=ImageLimits)
+    kept: KeptImages = field(default_factory=KeptImages)
+
+    async def check(self, found: Iterable[FoundImage], *, where: str) -> dict[str, bytes]:
+        """``check_images`` of ``found`` (``where``: what the count limit's refusal names)."""
+        return await check_images(found, limits=self.limits, where=where, kept=self.kept)

@@ -18,7 +18,6 @@ from gateway.core.conversation import TurnRequest
 from gateway.core.session_store import Session
 from gateway.decoding import Detokenizer
 from gateway.errors import error_body
-from gateway.images.limits import ImageLimits
 from gateway.protocol.chat import TokenLogprob
 from gateway.protocol.responses import (
     FunctionChoice,
@@ -45,7 +44,7 @@ from gateway.protocol.responses_reply import (
 from gateway.protocol.sse import sse_event
 from gateway.serving.chat_service import token_logprobs
 from gateway.serving.engine import TurnEngine
-from gateway.serving.image_input import KeptImages, check_images
+from gateway.serving.image_input import ImageEdge
 from gateway.serving.model_names import answered_as
 from gateway.serving.responses_input import (
     previous_conversation,
@@ -149,16 +148,10 @@ class _Frame:
 class ResponsesServing:
     """OpenAI Responses over the turn core."""
 
-    def __init__(
-        self,
-        turns: TurnServing,
-        image_limits: ImageLimits | None = None,
-        kept_images: KeptImages | None = None,
-    ) -> None:
+    def __init__(self, turns: TurnServing, images: ImageEdge | None = None) -> None:
         self.turns = turns
         self.engine = turns.engine
-        self.image_limits = image_limits or ImageLimits()
-        self.kept_images = kept_images or KeptImages()
+        self.images = images or ImageEdge()
 
     async def turn_request(
         self, session: Session, req: ResponsesRequest, agent: AgentIdentity | None = None
@@ -166,12 +159,10 @@ class ResponsesServing:
         """The request as a turn: its images checked (a 400 naming a bad one), those of the
         conversation ``previous_response_id`` continues from the kept ones."""
         found = responses_images(req)
-        images = await check_images(
-            found, limits=self.image_limits, where="input", kept=self.kept_images
-        )
+        images = await self.images.check(found, where="input")
         previous = previous_conversation(session.state, req)
         if previous:
-            images |= self.kept_images.bytes_of(
+            images |= self.images.kept.bytes_of(
                 previous,
                 images,
                 named=f"previous_response_id {req.previous_response_id!r}",
