@@ -51,6 +51,7 @@ from gateway.http.routes import (
     add_session_routes,
     errors,
 )
+from gateway.images.limits import ImageLimits
 from gateway.metrics import GatewayMetrics
 from gateway.serving import (
     ChatServing,
@@ -61,6 +62,7 @@ from gateway.serving import (
     TurnServing,
 )
 from gateway.serving.anthropic_service import AnthropicServing
+from gateway.serving.image_input import ImageEdge
 from schemas.errors import TurnstreamError
 
 __all__ = ["GatewayApp", "Health", "create_app"]
@@ -87,9 +89,11 @@ def create_app(
     api_keys: Sequence[str] = (),
     metrics_auth: bool = False,
     limits: BodyLimits | None = None,
+    image_limits: ImageLimits | None = None,
     health: Callable[[], Awaitable[JSON]] | None = None,
 ) -> FastAPI:
-    """The gateway app; ``health`` adds checks (the log's state) to /health."""
+    """The gateway app; ``image_limits``: what the APIs take of a request's images;
+    ``health`` adds checks (the log's state) to /health."""
     app = GatewayApp(title="turnstream gateway", version="0.1.0")
     app.router.route_class = GuardedRoute
     metrics: GatewayMetrics = engine.metrics
@@ -145,11 +149,12 @@ def create_app(
 
     # Starlette matches routes in order: turns first, then the session API, then service routes.
     turns = TurnServing(engine, sessions.store)
-    chat, completions = ChatServing(turns), CompletionServing(engine)
+    images = ImageEdge(image_limits or ImageLimits())  # one for the three APIs
+    chat, completions = ChatServing(turns, images), CompletionServing(engine)
     routes = ScopedRoutes(app.router, default_run)
     add_openai_routes(routes, sessions, chat, completions)
-    add_responses_routes(routes, sessions, ResponsesServing(turns))
-    add_anthropic_routes(routes, sessions, AnthropicServing(turns))
+    add_responses_routes(routes, sessions, ResponsesServing(turns, images))
+    add_anthropic_routes(routes, sessions, AnthropicServing(turns, images))
     add_session_routes(app.router, sessions, default_run)
 
     @app.api_route("/", methods=["GET", "HEAD"], response_model=None, include_in_schema=False)

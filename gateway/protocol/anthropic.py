@@ -10,8 +10,12 @@ field, what does not change the reply is accepted:
 - Content blocks: ``text`` (``cache_control``, ``citations`` and other decorations ignored),
   ``tool_result`` (``content`` a string or text blocks; ``is_error`` is not recorded: the
   content says what failed), ``tool_use``; the assistant's ``thinking`` / ``redacted_thinking``
-  blocks are accepted and dropped (this gateway never produces them). ``image`` and ``document``
-  blocks are refused: the model reads text only. Any other block type is refused, by name.
+  blocks are accepted and dropped (this gateway never produces them). ``image`` blocks are
+  taken in user messages and in ``tool_result`` content (a computer-use agent's screenshot),
+  with a ``base64`` source (a ``url`` source only from a host the gateway lists; a ``file``
+  source is refused: the gateway has no Files API); the image itself is checked by
+  ``gateway.images.intake``. ``document`` blocks are refused (send their text), and so are
+  images in system or assistant messages. Any other block type is refused, by name.
   Extra keys of a message or a block are ignored (Claude Code's system message carries
   ``output_config``).
 - ``tools``: custom tools (``type`` absent or ``"custom"``) are offered to the model; server
@@ -46,6 +50,7 @@ from pydantic import (
     model_validator,
 )
 
+from gateway.protocol.images import ImageBlock
 from gateway.protocol.wire import (
     JSON_VALUE_SCHEMA,
     JSONObject,
@@ -59,6 +64,7 @@ __all__ = [
     "AssistantTurn",
     "CountTokensRequest",
     "CustomTool",
+    "ImageBlock",
     "MessagesRequest",
     "ServerTool",
     "TextBlock",
@@ -68,21 +74,26 @@ __all__ = [
     "block_text",
 ]
 
-# Blocks Anthropic's API takes that a text model cannot read: refused with this reason.
+# Blocks Anthropic's API takes that this gateway does not: refused with this reason.
 _MEDIA = ("image", "document")
 
 
-def _refuse_media(data: Any, key: str) -> Any:
-    """A clear 400 for media blocks in ``data[key]`` (the block union alone would answer a
+def _refuse_media(data: Any, key: str, media: tuple[str, ...] = _MEDIA) -> Any:
+    """A clear 400 for ``media`` blocks in ``data[key]`` (the block union alone would answer a
     type error per union member): a model ``mode="before"`` check."""
     blocks = data.get(key) if isinstance(data, dict) else None
     if isinstance(blocks, list):
         for i, block in enumerate(blocks):
             kind = block.get("type") if isinstance(block, dict) else None
-            if kind in _MEDIA:
+            if kind == "document":
                 raise ValueError(
-                    f"{key} block {i} has type {kind!r}: not supported by this gateway's text "
-                    "model; send its content as text"
+                    f"{key} block {i} has type 'document': not supported by this gateway; send "
+                    "its content as text"
+                )
+            if kind in media:
+                raise ValueError(
+                    f"{key} block {i} has type {kind!r}: images are taken in user messages and "
+                    "tool_result content only"
                 )
     return data
 
@@ -97,6 +108,15 @@ class _TextOnly(BaseModel):
     @classmethod
     def _text_only(cls, data: Any) -> Any:
         return _refuse_media(data, "content")
+
+
+class _Seeing(_TextOnly):
+    """A model whose ``content`` blocks may be images, not documents."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        return _refuse_media(data, "content", media=())
 
 
 class TextBlock(BaseModel):
@@ -132,12 +152,18 @@ def block_text(content: str | list[TextBlock] | None) -> str:
     return "".join(block.text for block in content)
 
 
-class ToolResultBlock(_TextOnly):
+ResultBlock = Annotated[TextBlock | ImageBlock, Field(discriminator="type")]
+ResultContent = Annotated[
+    Annotated[str, Tag("string")] | Annotated[list[ResultBlock], Tag("blocks")], _ByForm
+]
+
+
+class ToolResultBlock(_Seeing):
     """A tool's result, answering the assistant's ``tool_use`` block ``tool_use_id``."""
 
     type: Literal["tool_result"]
     tool_use_id: str = Field(min_length=1, max_length=256)
-    content: TextContentIn | None = None
+    content: ResultContent | None = None
     is_error: bool | None = Field(None, description="not recorded: the content says what failed")
 
 
@@ -160,7 +186,7 @@ class ThinkingBlock(BaseModel):
     type: Literal["thinking", "redacted_thinking"]
 
 
-UserBlock = Annotated[TextBlock | ToolResultBlock, Field(discriminator="type")]
+UserBlock = Annotated[TextBlock | ImageBlock | ToolResultBlock, Field(discriminator="type")]
 AssistantBlock = Annotated[TextBlock | ToolUseBlock | ThinkingBlock, Field(discriminator="type")]
 UserContent = Annotated[
     Annotated[str, Tag("string")] | Annotated[list[UserBlock], Tag("blocks")], _ByForm
@@ -170,7 +196,7 @@ AssistantContent = Annotated[
 ]
 
 
-class UserTurn(_TextOnly):
+class UserTurn(_Seeing):
     role: Literal["user"]
     content: UserContent
 

@@ -3,7 +3,9 @@
 Parameters the gateway does not implement are refused (400) when set to a value that would
 change the result, and ignored when they are at their defaults, so unmodified agents work.
 Tools keep the exact JSON the client sent (``ChatTool.raw``): it is what the chat template
-renders and what the log records.
+renders and what the log records. A user's or a tool's message may hold ``image_url`` parts
+(``ImagePart``; checked at the edge by ``gateway.serving.image_input``); the system's and the
+assistant's hold text.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pydantic import (
     model_validator,
 )
 
+from gateway.protocol.images import ImageInput, ImagePart
 from gateway.protocol.wire import (
     JSON_VALUE_SCHEMA,
     Int64,
@@ -42,14 +45,18 @@ __all__ = [
     "Choice",
     "ChoiceLogprobs",
     "ChunkChoice",
+    "Content",
     "Delta",
     "DeltaToolCall",
+    "ImagePart",
     "NamedToolChoice",
+    "SeeingContent",
     "TextPart",
     "TokenLogprob",
     "ToolCallFunction",
     "ToolCallOut",
     "TopLogprobOut",
+    "content_items",
     "message_text",
 ]
 
@@ -133,26 +140,27 @@ class TextPart(BaseModel):
 
 
 Content = str | list[TextPart] | None
+# A user's or a tool's message may show images (a computer-use agent's tool returns a
+# screenshot); the system's and the assistant's hold text.
+SeeingContent = str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]]
 
 
 class _Message(BaseModel):
     # extra fields are recorded with the message
     model_config = ConfigDict(extra="allow", json_schema_extra=free_form_extras)
 
-    content: Content
+    content: Any  # each role's own (declared here: the field comes first, as it always has)
     name: str | None = None
 
 
-class _Said(_Message):
+class SystemMessage(_Message):
+    role: Literal["system", "developer"]
     content: str | list[TextPart]  # required, and not null: only the assistant may omit it
 
 
-class SystemMessage(_Said):
-    role: Literal["system", "developer"]
-
-
-class UserMessage(_Said):
+class UserMessage(_Message):
     role: Literal["user"]
+    content: SeeingContent
 
 
 class AssistantTurn(_Message):
@@ -163,8 +171,9 @@ class AssistantTurn(_Message):
     tool_calls: list[ToolCall] | None = None
 
 
-class ToolMessage(_Said):
+class ToolMessage(_Message):
     role: Literal["tool"]
+    content: SeeingContent
     tool_call_id: str = Field(description="the id of the tool call this result answers")
 
 
@@ -182,6 +191,13 @@ def message_text(content: Content) -> str | None:
     if content is None or isinstance(content, str):
         return content
     return "".join(part.text for part in content)
+
+
+def content_items(content: Content | SeeingContent) -> list[str | ImageInput] | str | None:
+    """A message's content as texts and image parts, in order (a string or None as it is)."""
+    if content is None or isinstance(content, str):
+        return content
+    return [part.text if isinstance(part, TextPart) else part for part in content]
 
 
 class FunctionDefinition(BaseModel):

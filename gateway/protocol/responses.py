@@ -8,8 +8,9 @@ What Codex CLI and the OpenAI Agents SDK send is accepted or refused by rule:
   (Codex's multi-agent tools), flattened to ``<namespace>__<name>`` (``responses_tools``).
   Every other tool type (``web_search``, ``custom``, ...) is accepted and NOT offered: the turn
   records it in ``unoffered_tools``.
-- Input items: messages (``type`` "message" or omitted; text content only: ``input_text``,
-  ``output_text`` and ``encrypted_content`` parts, the last as its string), ``function_call``
+- Input items: messages (``type`` "message" or omitted; ``input_text``, ``output_text`` and
+  ``encrypted_content`` parts, the last as its string, and ``input_image`` parts, not in the
+  assistant's), ``function_call``
   (with its ``namespace``, if any), ``function_call_output``, ``agent_message`` (Codex
   multi_agent_v2's messages between agents: rendered as a user message) and ``reasoning``
   (dropped: the gateway never produces reasoning, so a reasoning item can only be another

@@ -2,8 +2,11 @@
 built from (``gateway.serving.responses_input`` turns them into chat messages).
 
 Messages hold text: ``input_text``, ``output_text`` (the model's own reply echoed back) and
-``encrypted_content`` parts (Codex's, taken as the string they carry). Items the gateway
-cannot put in a prompt are refused by ``_known_item`` with a message saying what to send.
+``encrypted_content`` parts (Codex's, taken as the string they carry), and images
+(``input_image``, in a user's, system's or developer's message and in a
+``function_call_output``'s output: a data URL, or an http(s) URL of a host the gateway lists; a
+``file_id`` is refused, the gateway has no file uploads). Items the gateway cannot put in a
+prompt are refused by ``_known_item`` with a message saying what to send.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pydantic import (
     Tag,
 )
 
+from gateway.protocol.images import ImageInput, InputImagePart, refused_file_id
 from gateway.protocol.responses_tools import NamespaceName, flat_name
 from gateway.protocol.wire import free_form_extras
 
@@ -28,35 +32,43 @@ __all__ = [
     "EncryptedPart",
     "FunctionCallItem",
     "FunctionCallOutputItem",
+    "InputImagePart",
     "InputItem",
     "InputTextPart",
     "MessageItem",
     "ReasoningItem",
     "ToolOutputPart",
+    "content_items",
     "item_text",
     "text_or_list",
 ]
 
 # Tuples, as the others: a part's "type" may be any JSON value, and a dict is no set member
 # (schemathesis sent one: a TypeError, a 500, where a 400 belongs).
-_BINARY_PARTS = ("input_image", "input_file", "input_audio")
+_BINARY_PARTS = ("input_file", "input_audio")
 
 
-def _text_part(value: Any) -> Any:
+def _text_part(value: Any, images: bool = False) -> Any:
     """Names what is wrong with a content part before the union's generic message would."""
     if isinstance(value, dict):
         kind = value.get("type")
-        if kind in _BINARY_PARTS:
+        if kind in _BINARY_PARTS or (kind == "input_image" and not images):
+            where = "an agent_message" if kind == "input_image" else "this gateway"
             raise ValueError(
-                f"content part type {kind!r} is not supported: this gateway serves a text "
-                "model; send the content as input_text"
+                f"content part type {kind!r} is not supported in {where}: send the content as "
+                "input_text"
             )
-        if kind not in _TEXT_PARTS:
+        if kind not in _TEXT_PARTS and not (images and kind == "input_image"):
             raise ValueError(
                 f"content part type {str(kind)[:64]!r} is not supported: send input_text parts "
-                "(output_text for the model's own replies, encrypted_content as Codex does)"
+                "(output_text for the model's own replies, encrypted_content as Codex does, "
+                "input_image for images)"
             )
     return value
+
+
+def _seeing_part(value: Any) -> Any:
+    return _text_part(value, images=True)
 
 
 class InputTextPart(BaseModel):
@@ -91,13 +103,24 @@ _TEXT_PARTS = ("input_text", "output_text", "encrypted_content")
 
 def _part_kind(value: Any) -> str:
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-    return "encrypted" if kind == "encrypted_content" else "text"
+    return (
+        "encrypted" if kind == "encrypted_content" else "image" if kind == "input_image" else "text"
+    )
 
 
 TextPart = Annotated[
     Annotated[InputTextPart, Tag("text")] | Annotated[EncryptedPart, Tag("encrypted")],
     Discriminator(_part_kind),
     BeforeValidator(_text_part),
+]
+# A message's part: text, or an image.
+MessagePart = Annotated[
+    Annotated[InputTextPart, Tag("text")]
+    | Annotated[EncryptedPart, Tag("encrypted")]
+    | Annotated[InputImagePart, Tag("image")],
+    Discriminator(_part_kind),
+    BeforeValidator(refused_file_id),
+    BeforeValidator(_seeing_part),
 ]
 
 
@@ -120,7 +143,16 @@ def text_or_list(items: Any, what: str, text: Any = str) -> Any:
     ]
 
 
-TextContent = text_or_list(list[TextPart], "input_text parts")
+TextContent = text_or_list(list[MessagePart], "input_text or input_image parts")
+
+
+def content_items(
+    content: str | Sequence[InputTextPart | EncryptedPart | InputImagePart | ToolOutputPart],
+) -> str | list[str | ImageInput]:
+    """A content's texts and image parts, in order (a string as it is)."""
+    if isinstance(content, str):
+        return content
+    return [p if isinstance(p, InputImagePart) else p.text for p in content]
 
 
 def item_text(content: str | Sequence[InputTextPart | EncryptedPart | ToolOutputPart]) -> str:
@@ -186,11 +218,11 @@ class AgentMessageItem(BaseModel):
 
 
 def _output_part(value: Any) -> Any:
-    if isinstance(value, dict) and value.get("type") != "input_text":
+    if isinstance(value, dict) and value.get("type") not in ("input_text", "input_image"):
         kind = str(value.get("type"))[:64]
         raise ValueError(
             f"function_call_output part type {kind!r} is not supported: send the tool's output "
-            "as a string or input_text parts"
+            "as a string, or input_text and input_image parts"
         )
     return value
 
@@ -202,13 +234,26 @@ class ToolOutputPart(BaseModel):
     text: str
 
 
+def _output_kind(value: Any) -> str:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return "image" if kind == "input_image" else "text"
+
+
+OutputPart = Annotated[
+    Annotated[ToolOutputPart, Tag("text")] | Annotated[InputImagePart, Tag("image")],
+    Discriminator(_output_kind),
+    BeforeValidator(refused_file_id),
+    BeforeValidator(_output_part),
+]
+
+
 class FunctionCallOutputItem(BaseModel):
     model_config = ConfigDict(extra="allow", json_schema_extra=free_form_extras)
 
     type: Literal["function_call_output"]
     call_id: str = Field(min_length=1, max_length=256)
     output: text_or_list(  # type: ignore[valid-type]
-        list[Annotated[ToolOutputPart, BeforeValidator(_output_part)]], "input_text parts"
+        list[OutputPart], "input_text or input_image parts"
     )
 
 

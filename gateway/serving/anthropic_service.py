@@ -1,17 +1,7 @@
 """Anthropic Messages over the turn core: the request as a ``TurnRequest``, the result as a
 ``message`` or as Anthropic's stream events.
 
-The canonical conversation is the same whichever way a client serializes its history:
-
-- ``system`` (a string or text blocks) is one leading system message; a ``role: "system"``
-  message inside ``messages`` stays where it is. Text blocks are joined with "" (a string and
-  its blocks give the same message); ``cache_control`` and other block decorations are dropped.
-- A user message's ``tool_result`` blocks become tool messages (``tool_call_id`` = its
-  ``tool_use_id``, ``content`` its text; ``is_error`` is not recorded), first, as Anthropic
-  requires them first; its text blocks follow as one user message.
-- An assistant message's text is its content, its ``tool_use`` blocks its tool calls
-  (``arguments`` = the input as compact JSON, as the tool parsers write it), its thinking blocks
-  are dropped: the reply the gateway sent comes back as the message the turn recorded.
+The request's side (the canonical conversation, its images): ``anthropic_input``.
 
 A reply's ``stop_reason``: ``tool_use`` with tool calls, ``max_tokens`` at the cap (or
 ``model_context_window_exceeded`` when the reply filled the model's context), else
@@ -27,25 +17,11 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 from gateway.core.agents import AgentIdentity
-from gateway.core.conversation import TurnRequest, arguments_object
+from gateway.core.conversation import TurnRequest, arguments_object, text_chars
 from gateway.core.session_store import Session
 from gateway.decoding import Detokenizer
 from gateway.errors import anthropic_error_body
-from gateway.protocol.anthropic import (
-    CountTokensRequest,
-    CustomTool,
-    MessagesRequest,
-    SystemTurn,
-    TextBlock,
-    ToolChoiceAny,
-    ToolChoiceAuto,
-    ToolChoiceNone,
-    ToolChoiceTool,
-    ToolResultBlock,
-    ToolUseBlock,
-    UserTurn,
-    block_text,
-)
+from gateway.protocol.anthropic import CountTokensRequest, MessagesRequest
 from gateway.protocol.anthropic_reply import (
     ContentBlockDeltaEvent,
     ContentBlockStartEvent,
@@ -65,7 +41,15 @@ from gateway.protocol.anthropic_reply import (
     ToolUseContent,
 )
 from gateway.protocol.sse import TextEvents, sse_event
+from gateway.serving.anthropic_input import (
+    anthropic_images,
+    canonical_messages,
+    canonical_tools,
+    messages_turn_request,
+    tool_choice,
+)
 from gateway.serving.engine import TurnEngine
+from gateway.serving.image_input import ImageEdge
 from gateway.serving.model_names import answered_as
 from gateway.serving.turn_data import TurnResult
 from gateway.serving.turn_service import TurnServing, TurnStream
@@ -81,144 +65,6 @@ __all__ = [
 JSON = dict[str, Any]
 # Rendering a prompt this large (count_tokens) runs on a worker thread, as the turn core does.
 _OFF_LOOP_CHARS = 64 * 1024
-
-
-def canonical_messages(req: MessagesRequest | CountTokensRequest) -> list[JSON]:
-    """The request's conversation as the turn core's messages."""
-    messages: list[JSON] = []
-    system = block_text(_prompt_blocks(req.system))
-    if system:
-        messages.append({"role": "system", "content": system})
-    for message in req.messages:
-        if isinstance(message, SystemTurn):
-            messages.append({"role": "system", "content": block_text(message.content)})
-        elif isinstance(message, UserTurn):
-            messages += _user_messages(message.content)
-        else:
-            messages.append(_assistant_message(message.content))
-    return messages
-
-
-_BILLING_HEADER = "x-anthropic-billing-header:"
-
-
-def _prompt_blocks(system: str | list[TextBlock] | None) -> str | list[TextBlock] | None:
-    """``system`` without Claude Code's billing block (``billing_header``): a header carried in
-    the body, not text for the model. It differs between one session's agents (a sub-agent's
-    adds ``cc_is_subagent=true;``) and between builds of the CLI (its version suffix), so
-    rendering it would make a fork's prompt share nothing with its parent's spawning turn, and
-    a prompt depend on which build sent it. Recorded with the turn instead."""
-    if not isinstance(system, list) or not any(b.text.startswith(_BILLING_HEADER) for b in system):
-        return system
-    return [b for b in system if not b.text.startswith(_BILLING_HEADER)]
-
-
-def billing_header(system: str | list[TextBlock] | None) -> str | None:
-    """The text of Claude Code's billing block in ``system`` (``x-anthropic-billing-header:
-    cc_version=...; cc_entrypoint=...;``), where there is one."""
-    if not isinstance(system, list):
-        return None
-    return next((b.text for b in system if b.text.startswith(_BILLING_HEADER)), None)
-
-
-def _user_messages(content: str | Sequence[TextBlock | ToolResultBlock]) -> list[JSON]:
-    if isinstance(content, str):
-        return [{"role": "user", "content": content}]
-    out: list[JSON] = [
-        {"role": "tool", "tool_call_id": b.tool_use_id, "content": block_text(b.content)}
-        for b in content
-        if isinstance(b, ToolResultBlock)
-    ]
-    texts = [b.text for b in content if isinstance(b, TextBlock)]
-    if texts or not out:
-        out.append({"role": "user", "content": "".join(texts)})
-    return out
-
-
-def _assistant_message(content: str | Sequence[object]) -> JSON:
-    if isinstance(content, str):
-        return {"role": "assistant", "content": content}
-    texts = [b.text for b in content if isinstance(b, TextBlock)]
-    calls = [
-        {
-            "id": b.id,
-            "type": "function",
-            # The tool parsers' serialization: the arguments the gateway sent, back as sent.
-            "function": {
-                "name": b.name,
-                "arguments": json.dumps(b.input, ensure_ascii=False, separators=(",", ":")),
-            },
-        }
-        for b in content
-        if isinstance(b, ToolUseBlock)
-    ]
-    message: JSON = {"role": "assistant", "content": "".join(texts) if texts or not calls else None}
-    if calls:
-        message["tool_calls"] = calls
-    return message
-
-
-def canonical_tools(req: MessagesRequest | CountTokensRequest) -> list[JSON] | None:
-    """The custom tools as function tools (what the model is offered); server tools are not."""
-    tools = [_function_tool(t) for t in req.custom_tools]
-    return tools or None
-
-
-def _function_tool(tool: CustomTool) -> JSON:
-    function: JSON = {"name": tool.name}
-    if tool.description is not None:
-        function["description"] = tool.description
-    function["parameters"] = tool.input_schema
-    return {"type": "function", "function": function}
-
-
-def _tool_choice(req: MessagesRequest | CountTokensRequest) -> tuple[str | JSON | None, bool]:
-    """The canonical tool_choice and whether parallel tool calls are allowed."""
-    choice = req.tool_choice
-    if choice is None:
-        return None, True
-    if isinstance(choice, ToolChoiceNone):
-        return "none", True
-    parallel = not choice.disable_parallel_tool_use
-    if isinstance(choice, ToolChoiceAuto):
-        return "auto", parallel
-    if isinstance(choice, ToolChoiceAny):
-        return "required", parallel
-    assert isinstance(choice, ToolChoiceTool)
-    return {"type": "function", "function": {"name": choice.name}}, parallel
-
-
-def messages_turn_request(req: MessagesRequest, agent: AgentIdentity | None = None) -> TurnRequest:
-    """A Messages request as the canonical turn request (``agent``: who asks, from its
-    headers). ``extras`` records what the turn cannot honour but a client's retry resends
-    unchanged (never ``stream``)."""
-    choice, parallel = _tool_choice(req)
-    extras: JSON = {}
-    for name in ("metadata", "thinking", "context_management"):
-        value = getattr(req, name)
-        if value is not None:
-            extras[name] = value
-    if req.output_config is not None:
-        extras["output_config"] = req.output_config.model_dump(exclude_none=True)
-    if req.server_tools:
-        extras["unoffered_tools"] = [t.raw for t in req.server_tools]
-    billing = billing_header(req.system)
-    if billing is not None:
-        extras["billing_header"] = billing
-    return TurnRequest(
-        api="messages",
-        messages=canonical_messages(req),
-        model=req.model,
-        tools=canonical_tools(req),
-        tool_choice=choice,
-        parallel_tool_calls=parallel,
-        max_tokens=req.max_tokens,
-        temperature=req.temperature,
-        top_p=req.top_p,
-        stop=list(req.stop_sequences or ()),
-        extras=extras,
-        agent=agent,
-    )
 
 
 def tool_input(arguments: object) -> JSON:
@@ -278,14 +124,20 @@ def message_id(session: Session, reply: str) -> str:
 class AnthropicServing:
     """Anthropic Messages over the turn core."""
 
-    def __init__(self, turns: TurnServing) -> None:
+    def __init__(self, turns: TurnServing, images: ImageEdge | None = None) -> None:
         self.turns = turns
         self.engine = turns.engine
+        self.images = images or ImageEdge()
+
+    async def _images(self, req: MessagesRequest | CountTokensRequest) -> dict[str, bytes]:
+        """The request's images checked (a 400 naming a bad one), their bytes by digest."""
+        found = anthropic_images(req)
+        return await self.images.check(found, where="messages")
 
     async def complete(
         self, session: Session, req: MessagesRequest, agent: AgentIdentity | None = None
     ) -> Message:
-        request = messages_turn_request(req, agent)
+        request = messages_turn_request(req, agent, await self._images(req))
         result = await self.turns.complete(session, request)
         sequence = stop_sequence(self.engine, result, request.stop)
         prompt, completion = result.usage
@@ -301,7 +153,7 @@ class AnthropicServing:
     async def stream(
         self, session: Session, req: MessagesRequest, agent: AgentIdentity | None = None
     ) -> TurnStream:
-        request = messages_turn_request(req, agent)
+        request = messages_turn_request(req, agent, await self._images(req))
         return await self.turns.stream(
             session,
             request,
@@ -313,11 +165,13 @@ class AnthropicServing:
     async def count_tokens(self, req: CountTokensRequest) -> TokenCountResult:
         """The prompt's length as rendered from scratch (a turn that continues the session's
         previous one may differ by the template's rendering of that turn's reply)."""
-        choice, _ = _tool_choice(req)
+        # Checked (their sizes decide their placeholders), and taken by the model.
+        self.engine.takes(await self._images(req))
+        choice, _ = tool_choice(req)
         messages = canonical_messages(req)
         tools = canonical_tools(req) if choice != "none" else None
         render = self.engine.template.prompt_ids
-        if sum(len(m.get("content") or "") for m in messages) > _OFF_LOOP_CHARS:
+        if sum(text_chars(m) for m in messages) > _OFF_LOOP_CHARS:
             ids = await asyncio.to_thread(render, messages, tools)
         else:
             ids = render(messages, tools)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from gateway.core.agents import AgentIdentity
@@ -18,23 +19,27 @@ from gateway.protocol.chat import (
     Choice,
     ChoiceLogprobs,
     ChunkChoice,
+    Content,
     Delta,
     DeltaToolCall,
+    ImagePart,
     NamedToolChoice,
+    SeeingContent,
     TokenLogprob,
     ToolCallFunction,
     ToolCallOut,
     TopLogprobOut,
-    message_text,
+    content_items,
 )
 from gateway.protocol.sse import DONE, TextEvents, sse, sse_error
 from gateway.protocol.wire import Usage
 from gateway.serving.engine import TurnEngine
+from gateway.serving.image_input import FoundImage, ImageEdge, content_parts
 from gateway.serving.model_names import answered_as
 from gateway.serving.turn_data import TurnResult
 from gateway.serving.turn_service import TurnServing, TurnStream
 
-__all__ = ["ChatServing", "chat_turn_request", "token_logprobs", "usage"]
+__all__ = ["ChatServing", "chat_images", "chat_turn_request", "token_logprobs", "usage"]
 
 JSON = dict[str, Any]
 
@@ -46,16 +51,30 @@ def usage(result: TurnResult) -> Usage:
     )
 
 
+def chat_images(req: ChatCompletionRequest) -> Iterator[FoundImage]:
+    """The request's image parts (user and tool messages' ``image_url``), where each is."""
+    for i, message in enumerate(req.messages):
+        if isinstance(message.content, list):
+            for j, part in enumerate(message.content):
+                if isinstance(part, ImagePart):
+                    yield f"messages[{i}].content[{j}].image_url", part
+
+
 def chat_turn_request(
-    req: ChatCompletionRequest, agent: AgentIdentity | None = None
+    req: ChatCompletionRequest,
+    agent: AgentIdentity | None = None,
+    images: Mapping[str, bytes] | None = None,
 ) -> TurnRequest:
-    """A chat request as the canonical turn request (``agent``: who asks, from its headers)."""
+    """A chat request as the canonical turn request (``agent``: who asks, from its headers;
+    ``images``: its images' bytes by digest, ``check_images`` of ``chat_images``, which keeps
+    each part's checked image for this translation). A message's text parts are joined where
+    it shows no image; one that does keeps its parts, in order (``content_parts``)."""
     choice = req.tool_choice
     return TurnRequest(
         api="chat.completions",
         model=req.model,
         messages=[
-            {**m.model_dump(exclude_none=True), "content": message_text(m.content)}
+            {**m.model_dump(exclude_none=True), "content": _content(m.content)}
             for m in req.messages
         ],
         tools=req.raw_tools,
@@ -69,20 +88,35 @@ def chat_turn_request(
         logprobs=req.logprobs,
         top_logprobs=req.top_logprobs or 0,
         agent=agent,
+        images=images or {},
     )
+
+
+def _content(content: Content | SeeingContent) -> str | list[JSON] | None:
+    items = content_items(content)
+    return items if items is None or isinstance(items, str) else content_parts(items)
 
 
 class ChatServing:
     """Chat Completions over the turn core."""
 
-    def __init__(self, turns: TurnServing) -> None:
+    def __init__(self, turns: TurnServing, images: ImageEdge | None = None) -> None:
         self.turns = turns
         self.engine = turns.engine
+        self.images = images or ImageEdge()
+
+    async def turn_request(
+        self, req: ChatCompletionRequest, agent: AgentIdentity | None = None
+    ) -> TurnRequest:
+        """The request as a turn, its images checked (a 400 naming a bad one)."""
+        found = chat_images(req)
+        images = await self.images.check(found, where="messages")
+        return chat_turn_request(req, agent, images)
 
     async def complete(
         self, session: Session, req: ChatCompletionRequest, agent: AgentIdentity | None = None
     ) -> ChatCompletion:
-        request = chat_turn_request(req, agent)
+        request = await self.turn_request(req, agent)
         result = await self.turns.complete(session, request)
         message = AssistantMessage.build(
             content=result.content, tool_calls=_tool_calls(result) or None
@@ -105,7 +139,7 @@ class ChatServing:
     async def stream(
         self, session: Session, req: ChatCompletionRequest, agent: AgentIdentity | None = None
     ) -> TurnStream:
-        request = chat_turn_request(req, agent)
+        request = await self.turn_request(req, agent)
         return await self.turns.stream(
             session,
             request,

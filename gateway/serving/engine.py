@@ -175,6 +175,16 @@ class TurnEngine:
                 f"model's context length of {self.backend.max_context} tokens",
                 param="messages",
             )
+        self.takes(images)
+        state = session.state  # immutable: the snapshot this turn is prepared from
+        if chars > _OFF_LOOP_CHARS or len(messages) > _OFF_LOOP_MESSAGES:
+            return await asyncio.to_thread(
+                self._chat_prompt, session, state, messages, tools, keys, agent, images
+            )
+        return self._chat_prompt(session, state, messages, tools, keys, agent, images)
+
+    def takes(self, images: Mapping[str, bytes]) -> None:
+        """A 400 where a request shows images to a model that takes none."""
         if images and self.template.vision is None:
             raise InvalidRequest(
                 f"model {self.model_name!r} takes no images (its directory has no image "
@@ -182,12 +192,6 @@ class TurnEngine:
                 "vision-language model",
                 param="messages",
             )
-        state = session.state  # immutable: the snapshot this turn is prepared from
-        if chars > _OFF_LOOP_CHARS or len(messages) > _OFF_LOOP_MESSAGES:
-            return await asyncio.to_thread(
-                self._chat_prompt, session, state, messages, tools, keys, agent, images
-            )
-        return self._chat_prompt(session, state, messages, tools, keys, agent, images)
 
     def _chat_prompt(
         self,

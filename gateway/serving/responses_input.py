@@ -2,11 +2,13 @@
 ``TurnRequest``, response ids, and the conversation ``previous_response_id`` continues
 (``responses_service`` answers the turn).
 
-Input items become chat messages: a message item is a message (its text parts joined), the
+Input items become chat messages: a message item is a message (its text parts joined; one
+with an ``input_image`` keeps its parts in order, ``image_input.content_parts``), the
 ``function_call`` items that follow an assistant message item (or each other) join it as ONE
 assistant message with tool calls, a ``function_call_output`` is a tool message, an
-``agent_message`` a user message, ``reasoning`` items are dropped. A namespace's function is
-called by its flattened name (``<namespace>__<name>``), as it was offered to the model,
+``agent_message`` a user message, ``reasoning`` items are dropped. An output's images (a
+computer-use tool's screenshot) are its tool message's, as a message's are. A namespace's
+function is called by its flattened name (``<namespace>__<name>``), as it was offered to the model,
 whether or not this request offers the namespace (a Codex sub-agent's copy of its parent's
 history holds the parent's calls, not its tools). So the output items of a response, echoed
 back verbatim or re-serialized, are exactly the reply the turn recorded, and the next turn
@@ -22,13 +24,15 @@ the new input), token for token. It is served from the session's state, which ke
 most recently used turns (``--session-turns-kept``): any kept response can be continued, the
 latest or an earlier one (a branch). A response no longer kept is refused with a 400 naming
 it: the log holds it, but the turn core offers no read of a session's events to the adapters,
-so the client resends the full conversation as input.
+so the client resends the full conversation as input. The images of that conversation are
+not resent either: their bytes come from the gateway's memory of recent images
+(``image_input.KeptImages``), and one it forgot is a 400 of the same kind.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from gateway.core.aggregate import SessionState
@@ -46,12 +50,15 @@ from gateway.protocol.responses import (
     ResponsesRequest,
     item_text,
 )
+from gateway.protocol.responses_items import InputImagePart, content_items
+from gateway.serving.image_input import FoundImage, content_parts
 
 __all__ = [
     "input_messages",
     "parse_response_id",
     "previous_conversation",
     "response_id",
+    "responses_images",
     "responses_turn_request",
 ]
 
@@ -110,13 +117,21 @@ def input_messages(items: str | Sequence[object]) -> list[JSON]:
             messages.append(assistant)
             assistant = None
 
-    for item in items:
+    for i, item in enumerate(items):
         if isinstance(item, MessageItem):
-            text = item_text(item.content)
+            said = content_items(item.content)
             if item.role != "assistant":
                 flush()
-                messages.append({"role": item.role, "content": text})
-            elif assistant is not None and not assistant.get("tool_calls"):
+                messages.append({"role": item.role, "content": _content(said)})
+                continue
+            if not isinstance(said, str) and not all(isinstance(p, str) for p in said):
+                raise InvalidRequest(
+                    f"input[{i}] is an assistant message with an input_image: the model's own "
+                    "messages hold text; send the image in a user message",
+                    param=f"input[{i}].content",
+                )
+            text = item_text(item.content)
+            if assistant is not None and not assistant.get("tool_calls"):
                 assistant["content"] = (assistant["content"] or "") + text
             else:
                 flush()
@@ -136,12 +151,34 @@ def input_messages(items: str | Sequence[object]) -> list[JSON]:
             messages.append({"role": "user", "content": item_text(item.content)})
         elif isinstance(item, FunctionCallOutputItem):
             flush()
-            messages.append(
-                {"role": "tool", "tool_call_id": item.call_id, "content": item_text(item.output)}
-            )
+            content = _content(content_items(item.output))
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": content})
         # reasoning items: dropped, and they do not split an assistant message
     flush()
     return messages
+
+
+def _content(said: str | Sequence[str | Any]) -> str | list[JSON]:
+    return said if isinstance(said, str) else content_parts(said)
+
+
+def responses_images(req: ResponsesRequest) -> Iterator[FoundImage]:
+    """The request's ``input_image`` parts (a message's, a function call output's), where each
+    is."""
+    items: str | Sequence[object] = req.input
+    if isinstance(items, str):
+        return
+    for i, item in enumerate(items):
+        parts: str | Sequence[object] = ""
+        if isinstance(item, MessageItem):
+            parts, field = item.content, "content"
+        elif isinstance(item, FunctionCallOutputItem):
+            parts, field = item.output, "output"
+        if isinstance(parts, str):
+            continue
+        for j, part in enumerate(parts):
+            if isinstance(part, InputImagePart):
+                yield f"input[{i}].{field}[{j}].image_url", part
 
 
 def _with_instructions(base: Sequence[JSON], instructions: str | None) -> list[JSON]:
@@ -155,9 +192,15 @@ def _with_instructions(base: Sequence[JSON], instructions: str | None) -> list[J
     return [system, *base]
 
 
-def responses_turn_request(req: ResponsesRequest, previous: Sequence[JSON] = ()) -> TurnRequest:
+def responses_turn_request(
+    req: ResponsesRequest,
+    previous: Sequence[JSON] = (),
+    images: Mapping[str, bytes] | None = None,
+) -> TurnRequest:
     """A Responses request as the canonical turn request; ``previous`` is the conversation
-    ``previous_response_id`` continues (its messages and its reply)."""
+    ``previous_response_id`` continues (its messages and its reply); ``images``: the bytes of
+    the images of both, by digest (``check_images`` of ``responses_images``, and the kept
+    bytes of the previous conversation's)."""
     messages = [*_with_instructions(previous, req.instructions), *input_messages(req.input)]
     if not messages:
         raise InvalidRequest("input holds no message: send at least one", param="input")
@@ -209,6 +252,7 @@ def responses_turn_request(req: ResponsesRequest, previous: Sequence[JSON] = ())
         logprobs=req.logprobs,
         top_logprobs=(req.top_logprobs or 0) if req.logprobs else 0,
         extras=extras,
+        images=images or {},
     )
 
 

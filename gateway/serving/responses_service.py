@@ -44,10 +44,12 @@ from gateway.protocol.responses_reply import (
 from gateway.protocol.sse import sse_event
 from gateway.serving.chat_service import token_logprobs
 from gateway.serving.engine import TurnEngine
+from gateway.serving.image_input import ImageEdge
 from gateway.serving.model_names import answered_as
 from gateway.serving.responses_input import (
     previous_conversation,
     response_id,
+    responses_images,
     responses_turn_request,
 )
 from gateway.serving.turn_data import TurnResult
@@ -146,20 +148,33 @@ class _Frame:
 class ResponsesServing:
     """OpenAI Responses over the turn core."""
 
-    def __init__(self, turns: TurnServing) -> None:
+    def __init__(self, turns: TurnServing, images: ImageEdge | None = None) -> None:
         self.turns = turns
         self.engine = turns.engine
+        self.images = images or ImageEdge()
 
-    def turn_request(
+    async def turn_request(
         self, session: Session, req: ResponsesRequest, agent: AgentIdentity | None = None
     ) -> TurnRequest:
-        request = responses_turn_request(req, previous_conversation(session.state, req))
+        """The request as a turn: its images checked (a 400 naming a bad one), those of the
+        conversation ``previous_response_id`` continues from the kept ones."""
+        found = responses_images(req)
+        images = await self.images.check(found, where="input")
+        previous = previous_conversation(session.state, req)
+        if previous:
+            images |= self.images.kept.bytes_of(
+                previous,
+                images,
+                named=f"previous_response_id {req.previous_response_id!r}",
+                param="previous_response_id",
+            )
+        request = responses_turn_request(req, previous, images)
         return request if agent is None else replace(request, agent=agent)
 
     async def complete(
         self, session: Session, req: ResponsesRequest, agent: AgentIdentity | None = None
     ) -> ResponseObject:
-        request = self.turn_request(session, req, agent)
+        request = await self.turn_request(session, req, agent)
         result = await self.turns.complete(session, request)
         sid, status = session.state.id, _status(result)
         output: list[OutputMessage | OutputFunctionCall] = []
@@ -180,7 +195,7 @@ class ResponsesServing:
     async def stream(
         self, session: Session, req: ResponsesRequest, agent: AgentIdentity | None = None
     ) -> TurnStream:
-        request = self.turn_request(session, req, agent)
+        request = await self.turn_request(session, req, agent)
         frame, sid = _Frame(self.engine, req), session.state.id
         return await self.turns.stream(
             session,

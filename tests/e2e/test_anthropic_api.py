@@ -222,10 +222,17 @@ def test_errors_are_anthropic_bodies_and_the_sdks_typed_errors(gateway: GatewayP
     image = [
         {"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "x"}}]}
     ]
-    with pytest.raises(anthropic.BadRequestError, match="not supported by this gateway") as bad:
+    with pytest.raises(anthropic.BadRequestError, match="not an image URL the gateway") as bad:
         client.messages.create(**{**ok, "messages": image})
     assert bad.value.status_code == 400
     assert error_of(bad.value) == "invalid_request_error"
+    png = (  # one red pixel
+        "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSuQmCC"
+    )
+    source = {"type": "base64", "media_type": "image/png", "data": png}
+    shown = [{"role": "user", "content": [{"type": "image", "source": source}]}]
+    with pytest.raises(anthropic.BadRequestError, match="takes no images"):  # a text model
+        client.messages.create(**{**ok, "messages": shown})
     with pytest.raises(anthropic.BadRequestError, match="top_k"):
         client.messages.create(**ok, extra_body={"top_k": 5})
     with pytest.raises(anthropic.BadRequestError, match="server_tool_use"):

@@ -110,6 +110,31 @@ def tracebacks(gateway: GatewayProcess) -> str:
     return "the gateway's tracebacks:\n" + ("\n---\n".join(found[-3:]) or "none")
 
 
+# The image parts of the three APIs: that a string holds a PNG is no rule a JSON schema states,
+# and the contract's model reads text (tests/e2e/test_images_api.py sends images, good and bad).
+IMAGE_PARTS = ("image_url", "image", "input_image")
+
+
+def without_images(value: Any) -> None:
+    """Drops every image part from a generated body, wherever it is nested."""
+    if isinstance(value, dict):
+        for item in value.values():
+            without_images(item)
+    elif isinstance(value, list):
+        value[:] = [
+            item
+            for item in value
+            if not (isinstance(item, dict) and item.get("type") in IMAGE_PARTS)
+        ]
+        for item in value:
+            without_images(item)
+
+
+def listed(value: Any) -> list[Any]:
+    """A generated field that should be a list, or [] (an invalid case may hold anything)."""
+    return value if isinstance(value, list) else []
+
+
 def cap_generation(case: Any) -> None:
     """Keep generated turns short, and make generated chat bodies follow the rules between
     fields that a JSON schema cannot state (each documented on its field and tested in
@@ -118,10 +143,11 @@ def cap_generation(case: Any) -> None:
     if not isinstance(case.body, dict):
         return
     body = case.body
+    without_images(body)
     if case.path.endswith("chat/completions"):
         names = [
             t["function"].get("name")
-            for t in body.get("tools") or []
+            for t in listed(body.get("tools"))
             if isinstance(t, dict) and isinstance(t.get("function"), dict)
         ]
         choice = body.get("tool_choice")
@@ -136,7 +162,7 @@ def cap_generation(case: Any) -> None:
         if body.get("top_logprobs"):
             body["logprobs"] = True
     elif case.path.endswith("/messages"):  # Anthropic: tool_choice {"type": "tool", "name"}
-        names = [t.get("name") for t in body.get("tools") or [] if isinstance(t, dict)]
+        names = [t.get("name") for t in listed(body.get("tools")) if isinstance(t, dict)]
         choice = body.get("tool_choice")
         if isinstance(choice, dict) and choice.get("type") in ("tool", "any"):
             if names and isinstance(names[0], str):
@@ -150,7 +176,7 @@ def cap_generation(case: Any) -> None:
         # tests/e2e/test_responses_api.py).
         # A namespace's functions are offered as <namespace>__<name>: each such name once,
         # none a function tool's (tests/unit/test_responses_namespaces.py).
-        tools = [t for t in body.get("tools") or [] if isinstance(t, dict)]
+        tools = [t for t in listed(body.get("tools")) if isinstance(t, dict)]
         functions = [t for t in tools if t.get("type") == "function"]
         for tool in functions:
             if isinstance(tool.get("name"), str):

@@ -297,7 +297,7 @@ def test_errors_are_400s_with_openai_bodies_naming_the_field(gateway: GatewayPro
     image = {"type": "input_image", "image_url": "http://x/y.png"}
     cases: list[tuple[dict[str, Any], str, str]] = [
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text", "structured"),
-        ({"input": [{"role": "user", "content": [image]}]}, "input", "input_image"),
+        ({"input": [{"role": "user", "content": [image]}]}, "input", "does not fetch images"),
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input", "item_reference"),
         ({"input": [{"type": "local_shell_call", "id": "x"}]}, "input", "function_call"),
         ({"conversation": "conv_1"}, "", "'conversation' is not supported"),

@@ -284,7 +284,15 @@ def user(*blocks: Any) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("body", "error"),
     [
-        ({"messages": [user({"type": "image", "source": {}})]}, "'image': not supported by"),
+        ({"messages": [user({"type": "image", "source": {}})]}, "image.source"),
+        (
+            {"messages": [user({"type": "image", "source": {"type": "file", "file_id": "f"}})]},
+            "Files API, which this gateway does not have",
+        ),
+        (
+            {"messages": [{"role": "assistant", "content": [{"type": "image", "source": {}}]}]},
+            "images are taken in user messages and tool_result content only",
+        ),
         (
             {
                 "messages": [
@@ -297,7 +305,7 @@ def user(*blocks: Any) -> dict[str, Any]:
                     )
                 ]
             },
-            "'document': not supported by this gateway's text model",
+            "'document': not supported by this gateway; send its content as text",
         ),
         ({"messages": USER, "system": [{"type": "image"}]}, "system block 0 has type 'image'"),
         ({"messages": [user({"type": "server_tool_use"})]}, "'server_tool_use'"),

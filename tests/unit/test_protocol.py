@@ -70,8 +70,11 @@ def test_text_parts_are_joined_and_other_parts_refused() -> None:
     )
     assert message_text(req.messages[0].content) == "ab"
     image = [{"type": "image_url", "image_url": {"url": "x"}}]
+    with pytest.raises(ValidationError, match="content"):  # a system message holds text
+        ChatCompletionRequest.model_validate({"messages": [{"role": "system", "content": image}]})
+    audio = [{"type": "input_audio", "input_audio": {}}]
     with pytest.raises(ValidationError, match="content"):
-        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": image}]})
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": audio}]})
 
 
 def test_completion_prompt_may_be_token_ids_but_not_empty() -> None:
@@ -99,7 +102,7 @@ BAD_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type":
             {"messages": [{"role": "assistant", "tool_calls": [{"function": "x"}]}]},
             "tool_calls.0.function",
         ),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "'text'"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "image_url"),
     ],
     ids=[
         "tool-result-without-call-id",

@@ -319,7 +319,12 @@ def test_tools_and_tool_choice_take_the_chat_shape() -> None:
         ({"input": [{"type": "additional_tools", "tools": []}]}, "input", "`model` in Codex"),
         ({"input": [{"type": 7}]}, "input", "not supported"),
         ({"input": [{"role": "robot", "content": "x"}]}, "input", "role"),
-        ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input", "text"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input", "image_url"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]},
+            "input",
+            "no file uploads",
+        ),
         # A part's type that is an object or a list: a 400, not a TypeError (schemathesis).
         ({"input": [{"role": "user", "content": [{"type": {"a": 1}}]}]}, "input", "not supported"),
         ({"input": [{"role": "user", "content": [{"type": [1]}]}]}, "input", "not supported"),

@@ -282,6 +282,7 @@ async def build_gateway(settings: GatewaySettings, event_log: EventLog) -> Async
             settings.max_json_depth,
             settings.kept_body_bytes,
         ),
+        image_limits=settings.image_limits,
         health=health,
     )
     try:
