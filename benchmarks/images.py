@@ -26,7 +26,8 @@ requests with data URLs, the whole conversation resent each turn, as agents send
   rounds of two requests, paired, the order alternating: the same continued conversation with a
   new user message holding one new ~1 MB image (``with``), and holding the same text only
   (``without``); each a new branch of the same kept turn (a different text each round, so
-  neither is a resend). CPU = the gateway process's (user + system, /proc) over the request;
+  neither is a resend). CPU = the gateway process's threads' on-CPU time over the request
+  (/proc/PID/task/*/schedstat: ns, where /proc/PID/stat counts 10 ms ticks);
   the figures are medians over the rounds. ``image_turn_added_cpu_ms`` = with - without.
 * **Where the time goes**, in this process, on the same ~1 MB image (median of 20): decoding the
   data URL's base64, the checks (Pillow: header, verify, full decode;
@@ -52,7 +53,7 @@ from typing import Any
 
 import httpx
 import numpy as np
-from harness.cpu import cpu_seconds
+from harness.cpu import thread_cpu_ns
 from harness.options import gateway_arguments
 from harness.reporting import banner, finish, gateway_machine_info, say
 from harness.stack import fixed_latency_stack
@@ -98,7 +99,7 @@ def image_message(text: str, *images: bytes) -> JSON:
 async def chat(client: httpx.AsyncClient, session: str, messages: list[JSON]) -> JSON:
     response = await client.post(
         f"/sessions/{session}/v1/chat/completions",
-        json={"model": "tiny-vl", "messages": messages, "max_tokens": 8},
+        json={"messages": messages, "max_tokens": 8},  # no model: the served one
     )
     if response.status_code != 200:
         raise RuntimeError(f"turn refused: {response.status_code} {response.text[:500]}")
@@ -157,9 +158,9 @@ async def cpu_rounds(
         for side, png in sides:
             text = f"round {r} ({side}): and now?"
             message = image_message(text, png) if png is not None else image_message(text)
-            before = cpu_seconds(pid)
+            before = thread_cpu_ns(pid)
             await chat(client, session, [*history, message])
-            spent = 1000 * (cpu_seconds(pid) - before)
+            spent = (thread_cpu_ns(pid) - before) / 1e6
             (with_ms if side == "with" else without_ms).append(spent)
         say(f"  round {r + 1}/{rounds}: with {with_ms[-1]:.1f} ms, without {without_ms[-1]:.1f} ms")
     with_med, without_med = statistics.median(with_ms), statistics.median(without_ms)

@@ -9,6 +9,7 @@ and the gateway serving after them.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 from collections.abc import Callable, Iterator
@@ -21,6 +22,8 @@ import openai
 import pytest
 from PIL import Image, ImageDraw
 
+from consumers.recording import read_recording
+from eventlog import JetStreamImageStore, LogSettings, connect
 from eventlog.server import NatsServer
 from gateway.images.vision import VisionSpec
 from gateway.model.tiny_vl import ensure_tiny_vl_model
@@ -28,6 +31,8 @@ from schemas import TurnCompleted
 from schemas.images import content_digest
 from tests.e2e.test_gateway import FAST_PUBLISH, events_of, full_prompts, turns_of
 from tests.helpers.gateway_process import GatewayProcess
+from tests.helpers.streams import stream_payloads
+from tests.integration.test_replay import cli
 from tests.unit.test_image_intake import flat_png
 
 pytestmark = pytest.mark.integration
@@ -173,6 +178,45 @@ def test_anthropic_agent_sees_a_screen_every_turn(
             assert counted.input_tokens == reply.usage.input_tokens
         messages.append({"role": "assistant", "content": [b.model_dump() for b in reply.content]})
     assert_sees_each_screen_once(turns_of(events_of(nats_server, sid)), vision)
+
+
+def test_a_recording_of_the_agents_replays_into_a_fresh_stack_byte_for_byte(
+    gateway: GatewayProcess, nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """The agents above, recorded (``turnstream record``) and replayed into an empty nats-server
+    (``turnstream replay``): the same events, byte for byte, and the same images in its store,
+    byte for byte: a recording is self-contained."""
+    session = gateway.session()  # one more agent, so the run holds a screen sent again
+    client = openai.OpenAI(base_url=str(session["base_url"]), api_key="unused", max_retries=0)
+    for k in (0, 1):
+        parts = [{"type": "image_url", "image_url": {"url": data_url(SCREENS[k])}}]
+        client.chat.completions.create(messages=[{"role": "user", "content": parts}], **ASK)
+    recording = tmp_path / "e2e.parquet"
+    done = cli("record", "--log.url", nats_server.url, "--run", "e2e", "-o", str(recording))
+    assert done.returncode == 0, done.stderr
+    recorded = read_recording(recording)
+    assert set(recorded.images) >= {content_digest(s) for s in SCREENS}
+    assert recorded.meta.images_missing == ()
+    fresh = NatsServer(tmp_path / "fresh").start()
+    try:
+        done = cli("replay", str(recording), "--log.url", fresh.url)
+        assert done.returncode == 0, done.stderr
+
+        async def read_back() -> tuple[list[tuple[str, bytes]], dict[str, bytes]]:
+            nc = await connect(fresh.url, name="check")
+            try:
+                store = await JetStreamImageStore.open(nc, LogSettings(url=fresh.url))
+                images = {d: await store.get(d) for d in await store.digests()}
+                events = await stream_payloads(nc.jetstream(), "EVENTS")
+                return [(subject, data) for _, subject, data in events], images
+            finally:
+                await nc.close()
+
+        events, images = asyncio.run(read_back())
+    finally:
+        fresh.stop()
+    assert events == [(e.subject, e.data) for e in recorded.events]
+    assert images == recorded.images
 
 
 # -- hostile images -----------------------------------------------------------------------
