@@ -35,6 +35,9 @@ requests with data URLs, the whole conversation resent each turn, as agents send
   store (a new image each time, a real nats-server), and the base64 of the image sent to vLLM
   in the generate request's data URL.
 
+``--profile-gateway FILE``: after the rounds, 6 more later text turns run under the gateway's
+cProfile, printed by category (where a turn that resends 2T images spends its time).
+
 The LAST line is one JSON object of these figures and the machine.
 """
 
@@ -54,12 +57,14 @@ from typing import Any
 import httpx
 import numpy as np
 from harness.cpu import thread_cpu_ns
+from harness.gateway_profile import print_profile
 from harness.options import gateway_arguments
 from harness.reporting import banner, finish, gateway_machine_info, say
 from harness.stack import fixed_latency_stack
 
 JSON = dict[str, Any]
 WIDTH, HEIGHT = 1280, 800
+PROFILED_TURNS = 6  # later text turns run under the gateway's profiler (--profile-gateway)
 
 
 def screenshot(seed: int, target: int = 1_000_000) -> bytes:
@@ -248,7 +253,16 @@ async def main(args: argparse.Namespace) -> None:
                 figures.update(
                     await cpu_rounds(client, stack.procs.gateway.pid, session, history, rounds)
                 )
+                if args.profile_gateway:  # where a later turn's time goes, under cProfile
+                    stack.procs.toggle_profile()
+                    for r in range(PROFILED_TURNS):
+                        await chat(client, session, [*history, image_message(f"profiled {r}")])
+                    stack.procs.toggle_profile()
             figures.update(await breakdown(stack.procs.nats.url, Path(args.model_cache)))
+    if args.profile_gateway:  # written when the gateway stopped
+        figures["profile"] = print_profile(
+            args.profile_gateway, args.profile_top, PROFILED_TURNS, figures["text_turn_cpu_ms"]
+        )
     say("")
     for key, value in figures.items():
         say(f"  {key}: {value}")

@@ -61,7 +61,12 @@ from gateway.backends.interface import Prompt, SamplingParams
 from gateway.backends.probe import LogprobsKind
 from gateway.backends.remote import Endpoint, PayloadReader, RemoteBackend, RemoteOptions
 from gateway.backends.transport import Target
-from gateway.backends.vllm_generate import GENERATE_PATH, GenerateReader, generate_request
+from gateway.backends.vllm_generate import (
+    GENERATE_PATH,
+    GenerateReader,
+    ImageParts,
+    generate_request,
+)
 from gateway.backends.vllm_reader import CompletionReader
 
 __all__ = ["VLLMBackend", "completion_request"]
@@ -91,13 +96,14 @@ class VLLMBackend(RemoteBackend):
         self._model = model
         self._generate_url = f"{root}{GENERATE_PATH}"
         self._generate = Endpoint(Target(self._generate_url), _SCALE_OUT)
+        self._image_parts = ImageParts()  # each image's data URL, encoded once
 
     def _endpoint(self, prompt: Prompt) -> Endpoint:
         return self._generate if prompt.images else super()._endpoint(prompt)
 
     def _request(self, prompt: Prompt, params: SamplingParams) -> dict[str, Any]:
         if prompt.images:
-            return generate_request(self._model, prompt, params)
+            return generate_request(self._model, prompt, params, self._image_parts)
         return completion_request(self._model, prompt, params)
 
     def _reader(self, prompt: Prompt, params: SamplingParams) -> PayloadReader:

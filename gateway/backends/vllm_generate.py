@@ -47,6 +47,7 @@ the chunk carries vLLM's prompt (``GenerationChunk.served_prompt``: its ids, its
 from __future__ import annotations
 
 import base64
+from collections import OrderedDict
 from typing import Any
 
 import msgspec
@@ -66,9 +67,10 @@ from gateway.errors import BackendError
 from gateway.frozen import evolved
 from schemas.images import ImageRef, sniff_mime
 
-__all__ = ["GENERATE_PATH", "GenerateReader", "collapsed_ids", "generate_request"]
+__all__ = ["GENERATE_PATH", "GenerateReader", "ImageParts", "collapsed_ids", "generate_request"]
 
 GENERATE_PATH = "/inference/v1/generate"
+_JSON = msgspec.json.Encoder()
 
 
 def collapsed_ids(prompt: Prompt) -> list[int]:
@@ -98,10 +100,14 @@ def collapsed_ids(prompt: Prompt) -> list[int]:
     return collapsed
 
 
-def generate_request(model: str, prompt: Prompt, params: SamplingParams) -> dict[str, Any]:
+def generate_request(
+    model: str, prompt: Prompt, params: SamplingParams, parts: ImageParts | None = None
+) -> dict[str, Any]:
     """The JSON body of one ``/inference/v1/generate`` request for an image prompt (the
     sampling as ``gateway.backends.vllm.completion_request`` asks for it, in vLLM's
-    ``SamplingParams`` fields, vllm/sampling_params.py:268-443)."""
+    ``SamplingParams`` fields, vllm/sampling_params.py:268-443). ``parts``: the backend's
+    memory of its images' encoded content parts (None: each encoded here)."""
+    parts = parts or ImageParts(0)
     sampling: dict[str, Any] = {
         "max_tokens": params.max_tokens,
         "temperature": params.temperature,
@@ -118,7 +124,7 @@ def generate_request(model: str, prompt: Prompt, params: SamplingParams) -> dict
     body: dict[str, Any] = {
         "model": model,
         "token_ids": collapsed_ids(prompt),
-        "content_parts": [_image_part(image) for image in prompt.images],
+        "content_parts": [parts.part(image) for image in prompt.images],
         "sampling_params": sampling,
         "return_token_ids": True,  # the prompt as vLLM expanded it, checked against the ids
         "stream": params.stream,
@@ -128,10 +134,38 @@ def generate_request(model: str, prompt: Prompt, params: SamplingParams) -> dict
     return body
 
 
-def _image_part(image: PromptImage) -> dict[str, str]:
-    mime = image.ref.mime or sniff_mime(image.data) or "application/octet-stream"
-    url = f"data:{mime};base64,{base64.b64encode(image.data).decode('ascii')}"
-    return {"type": "image_url", "url": url, "uuid": image.ref.sha256}
+class ImageParts:
+    """The JSON of each image's content part (its data URL), encoded once and kept while it is
+    among the last ``max_bytes`` of them: an agent's conversation shows its screenshots again on
+    every turn, and vLLM is sent every image of the prompt each time. Base64-encoding a 1 MB
+    screenshot and copying it through the JSON encoder cost ~2 ms a turn per image shown
+    (benchmarks/images.py): kept, the part is copied into the body as it is (``msgspec.Raw``).
+
+    >>> ref = ImageRef("ab" * 32, offset=0, length=1, width=1, height=1, mime="image/png")
+    >>> bytes(ImageParts().part(PromptImage(ref, b"hi")))[:40]
+    b'{"type":"image_url","url":"data:image/pn'
+    """
+
+    def __init__(self, max_bytes: int = 256 << 20) -> None:
+        self._parts: OrderedDict[str, msgspec.Raw] = OrderedDict()
+        self._bytes = 0
+        self._max_bytes = max_bytes
+
+    def part(self, image: PromptImage) -> msgspec.Raw:
+        digest = image.ref.sha256
+        kept = self._parts.get(digest)
+        if kept is not None:
+            self._parts.move_to_end(digest)
+            return kept
+        mime = image.ref.mime or sniff_mime(image.data) or "application/octet-stream"
+        url = f"data:{mime};base64,{base64.b64encode(image.data).decode('ascii')}"
+        part = msgspec.Raw(_JSON.encode({"type": "image_url", "url": url, "uuid": digest}))
+        if len(part) <= self._max_bytes:
+            self._parts[digest] = part
+            self._bytes += len(part)
+            while self._bytes > self._max_bytes:
+                self._bytes -= len(self._parts.popitem(last=False)[1])
+        return part
 
 
 # What the gateway reads of vLLM's generate JSON (GenerateTokensStreamResponse,
