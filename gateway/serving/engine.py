@@ -31,7 +31,13 @@ import numpy as np
 from eventlog import AppendRefused, Publisher
 from gateway.backends.interface import Backend, Prompt, PromptImage, SamplingParams
 from gateway.core.agents import AgentIdentity
-from gateway.core.aggregate import SessionState, TurnDraft, prefix_parent, turn_event
+from gateway.core.aggregate import (
+    SessionState,
+    TurnDraft,
+    TurnNode,
+    prefix_parent,
+    turn_event,
+)
 from gateway.core.branches import attachment, continued_turn, placement
 from gateway.core.conversation import MessageKey, text_chars
 from gateway.core.session_store import ContextCache, Session, SessionLog, SessionStore
@@ -206,6 +212,8 @@ class TurnEngine:
         place = placement(state, messages, tools, keys, agent)
         recorded = place.record(agent)
         node = place.continued
+        if node is not None and self._sampled_a_placeholder(node):
+            node = None  # rendered from the conversation's text below: a fork at that token
         full: str | None = None
         if node is not None:
             # Taken: this turn's context will hold the next turn's cache (one per chain).
@@ -237,6 +245,24 @@ class TurnEngine:
         prompt = Prompt(encoded, images=self._images(encoded, messages, images))
         base = place.base if place.base is not None else prefix_parent(state, prompt.ids)
         return ChatPrompt(prompt, base, None, full, recorded, place.unsure)
+
+    def _sampled_a_placeholder(self, node: TurnNode) -> bool:
+        """Whether the kept turn's completion holds the model's image placeholder, which a
+        model can sample (the tiny random one does, now and then). No image stands for it, and
+        neither a backend nor the trainer's forward reads a placeholder beside real images that
+        is not one of theirs (their counts differ): the turn continuing it is rendered from the
+        conversation's text instead (the reply's text leaves the special token out), its prompt
+        sharing the kept ids up to that token, recorded as what it is."""
+        vision = self.template.vision
+        if vision is None or not np.any(node.completion_ids == vision.image_token_id):
+            return False
+        log.info(
+            "turn %d sampled the image placeholder %s: the turn continuing it is rendered from "
+            "the conversation's text",
+            node.turn,
+            vision.image_token,
+        )
+        return True
 
     def _images(
         self,

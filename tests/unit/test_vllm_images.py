@@ -236,3 +236,31 @@ async def test_a_continued_generation_goes_on_after_the_prompt_vllm_read(
     assert event.sampling["continued"][0]["at"] == 2
     assert event.sampling["prompt_fork"]["served_tokens"] == len(first)
     assert stack.metrics.prompt_forks._value.get() == 1
+
+
+async def test_a_reply_holding_the_image_placeholder_is_continued_from_its_text(
+    template: ChatTemplate,
+) -> None:
+    """A model may sample its own image placeholder (the tiny random one does): kept as
+    sampled, its ids beside real images would be one placeholder too many for vLLM (it refuses
+    the request: its counts differ) and for the trainer's forward. The next turn is rendered
+    from the conversation's text instead, sharing the kept ids up to that token."""
+    vision = vision_of(template)
+    shot, more = png(100, 60), png(200, 120, "green")
+    stray = [*template.encode("A "), vision.image_token_id, *completion(template)]
+    standin = VLLMStandIn(vision, stray)
+    stack = ImageTurns(template, backend(standin))
+    session = await stack.session()
+    messages = [user("what is this?", shot)]
+    messages.append(await stack.turn(session, messages, [shot]))
+    messages.append(user("and now?", more))
+    await stack.turn(session, messages, [shot, more])  # refused by vLLM if it held the token
+    first, second = stack.events
+    prompts = full_prompts(stack.events)
+    context = [*prompts[0], *first.completion_ids.tolist()]
+    at = context.index(vision.image_token_id, first.images[0].end)  # the sampled one
+    assert second.parent_turn == 0 and second.prefix_len == at  # shared up to that token
+    assert prompts[1] == template.prompt_ids(messages, None)  # the render of the text
+    shown = sum(vision.placeholders(*size)[0] for size in ((100, 60), (200, 120)))
+    assert prompts[1].count(vision.image_token_id) == shown
+    assert [ref.sha256 for ref in second.images] == [content_digest(more)]
