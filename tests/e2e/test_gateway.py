@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -289,6 +290,10 @@ def test_every_error_has_its_status_and_an_openai_body(gateway: GatewayProcess) 
 
     metrics = httpx.get(f"{gateway.url}/metrics").text
     assert 'turnstream_gateway_errors_total{code="413"}' in metrics
+    # The event loop's lag probe runs in every gateway (gateway.loop_lag).
+    wakes = re.search(r"^turnstream_gateway_event_loop_lag_seconds_count (\S+)$", metrics, re.M)
+    assert wakes is not None and float(wakes.group(1)) > 0
+    assert "turnstream_gateway_event_loop_lag_max_seconds " in metrics
 
 
 def test_bearer_keys_guard_the_api(

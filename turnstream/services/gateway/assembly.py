@@ -29,6 +29,7 @@ from gateway.core.versions import VersionTimeline
 from gateway.http.app import create_app
 from gateway.http.guard import BodyLimits
 from gateway.images import ImageUploads, VisionSpec
+from gateway.loop_lag import LoopLagProbe
 from gateway.metrics import GatewayMetrics
 from gateway.serving import SessionService, TurnEngine
 from gateway.serving.model_names import ModelNames, parse_model_aliases
@@ -285,12 +286,15 @@ async def build_gateway(settings: GatewaySettings, event_log: EventLog) -> Async
         image_limits=settings.image_limits,
         health=health,
     )
+    # How late the event loop runs what is due, as metrics (gateway.loop_lag).
+    lag_probe = asyncio.create_task(LoopLagProbe(metrics).run(), name="loop-lag")
     try:
         yield Gateway(app, engine, sessions, publisher, backend)
     finally:
-        watcher.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await watcher
+        for task in (watcher, lag_probe):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await engine.close()  # streamed turns whose clients left: never a hang at shutdown
         await publisher.close()
         await reader.close()
