@@ -42,6 +42,7 @@ from harness import (
     tool_output,
 )
 from harness.surfaces import SYSTEM_CHARS
+from harness.turn_floor import api_floors, later_turn_figures
 
 from eventlog import read_session
 
@@ -86,6 +87,7 @@ class SessionLoad:
         self.sent = sent
         self.heads = {stream: surface.head(stream) for stream in (False, True)}
         self.opening = [dumps(item) for item in surface.opening()]
+        self.last: tuple[str, list[bytes]] = ("", [])  # the last session: its id, its bodies
 
     async def session(
         self,
@@ -94,13 +96,21 @@ class SessionLoad:
         stream: bool,
         samples: list[float],
         turns: int = TURNS,
+        gateway_ns: Callable[[], int] | None = None,
+        later_turn_ms: list[float] | None = None,
     ) -> None:
+        """``gateway_ns``: the gateway's CPU so far (one request at a time), read around each
+        later turn into ``later_turn_ms``."""
         history = list(self.opening)
+        bodies: list[bytes] = []
+        self.last = (sid, bodies)
         self.sent.api[sid] = self.surface.name
         self.sent.requests[sid] = 0
         headers = {"X-Session-Id": sid, "content-type": "application/json"}
         for turn in range(turns):
             body = self.heads[stream] + b"[" + b",".join(history) + b"]}"
+            bodies.append(body)
+            cpu0 = gateway_ns() if gateway_ns is not None and turn else None
             t0 = time.perf_counter()
             try:
                 if stream:
@@ -115,6 +125,8 @@ class SessionLoad:
                     f"{self.surface.name} (stream={stream}) session {sid} turn {turn}: {exc!r}"
                 ) from exc
             samples.append(time.perf_counter() - t0)
+            if cpu0 is not None and gateway_ns is not None and later_turn_ms is not None:
+                later_turn_ms.append((gateway_ns() - cpu0) / 1e6)
             self.sent.requests[sid] += 1
             history += [dumps(item) for item in reply.echo]
             result = self.surface.tool_result(reply.call_id, tool_output(turn))
@@ -151,6 +163,7 @@ class SurfacePhase:
     sessions: int
     wall_s: float
     cpu_s: dict[str, float]
+    later_turn_ms: list[float]  # the gateway's CPU per later turn (c = 1, unprofiled only)
 
     def cpu_ms_per_request(self, key: str = "gateway") -> float:
         return 1000 * self.cpu_s[key] / self.requests
@@ -166,15 +179,19 @@ async def run_sessions(
     tag: str,
     procs: harness.Procs,
     on_edge: Callable[[], None] | None,
-) -> tuple[list[float], int, float, dict[str, float]]:
+) -> tuple[list[float], int, float, dict[str, float], list[float]]:
     """``c`` closed-loop workers, each running ``sessions_per_worker`` whole sessions: every
-    API gets the same mix of turns (early turns are cheaper: less history to read)."""
+    API gets the same mix of turns (early turns are cheaper: less history to read). One worker
+    unprofiled: the gateway's CPU of each later turn too (its threads' schedstat, in ns)."""
     samples: list[float] = []
+    later: list[float] = []
+    pid = procs.gateway.pid
+    gateway_ns = (lambda: harness.thread_cpu_ns(pid)) if c == 1 and on_edge is None else None
 
     async def worker(wid: int) -> None:
         for n in range(sessions_per_worker):
             sid = f"{load.surface.name}-{tag}-w{wid}-s{n}"
-            await load.session(clients[wid // per], sid, stream, samples)
+            await load.session(clients[wid // per], sid, stream, samples, TURNS, gateway_ns, later)
 
     if on_edge is not None:
         on_edge()
@@ -189,7 +206,8 @@ async def run_sessions(
     wall, cpu1 = time.perf_counter() - t0, procs.cpu()
     if on_edge is not None:
         on_edge()
-    return samples, c * sessions_per_worker, wall, {k: cpu1[k] - cpu0[k] for k in cpu0}
+    cpu = {k: cpu1[k] - cpu0[k] for k in cpu0}
+    return samples, c * sessions_per_worker, wall, cpu, later
 
 
 # -- checks against EVENTS ------------------------------------------------------------------
@@ -332,7 +350,9 @@ async def bench(args: argparse.Namespace, plan: SurfacePlan, apis: list[str], tm
             gc.freeze()
             phases = await run_rounds(args, plan, apis, loads, clients, stack.procs, stack.js)
         checks = await check_sessions(stack.js, sent)
-    return {"phases": phases, "checks": checks}
+        last = {api: load.last for api, load in loads.items()}
+        floors = await api_floors(stack.js, last, stack.model_dir, MAX_TOKENS)
+    return {"phases": phases, "checks": checks, "floors": floors}
 
 
 async def run_rounds(
@@ -360,7 +380,7 @@ async def run_rounds(
                 # Profiled: every phase of the odd rounds; the even rounds give unprofiled CPU.
                 profiled = args.profile_gateway and rnd % 2 == 1
                 edge = procs.toggle_profile if profiled else None
-                samples, sessions, wall, cpu = await run_sessions(
+                samples, sessions, wall, cpu, later = await run_sessions(
                     loads[api],
                     clients,
                     args.workers_per_client,
@@ -372,7 +392,7 @@ async def run_rounds(
                     edge,
                 )
                 phase = SurfacePhase(
-                    api, c, stream, rnd, samples, len(samples), sessions, wall, cpu
+                    api, c, stream, rnd, samples, len(samples), sessions, wall, cpu, later
                 )
                 grown = await harness.stream_messages(js) - before
                 if grown != phase.requests + phase.sessions:
@@ -500,6 +520,16 @@ async def api_surfaces_main(parser: argparse.ArgumentParser, args: argparse.Name
         cpu_ms = 1000 * sum(p.cpu_s["gateway"] for p in plain) / sum(p.requests for p in plain)
         profiled = sum(p.requests for p in phases if p.round % 2 == 1)
         profile = harness.print_profile(args.profile_gateway, args.profile_top, profiled, cpu_ms)
+    later = {
+        api: [x for p in result["phases"] if p.api == api for x in p.later_turn_ms] for api in apis
+    }
+    turn = later_turn_figures(later, result["floors"])
+    for api, row in turn["claude_code_turn"].items():
+        say(
+            f"{api}: gateway CPU per later turn {row['cpu_ms']:.2f} ms ({row['measured_turns']} "
+            f"turns at c=1); floor {row['floor_ms']:.3f} ms (decode {row['decode_ms']:.3f}, "
+            f"encode {row['encode_ms']:.3f}, write {row['write_ms']:.3f}): {row['ratio_to_floor']}x"
+        )
     ratios = {
         f"{r['api']}_c{r['concurrency']}{'_stream' if r['streamed'] else ''}": r["ratio_vs_chat"]
         for r in out["rows"]
@@ -524,6 +554,7 @@ async def api_surfaces_main(parser: argparse.ArgumentParser, args: argparse.Name
             for r in out["rows"]
         },
         **{f"ratio_vs_chat_{k}": v for k, v in ratios.items()},
+        **turn,
         "targets": targets,
         "rows": out["rows"],
         "checks": result["checks"],

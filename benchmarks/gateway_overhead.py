@@ -189,8 +189,21 @@ surface (``benchmarks/api_surfaces.py``)::
   prompt token counts per turn as Chat's (a difference is printed as a WARNING and reported in
   ``checks``). Any failed request or check aborts the run.
 
+* Issue 40, point 2: a later turn against its floor. In the unprofiled phases at c = 1, the
+  gateway's CPU of each later turn (every turn but a session's first, whose 82k-token
+  tokenization is another cost) from ``/proc/PID/task/*/schedstat`` read around it;
+  ``claude_code_turn_cpu_ms``: the worst API's mean (target: <= 5 ms). Beside it, measured in
+  this process on one whole session per API as sent (``harness/turn_floor.py``), the floor any
+  gateway pays: ``msgspec.json.decode`` of the request's bytes, the tokenizer's encode of the
+  text of the turn's new prompt tokens (from EVENTS), and the ``sendall`` of the
+  ``/v1/completions`` request the gateway sends for that prompt over loopback TCP, each the least
+  CPU of 5 tries: ``claude_code_turn_floor_cpu_ms`` (the worst API's) and
+  ``claude_code_turn_ratio_to_floor``; per API, the parts, in ``claude_code_turn``.
+
 The LAST line is then one JSON object with ``cpu_ms_per_request_<api>_c<c>[_stream]``,
-``ratio_vs_chat_<api>_c<c>[_stream]``, ``targets`` (the worst ratio, 1.2, met), ``rows`` (per
+``ratio_vs_chat_<api>_c<c>[_stream]``, ``claude_code_turn_cpu_ms``,
+``claude_code_turn_floor_cpu_ms`` and ``claude_code_turn_ratio_to_floor`` (above),
+``targets`` (the worst ratio, 1.2, met), ``rows`` (per
 API and variant: the figures above, per-round lists, the other processes' CPU), ``checks``,
 settings, machine info and date.
 
