@@ -24,6 +24,7 @@ import numpy as np
 
 from gateway.core.conversation import arguments_object
 from gateway.errors import InvalidRequest
+from gateway.kept_json import KeptJson, kept_json_of
 from schemas.images import image_parts
 
 if TYPE_CHECKING:
@@ -97,6 +98,7 @@ class ChatTemplate:
         self._rust_decode = _rust_decode(tokenizer)
         self._rust_encode = _rust_encode(tokenizer)
         self._jinja = _jinja_render(tokenizer)
+        self._kept_json = _kept_json(tokenizer) if self._jinja is not None else None
         self.turn_end_text = self._turn_end_text()
         # No token stands for more characters than its vocabulary string has (byte-level
         # vocabularies write one character per byte), so text of n characters needs at least
@@ -115,6 +117,12 @@ class ChatTemplate:
         if not full.startswith(base) or _SENTINEL not in full:
             raise ValueError("chat template does not render an assistant reply after its prompt")
         return full[full.index(_SENTINEL) + len(_SENTINEL) :]
+
+    def keep_json(self, tools: list[JSON] | None) -> None:
+        """Write the JSON of a kept turn's tools once: renders of these very objects (not
+        equal ones) take the text written the first time (``gateway.kept_json``)."""
+        if tools and self._kept_json is not None:
+            self._kept_json.keep([tools, *tools])
 
     def render(
         self, messages: Sequence[JSON], tools: list[JSON] | None, *, generation: bool
@@ -317,6 +325,14 @@ def _rust_encode(tokenizer: PreTrainedTokenizerBase) -> Callable[[str], list[int
         return ids
 
     return encode
+
+
+def _kept_json(tokenizer: PreTrainedTokenizerBase) -> KeptJson | None:
+    """The ``KeptJson`` behind the ``tojson`` filter of the template ``_jinja_render`` renders
+    (transformers' cached compile: the same environment)."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    return kept_json_of(_compile_jinja_template(tokenizer.chat_template).environment)
 
 
 def _jinja_render(

@@ -221,6 +221,10 @@ class TurnEngine:
             text, head = cache.text, cache.json_head
             suffix: list[int] | None = None
             if text is not None:  # one render, where it starts with the kept turn's text
+                # The kept turn's tools (continued_turn: equal to these), whose JSON the
+                # template wrote once for the session (an agent's 63 KB of tools, every turn).
+                tools = node.tools
+                self.template.keep_json(tools)
                 suffix, full = self.template.extension_ids(text, messages, tools)
             rendered = suffix is not None
             if suffix is None:  # the render and the kept turn's render without this turn's

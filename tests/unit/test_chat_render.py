@@ -149,3 +149,30 @@ def test_a_template_changed_after_construction_is_the_one_rendered(tiny_model_di
     assert template.render([{"role": "user", "content": "x"}], None, generation=True).startswith(
         "CHANGED:"
     )
+
+
+def test_kept_tools_render_from_their_kept_json(tiny_model_dir: Path) -> None:
+    """A kept turn's tools (``keep_json``) render as transformers renders them, from JSON written
+    once: the kept objects' text is not written again; an equal tool that is not the kept object
+    is written afresh (identity, not equality, so a changed copy is never answered stale)."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    template = ChatTemplate(tokenizer, max_context=4096)
+    messages, tools = WEATHER_TRANSCRIPT[:2], copy.deepcopy(WEATHER_TOOLS)
+    expected = tokenizer.apply_chat_template(
+        template_messages(messages),
+        tools=tools,  # type: ignore[arg-type]
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    template.keep_json(tools)
+    assert template.render(messages, tools, generation=True) == expected
+    kept = template._kept_json
+    assert kept is not None
+    written = {id(t): text for t in tools for text in kept._kept[id(t)][1].values()}
+    assert len(written) == len(tools)  # each kept tool's JSON, written by the first render
+    assert template.render(messages, tools, generation=True) == expected
+    assert {id(t): text for t in tools for text in kept._kept[id(t)][1].values()} == written
+    changed = copy.deepcopy(tools)
+    changed[0]["function"]["description"] = "Changed."
+    assert "Changed." in template.render(messages, changed, generation=True)
+    assert template.render(messages, copy.deepcopy(tools), generation=True) == expected
