@@ -65,6 +65,8 @@ class _Array(msgspec.Struct):
 _ITEMS = msgspec.json.Decoder(_Items)
 _ARRAY = msgspec.json.Decoder(_Array)
 _RAWS = msgspec.json.Decoder(list[msgspec.Raw])
+_HEAD = msgspec.json.Decoder(dict[str, Any])
+_MEMBERS = msgspec.json.Decoder(dict[str, msgspec.Raw])
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,12 +77,17 @@ class _Kept:
     ends: tuple[int, ...]  # offset just past each item
     values: tuple[Any, ...]  # each item, decoded
     sizes: tuple[int, ...]  # each decoded item's bytes in memory (its objects' getsizeof)
+    # The members before the items' array, decoded (None: not kept). A body sharing an item
+    # shares these bytes: an agent's tools and system prompt (Claude Code: ~80 KB) are not
+    # decoded and walked again each turn. Its values are shared by the bodies decoded from it.
+    head: dict[str, Any] | None = None
+    head_size: int = 0  # its bytes in memory
 
     @property
     def charge(self) -> int:
         """What it holds against the budget: the body and its decoded items (their strings
         are mostly those the session's kept turns hold too: counted twice, to be safe)."""
-        return len(self.body) + sum(self.sizes)
+        return len(self.body) + sum(self.sizes) + self.head_size
 
 
 class KeptBodies:
@@ -161,16 +168,22 @@ def _extend(kept: _Kept, body: bytes, decode: Callable[[bytes], Any]) -> tuple[A
         return None
     view = memoryview(body)
     rest = view[cut + 1 :] if body[cut] == _COMMA else view[cut:]
-    # The array's opening, then what follows item k: body without items 0..k-1.
-    smaller = b"".join((view[: kept.opening + 1], rest))
+    # What precedes the array (the kept head's members, or its bytes: the same in both bodies,
+    # items 0..k-1 being shared), then what follows item k: body without items 0..k-1.
+    opening = (
+        b'{"%s":[' % kept.member.encode() if kept.head is not None else view[: kept.opening + 1]
+    )
+    smaller = b"".join((opening, rest))
     try:
         value = decode(smaller)
         array = getattr(_ARRAY.decode(smaller), kept.member)
     except (InvalidRequest, msgspec.DecodeError, msgspec.ValidationError):
         return None  # decoded in full, its error reported against the body as sent
     # The member decoded must be this array (a later duplicate key would replace it).
-    if not array or _offset(array, smaller) != kept.opening:
+    if not array or _offset(array, smaller) != len(opening) - 1:
         return None
+    if kept.head is not None and isinstance(value, dict):
+        value = {**kept.head, **value}  # the body's order; a later duplicate wins, as in full
     items = value.get(kept.member) if isinstance(value, dict) else None
     raws = _RAWS.decode(array)
     placed = _placed(raws, smaller, items)
@@ -181,7 +194,9 @@ def _extend(kept: _Kept, body: bytes, decode: Callable[[bytes], Any]) -> tuple[A
     ends = kept.ends[:k] + tuple(s + len(r) + shift for s, r in zip(starts, raws, strict=True))
     values = kept.values[:k] + tuple(items)
     value[kept.member] = list(values)
-    return value, _Kept(body, kept.member, kept.opening, ends, values, kept.sizes[:k] + sizes)
+    sizes = kept.sizes[:k] + sizes
+    head, head_size = kept.head, kept.head_size
+    return value, _Kept(body, kept.member, kept.opening, ends, values, sizes, head, head_size)
 
 
 def _shared_items(kept: _Kept, body: bytes) -> int:
@@ -223,7 +238,32 @@ def _index(body: bytes, value: Any) -> _Kept | None:
     if opening < 0 or body[opening + 1 : starts[0]].strip():
         return None
     ends = tuple(start + len(r) for start, r in zip(starts, raws, strict=True))
-    return _Kept(body, member, opening, ends, tuple(items), sizes)
+    head, head_size = _head(body, opening, member, value)
+    return _Kept(body, member, opening, ends, tuple(items), sizes, head, head_size)
+
+
+def _head(
+    body: bytes, opening: int, member: str, value: dict[str, Any]
+) -> tuple[dict[str, Any] | None, int]:
+    """The members before the items' array at ``opening``, and their bytes in memory: found
+    by decoding the head's bytes closed with an empty array (the body they are part of was
+    checked when decoded in full, as ``value``), their values ``value``'s own objects where no
+    later member replaced them (so a session's first turn and the next share its tools); None
+    where they are not a JSON object's members ending with that array, or hold more than an
+    object per 64 bytes."""
+    try:
+        head = _HEAD.decode(b"".join((memoryview(body)[: opening + 1], b"]}")))
+        last = _MEMBERS.decode(body)  # each member's last occurrence, where it is
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None, 0
+    if list(head)[-1:] != [member] or head.pop(member) != []:
+        return None, 0  # the array is not the head's last member (a duplicate key before it)
+    for key in head:
+        raw = last.get(key)
+        if raw is not None and 0 <= _offset(raw, body) < opening:
+            head[key] = value[key]
+    size = _sizes([head], opening)
+    return (None, 0) if size is None else (head, size[0])
 
 
 def _placed(

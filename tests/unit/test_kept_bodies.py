@@ -47,10 +47,10 @@ edit = st.sampled_from(
     first=st.lists(message, min_size=1, max_size=5),
     edits=st.lists(st.tuples(edit, message), min_size=1, max_size=6),
     member=st.sampled_from(["messages", "input"]),
-    model_first=st.booleans(),
+    shape=st.sampled_from(["model-first", "member-first", "both-sides"]),
 )
 def test_every_body_decodes_as_in_full(
-    first: list[Any], edits: list[tuple[str, Any]], member: str, model_first: bool
+    first: list[Any], edits: list[tuple[str, Any]], member: str, shape: str
 ) -> None:
     bodies = KeptBodies(1 << 20, min_bytes=0)
     items, model, spaced = list(first), "m", True
@@ -69,7 +69,13 @@ def test_every_body_decodes_as_in_full(
             model += "x"
         elif kind == "respace":
             spaced = not spaced
-        value = {"model": model, member: items} if model_first else {member: items, "n": 1}
+        if shape == "model-first":
+            value = {"model": model, member: items}
+        elif shape == "member-first":
+            value = {member: items, "n": 1}
+        else:  # members before the items (kept decoded) and after them
+            value = {"model": model, "tools": [{"name": "t", "p": {"a": [1]}}], member: items}
+            value["stream"] = spaced
         raw = body(value, spaced)
         assert outcome(lambda b: bodies.decode("s", b, decode), raw) == outcome(decode, raw)
 
@@ -91,6 +97,34 @@ def test_a_continued_conversation_reuses_what_it_resends() -> None:
     # Another client session shares nothing.
     other = bodies.decode("t", body({"messages": [long, reply]}), decode)
     assert other["messages"][0] is not first["messages"][0] and bodies.hits == 2
+
+
+def test_what_precedes_the_conversation_is_decoded_once() -> None:
+    """An agent's tools and system prompt, before its conversation, are the same bytes on every
+    turn: decoded once and shared, in the body's order, a later duplicate member winning."""
+    bodies = KeptBodies(1 << 20, min_bytes=0)
+    tools = [{"name": f"t{i}", "input_schema": {"type": "object"}} for i in range(3)]
+    hi, ok = {"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}
+    first = bodies.decode("s", body({"model": "m", "tools": tools, "messages": [hi]}), decode)
+    raw = body({"model": "m", "tools": tools, "messages": [hi, ok]})[:-1] + b', "model": "n"}'
+    second = bodies.decode("s", raw, decode)
+    assert second == decode(raw) == {"model": "n", "tools": tools, "messages": [hi, ok]}
+    assert list(second) == list(decode(raw))
+    third = bodies.decode(
+        "s", body({"model": "m", "tools": tools, "messages": [hi, ok, hi]}), decode
+    )
+    assert third == {"model": "m", "tools": tools, "messages": [hi, ok, hi]}
+    assert third["tools"] is second["tools"] is first["tools"] and bodies.hits == 2
+    # A member before the array and again after it: the next body's head is the first value.
+    both = b'{"n": true, "messages": [' + body(hi) + b'], "n": 1}'
+    assert bodies.decode("b", both, decode)["n"] == 1
+    after = b'{"n": true, "messages": [' + body(hi) + b", " + body(ok) + b"]}"
+    assert bodies.decode("b", after, decode)["n"] is True and bodies.hits == 3
+    # A duplicate of the array's member before it: not kept as a head, decoded as in full.
+    dup = b'{"messages": 1, "model": "m", "messages": [' + body(hi) + b"]}"
+    bodies.decode("d", dup, decode)
+    again = dup[:-2] + b", " + body(ok) + b"]}"
+    assert bodies.decode("d", again, decode) == decode(again)
 
 
 @pytest.mark.parametrize(

@@ -25,6 +25,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.serving import SessionService, TurnEngine
 from gateway.templates import ChatTemplate
 from gateway.tools import get_parser
+from tests.helpers.tiny_model import WEATHER_TOOLS
 from tests.unit.test_logprobs_probe import HandlerTransport, StandInVLLM
 from tests.unit.test_logprobs_refusal import _Publisher
 
@@ -58,7 +59,10 @@ def kept_bodies(app: Any) -> KeptBodies:
 
 def assert_kept_items_unchanged(kept: KeptBodies) -> None:
     for entry in kept._kept.values():
-        assert list(entry.values) == msgspec.json.decode(entry.body)[entry.member]
+        whole = msgspec.json.decode(entry.body)
+        assert list(entry.values) == whole[entry.member]
+        # The members before the items, decoded once and shared by the bodies after it.
+        assert entry.head is not None and entry.head == {k: whole[k] for k in entry.head}
 
 
 async def reused(client: httpx.AsyncClient) -> float:
@@ -77,7 +81,7 @@ async def test_chat_completions(tiny_model_dir: Path) -> None:
     for _ in range(3):
         answer = await client.post(
             "/v1/chat/completions",
-            json={"model": "tiny", "messages": messages, "max_tokens": 3},
+            json={"model": "tiny", "tools": WEATHER_TOOLS, "messages": messages, "max_tokens": 3},
             headers={"X-Session-Id": "chat"},
         )
         assert answer.status_code == 200, answer.text
