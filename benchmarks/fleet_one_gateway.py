@@ -49,6 +49,9 @@ the latency it adds, requests timing out, and its memory per held session::
   budget), ``rss_within_settings``.
 * ``--after-tree DIR``: the gateway runs that checkout's code (e.g. ``git archive`` of the
   revision before a change, unpacked), as in ``--agent-shape``.
+* ``--profile-gateway FILE``: cProfile in the gateway during each window (which slows it: the
+  figures of such a run are not the target's), its time by component printed (FILE, and
+  FILE's stem + ``_1000`` for the second fleet).
 * ``--tracemalloc-gateway FILE``: a diagnostic run (tracing slows the gateway): its live
   allocations made from the opening to the window's end, by line, into FILE (one per fleet).
 * Checked from EVENTS at the end: a sample of sessions' later turns continue their previous
@@ -383,6 +386,9 @@ async def run_fleet(args: argparse.Namespace, plan: FleetPlan, tmp: Path) -> JSO
                 f"{rss_bytes(pid) / 2**20:,.0f} MiB"
             )
             start_text = await metrics()
+            cpu_start = harness.cpu_seconds(pid)
+            if args.profile_gateway:
+                stack.procs.toggle_profile()  # on for the window
             start = time.perf_counter()
             end = start + plan.measure_s
             live = [s for s in fleet if s.answers]
@@ -431,6 +437,9 @@ async def run_fleet(args: argparse.Namespace, plan: FleetPlan, tmp: Path) -> JSO
             await asyncio.gather(*agents, *newcomers, watcher)
             end_text = await metrics()
             window_s = time.perf_counter() - start
+            cpu_s = harness.cpu_seconds(pid) - cpu_start
+            if args.profile_gateway:
+                stack.procs.toggle_profile()
             gauge_reads.append((window_s, gauge(end_text, LAG_MAX_METRIC)))
             rss_after = rss_bytes(pid)
             if args.tracemalloc_gateway:
@@ -438,7 +447,7 @@ async def run_fleet(args: argparse.Namespace, plan: FleetPlan, tmp: Path) -> JSO
         held = sum(1 for s in load.sessions if s.answers) - 2  # the warm-up's two left out
         sample = [s for s in load.sessions if len(s.answers) > 1][:CHECKED_SESSIONS]
         checked = await check_continued(stack.js, ((s.sid, s.answers) for s in sample))
-    return figures_of(
+    out = figures_of(
         plan,
         load,
         settings,
@@ -449,6 +458,15 @@ async def run_fleet(args: argparse.Namespace, plan: FleetPlan, tmp: Path) -> JSO
         checked=checked,
         args=args,
     )
+    requests = max(1, len(load.requests))
+    out["details"]["gateway_cpu_ms_per_request"] = round(1000 * cpu_s / requests, 2)
+    out["details"]["gateway_cpu_share"] = round(cpu_s / window_s, 3)
+    if args.profile_gateway:  # written when the gateway stopped
+        cpu_ms = 1000 * cpu_s / requests  # under the profiler: its overhead included
+        out["profile"] = harness.print_profile(
+            args.profile_gateway, args.profile_top, requests, cpu_ms
+        )
+    return out
 
 
 def figures_of(
@@ -571,11 +589,18 @@ async def fleet_main(parser: argparse.ArgumentParser, args: argparse.Namespace) 
         traced = args.tracemalloc_gateway
         if traced is not None:  # one file per fleet
             traced = traced.with_stem(traced.stem + plan.suffix)
-        fleet_args = argparse.Namespace(**{**vars(args), "tracemalloc_gateway": traced})
+        profile = args.profile_gateway
+        if profile is not None:
+            profile = profile.with_stem(profile.stem + plan.suffix)
+        fleet_args = argparse.Namespace(
+            **{**vars(args), "tracemalloc_gateway": traced, "profile_gateway": profile}
+        )
         with tempfile.TemporaryDirectory(prefix="ts-gwfleet-", dir=args.store_dir) as tmp:
             out = await run_fleet(fleet_args, plan, Path(tmp))
         figures.update(out["figures"])
         details[f"fleet{plan.suffix or '_256'}"] = out["details"]
+        if "profile" in out:
+            details[f"fleet{plan.suffix or '_256'}"]["profile"] = out["profile"]
     met = {}
     for s in ("", "_1000"):
         met[f"fleet{s or '_256'}"] = (
