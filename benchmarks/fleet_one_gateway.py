@@ -330,6 +330,19 @@ async def memory_snapshot(procs: harness.Procs, path: Path) -> None:
     say(f"  no allocations written to {path} within 60 s")
 
 
+def full_collections(gc_log: Path, wall: tuple[float, float]) -> JSON:
+    """The gateway's full (generation 2) collections in the window (the launcher's log, written
+    when the gateway stopped): each one stops its event loop for its whole pause."""
+    if not gc_log.exists():
+        return {"count": None}
+    pauses = [
+        gc["pause_ms"]
+        for gc in json.loads(gc_log.read_text())["full_collections"]
+        if wall[0] <= gc["at"] <= wall[1]
+    ]
+    return {"count": len(pauses), "max_pause_ms": max(pauses, default=0.0), "pauses_ms": pauses}
+
+
 async def run_fleet(args: argparse.Namespace, plan: FleetPlan, tmp: Path) -> JSON:
     settings = memory_settings()
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in settings.items()]
@@ -397,6 +410,7 @@ async def run_fleet(args: argparse.Namespace, plan: FleetPlan, tmp: Path) -> JSO
             if args.profile_gateway:
                 stack.procs.toggle_profile()  # on for the window
             start = time.perf_counter()
+            wall_start = time.time()
             end = start + plan.measure_s
             live = [s for s in fleet if s.answers]
             # (seconds into the window, the gauge): only reads GAUGE_CLEAR_S in or later see
@@ -444,6 +458,7 @@ async def run_fleet(args: argparse.Namespace, plan: FleetPlan, tmp: Path) -> JSO
             await asyncio.gather(*agents, *newcomers, watcher)
             end_text = await metrics()
             window_s = time.perf_counter() - start
+            wall = (wall_start, time.time())
             cpu_s = harness.cpu_seconds(pid) - cpu_start
             if args.profile_gateway:
                 stack.procs.toggle_profile()
@@ -465,6 +480,7 @@ async def run_fleet(args: argparse.Namespace, plan: FleetPlan, tmp: Path) -> JSO
         checked=checked,
         args=args,
     )
+    out["details"]["gateway_full_gcs"] = full_collections(tmp / "gc.json", wall)
     requests = max(1, len(load.requests))
     out["details"]["gateway_cpu_ms_per_request"] = round(1000 * cpu_s / requests, 2)
     out["details"]["gateway_cpu_share"] = round(cpu_s / window_s, 3)
