@@ -272,13 +272,15 @@ def quantile(before: dict[float, float], after: dict[float, float], q: float) ->
 
 
 def highest_bucket(before: dict[float, float], after: dict[float, float]) -> float:
-    """The upper bound of the highest bucket that counted a wake between the scrapes."""
-    last, previous = 0.0, 0.0
+    """The upper bound of the highest bucket that counted a wake between the scrapes (past the
+    last finite bound: that bound, which the stall exceeded)."""
+    last, previous, finite = 0.0, 0.0, 0.0
     for le, cumulative in after.items():
         grown = cumulative - before.get(le, 0.0)
         if grown > previous:
-            last = le
+            last = finite if le == float("inf") else le
         previous = grown
+        finite = le
     return last
 
 
