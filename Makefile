@@ -86,9 +86,9 @@ unit: setup
 
 # The benchmarks make bench has always run: the top-level scripts of benchmarks/ (benchmarks/harness/
 # is their library), less those reached through a flag of another: the four whose keys
-# gateway_overhead.py's default run reports on its last line, its --api-surfaces and --interleaved
-# modes, storage.py --subagents, and gateway_compare.py (a paired before/after check of a change).
-BENCH_SKIP := per_token|agent_shape|scaleout|litellm_compare|api_surfaces|interleaved|subagents|gateway_compare
+# gateway_overhead.py's default run reports on its last line, its --api-surfaces, --interleaved and
+# --fleet modes, storage.py --subagents, and gateway_compare.py (a paired before/after check of a change).
+BENCH_SKIP := per_token|agent_shape|scaleout|litellm_compare|api_surfaces|interleaved|fleet_one_gateway|subagents|gateway_compare
 bench: setup
 	@set -e; for b in $$(ls benchmarks/*.py | grep -vE '/($(BENCH_SKIP))\.py$$'); do \
 		echo "== $$b"; PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python $$b $(BENCH_ARGS); \

@@ -138,6 +138,20 @@ The LAST line is then one JSON object with ``cpu_per_request_ratio_after_over_be
 files differ from it), ``rounds``, ``concurrency``, the figures and lists above, settings,
 machine info and date.
 
+A fleet on one gateway: ``--fleet``
+----------------------------------
+Issue 40: 256 Claude-Code-shaped sessions of ~100k tokens held by one gateway, each taking a turn
+every few seconds while new sessions' 100k first turns arrive, then 1,000 of ~30k: the event
+loop's lag (the gateway's own probe), latency added over the backend's, timeouts, RSS per held
+session, and the memory settings' bounds (``benchmarks/fleet_one_gateway.py``, which also runs
+alone)::
+
+    .venv/bin/python benchmarks/gateway_overhead.py --fleet           # ~8 min
+    .venv/bin/python benchmarks/gateway_overhead.py --fleet --quick   # ~2 min
+
+Keys: ``fleet_loop_lag_max_ms``, ``fleet_loop_lag_p99_ms``, ``fleet_added_p99_ms``,
+``fleet_timeouts``, ``fleet_rss_mb_per_session`` and the same suffixed ``_1000``.
+
 Per-API CPU: ``--api-surfaces [APIS]``
 --------------------------------------
 Issue 17: the gateway's CPU per request for one Claude-Code-shaped session sent on each API
@@ -273,6 +287,7 @@ from typing import Any
 import httpx
 from agent_shape import agent_shape_figures, agent_shape_main
 from api_surfaces import api_surfaces_main
+from fleet_one_gateway import fleet_main
 from gateway_compare import compare_mode_main
 from harness import (
     RUN,
@@ -580,6 +595,9 @@ async def main() -> None:
         return
     if args.api_surfaces is not None:
         await api_surfaces_main(parser, args)
+        return
+    if args.fleet:
+        await fleet_main(parser, args)
         return
     if args.compare_with is not None:
         await compare_mode_main(parser, args)

@@ -293,6 +293,11 @@ def _plain_fast(tokenizer: PreTrainedTokenizerBase) -> bool:
     return isinstance(tokenizer, TokenizersBackend) and tokenizer._tokenizer is not None
 
 
+# From this length on, a text is encoded with the GIL released (``_rust_encode``): a longer one
+# costs more than the one-item batch's overhead, and is the one that stalls the event loop.
+UNLOCKED_ENCODE_CHARS = 16_384
+
+
 def _rust_encode(tokenizer: PreTrainedTokenizerBase) -> Callable[[str], list[int] | None] | None:
     """The ``tokenizers`` library's encode, where transformers' ``encode(text,
     add_special_tokens=False)`` is exactly that call: its wrapper (argument resolution, batch
@@ -321,8 +326,15 @@ def _rust_encode(tokenizer: PreTrainedTokenizerBase) -> Callable[[str], list[int
             or tokenizer.split_special_tokens
         ):
             return None
-        ids: list[int] = rust.encode(text, add_special_tokens=False).ids
-        return ids
+        if len(text) < UNLOCKED_ENCODE_CHARS:
+            ids: list[int] = rust.encode(text, add_special_tokens=False).ids
+            return ids
+        # ``encode`` holds the GIL throughout (~1 ms per 1,000 characters): a 100k-token first
+        # turn, tokenized on a worker thread so as to leave the event loop free, stopped it for
+        # as long (issue 40's fleet: 100-200 ms stalls). ``encode_batch`` releases the GIL
+        # while Rust works; for one text it gives the same ids.
+        batch: list[int] = rust.encode_batch([text], add_special_tokens=False)[0].ids
+        return batch
 
     return encode
 

@@ -13,6 +13,11 @@
 * ``--profile FILE``: a ``cProfile.Profile`` that SIGUSR1 switches on and off (the benchmark
   does so at the edges of its measured windows), so that startup is not in the profile;
   written at exit (``pstats`` format).
+* ``--tracemalloc FILE``: a diagnostic: the first SIGUSR1 starts ``tracemalloc`` (which slows
+  every allocation; started at launch it would hold the imports past the health wait), the
+  second writes to FILE, as text, what was allocated since and is still alive, by the line that
+  allocated it (the largest first; each traceback's innermost project frame). Not with
+  ``--profile`` (the same signal).
 * ``--source-tree DIR``: run the project's code from ``DIR`` (a checkout, e.g. a ``git worktree``
   of another revision) instead of what the virtual environment has installed: ``DIR`` goes
   first on ``sys.path`` and the editable install's import hook is dropped, so ``gateway``,
@@ -36,6 +41,7 @@ import json
 import signal
 import sys
 import time
+import tracemalloc
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -127,6 +133,38 @@ def freeze(signum: int, frame: FrameType | None) -> None:
     gc.freeze()
 
 
+class MemorySnapshot:
+    """SIGUSR1 starts tracing, the next one writes the live allocations since by the project
+    line that made them into ``path``."""
+
+    def __init__(self, path: Path, top: int = 40) -> None:
+        self.path, self.top = path, top
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        if not tracemalloc.is_tracing():
+            tracemalloc.start(25)
+            return
+        snapshot = tracemalloc.take_snapshot()
+        by_line: dict[str, list[int]] = {}
+        for stat in snapshot.statistics("traceback"):
+            where = next(
+                (
+                    f"{f.filename}:{f.lineno}"
+                    for f in reversed(stat.traceback)
+                    if any(f"/{p}/" in f.filename for p in PACKAGES)
+                ),
+                f"{stat.traceback[-1].filename}:{stat.traceback[-1].lineno}",
+            )
+            sizes = by_line.setdefault(where, [0, 0])
+            sizes[0] += stat.size
+            sizes[1] += stat.count
+        total = sum(size for size, _ in by_line.values())
+        lines = [f"total {total / 2**20:.1f} MiB traced"]
+        ranked = sorted(by_line.items(), key=lambda kv: -kv[1][0])[: self.top]
+        lines += [f"{size / 2**20:9.2f} MiB {count:>9} blocks  {w}" for w, (size, count) in ranked]
+        self.path.write_text("\n".join(lines) + "\n")
+
+
 def use_source_tree(tree: Path) -> None:
     """Import the project's packages from ``tree`` only (see ``--source-tree``)."""
     # The editable install (``pip install -e``) adds an import hook that maps the package names
@@ -159,6 +197,7 @@ def main() -> int:
     parser.add_argument("--gc-log", type=Path, default=None)
     parser.add_argument("--gc-freeze", action="store_true")
     parser.add_argument("--profile", type=Path, default=None)
+    parser.add_argument("--tracemalloc", type=Path, default=None)
     parser.add_argument("--source-tree", type=Path, default=None)
     parser.add_argument("cli_args", nargs=argparse.REMAINDER)
     args = parser.parse_args()
@@ -178,6 +217,8 @@ def main() -> int:
     switch = ProfileSwitch() if args.profile is not None else None
     if switch is not None:
         signal.signal(signal.SIGUSR1, switch)
+    elif args.tracemalloc is not None:
+        signal.signal(signal.SIGUSR1, MemorySnapshot(args.tracemalloc))
     recorder = GCRecorder(switch)
     gc.callbacks.append(recorder)
     try:

@@ -57,6 +57,13 @@ def gateway_arguments(doc: str | None) -> argparse.ArgumentParser:
     parser.add_argument("--profile-gateway", type=Path, default=None, help="cProfile output file")
     parser.add_argument("--profile-top", type=int, default=30)
     parser.add_argument(
+        "--tracemalloc-gateway",
+        type=Path,
+        default=None,
+        help="with --fleet: the gateway under tracemalloc; its live allocations by line at the "
+        "end of the first fleet's window, into this file (slows the gateway: not for figures)",
+    )
+    parser.add_argument(
         "--compare-with",
         metavar="REV",
         default=None,
@@ -124,6 +131,12 @@ def gateway_arguments(doc: str | None) -> argparse.ArgumentParser:
         type=int,
         default=1,
         help="with --scaleout: fixed-latency backend processes sharing one port (SO_REUSEPORT)",
+    )
+    parser.add_argument(
+        "--fleet",
+        action="store_true",
+        help="issue 40: a fleet's sessions on one gateway (256 at ~100k tokens, 1,000 at ~30k): "
+        "event-loop lag, added latency, timeouts, RSS per held session",
     )
     parser.add_argument(
         "--litellm",

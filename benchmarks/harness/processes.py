@@ -216,6 +216,8 @@ def gateway_command(
         cmd += ["--profile", str(args.profile_gateway)]
     if args.gateway_gc_freeze:
         cmd += ["--gc-freeze"]
+    if getattr(args, "tracemalloc_gateway", None):
+        cmd += ["--tracemalloc", str(args.tracemalloc_gateway)]
     cmd += ["--", "gateway", "--backend", "vllm"]
     cmd += ["--backend-urls", json.dumps([backend_url]), "--max-context", "4096"]
     cmd += ["--model", str(model_dir), "--log.url", nats_url, "--port", str(port)]

@@ -58,11 +58,13 @@ async def fixed_latency_stack(
     model_dir: Path | None = None,
     completion: list[int] | None = None,
     source_tree: Path | None = None,
+    gateway_flags: list[str] | None = None,
 ) -> AsyncIterator[BenchStack]:
     """nats-server, the fixed-latency backend (its reply: ``completion``, by default the Bash
     tool call) and a gateway serving ``model_dir`` (default: the tiny model), all with
     ``max_context``; the logs' tails are printed when the body fails. ``source_tree``: the
-    checkout whose code the gateway runs (``harness/gateway_launcher.py --source-tree``)."""
+    checkout whose code the gateway runs (``harness/gateway_launcher.py --source-tree``);
+    ``gateway_flags``: more of ``turnstream gateway``'s flags."""
     from gateway.model import ensure_tiny_model
 
     t0 = time.perf_counter()
@@ -93,6 +95,7 @@ async def fixed_latency_stack(
         source_tree,
     )
     gateway_cmd[gateway_cmd.index("--max-context") + 1] = str(max_context)
+    gateway_cmd += gateway_flags or []
     gateway: Any = None
     nc = None
     try:

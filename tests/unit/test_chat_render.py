@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import copy
 import re
+import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +21,7 @@ import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from gateway.errors import InvalidRequest
-from gateway.templates import ChatTemplate, template_messages
+from gateway.templates import UNLOCKED_ENCODE_CHARS, ChatTemplate, template_messages
 from tests.helpers.bpe_model import bpe_model_dir
 from tests.helpers.tiny_model import WEATHER_TOOLS, WEATHER_TRANSCRIPT
 from tests.unit.test_load_tokenizer import TEXTS
@@ -126,6 +128,38 @@ def test_encode_is_transformers_encode(tmp_path: Path, tiny_model_dir: Path) -> 
         assert template._rust_encode is not None
         for text in TEXTS:
             assert template.encode(text) == tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_a_long_text_is_encoded_with_the_gil_released(tiny_model_dir: Path) -> None:
+    # A 100k-token prompt is tokenized on a worker thread so that the event loop goes on; the
+    # loop runs only if the encode lets go of the GIL meanwhile (issue 40). With a switch
+    # interval longer than the encode, another thread runs during it only if it does.
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    template = ChatTemplate(tokenizer, max_context=1 << 20)
+    text = ("émoji 🧪 and some code: x = [1, 2, 3]\n" * 10_000)[:400_000]
+    assert len(text) >= UNLOCKED_ENCODE_CHARS
+    ran, go, done = [0], threading.Event(), threading.Event()
+
+    def spin() -> None:
+        go.wait()
+        while not done.is_set():
+            ran[0] += 1
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1.0)
+    spinner = threading.Thread(target=spin)
+    spinner.start()
+    try:
+        go.set()  # the spinner waits for the GIL from here
+        ran[0] = 0
+        ids = template.encode(text)
+        spun = ran[0]  # read before this thread lets go of the GIL again
+    finally:
+        done.set()
+        sys.setswitchinterval(interval)
+        spinner.join()
+    assert spun > 0
+    assert ids == tokenizer.encode(text, add_special_tokens=False)
 
 
 def test_encode_leaves_a_reconfigured_tokenizer_to_transformers(tiny_model_dir: Path) -> None:
