@@ -62,7 +62,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
 import numpy as np
 
 from gateway.core.agents import SIDE_CLASSES
@@ -422,7 +421,7 @@ def _node(
         new_keys = message_keys(event.new_messages)
     inherited = None if parent is None else parent.tools
     node = TurnNode(
-        _held(event, ids),
+        event,
         ids,
         conversation_items(conversation, event),
         (*keys, *new_keys, message_key(event.assistant_message)),
@@ -435,27 +434,12 @@ def _node(
             shared = ids[: len(context)]
             for turn, other in nodes.items():
                 if other.context_ids.base is context:
-                    nodes[turn] = _viewing(other, ids)
+                    nodes[turn] = evolved(other, context_ids=ids[: len(other.context_ids)])
         # A side request (compaction, an auxiliary call) leaves its parent the tip of its
         # conversation: the agent's next own turn continues it, a resend still finds it.
         side = event.agent.get("request_class") in SIDE_CLASSES
-        parent = evolved(_viewing(parent, shared), continued=parent.continued or not side)
+        parent = evolved(parent, context_ids=shared, continued=parent.continued or not side)
     return node, parent
-
-
-def _held(event: TurnCompleted, ids: np.ndarray) -> TurnCompleted:
-    """``event`` with its ``prompt_ids`` a view into ``ids``, the turn's whole context (which
-    holds them after its ``prefix_len``): a kept turn holds its prompt once, in its context, not
-    again as the event's own copy (400 KB for a 100k-token first turn; issue 40)."""
-    start = event.prefix_len
-    return msgspec.structs.replace(event, prompt_ids=ids[start : start + len(event.prompt_ids)])
-
-
-def _viewing(node: TurnNode, ids: np.ndarray) -> TurnNode:
-    """``node`` with its context, and its event's prompt, views into ``ids``, a longer context
-    that begins with its own: the array it owned, or viewed, is no longer held through it."""
-    own = ids[: len(node.context_ids)]
-    return evolved(node, event=_held(node.event, own), context_ids=own)
 
 
 def _turn_images(parent: TurnNode | None, event: TurnCompleted) -> tuple[ImageRef, ...]:

@@ -249,8 +249,7 @@ def test_a_conversation_tip_is_resent_even_after_another_conversations_turn() ->
     a0 = gateway.turn(a.messages, "a0")
     b.step("b0")
     again = gateway.turn(a.messages, "something else")  # A's client retries its lost reply
-    assert (again.turn, again.reply, gateway.state.turns) == (a0.turn, a0.reply, 2)
-    assert again.prompt_ids.tolist() == a0.prompt_ids.tolist()
+    assert again is a0 and gateway.state.turns == 2
     a.messages += [a0.assistant_message, user("more")]
     gateway.turn(a.messages, "a1")
     assert resent_turn(gateway.state, a.messages[:2], None, a0.request) is None  # continued
@@ -363,21 +362,3 @@ def test_other_tools_continue_nothing_and_a_tie_goes_to_the_most_recent() -> Non
     assert node is not None and node.turn == twin.turn
     assert continued_turn(gateway.state, asked, None) is None
     assert continued_turn(gateway.state, asked, [*tools, *tools]) is None
-
-
-def test_a_kept_turn_holds_its_prompt_once_in_its_chains_array() -> None:
-    # A first turn's prompt is its whole context (100k tokens: 400 KB); the kept event's
-    # prompt_ids view the chain's one array instead of holding a copy beside it (issue 40).
-    gateway = ToyGateway()
-    a = Agent(gateway, "task")
-    turns = [a.step(f"reply {i}") for i in range(4)]
-    nodes = gateway.state.nodes
-    tip = nodes[turns[-1].turn].context_ids
-    for t in turns:
-        kept = nodes[t.turn].event
-        assert kept.prompt_ids.tolist() == t.prompt_ids.tolist()
-        assert kept.prompt_ids.base is tip and np.shares_memory(kept.prompt_ids, tip)
-    recovered = fold(gateway.events)
-    assert recovered is not None
-    for t in turns:
-        assert recovered.nodes[t.turn].event.prompt_ids.tolist() == t.prompt_ids.tolist()
