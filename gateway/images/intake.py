@@ -60,7 +60,7 @@ from gateway.images.limits import (
     refusal,
     shown,
 )
-from schemas.images import content_digest, image_part
+from schemas.images import content_digest, image_part, sniff_mime
 
 __all__ = [
     "CheckedImage",
@@ -269,19 +269,14 @@ def _pixels_hint(limits: ImageLimits) -> str:
     )
 
 
-_SIGNATURES = {
-    b"\x89PNG\r\n\x1a\n": "PNG",
-    b"\xff\xd8\xff": "JPEG",
-    b"GIF8": "GIF",
-    b"RIFF": "WebP",
-}
+_KINDS = {"image/png": "PNG", "image/jpeg": "JPEG", "image/gif": "GIF", "image/webp": "WebP"}
 
 
 def _sniffed(data: bytes) -> str:
     """What the bytes look like, for the message (a hint, never a decision)."""
     if b"<svg" in data[:1024].lower():
         return "an SVG, a vector image: send it rendered as PNG"
-    for signature, kind in _SIGNATURES.items():
-        if data.startswith(signature):
-            return f"it starts as a {kind} but is damaged or truncated: send the whole file"
+    kind = _KINDS.get(sniff_mime(data))
+    if kind is not None:
+        return f"it starts as a {kind} but is damaged or truncated: send the whole file"
     return f"they start {data[:8]!r}; send one of {_ACCEPTED}"
