@@ -31,16 +31,19 @@ events to a nats-server started here (file store). Then, in one run:
    its shard committed (the shard file's modification time; the writer rotates every
    ``--shard-age`` seconds, which bounds this latency from below).
 
-``--stages-apart`` runs, instead of 3 and 4, each stage with the machine to itself: the fold
-with the shard writer stopped (SIGSTOP) until TRAJ holds every trajectory, then the shard writer
-(SIGCONT) until the shards do. ``fold_stage_ratio_to_raw`` and ``write_stage_ratio_to_raw`` (and
-each process's CPU per 1k tokens and busy cores in each), and ``stages_apart_ratio_to_raw``, the
-slower of the two: about what the pipeline reaches where each stage has a core of its own.
+5. **stages apart** (a second pass, on a fresh server with fresh sessions): each stage with the
+   machine to itself: the fold with the shard writer stopped (SIGSTOP) until TRAJ holds every
+   trajectory, then the shard writer (SIGCONT) until the shards do. ``fold_stage_ratio_to_raw``
+   and ``write_stage_ratio_to_raw`` (and each process's CPU per 1k tokens and busy cores in
+   each), and ``stages_apart_ratio_to_raw``, the slower of the two: about what the pipeline
+   reaches where each stage has a core of its own.
+Both passes run by default (issue 40: the pipeline's limit stated beside each stage's);
+``--stages-apart`` runs the second alone, ``--pipeline-only`` the first.
 
 The LAST line is one JSON object: ``tokens_per_s`` (per worker), ``ratio_to_raw``, the CPU per
 stage, ``traj_bytes_per_token`` (TRAJ stream bytes / tokens), ``close_to_shard_ms_p50/p99``,
 ``close_to_traj_ms_p50/p99``, the rehydrate rates, the machine. ``--quick`` reports the same
-keys at 1,000 sessions (the full run: 2,000, ~30 s in all). The clock stops when the last
+keys at 1,000 sessions (the full run: 2,000, ~50 s in all). The clock stops when the last
 shard is committed, and the writer commits it only at its rotation age (1 s here), so each run
 ends with up to a second that is no work: at 120 sessions that tail was a large share of a
 ~2.4 s phase (quick 0.075), at 500 still ~20% of ~2.5 s, with the shard writer's first shards
@@ -359,16 +362,38 @@ def apart_figures(
     }
 
 
-async def main(quick: bool, workers: int, shard_age: float, apart: bool) -> None:
+async def main(quick: bool, workers: int, shard_age: float, passes: tuple[str, ...]) -> None:
+    """The pipeline pass (throughput and latency), then the stages-apart pass on a fresh
+    server and fresh sessions: one JSON line holding both's figures (issue 40 point 4: the
+    pipeline's limit is stated beside what each stage reaches alone, in every default run)."""
     plan = QUICK if quick else FULL
     began = time.perf_counter()
     info = machine_info("nats-py", "msgspec", "numpy", "pyarrow")
     rng = np.random.default_rng(7)
     letters = np.array(list("abcdefghijklmnopqrstuvwxyz "))
     corpus = "".join(rng.choice(letters, 400_000).tolist())
+    figures: dict[str, object] = {}
+    for kind in passes:
+        got = await one_pass(plan, rng, corpus, workers, shard_age, apart=kind == "apart")
+        if figures:  # the pipeline's raw read and shape stay the headline; the second pass's apart
+            got["stages_apart_raw_tokens_per_s"] = got.pop("raw_tokens_per_s")
+            got["stages_apart_raw_tokens_per_s_before_after"] = got.pop(
+                "raw_tokens_per_s_before_after"
+            )
+        figures = got | figures
+    figures["passes"] = list(passes)
+    finish(figures, quick=quick, duration_s=time.perf_counter() - began, info=info)
+
+
+async def one_pass(
+    plan: Plan, rng: np.random.Generator, corpus: str, workers: int, shard_age: float, apart: bool
+) -> dict[str, object]:
+    """One server, sessions published, the raw read, then the pipeline (``apart`` False) or
+    each stage alone: that pass's figures."""
     say(
-        f"pipeline throughput: {plan.sessions} sessions x {plan.turns} turns x "
-        f"{plan.prompt_tokens + plan.completion_tokens} new tokens, {workers} worker(s)"
+        f"\n{'stages apart' if apart else 'pipeline throughput'}: {plan.sessions} sessions x "
+        f"{plan.turns} turns x {plan.prompt_tokens + plan.completion_tokens} new tokens, "
+        f"{workers} worker(s)"
     )
     with tempfile.TemporaryDirectory(prefix="ts-bench-pipeline-") as tmp:
         tmp_path = Path(tmp)
@@ -431,8 +456,7 @@ async def main(quick: bool, workers: int, shard_age: float, apart: bool) -> None
                 await nc.close()
                 figures |= {"workers": workers, "shard_age_s": shard_age}
                 figures |= {f"rehydrate_{k}_sessions_per_s": round(v, 1) for k, v in rates.items()}
-                finish(figures, quick=quick, duration_s=time.perf_counter() - began, info=info)
-                return
+                return figures
             cpu_before, sys_before = cpu_of(stages), cpu_of(stages, (12,))
             start = time.perf_counter()
             await pub.publish_many(closes)
@@ -510,40 +534,35 @@ async def main(quick: bool, workers: int, shard_age: float, apart: bool) -> None
             stop_services(procs)
             server.stop()
 
-    finish(
-        {
-            "tokens_per_s": round(tokens_per_s / workers),
-            "tokens_per_s_total": round(tokens_per_s),
-            "raw_tokens_per_s": round(raw_tokens_per_s),
-            "raw_tokens_per_s_before_after": [round(r) for r in raw_rates],
-            "ratio_to_raw": round(tokens_per_s / raw_tokens_per_s, 3),
-            "target_ratio": TARGET_RATIO,
-            "worker_cpu_us_per_1k_tokens": round(cpu_us["worker"], 1),
-            "writer_cpu_us_per_1k_tokens": round(cpu_us["writer"], 1),
-            "nats_cpu_us_per_1k_tokens": round(cpu_us["nats"], 1),
-            "bench_cpu_us_per_1k_tokens": round(cpu_us["bench"], 1),
-            "raw_cpu_us_per_1k_tokens": round(raw_cpu_us, 1),
-            "pipeline_cpu_us_per_1k_tokens": round(
-                cpu_us["worker"] + cpu_us["writer"] + cpu_us["nats"], 1
-            ),
-            "traj_bytes_per_token": round(traj_bytes / total_tokens, 2),
-            "cpu_system_share": {k: round(v, 2) for k, v in sys_share.items()},
-            "throughput_s": round(elapsed, 2),
-            "close_to_shard_ms_p50": round(pct(to_shard, 50), 1),
-            "close_to_shard_ms_p99": round(pct(to_shard, 99), 1),
-            "close_to_traj_ms_p50": round(pct(to_traj, 50), 1),
-            "close_to_traj_ms_p99": round(pct(to_traj, 99), 1),
-            "shard_age_s": shard_age,
-            "workers": workers,
-            "sessions": plan.sessions,
-            "turns": plan.turns,
-            "raw_mb_per_s": round(raw_bytes / raw_s / 1e6, 1),
-            **{f"rehydrate_{k}_sessions_per_s": round(v, 1) for k, v in rates.items()},
-        },
-        quick=quick,
-        duration_s=time.perf_counter() - began,
-        info=info,
-    )
+    return {
+        "tokens_per_s": round(tokens_per_s / workers),
+        "tokens_per_s_total": round(tokens_per_s),
+        "raw_tokens_per_s": round(raw_tokens_per_s),
+        "raw_tokens_per_s_before_after": [round(r) for r in raw_rates],
+        "ratio_to_raw": round(tokens_per_s / raw_tokens_per_s, 3),
+        "target_ratio": TARGET_RATIO,
+        "worker_cpu_us_per_1k_tokens": round(cpu_us["worker"], 1),
+        "writer_cpu_us_per_1k_tokens": round(cpu_us["writer"], 1),
+        "nats_cpu_us_per_1k_tokens": round(cpu_us["nats"], 1),
+        "bench_cpu_us_per_1k_tokens": round(cpu_us["bench"], 1),
+        "raw_cpu_us_per_1k_tokens": round(raw_cpu_us, 1),
+        "pipeline_cpu_us_per_1k_tokens": round(
+            cpu_us["worker"] + cpu_us["writer"] + cpu_us["nats"], 1
+        ),
+        "traj_bytes_per_token": round(traj_bytes / total_tokens, 2),
+        "cpu_system_share": {k: round(v, 2) for k, v in sys_share.items()},
+        "throughput_s": round(elapsed, 2),
+        "close_to_shard_ms_p50": round(pct(to_shard, 50), 1),
+        "close_to_shard_ms_p99": round(pct(to_shard, 99), 1),
+        "close_to_traj_ms_p50": round(pct(to_traj, 50), 1),
+        "close_to_traj_ms_p99": round(pct(to_traj, 99), 1),
+        "shard_age_s": shard_age,
+        "workers": workers,
+        "sessions": plan.sessions,
+        "turns": plan.turns,
+        "raw_mb_per_s": round(raw_bytes / raw_s / 1e6, 1),
+        **{f"rehydrate_{k}_sessions_per_s": round(v, 1) for k, v in rates.items()},
+    }
 
 
 def _parse_time(stamp: str) -> float:
@@ -562,11 +581,16 @@ if __name__ == "__main__":
     parser.add_argument("--quick", action="store_true", help="a small run, ~30 s")
     parser.add_argument("--workers", type=int, default=1, help="fold worker processes")
     parser.add_argument("--shard-age", type=float, default=1.0, help="shard rotation age, seconds")
-    parser.add_argument(
+    only = parser.add_mutually_exclusive_group()
+    only.add_argument(
         "--stages-apart",
         action="store_true",
-        help="instead of the pipeline: the fold alone (the shard writer stopped), then the "
+        help="only the second pass: the fold alone (the shard writer stopped), then the "
         "shard writer alone on the whole TRAJ: each stage's rate with the machine to itself",
     )
+    only.add_argument(
+        "--pipeline-only", action="store_true", help="only the first pass: the whole pipeline"
+    )
     args = parser.parse_args()
-    asyncio.run(main(args.quick, args.workers, args.shard_age, args.stages_apart))
+    passes = ("apart",) if args.stages_apart else ("pipeline",) if args.pipeline_only else None
+    asyncio.run(main(args.quick, args.workers, args.shard_age, passes or ("pipeline", "apart")))
