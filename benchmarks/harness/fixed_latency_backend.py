@@ -59,6 +59,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 __all__ = ["BackendConfig", "serve"]
 
 _MAX_HEADER = 64 * 1024
@@ -263,6 +265,19 @@ class Completions:
                 rest.encode(),
             )
         )
+
+
+class _Completion(msgspec.Struct):
+    """What the backend reads of a ``POST /v1/completions`` body (other members ignored)."""
+
+    prompt: list[int]
+    stream: bool = False
+    logprobs: Any = None
+    max_tokens: Any = None
+    return_token_ids: Any = None
+
+
+_COMPLETION = msgspec.json.Decoder(_Completion)
 
 
 def _image_size(url: str) -> tuple[int, int]:
@@ -503,16 +518,14 @@ class HTTPConnection(asyncio.Protocol):
 
     def _complete(self, body: bytes, close: bool) -> None:
         try:
-            request = json.loads(body)
-            prompt = request["prompt"]
-            if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
-                raise ValueError("prompt must be a list of token ids")
-            stream = request.get("stream", False)
-            if not isinstance(stream, bool):
-                raise ValueError("stream must be a boolean")
-            k = int(request.get("logprobs") or 0)
-            max_tokens = int(request.get("max_tokens") or len(self.config.tokens))
-            ids = request.get("return_token_ids") is True
+            # Typed, in C: a 100k-token prompt read with json.loads and checked id by id cost
+            # ~10 ms of this process's CPU a request, which a fleet's load on 2 cores took from
+            # the gateway it measures (issue 40); vLLM reads its prompt apart from the gateway.
+            request = _COMPLETION.decode(body)
+            prompt, stream = request.prompt, request.stream
+            k = int(request.logprobs or 0)
+            max_tokens = int(request.max_tokens or len(self.config.tokens))
+            ids = request.return_token_ids is True
         except (ValueError, KeyError, TypeError) as exc:
             self.stats.bad_requests += 1
             self._respond(400, {"error": {"message": str(exc)}}, close=close)
