@@ -32,6 +32,7 @@ __all__ = [
     "arguments_object",
     "message_key",
     "message_keys",
+    "render_chars",
     "same_messages",
     "text_chars",
 ]
@@ -153,6 +154,31 @@ def _content_key(parts: object) -> tuple[object, ...]:
         for p in parts
         if isinstance(p, dict)
     )
+
+
+# What a function tool adds to a render, about: a coding agent's tools are 1-3 KB of JSON
+# schema each (Claude Code's 24: 63 KB). An estimate, so that the render's size is known
+# without encoding the tools each turn.
+_TOOL_CHARS = 1024
+
+
+def render_chars(messages: Sequence[JSON], tools: Sequence[JSON] | None) -> int:
+    """About how many characters a chat template writes for ``messages`` and ``tools``: the
+    messages' text, their tool calls' arguments, ~1 KB a tool. Cheap (nothing encoded): it
+    decides where a prompt is rendered and tokenized, it bounds nothing.
+
+    >>> render_chars([{"role": "assistant", "content": None, "tool_calls": [
+    ...     {"function": {"name": "f", "arguments": '{"a": 1}'}}]}], [{"type": "function"}])
+    1032
+    """
+    chars = 0
+    for message in messages:
+        chars += text_chars(message)
+        for call in message.get("tool_calls") or ():
+            arguments = (call.get("function") or {}).get("arguments")
+            if isinstance(arguments, str):
+                chars += len(arguments)
+    return chars + _TOOL_CHARS * len(tools or ())
 
 
 def text_chars(message: JSON) -> int:

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 from gateway.core.agents import AgentIdentity
-from gateway.core.conversation import TurnRequest, arguments_object, text_chars
+from gateway.core.conversation import TurnRequest, arguments_object
 from gateway.core.session_store import Session
 from gateway.decoding import Detokenizer
 from gateway.errors import anthropic_error_body
@@ -48,7 +48,7 @@ from gateway.serving.anthropic_input import (
     messages_turn_request,
     tool_choice,
 )
-from gateway.serving.engine import TurnEngine
+from gateway.serving.engine import TurnEngine, renders_off_loop
 from gateway.serving.image_input import ImageEdge
 from gateway.serving.model_names import answered_as
 from gateway.serving.turn_data import TurnResult
@@ -63,8 +63,6 @@ __all__ = [
 ]
 
 JSON = dict[str, Any]
-# Rendering a prompt this large (count_tokens) runs on a worker thread, as the turn core does.
-_OFF_LOOP_CHARS = 64 * 1024
 
 
 def tool_input(arguments: object) -> JSON:
@@ -171,7 +169,7 @@ class AnthropicServing:
         messages = canonical_messages(req)
         tools = canonical_tools(req) if choice != "none" else None
         render = self.engine.template.prompt_ids
-        if sum(text_chars(m) for m in messages) > _OFF_LOOP_CHARS:
+        if renders_off_loop(messages, tools):
             ids = await asyncio.to_thread(render, messages, tools)
         else:
             ids = render(messages, tools)

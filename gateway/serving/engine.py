@@ -39,7 +39,7 @@ from gateway.core.aggregate import (
     turn_event,
 )
 from gateway.core.branches import attachment, continued_turn, placement
-from gateway.core.conversation import MessageKey, text_chars
+from gateway.core.conversation import MessageKey, render_chars, text_chars
 from gateway.core.session_store import ContextCache, Session, SessionLog, SessionStore
 from gateway.core.versions import VersionTimeline
 from gateway.decoding import Detokenizer
@@ -56,15 +56,27 @@ from schemas.errors import EventLogUnavailable
 from schemas.events import SessionEvent, TurnCompleted
 from schemas.images import ImageRef, image_parts, part_digest
 
-__all__ = ["TurnEngine", "derived_seed", "sampling_record"]
+__all__ = ["TurnEngine", "derived_seed", "renders_off_loop", "sampling_record"]
 
 log = logging.getLogger(__name__)
 JSON = dict[str, Any]
-# Prompts with more text or messages than this are rendered and tokenized on a worker thread,
-# so that the event loop (and /health) stays responsive while a huge prompt is built or refused.
-_OFF_LOOP_CHARS = 64 * 1024
+# Prompts whose render holds more characters than this (``render_chars``: text, tool calls'
+# arguments, tools) or more messages are rendered and tokenized on a worker thread, so that the
+# event loop (and /health) stays responsive while a long prompt is built or refused: a coding
+# agent's turn at 100k tokens is ~36k characters of message text but ~100k rendered (its 63 KB
+# of tools, its tool calls' arguments), whose render took ~15 ms and whose first tokenization
+# ~65 ms on the loop when only the text was counted (issue 40: the fleet's loop stalls).
+_OFF_LOOP_CHARS = 32 * 1024
 _OFF_LOOP_MESSAGES = 512
 _NO_CACHE = ContextCache()
+
+
+def renders_off_loop(messages: Sequence[JSON], tools: Sequence[JSON] | None) -> bool:
+    """Whether a prompt of ``messages`` and ``tools`` is rendered and tokenized on a worker
+    thread (``_OFF_LOOP_CHARS``)."""
+    return len(messages) > _OFF_LOOP_MESSAGES or render_chars(messages, tools) > _OFF_LOOP_CHARS
+
+
 _NO_IMAGES: Mapping[str, bytes] = {}
 
 
@@ -183,7 +195,7 @@ class TurnEngine:
             )
         self.takes(images)
         state = session.state  # immutable: the snapshot this turn is prepared from
-        if chars > _OFF_LOOP_CHARS or len(messages) > _OFF_LOOP_MESSAGES:
+        if renders_off_loop(messages, tools):
             return await asyncio.to_thread(
                 self._chat_prompt, session, state, messages, tools, keys, agent, images
             )

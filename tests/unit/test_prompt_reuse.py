@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from gateway.core.session_store import Session, SessionStore
 from gateway.metrics import GatewayMetrics
 from gateway.protocol import ChatCompletionRequest
 from gateway.serving import ChatServing, TurnEngine, TurnServing
+from gateway.serving.engine import renders_off_loop
 from gateway.templates import ChatTemplate
 from gateway.tools import get_parser
 from schemas.events import TurnCompleted
@@ -292,3 +294,34 @@ async def test_a_turn_computes_each_message_key_once(
         messages.append(await setup.turn(session, messages))
         assert len(keyed) == len(messages), "a key per message sent, and one for the reply"
     assert [e.parent_turn for e in setup.publisher.events] == [-1, 0, 1]
+
+
+async def test_a_prompt_whose_tools_make_it_long_is_rendered_off_the_event_loop(
+    tiny_model_dir: Path,
+) -> None:
+    """Where a prompt is rendered follows what the template writes, not the messages' text
+    alone: a coding agent's turn is a little text, tool calls' arguments and many tools (Claude
+    Code's 100k-token turn: ~36k characters of text, ~100k rendered), and its render and first
+    tokenization held the event loop for ~15 and ~65 ms when only the text was counted."""
+    setup = _Setup(tiny_model_dir)
+    threads: list[str] = []
+    render = setup.template.render
+
+    def where(*args: Any, **kwargs: Any) -> str:
+        threads.append(threading.current_thread().name)
+        return render(*args, **kwargs)
+
+    setup.template.render = where  # type: ignore[method-assign]
+    tool = {"type": "function", "function": {"name": "t", "parameters": {"type": "object"}}}
+    messages: list[JSON] = [{"role": "user", "content": "list the files"}]
+    assert not renders_off_loop(messages, [tool])
+    many = [{**tool, "function": {**tool["function"], "name": f"t{k}"}} for k in range(40)]
+    assert renders_off_loop(messages, many), "40 tools: ~40k characters rendered"
+    for tools in ([tool], many):
+        threads.clear()
+        request = ChatCompletionRequest.model_validate(
+            {"messages": messages, "tools": tools, "max_tokens": 4}
+        )
+        await setup.chat.complete(await setup.session(), request)
+        on_loop = threads == [threading.main_thread().name]
+        assert on_loop is (tools is not many), threads
