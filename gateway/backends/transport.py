@@ -363,10 +363,14 @@ class StreamingTransport:
     async def _send(
         connection: _Connection, head: bytes, body: bytes, write_timeout_s: float | None
     ) -> None:
+        writer = connection.writer
         try:
-            connection.writer.write(head + body)
-            async with asyncio.timeout(write_timeout_s):
-                await connection.writer.drain()
+            writer.write(head + body)
+            if writer.transport.get_write_buffer_size():  # what the socket did not take at once
+                async with asyncio.timeout(write_timeout_s):
+                    await writer.drain()
+            else:  # nothing to wait for: drain only raises what the connection met
+                await writer.drain()
         except TimeoutError as exc:
             raise httpx.WriteTimeout("timed out sending the request") from exc
         except OSError as exc:

@@ -383,3 +383,23 @@ async def test_reads_ahead_of_the_reader_still_give_other_tasks_their_turn() -> 
     await reader.read(1)
     reader.feed_eof()
     assert _read_ahead(reader) == (True, False)  # ended: returns b"" at once
+
+
+async def test_a_body_the_server_does_not_take_times_out_as_a_write() -> None:
+    """A request body the socket cannot take at once is drained under the write timeout; one
+    it took whole is not waited for (nothing is left to drain)."""
+    stalled = asyncio.Event()
+
+    async def never_read(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await stalled.wait()
+        writer.close()
+
+    server = await asyncio.start_server(never_read, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    transport = StreamingTransport()
+    timeouts = httpx.Timeout(5.0, write=0.2)
+    async with server:
+        with pytest.raises(httpx.WriteTimeout):
+            await post(transport, url, b"x" * (64 << 20), timeouts=timeouts)
+        stalled.set()
+    await transport.aclose()
