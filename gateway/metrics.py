@@ -4,11 +4,27 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-__all__ = ["GatewayMetrics"]
+__all__ = ["GatewayMetrics", "Labelled"]
 
 # Fine below 50 ms: issue 40's targets are a p99 <= 10 ms and a longest stall <= 50 ms.
 _LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class Labelled:
+    """The children of a counter with one label, each made once: prometheus' ``labels()`` takes
+    a lock and builds a key on every call, twice per turn on the turn path. For labels of few
+    values (an API's kind, how a turn attached); a child is never removed from these metrics."""
+
+    def __init__(self, metric: Counter) -> None:
+        self.metric = metric
+        self._children: dict[str, Counter] = {}
+
+    def __call__(self, value: str) -> Counter:
+        child = self._children.get(value)
+        if child is None:
+            child = self._children[value] = self.metric.labels(value)
+        return child
 
 
 class GatewayMetrics:
@@ -139,3 +155,6 @@ class GatewayMetrics:
             ["kind"],
             registry=self.registry,
         )
+        # The turn path's labelled counters, their children made once (``Labelled``).
+        self.turns_of = Labelled(self.turns)
+        self.attached_as = Labelled(self.attached)

@@ -222,18 +222,37 @@ class _Connection:
         return None
 
     async def read(self, read_timeout_s: float | None) -> bytes:
+        reader = self.reader
+        ready, waits = _read_ahead(reader)
         try:
-            async with asyncio.timeout(read_timeout_s):
-                data = await self.reader.read(_READ_SIZE)
+            if ready:  # returns at once: no wait to bound
+                data = await reader.read(_READ_SIZE)
+            else:
+                async with asyncio.timeout(read_timeout_s):
+                    data = await reader.read(_READ_SIZE)
         except TimeoutError as exc:
             raise httpx.ReadTimeout("timed out reading the response") from exc
         except OSError as exc:
             raise httpx.ReadError(str(exc) or repr(exc)) from exc
-        # A read of what is buffered already returns without suspending: a server ahead of a
-        # busy gateway would keep one stream's loop running, and every other request of the
-        # gateway waiting, until that generation ends. Give them their turn.
-        await asyncio.sleep(0)
+        if not waits:
+            # A read of what is buffered already returns without suspending: a server ahead of
+            # a busy gateway would keep one stream's loop running, and every other request of
+            # the gateway waiting, until that generation ends. Give them their turn. (A read
+            # that waited for its bytes gave it: a second yield would only send the wake-up
+            # through the request's every frame again, once per backend request.)
+            await asyncio.sleep(0)
         return data
+
+
+def _read_ahead(reader: asyncio.StreamReader) -> tuple[bool, bool]:
+    """Whether a read of ``reader`` returns at once (bytes arrived already, or the stream
+    ended), and whether it waits for bytes (nothing arrived yet). asyncio's StreamReader holds
+    what arrived in ``_buffer``; for a reader without one, neither is known: (False, False)."""
+    buffer = getattr(reader, "_buffer", None)
+    if buffer is None:
+        return False, False
+    ready = len(buffer) > 0 or reader.at_eof()
+    return ready, not ready
 
 
 class StreamingTransport:
@@ -344,10 +363,14 @@ class StreamingTransport:
     async def _send(
         connection: _Connection, head: bytes, body: bytes, write_timeout_s: float | None
     ) -> None:
+        writer = connection.writer
         try:
-            connection.writer.write(head + body)
-            async with asyncio.timeout(write_timeout_s):
-                await connection.writer.drain()
+            writer.write(head + body)
+            if writer.transport.get_write_buffer_size():  # what the socket did not take at once
+                async with asyncio.timeout(write_timeout_s):
+                    await writer.drain()
+            else:  # nothing to wait for: drain only raises what the connection met
+                await writer.drain()
         except TimeoutError as exc:
             raise httpx.WriteTimeout("timed out sending the request") from exc
         except OSError as exc:

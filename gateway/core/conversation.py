@@ -125,14 +125,19 @@ def message_keys(messages: Sequence[JSON]) -> tuple[MessageKey, ...]:
 
 def message_key(message: JSON) -> MessageKey:
     """What must be equal for a message sent back by a client to count as the same message."""
-    calls = tuple(
-        (
-            (c.get("function") or {}).get("name"),
-            json.dumps(
-                arguments_object((c.get("function") or {}).get("arguments")), sort_keys=True
-            ),
+    tool_calls = message.get("tool_calls")
+    calls = (
+        tuple(
+            (
+                (c.get("function") or {}).get("name"),
+                json.dumps(
+                    arguments_object((c.get("function") or {}).get("arguments")), sort_keys=True
+                ),
+            )
+            for c in tool_calls
         )
-        for c in message.get("tool_calls") or ()
+        if tool_calls
+        else ()  # most messages: no generator to make and run
     )
     content = message.get("content") or ""
     return (

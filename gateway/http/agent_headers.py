@@ -88,6 +88,7 @@ AGENT_HEADERS = (
     *(CODEX_SESSION, CODEX_THREAD, CODEX_REQUEST, CODEX_PARENT, CODEX_METADATA, CODEX_SUBAGENT),
 )
 """Every header this module reads (lowercase, as ASGI gives them)."""
+_AGENT_HEADER_NAMES = frozenset(AGENT_HEADERS)
 
 _CODEX_ROOT_NAME = "/root"  # every v1 agent's agent_name, and a v2 root's: names no one
 
@@ -98,6 +99,10 @@ def agent_identity(headers: Mapping[str, str]) -> AgentIdentity | None:
     Raises InvalidRequest (400, ``param`` the header) for an agent or parent id that is too long
     or not printable, or turnstream's agent headers naming no agent.
     """
+    if _AGENT_HEADER_NAMES.isdisjoint(headers.keys()):
+        # None of them (most clients' every request): one pass over the names, where reading
+        # each of the 16 would scan the request's headers 16 times (Starlette's ``Headers``).
+        return None
     own = _turnstream(headers)
     if own is not None:
         return own

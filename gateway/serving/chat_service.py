@@ -16,6 +16,7 @@ from gateway.protocol.chat import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
+    ChatMessage,
     Choice,
     ChoiceLogprobs,
     ChunkChoice,
@@ -73,10 +74,7 @@ def chat_turn_request(
     return TurnRequest(
         api="chat.completions",
         model=req.model,
-        messages=[
-            {**m.model_dump(exclude_none=True), "content": _content(m.content)}
-            for m in req.messages
-        ],
+        messages=[_message(m) for m in req.messages],
         tools=req.raw_tools,
         tool_choice=choice.model_dump() if isinstance(choice, NamedToolChoice) else choice,
         parallel_tool_calls=req.parallel_tool_calls,
@@ -90,6 +88,16 @@ def chat_turn_request(
         agent=agent,
         images=images or {},
     )
+
+
+def _message(message: ChatMessage) -> JSON:
+    """A message as the turn's: its fields (None left out), its content a string, None or the
+    canonical parts (``_content``)."""
+    fields = message.model_dump(exclude_none=True)
+    content = message.content
+    if not isinstance(content, str):  # a string is in the dump as it is (most messages)
+        fields["content"] = _content(content)
+    return fields
 
 
 def _content(content: Content | SeeingContent) -> str | list[JSON] | None:

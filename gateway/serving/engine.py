@@ -471,7 +471,7 @@ class TurnEngine:
                     session.keep_context(event.turn, ContextCache(text_parts, head))
         self.metrics.tokens_in.inc(len(turn.prompt))
         self.metrics.tokens_out.inc(len(detok.ids))
-        self.metrics.turns.labels(turn.kind).inc()
+        self.metrics.turns_of(turn.kind).inc()
         return TurnResult.of(event, detok, tools_parsed=turn.parse_tools)
 
     async def _store_images(self, turn: Turn) -> None:
@@ -531,7 +531,7 @@ class TurnEngine:
             )
         if log_ is not None:
             log_.appended(session, receipt)
-        self.metrics.attached.labels(attachment(session.state, event)).inc()
+        self.metrics.attached_as(attachment(session.state, event)).inc()
         session.apply(event, draft.keys)
         return event
 

@@ -62,6 +62,42 @@ def chat_turn(body: dict[str, Any], limits: ImageLimits = LIMITS) -> TurnRequest
     return chat_turn_request(req, images=checked(chat_images(req), limits))
 
 
+def test_chat_messages_translate_field_for_field_in_order() -> None:
+    """Each message kind as the turn holds it: its fields (None left out) in the order the
+    request model declares them, the content a string, None (appended last, as before) or the
+    canonical parts; held equal to the dump-and-replace form it replaced."""
+    body = {
+        "model": "m",
+        "messages": [
+            {"role": "system", "content": "be brief", "name": "sys"},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+            },
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+                ],
+            },
+            {"role": "tool", "content": "42", "tool_call_id": "c1", "extra": 1},
+            {"role": "user", "content": [chat_image(RED), {"type": "text", "text": "this?"}]},
+        ],
+    }
+    turn = chat_turn(body)
+    req = ChatCompletionRequest.model_validate(body)
+    reference = [
+        {**m.model_dump(exclude_none=True), "content": turn.messages[i]["content"]}
+        for i, m in enumerate(req.messages)
+    ]
+    assert turn.messages == reference
+    assert [list(m) for m in turn.messages] == [list(m) for m in reference]
+    assert [m["content"] for m in turn.messages[:4]] == ["be brief", "ab", None, "42"]
+    assert list(turn.messages[2]) == ["role", "tool_calls", "content"]
+    assert turn.messages[4]["content"] == [part_of(RED), {"type": "text", "text": "this?"}]
+
+
 def test_chat_image_parts_become_canonical_parts_in_order() -> None:
     content = [
         {"type": "text", "text": "before"},

@@ -325,3 +325,19 @@ async def test_a_prompt_whose_tools_make_it_long_is_rendered_off_the_event_loop(
         await setup.chat.complete(await setup.session(), request)
         on_loop = threads == [threading.main_thread().name]
         assert on_loop is (tools is not many), threads
+
+
+def test_message_key_reads_tool_calls_and_content_alike() -> None:
+    """What makes a resent message the same: text, role, name, tool call id, and each tool
+    call's name with its arguments as an object (spacing and key order aside); a message
+    without tool calls, or with an empty list or None of them, keys them as ()."""
+    message_key = conversation.message_key
+    plain = {"role": "user", "content": "hi"}
+    assert message_key(plain) == ("user", "hi", (), None, None)
+    assert message_key({**plain, "tool_calls": []}) == message_key({**plain, "tool_calls": None})
+    assert message_key({**plain, "tool_calls": None}) == message_key(plain)
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"b":1,"a":2}'}}
+    spaced = {**call, "function": {"name": "f", "arguments": '{"a": 2, "b": 1}'}}
+    said = {"role": "assistant", "content": None, "tool_calls": [call]}
+    assert message_key(said) == ("assistant", "", (("f", '{"a": 2, "b": 1}'),), None, None)
+    assert message_key(said) == message_key({**said, "tool_calls": [spaced], "content": ""})

@@ -13,12 +13,13 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
+from itertools import pairwise
 
 import httpx
 import pytest
 
 from gateway.backends.interface import Prompt, SamplingParams
-from gateway.backends.transport import Response, StreamingTransport, Target
+from gateway.backends.transport import Response, StreamingTransport, Target, _read_ahead
 from gateway.backends.vllm import VLLMBackend
 from gateway.errors import BackendError, BackendUnavailable
 
@@ -342,4 +343,63 @@ async def test_a_closed_response_is_not_read() -> None:
         for read in (response.read, lambda: anext(aiter(response))):
             with pytest.raises(RuntimeError, match="the response is closed"):
                 await read()
+    await transport.aclose()
+
+
+async def test_reads_ahead_of_the_reader_still_give_other_tasks_their_turn() -> None:
+    """A response that arrived ahead of the gateway (here ~320 KB, read 64 KB at a time) yields
+    to the loop's other tasks after each read of buffered bytes; a read that waits for its bytes
+    yields by waiting (``_read_ahead`` tells which: asyncio's StreamReader, known)."""
+    parts = [b"data: %s\n\n" % (b"x" * 1000) for _ in range(320)]
+    server = Server(reply(SSE_HEAD + chunked(*parts)))
+    transport = StreamingTransport()
+    ticks = 0
+
+    async def ticking() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    async with server.running() as url:
+        r = await post(transport, f"{url}/v1/completions")
+        await asyncio.sleep(0.2)  # the whole body arrives, unread
+        ticker = asyncio.create_task(ticking())
+        await asyncio.sleep(0)
+        seen = []
+        async for part in r:
+            seen.append((len(part), ticks))
+        await r.aclose()
+        ticker.cancel()
+    await transport.aclose()
+    assert sum(n for n, _ in seen) == sum(len(p) for p in parts)
+    assert len(seen) >= 4
+    assert all(b[1] > a[1] for a, b in pairwise(seen))
+
+    reader = asyncio.StreamReader()
+    assert _read_ahead(reader) == (False, True)  # nothing arrived: a read waits
+    reader.feed_data(b"x")
+    assert _read_ahead(reader) == (True, False)
+    await reader.read(1)
+    reader.feed_eof()
+    assert _read_ahead(reader) == (True, False)  # ended: returns b"" at once
+
+
+async def test_a_body_the_server_does_not_take_times_out_as_a_write() -> None:
+    """A request body the socket cannot take at once is drained under the write timeout; one
+    it took whole is not waited for (nothing is left to drain)."""
+    stalled = asyncio.Event()
+
+    async def never_read(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await stalled.wait()
+        writer.close()
+
+    server = await asyncio.start_server(never_read, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    transport = StreamingTransport()
+    timeouts = httpx.Timeout(5.0, write=0.2)
+    async with server:
+        with pytest.raises(httpx.WriteTimeout):
+            await post(transport, url, b"x" * (64 << 20), timeouts=timeouts)
+        stalled.set()
     await transport.aclose()
