@@ -11,7 +11,6 @@ the completion's text: the core only says "stop"), else ``end_turn``.
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Sequence
 from typing import Any, cast
@@ -170,7 +169,7 @@ class AnthropicServing:
         tools = canonical_tools(req) if choice != "none" else None
         render = self.engine.template.prompt_ids
         if renders_off_loop(messages, tools):
-            ids = await asyncio.to_thread(render, messages, tools)
+            ids = await self.engine.off_loop(render, messages, tools)
         else:
             ids = render(messages, tools)
         return TokenCountResult.build(input_tokens=len(ids))

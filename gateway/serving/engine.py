@@ -17,13 +17,16 @@ own ``reply_id``.
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import hashlib
 import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import numpy as np
@@ -69,6 +72,7 @@ JSON = dict[str, Any]
 _OFF_LOOP_CHARS = 32 * 1024
 _OFF_LOOP_MESSAGES = 512
 _NO_CACHE = ContextCache()
+T = TypeVar("T")
 
 
 def renders_off_loop(messages: Sequence[JSON], tools: Sequence[JSON] | None) -> bool:
@@ -134,6 +138,18 @@ class TurnEngine:
         )
         # Streamed turns generating on their own (their client may have gone): see detach.
         self._detached: set[asyncio.Task[None]] = set()
+        # Long prompts' renders and tokenizations (``renders_off_loop``), one at a time on one
+        # thread: in Python they hold the GIL but in the tokenizer's encode, so more threads
+        # add no speed on any number of cores, only contention for the GIL with the event loop
+        # and first turns' transient token lists side by side (a 100k-token list of ints is
+        # ~3.6 MB, freed into memory the process keeps: +1.5 MB RSS a 100k session measured
+        # with asyncio's default pool; issue 40).
+        self._prompts = ThreadPoolExecutor(max_workers=1, thread_name_prefix="turnstream-prompt")
+
+    async def off_loop(self, build: Callable[..., T], *args: Any) -> T:
+        """``build(*args)`` on the prompts' thread (in this context, as ``asyncio.to_thread``)."""
+        run = functools.partial(contextvars.copy_context().run, build, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._prompts, run)
 
     def detach(self, work: Awaitable[None], name: str) -> asyncio.Task[None]:
         """Run ``work`` (a streamed turn's generation and append) as its own task, outliving
@@ -151,6 +167,7 @@ class TurnEngine:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        self._prompts.shutdown(wait=False, cancel_futures=True)
 
     def check_model(self, model: str | None) -> None:
         """A 404 for a requested model name that is neither the served one nor matched by an
@@ -196,7 +213,7 @@ class TurnEngine:
         self.takes(images)
         state = session.state  # immutable: the snapshot this turn is prepared from
         if renders_off_loop(messages, tools):
-            return await asyncio.to_thread(
+            return await self.off_loop(
                 self._chat_prompt, session, state, messages, tools, keys, agent, images
             )
         return self._chat_prompt(session, state, messages, tools, keys, agent, images)
