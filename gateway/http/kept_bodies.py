@@ -121,6 +121,11 @@ class KeptBodies:
     def worth_keeping(self, body: bytes) -> bool:
         return self.budget_bytes > 0 and len(body) >= self.min_bytes
 
+    def holds(self, key: Hashable) -> bool:
+        """Whether a body is kept under ``key`` (the next one's decode may reuse its items)."""
+        with self._lock:
+            return key in self._kept
+
     def decode(self, key: Hashable, body: bytes, decode: Callable[[bytes], Any]) -> Any:
         """``decode(body)``'s value, decoding only what follows the items ``body`` shares with
         the previous body under ``key``."""

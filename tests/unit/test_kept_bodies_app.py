@@ -9,16 +9,19 @@ memory (as test_logprobs_refusal.py)."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
 import httpx
 import msgspec
+import pytest
 from transformers import AutoTokenizer
 
 from gateway.backends.router import ReplicaRouter
 from gateway.backends.vllm import VLLMBackend
 from gateway.core.session_store import SessionStore
+from gateway.http import guard
 from gateway.http.app import create_app
 from gateway.http.kept_bodies import KeptBodies
 from gateway.metrics import GatewayMetrics
@@ -140,3 +143,34 @@ async def test_responses_input_resent(tiny_model_dir: Path) -> None:
         items += [*answer.json()["output"], {"role": "user", "content": "go"}]
     assert await reused(client) == 2
     assert [t.message_prefix_len > 0 for t in publisher.turns] == [False, True, True]
+
+
+async def test_a_sessions_first_large_body_is_decoded_off_the_event_loop(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A session's first large body (nothing kept to reuse: all of it decoded and indexed) is
+    decoded on a worker thread; the next ones, which decode only their new items, on the loop
+    (the threshold lowered here to this test's ~75 KB body; 256 KiB in the gateway)."""
+    monkeypatch.setattr(guard, "_OFF_LOOP_FIRST_BYTES", 64 * 1024)
+    threads: list[bool] = []
+    decode = guard.decode_json
+
+    def where(body: bytes, **kwargs: Any) -> Any:
+        threads.append(threading.current_thread() is threading.main_thread())
+        return decode(body, **kwargs)
+
+    monkeypatch.setattr(guard, "decode_json", where)
+    _, client, _ = app_and_client(tiny_model_dir)
+    messages: list[Any] = [{"role": "user", "content": TASK}]
+    on_loop = []
+    for _ in range(3):
+        threads.clear()
+        answer = await client.post(
+            "/v1/chat/completions",
+            json={"model": "tiny", "messages": messages, "max_tokens": 3},
+            headers={"X-Session-Id": "first-off-loop"},
+        )
+        assert answer.status_code == 200, answer.text
+        on_loop.append(all(threads))
+        messages += [answer.json()["choices"][0]["message"], {"role": "user", "content": "go"}]
+    assert on_loop == [False, True, True]
