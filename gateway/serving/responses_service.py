@@ -97,8 +97,21 @@ def _function_call(
     )
 
 
+# A lifecycle event of a response object without its tools ends with them and the fixed
+# ``text`` (``Wire.build`` writes the fields given in the order given, after the defaults: the
+# frame gives ``tools`` and ``text`` last, and the event its response last), so its tools are
+# written back in at a known place: nothing a client sent stands between.
+_NO_TOOLS_END = b'"tools":[],"text":{"format":{"type":"text"}}}}\n\n'
+
+
 class _Frame:
-    """What every response object of one request shares: its parameters, echoed."""
+    """What every response object of one request shares: its parameters, echoed.
+
+    A streamed response echoes its tools three times (``response.created``, ``in_progress``
+    and the last event, as OpenAI does): a coding agent's 63 KB of tools, serialized by
+    pydantic each time, were ~0.07 ms each on a later turn (issue 40, point 2). The streamed
+    events are serialized without them and ``spliced`` writes the tools' JSON, written once per
+    request by the same serializer, into each."""
 
     def __init__(self, engine: TurnEngine, req: ResponsesRequest) -> None:
         self.model = answered_as(req.model, engine.model_name)
@@ -125,6 +138,20 @@ class _Frame:
             "user": req.user,
             "prompt_cache_key": req.prompt_cache_key,
         }
+        self._tools_json: bytes | None = None
+
+    def spliced(self, event: bytes) -> bytes:
+        """A lifecycle event serialized from ``response(..., echo_tools=False)``, with the
+        tools."""
+        if not event.endswith(_NO_TOOLS_END):
+            raise RuntimeError("a lifecycle event without its tools does not end as expected")
+        if self._tools_json is None:  # ``{"tools":[...]}``, as the response object writes it
+            written = ResponseObject.__pydantic_serializer__.to_json(
+                ResponseObject.build(tools=self.echo["tools"]), include={"tools"}
+            )
+            self._tools_json = b'"tools":' + written[len(b'{"tools":') : -1]
+        rest = _NO_TOOLS_END[len(b'"tools":[]') :]
+        return b"".join((event[: -len(_NO_TOOLS_END)], self._tools_json, rest))
 
     def response(
         self,
@@ -132,7 +159,12 @@ class _Frame:
         status: str,
         output: list[OutputMessage | OutputFunctionCall],
         usage: ResponseUsage | None = None,
+        *,
+        echo_tools: bool = True,
     ) -> ResponseObject:
+        """The response object; without its tools (``[]``) where not ``echo_tools``, for
+        ``spliced``."""
+        echo = self.echo if echo_tools else {**self.echo, "tools": []}
         return ResponseObject.build(
             id=rid,
             created_at=self.created_at,
@@ -141,7 +173,7 @@ class _Frame:
             output=output,
             usage=usage,
             incomplete_details=IncompleteDetails.build() if status == "incomplete" else None,
-            **self.echo,
+            **echo,
         )
 
 
@@ -228,12 +260,15 @@ class _ResponsesEncoder:
         return sse_event(event.type, event)
 
     def _lifecycle(self, kind: str, response: ResponseObject) -> bytes:
-        return self._event(
-            LifecycleEvent.build(type=kind, sequence_number=self.sequence, response=response)
+        """A lifecycle event of ``response`` (made without its tools), with the tools."""
+        return self.frame.spliced(
+            self._event(
+                LifecycleEvent.build(type=kind, sequence_number=self.sequence, response=response)
+            )
         )
 
     def opening(self) -> bytes:
-        response = self.frame.response(self.id, "in_progress", [])
+        response = self.frame.response(self.id, "in_progress", [], echo_tools=False)
         return self._lifecycle("response.created", response) + self._lifecycle(
             "response.in_progress", response
         )
@@ -334,7 +369,7 @@ class _ResponsesEncoder:
                 ),
                 self._item("response.output_item.done", index, item),
             ]
-        response = self.frame.response(self.id, status, output, _usage(result))
+        response = self.frame.response(self.id, status, output, _usage(result), echo_tools=False)
         out.append(self._lifecycle(f"response.{status}", response))
         return b"".join(out)
 

@@ -32,6 +32,8 @@ from gateway.metrics import GatewayMetrics
 from gateway.protocol.responses import (
     ResponsesRequest,
 )
+from gateway.protocol.responses_reply import LifecycleEvent
+from gateway.protocol.sse import sse_event
 from gateway.serving import TurnEngine, TurnServing
 from gateway.serving.responses_input import (
     parse_response_id,
@@ -39,7 +41,7 @@ from gateway.serving.responses_input import (
     response_id,
     responses_turn_request,
 )
-from gateway.serving.responses_service import ResponsesServing
+from gateway.serving.responses_service import ResponsesServing, _Frame
 from gateway.templates import ChatTemplate
 from gateway.tools import get_parser
 from schemas.events import SessionOpened
@@ -714,6 +716,48 @@ async def test_a_streamed_response_is_typed_events_ending_in_the_response(
         == canonical({"input": events[-1]["response"]["output"]}).messages
     )
     assert len(publisher.events) == 1
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {"tools": None},
+        # what a client sends that looks like the place the tools are written back in
+        {
+            "metadata": {"tools": "[]", "text": "x"},
+            "reasoning": {"tools": [], "text": {"format": {"type": "text"}}},
+            "instructions": '"tools":[],"text":{"format":{"type":"text"}}}}\n\n',
+        },
+    ],
+)
+def test_a_streamed_responses_tools_are_written_as_the_response_object_writes_them(
+    extra: dict[str, Any],
+) -> None:
+    """The lifecycle events are serialized without the tools and get them written back in
+    (``_Frame.spliced``, issue 40): byte for byte the event serialized with them."""
+    tool = {
+        **TOOL,
+        "description": 'Wetter \u2603 "quoted" </script>',
+        "parameters": {"type": "object", "properties": {"n": {"minimum": 1.0, "maximum": 10}}},
+    }
+    body = {**ASK, "tools": [tool, {**tool, "name": "other", "strict": True}], **extra}
+
+    class _Engine:
+        model_name = "tiny"
+
+    frame = _Frame(_Engine(), ResponsesRequest.model_validate(body))  # type: ignore[arg-type]
+    output: list[Any] = []
+    for status in ("in_progress", "completed", "incomplete"):
+
+        def event(echo_tools: bool, status: str = status) -> bytes:
+            response = frame.response("resp_s_1", status, output, echo_tools=echo_tools)
+            kind = f"response.{status}"
+            return sse_event(
+                kind, LifecycleEvent.build(type=kind, sequence_number=3, response=response)
+            )
+
+        assert frame.spliced(event(echo_tools=False)) == event(echo_tools=True)
 
 
 async def test_a_cut_reply_is_an_incomplete_response(tiny_model_dir: Path) -> None:
