@@ -37,6 +37,8 @@ from pydantic import (
     Field,
     Tag,
     ValidationError,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
     field_validator,
     model_validator,
 )
@@ -63,6 +65,7 @@ from gateway.protocol.responses_tools import (
     NamespaceTool,
     flat_name,
 )
+from gateway.protocol.validated_once import validated_once
 from gateway.protocol.wire import (
     JSONObject,
     Temperature,
@@ -279,6 +282,14 @@ class ResponsesRequest(BaseModel):
                     f"{MAX_FUNCTIONS}"
                 )
         return tools
+
+    @field_validator("tools", mode="wrap")
+    @classmethod
+    def _tools_once(
+        cls, tools: Any, handler: ValidatorFunctionWrapHandler, info: ValidationInfo
+    ) -> Any:
+        """The tools a session resends, validated once (``validated_once``)."""
+        return validated_once(tools, handler, info)
 
     @property
     def function_tools(self) -> list[FunctionTool]:
