@@ -10,6 +10,7 @@ same ids.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import replace
 from typing import Any
 
@@ -22,6 +23,7 @@ from gateway.protocol.chat import TokenLogprob
 from gateway.protocol.responses import (
     FunctionChoice,
     ResponsesRequest,
+    Tool,
 )
 from gateway.protocol.responses_reply import (
     ArgumentsDeltaEvent,
@@ -104,20 +106,47 @@ def _function_call(
 _NO_TOOLS_END = b'"tools":[],"text":{"format":{"type":"text"}}}}\n\n'
 
 
+# A session's tools are validated once (``validated_once``: the same list of models every
+# turn), and echoed from what was written of them the first time: the dicts and the JSON. The
+# 16 lists last echoed (a coding agent's: ~63 KB of JSON each), the least recent dropped.
+_ECHOES: OrderedDict[int, tuple[list[Tool], list[JSON], bytes]] = OrderedDict()
+ECHOES = 16
+
+
+def _tools_echo(tools: list[Tool] | None) -> tuple[list[JSON], bytes]:
+    """The tools as a response echoes them, and their JSON as the response object writes it."""
+    if not tools:
+        return [], b"[]"
+    entry = _ECHOES.get(id(tools))
+    if entry is not None and entry[0] is tools:
+        _ECHOES.move_to_end(id(tools))
+        return entry[1], entry[2]
+    dumped = [t.model_dump(exclude_none=True) for t in tools]
+    written = ResponseObject.__pydantic_serializer__.to_json(  # ``{"tools":[...]}``
+        ResponseObject.build(tools=dumped), include={"tools"}
+    )
+    text = written[len(b'{"tools":') : -1]
+    _ECHOES[id(tools)] = (tools, dumped, text)
+    while len(_ECHOES) > ECHOES:
+        _ECHOES.popitem(last=False)
+    return dumped, text
+
+
 class _Frame:
     """What every response object of one request shares: its parameters, echoed.
 
     A streamed response echoes its tools three times (``response.created``, ``in_progress``
     and the last event, as OpenAI does): a coding agent's 63 KB of tools, serialized by
     pydantic each time, were ~0.07 ms each on a later turn (issue 40, point 2). The streamed
-    events are serialized without them and ``spliced`` writes the tools' JSON, written once per
-    request by the same serializer, into each."""
+    events are serialized without them and ``spliced`` writes the tools' JSON, written by the
+    same serializer once per session (``_tools_echo``), into each."""
 
     def __init__(self, engine: TurnEngine, req: ResponsesRequest) -> None:
         self.model = answered_as(req.model, engine.model_name)
         self.created_at = int(time.time())
         self.namespaced: Namespaced = req.namespaced_functions
         choice = req.tool_choice
+        tools, self._tools_json = _tools_echo(req.tools)
         self.echo: JSON = {
             "instructions": req.instructions,
             "metadata": req.metadata or {},
@@ -126,7 +155,7 @@ class _Frame:
             "tool_choice": choice.model_dump(exclude_none=True)
             if isinstance(choice, FunctionChoice)
             else choice or "auto",
-            "tools": [t.model_dump(exclude_none=True) for t in req.tools or ()],
+            "tools": tools,
             "temperature": 1.0 if req.temperature is None else req.temperature,
             "top_p": 1.0 if req.top_p is None else req.top_p,
             "top_logprobs": req.top_logprobs,
@@ -138,20 +167,14 @@ class _Frame:
             "user": req.user,
             "prompt_cache_key": req.prompt_cache_key,
         }
-        self._tools_json: bytes | None = None
 
     def spliced(self, event: bytes) -> bytes:
         """A lifecycle event serialized from ``response(..., echo_tools=False)``, with the
         tools."""
         if not event.endswith(_NO_TOOLS_END):
             raise RuntimeError("a lifecycle event without its tools does not end as expected")
-        if self._tools_json is None:  # ``{"tools":[...]}``, as the response object writes it
-            written = ResponseObject.__pydantic_serializer__.to_json(
-                ResponseObject.build(tools=self.echo["tools"]), include={"tools"}
-            )
-            self._tools_json = b'"tools":' + written[len(b'{"tools":') : -1]
         rest = _NO_TOOLS_END[len(b'"tools":[]') :]
-        return b"".join((event[: -len(_NO_TOOLS_END)], self._tools_json, rest))
+        return b"".join((event[: -len(_NO_TOOLS_END)], b'"tools":', self._tools_json, rest))
 
     def response(
         self,

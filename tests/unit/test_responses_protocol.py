@@ -8,6 +8,7 @@ response, echoed back verbatim or re-serialized, must be exactly the reply the t
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from collections.abc import AsyncIterator, Sequence
@@ -34,6 +35,7 @@ from gateway.protocol.responses import (
 )
 from gateway.protocol.responses_reply import LifecycleEvent
 from gateway.protocol.sse import sse_event
+from gateway.protocol.validated_once import KEPT_MEMO, new_memo
 from gateway.serving import TurnEngine, TurnServing
 from gateway.serving.responses_input import (
     parse_response_id,
@@ -746,11 +748,18 @@ def test_a_streamed_responses_tools_are_written_as_the_response_object_writes_th
     class _Engine:
         model_name = "tiny"
 
-    frame = _Frame(_Engine(), ResponsesRequest.model_validate(body))  # type: ignore[arg-type]
+    # As a session's turns come: the tools list decoded once, its models validated once
+    # (validated_once), their echo written once (_tools_echo); and without the memo.
+    memo = new_memo()
+    requests = [ResponsesRequest.model_validate(body, context={KEPT_MEMO: memo}) for _ in "ab"]
+    assert requests[0].tools is requests[1].tools
+    requests.append(ResponsesRequest.model_validate(body))
     output: list[Any] = []
-    for status in ("in_progress", "completed", "incomplete"):
+    for req, status in itertools.product(requests, ("in_progress", "completed", "incomplete")):
+        frame = _Frame(_Engine(), req)  # type: ignore[arg-type]
+        assert frame.echo["tools"] == [t.model_dump(exclude_none=True) for t in req.tools or ()]
 
-        def event(echo_tools: bool, status: str = status) -> bytes:
+        def event(echo_tools: bool, status: str = status, frame: _Frame = frame) -> bytes:
             response = frame.response("resp_s_1", status, output, echo_tools=echo_tools)
             kind = f"response.{status}"
             return sse_event(
