@@ -45,15 +45,13 @@ from pydantic import (
     Field,
     PrivateAttr,
     Tag,
-    ValidationInfo,
-    ValidatorFunctionWrapHandler,
     WithJsonSchema,
     field_validator,
     model_validator,
 )
 
 from gateway.protocol.images import ImageBlock
-from gateway.protocol.validated_once import validated_once
+from gateway.protocol.validated_once import validated_once_field
 from gateway.protocol.wire import (
     JSON_VALUE_SCHEMA,
     JSONObject,
@@ -371,13 +369,7 @@ class _MessagesInput(BaseModel):
         BeforeValidator(_empty_list),
     ] = Field(None, description="MCP servers are not supported: empty or absent")
 
-    @field_validator("tools", mode="wrap")
-    @classmethod
-    def _tools_once(
-        cls, tools: Any, handler: ValidatorFunctionWrapHandler, info: ValidationInfo
-    ) -> Any:
-        """The tools a session resends, validated once (``validated_once``)."""
-        return validated_once(tools, handler, info)
+    _tools_once = validated_once_field("tools")  # a session's resent tools: once
 
     @model_validator(mode="before")
     @classmethod

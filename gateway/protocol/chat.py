@@ -17,14 +17,12 @@ from pydantic import (
     ConfigDict,
     Field,
     PrivateAttr,
-    ValidationInfo,
-    ValidatorFunctionWrapHandler,
     field_validator,
     model_validator,
 )
 
 from gateway.protocol.images import ImageInput, ImagePart
-from gateway.protocol.validated_once import validated_once
+from gateway.protocol.validated_once import validated_once_field
 from gateway.protocol.wire import (
     JSON_VALUE_SCHEMA,
     Int64,
@@ -277,13 +275,7 @@ class ChatCompletionRequest(OpenAIRequest):
     seed: Int64 | None = None
     n: int = Field(1, ge=1, le=1, description="one choice per turn: a turn is one sample")
 
-    @field_validator("tools", mode="wrap")
-    @classmethod
-    def _tools_once(
-        cls, tools: Any, handler: ValidatorFunctionWrapHandler, info: ValidationInfo
-    ) -> Any:
-        """The tools a session resends, validated once (``validated_once``)."""
-        return validated_once(tools, handler, info)
+    _tools_once = validated_once_field("tools")  # a session's resent tools: once
 
     @model_validator(mode="after")
     def _consistent(self) -> ChatCompletionRequest:

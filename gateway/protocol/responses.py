@@ -37,8 +37,6 @@ from pydantic import (
     Field,
     Tag,
     ValidationError,
-    ValidationInfo,
-    ValidatorFunctionWrapHandler,
     field_validator,
     model_validator,
 )
@@ -65,7 +63,7 @@ from gateway.protocol.responses_tools import (
     NamespaceTool,
     flat_name,
 )
-from gateway.protocol.validated_once import validated_once
+from gateway.protocol.validated_once import validated_once_field
 from gateway.protocol.wire import (
     JSONObject,
     Temperature,
@@ -283,13 +281,7 @@ class ResponsesRequest(BaseModel):
                 )
         return tools
 
-    @field_validator("tools", mode="wrap")
-    @classmethod
-    def _tools_once(
-        cls, tools: Any, handler: ValidatorFunctionWrapHandler, info: ValidationInfo
-    ) -> Any:
-        """The tools a session resends, validated once (``validated_once``)."""
-        return validated_once(tools, handler, info)
+    _tools_once = validated_once_field("tools")  # a session's resent tools: once
 
     @property
     def function_tools(self) -> list[FunctionTool]:

@@ -12,13 +12,10 @@ value without a memo, are validated as before. The memo lives as long as the kep
 serves, so a list's identity cannot be reused while it is memoized, and nothing changes the
 decoded values it holds.
 
->>> from pydantic import BaseModel, ValidationInfo, ValidatorFunctionWrapHandler, field_validator
+>>> from pydantic import BaseModel
 >>> class Req(BaseModel):
 ...     tools: list[dict[str, int]]
-...     @field_validator("tools", mode="wrap")
-...     @classmethod
-...     def _once(cls, v: object, handler: ValidatorFunctionWrapHandler, info: ValidationInfo):
-...         return validated_once(v, handler, info)
+...     _tools_once = validated_once_field("tools")
 >>> tools, memo = [{"a": 1}], new_memo()
 >>> one = Req.model_validate({"tools": tools}, context={KEPT_MEMO: memo})
 >>> two = Req.model_validate({"tools": tools}, context={KEPT_MEMO: memo})
@@ -30,9 +27,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import ValidationInfo, ValidatorFunctionWrapHandler
+from pydantic import ValidationInfo, ValidatorFunctionWrapHandler, field_validator
 
-__all__ = ["KEPT_MEMO", "Memo", "new_memo", "validated_once"]
+__all__ = ["KEPT_MEMO", "Memo", "new_memo", "validated_once", "validated_once_field"]
 
 KEPT_MEMO = "turnstream.kept_memo"
 
@@ -61,3 +58,14 @@ def validated_once(value: Any, handler: ValidatorFunctionWrapHandler, info: Vali
     while len(memo) > MEMO_ENTRIES:
         del memo[next(iter(memo))]
     return validated
+
+
+def validated_once_field(field: str) -> Any:
+    """A request model's validator of ``field`` (a class attribute): ``validated_once``."""
+
+    def once(
+        cls: type, value: Any, handler: ValidatorFunctionWrapHandler, info: ValidationInfo
+    ) -> Any:
+        return validated_once(value, handler, info)
+
+    return field_validator(field, mode="wrap")(classmethod(once))
