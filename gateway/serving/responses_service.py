@@ -14,6 +14,8 @@ from collections import OrderedDict
 from dataclasses import replace
 from typing import Any
 
+from pydantic import PrivateAttr
+
 from gateway.core.agents import AgentIdentity
 from gateway.core.conversation import TurnRequest
 from gateway.core.session_store import Session
@@ -99,11 +101,32 @@ def _function_call(
     )
 
 
-# A lifecycle event of a response object without its tools ends with them and the fixed
-# ``text`` (``Wire.build`` writes the fields given in the order given, after the defaults: the
-# frame gives ``tools`` and ``text`` last, and the event its response last), so its tools are
-# written back in at a known place: nothing a client sent stands between.
-_NO_TOOLS_END = b'"tools":[],"text":{"format":{"type":"text"}}}}\n\n'
+# A response object without its tools ends with them and the fixed ``text`` (``Wire.build``
+# writes the fields given in the order given, after the defaults: the frame gives ``tools`` and
+# ``text`` last), and so does a lifecycle event (its response last), so the tools are written
+# back in at a known place: nothing a client sent stands between.
+_NO_TOOLS_TAIL = b'"tools":[],"text":{"format":{"type":"text"}}}'
+_NO_TOOLS_END = _NO_TOOLS_TAIL + b"}\n\n"
+
+
+def _with_tools(written: bytes, end: bytes, tools_json: bytes) -> bytes:
+    """``written`` (ending with ``end``: its tools ``[]``), with ``tools_json`` for them."""
+    if not written.endswith(end):
+        raise RuntimeError("a response written without its tools does not end as expected")
+    rest = end[len(b'"tools":[]') :]
+    return b"".join((written[: -len(end)], b'"tools":', tools_json, rest))
+
+
+class _EchoedResponse(ResponseObject):
+    """A whole response whose tools' JSON its frame holds (``_tools_echo``): written without
+    them, that JSON put back in (a coding agent's 63 KB, serialized again on every turn, were
+    ~0.07 ms). Its fields are the response's, tools included."""
+
+    _tools_json: bytes = PrivateAttr(b"[]")
+
+    def json_bytes(self) -> bytes:
+        bare = ResponseObject.build(**{**self.__dict__, "tools": []})  # the same field order
+        return _with_tools(bare.json_bytes(), _NO_TOOLS_TAIL, self._tools_json)
 
 
 # A session's tools are validated once (``validated_once``: the same list of models every
@@ -171,10 +194,19 @@ class _Frame:
     def spliced(self, event: bytes) -> bytes:
         """A lifecycle event serialized from ``response(..., echo_tools=False)``, with the
         tools."""
-        if not event.endswith(_NO_TOOLS_END):
-            raise RuntimeError("a lifecycle event without its tools does not end as expected")
-        rest = _NO_TOOLS_END[len(b'"tools":[]') :]
-        return b"".join((event[: -len(_NO_TOOLS_END)], b'"tools":', self._tools_json, rest))
+        return _with_tools(event, _NO_TOOLS_END, self._tools_json)
+
+    def whole(
+        self,
+        rid: str,
+        status: str,
+        output: list[OutputMessage | OutputFunctionCall],
+        usage: ResponseUsage,
+    ) -> ResponseObject:
+        """The response of a request not streamed, written with the tools' kept JSON."""
+        response = _EchoedResponse.build(**self.response(rid, status, output, usage).__dict__)
+        object.__setattr__(response, "__pydantic_private__", {"_tools_json": self._tools_json})
+        return response
 
     def response(
         self,
@@ -245,7 +277,7 @@ class ResponsesServing:
             )
         frame = _Frame(self.engine, req)
         output += [_function_call(c, "completed", frame.namespaced) for c in result.tool_calls]
-        return frame.response(response_id(sid, result.reply), status, output, _usage(result))
+        return frame.whole(response_id(sid, result.reply), status, output, _usage(result))
 
     async def stream(
         self, session: Session, req: ResponsesRequest, agent: AgentIdentity | None = None

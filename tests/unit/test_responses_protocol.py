@@ -33,7 +33,12 @@ from gateway.metrics import GatewayMetrics
 from gateway.protocol.responses import (
     ResponsesRequest,
 )
-from gateway.protocol.responses_reply import LifecycleEvent
+from gateway.protocol.responses_reply import (
+    InputTokensDetails,
+    LifecycleEvent,
+    OutputTokensDetails,
+    ResponseUsage,
+)
 from gateway.protocol.sse import sse_event
 from gateway.protocol.validated_once import KEPT_MEMO, new_memo
 from gateway.serving import TurnEngine, TurnServing
@@ -767,6 +772,17 @@ def test_a_streamed_responses_tools_are_written_as_the_response_object_writes_th
             )
 
         assert frame.spliced(event(echo_tools=False)) == event(echo_tools=True)
+        # Not streamed: the whole response, written with the kept JSON of its tools.
+        usage = ResponseUsage.build(
+            input_tokens=3,
+            input_tokens_details=InputTokensDetails.build(),
+            output_tokens=2,
+            output_tokens_details=OutputTokensDetails.build(),
+            total_tokens=5,
+        )
+        whole = frame.whole("resp_s_1", status, output, usage)
+        plain = frame.response("resp_s_1", status, output, usage)
+        assert whole.json_bytes() == plain.json_bytes() and whole.tools == plain.tools
 
 
 async def test_a_cut_reply_is_an_incomplete_response(tiny_model_dir: Path) -> None:
