@@ -41,6 +41,7 @@ from gateway.http.guard import (
     RequestGuard,
     decoded_json,
     parse_api_keys,
+    validation_context,
 )
 from gateway.http.kept_bodies import KeptBodies
 from gateway.http.routes import (
@@ -238,7 +239,7 @@ class GatewayApp(FastAPI):
         decoded, body = decoded_json(scope)
         if decoded and _plain_json(scope):
             try:
-                value = route.body.model_validate(body)
+                value = route.body.model_validate(body, context=validation_context(scope))
             except ValidationError:
                 pass  # FastAPI's path answers it below, naming each field at fault
             else:

@@ -35,6 +35,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gateway.errors import InvalidRequest, RequestTimeout, RequestTooLarge, Unauthorized
 from gateway.http.kept_bodies import KeptBodies
 from gateway.metrics import GatewayMetrics
+from gateway.protocol.validated_once import KEPT_MEMO
 from gateway.protocol.wire import INT64_MAX, INT64_MIN
 from schemas.ids import ID_PATTERN
 
@@ -48,9 +49,11 @@ __all__ = [
     "decode_json",
     "decoded_json",
     "parse_api_keys",
+    "validation_context",
 ]
 
 _JSON_KEY = "turnstream.json"
+_MEMO_KEY = "turnstream.kept_memo"
 _RUNS_KEY = "turnstream.runs"
 _RUN_LIST = re.compile(f"^{ID_PATTERN}(,{ID_PATTERN})*$")
 # An integer outside int64 has at least 19 digits: bodies without such a run of digits skip the
@@ -266,14 +269,16 @@ class RequestGuard:
             depth = self.limits.max_json_depth
             decode: Callable[[bytes], Any] = partial(decode_json, max_depth=depth)
             off_loop = len(body) > _OFF_LOOP_BYTES
-            if self.kept.worth_keeping(body):
-                key = _client_session(scope)
-                decode = partial(self.kept.decode, key, decode=decode)
-                off_loop |= len(body) > _OFF_LOOP_FIRST_BYTES and not self.kept.holds(key)
+            session = _client_session(scope) if self.kept.worth_keeping(body) else None
+            if session is not None:
+                decode = partial(self.kept.decode, session, decode=decode)
+                off_loop |= len(body) > _OFF_LOOP_FIRST_BYTES and not self.kept.holds(session)
             if off_loop:
                 scope[_JSON_KEY] = await asyncio.to_thread(decode, body)
             else:
                 scope[_JSON_KEY] = decode(body)
+            if session is not None:
+                scope[_MEMO_KEY] = self.kept.memo_of(session)
         return _replay(body, receive)
 
 
@@ -282,6 +287,13 @@ def decoded_json(scope: Scope) -> tuple[bool, Any]:
     if _JSON_KEY in scope:
         return True, scope[_JSON_KEY]
     return False, None
+
+
+def validation_context(scope: Scope) -> dict[str, Any] | None:
+    """pydantic's context for validating the body ``RequestGuard`` decoded: the memo of its
+    kept members (``validated_once``), where it has some."""
+    memo = scope.get(_MEMO_KEY)
+    return None if memo is None else {KEPT_MEMO: memo}
 
 
 def _client_session(scope: Scope) -> tuple[object, ...]:

@@ -39,6 +39,7 @@ import numpy as np
 from prometheus_client import Counter, Gauge
 
 from gateway.errors import InvalidRequest
+from gateway.protocol.validated_once import Memo, new_memo
 
 __all__ = ["KeptBodies"]
 
@@ -82,6 +83,9 @@ class _Kept:
     # decoded and walked again each turn. Its values are shared by the bodies decoded from it.
     head: dict[str, Any] | None = None
     head_size: int = 0  # its bytes in memory
+    # What request models made of the head's values, validated once (``validated_once``):
+    # shared, like the head, by the bodies decoded from it. None where there is no head.
+    memo: Memo | None = None
 
     @property
     def charge(self) -> int:
@@ -154,6 +158,13 @@ class KeptBodies:
                 self._held.set(self._size)
         return value
 
+    def memo_of(self, key: Hashable) -> Memo | None:
+        """The memo of the members kept before the conversation of ``key``'s last body (for
+        the request models' ``validated_once``); None where none are kept."""
+        with self._lock:
+            kept = self._kept.get(key)
+        return None if kept is None else kept.memo
+
     def _forget(self, key: Hashable) -> None:
         old = self._kept.pop(key, None)
         if old is not None:
@@ -200,8 +211,8 @@ def _extend(kept: _Kept, body: bytes, decode: Callable[[bytes], Any]) -> tuple[A
     values = kept.values[:k] + tuple(items)
     value[kept.member] = list(values)
     sizes = kept.sizes[:k] + sizes
-    head, head_size = kept.head, kept.head_size
-    return value, _Kept(body, kept.member, kept.opening, ends, values, sizes, head, head_size)
+    head, head_size, memo = kept.head, kept.head_size, kept.memo
+    return value, _Kept(body, kept.member, kept.opening, ends, values, sizes, head, head_size, memo)
 
 
 def _shared_items(kept: _Kept, body: bytes) -> int:
@@ -244,7 +255,8 @@ def _index(body: bytes, value: Any) -> _Kept | None:
         return None
     ends = tuple(start + len(r) for start, r in zip(starts, raws, strict=True))
     head, head_size = _head(body, opening, member, value)
-    return _Kept(body, member, opening, ends, tuple(items), sizes, head, head_size)
+    memo = None if head is None else new_memo()
+    return _Kept(body, member, opening, ends, tuple(items), sizes, head, head_size, memo)
 
 
 def _head(

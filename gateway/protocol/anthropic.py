@@ -51,6 +51,7 @@ from pydantic import (
 )
 
 from gateway.protocol.images import ImageBlock
+from gateway.protocol.validated_once import validated_once_field
 from gateway.protocol.wire import (
     JSON_VALUE_SCHEMA,
     JSONObject,
@@ -367,6 +368,8 @@ class _MessagesInput(BaseModel):
         WithJsonSchema({"type": "array", "maxItems": 0}),
         BeforeValidator(_empty_list),
     ] = Field(None, description="MCP servers are not supported: empty or absent")
+
+    _tools_once = validated_once_field("tools")  # a session's resent tools: once
 
     @model_validator(mode="before")
     @classmethod

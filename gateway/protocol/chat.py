@@ -22,6 +22,7 @@ from pydantic import (
 )
 
 from gateway.protocol.images import ImageInput, ImagePart
+from gateway.protocol.validated_once import validated_once_field
 from gateway.protocol.wire import (
     JSON_VALUE_SCHEMA,
     Int64,
@@ -273,6 +274,8 @@ class ChatCompletionRequest(OpenAIRequest):
     top_p: TopP | None = None
     seed: Int64 | None = None
     n: int = Field(1, ge=1, le=1, description="one choice per turn: a turn is one sample")
+
+    _tools_once = validated_once_field("tools")  # a session's resent tools: once
 
     @model_validator(mode="after")
     def _consistent(self) -> ChatCompletionRequest:

@@ -63,6 +63,7 @@ from gateway.protocol.responses_tools import (
     NamespaceTool,
     flat_name,
 )
+from gateway.protocol.validated_once import validated_once_field
 from gateway.protocol.wire import (
     JSONObject,
     Temperature,
@@ -279,6 +280,8 @@ class ResponsesRequest(BaseModel):
                     f"{MAX_FUNCTIONS}"
                 )
         return tools
+
+    _tools_once = validated_once_field("tools")  # a session's resent tools: once
 
     @property
     def function_tools(self) -> list[FunctionTool]:

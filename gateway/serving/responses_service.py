@@ -10,8 +10,11 @@ same ids.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import replace
 from typing import Any
+
+from pydantic import PrivateAttr
 
 from gateway.core.agents import AgentIdentity
 from gateway.core.conversation import TurnRequest
@@ -22,6 +25,7 @@ from gateway.protocol.chat import TokenLogprob
 from gateway.protocol.responses import (
     FunctionChoice,
     ResponsesRequest,
+    Tool,
 )
 from gateway.protocol.responses_reply import (
     ArgumentsDeltaEvent,
@@ -97,14 +101,75 @@ def _function_call(
     )
 
 
+# A response object without its tools ends with them and the fixed ``text`` (``Wire.build``
+# writes the fields given in the order given, after the defaults: the frame gives ``tools`` and
+# ``text`` last), and so does a lifecycle event (its response last), so the tools are written
+# back in at a known place: nothing a client sent stands between.
+_NO_TOOLS_TAIL = b'"tools":[],"text":{"format":{"type":"text"}}}'
+_NO_TOOLS_END = _NO_TOOLS_TAIL + b"}\n\n"
+
+
+def _with_tools(written: bytes, end: bytes, tools_json: bytes) -> bytes:
+    """``written`` (ending with ``end``: its tools ``[]``), with ``tools_json`` for them."""
+    if not written.endswith(end):
+        raise RuntimeError("a response written without its tools does not end as expected")
+    rest = end[len(b'"tools":[]') :]
+    return b"".join((written[: -len(end)], b'"tools":', tools_json, rest))
+
+
+class _EchoedResponse(ResponseObject):
+    """A whole response whose tools' JSON its frame holds (``_tools_echo``): written without
+    them, that JSON put back in (a coding agent's 63 KB, serialized again on every turn, were
+    ~0.07 ms). Its fields are the response's, tools included."""
+
+    _tools_json: bytes = PrivateAttr(b"[]")
+
+    def json_bytes(self) -> bytes:
+        bare = ResponseObject.build(**{**self.__dict__, "tools": []})  # the same field order
+        return _with_tools(bare.json_bytes(), _NO_TOOLS_TAIL, self._tools_json)
+
+
+# A session's tools are validated once (``validated_once``: the same list of models every
+# turn), and echoed from what was written of them the first time: the dicts and the JSON. The
+# 16 lists last echoed (a coding agent's: ~63 KB of JSON each), the least recent dropped.
+_ECHOES: OrderedDict[int, tuple[list[Tool], list[JSON], bytes]] = OrderedDict()
+ECHOES = 16
+
+
+def _tools_echo(tools: list[Tool] | None) -> tuple[list[JSON], bytes]:
+    """The tools as a response echoes them, and their JSON as the response object writes it."""
+    if not tools:
+        return [], b"[]"
+    entry = _ECHOES.get(id(tools))
+    if entry is not None and entry[0] is tools:
+        _ECHOES.move_to_end(id(tools))
+        return entry[1], entry[2]
+    dumped = [t.model_dump(exclude_none=True) for t in tools]
+    written = ResponseObject.__pydantic_serializer__.to_json(  # ``{"tools":[...]}``
+        ResponseObject.build(tools=dumped), include={"tools"}
+    )
+    text = written[len(b'{"tools":') : -1]
+    _ECHOES[id(tools)] = (tools, dumped, text)
+    while len(_ECHOES) > ECHOES:
+        _ECHOES.popitem(last=False)
+    return dumped, text
+
+
 class _Frame:
-    """What every response object of one request shares: its parameters, echoed."""
+    """What every response object of one request shares: its parameters, echoed.
+
+    A streamed response echoes its tools three times (``response.created``, ``in_progress``
+    and the last event, as OpenAI does): a coding agent's 63 KB of tools, serialized by
+    pydantic each time, were ~0.07 ms each on a later turn (issue 40, point 2). The streamed
+    events are serialized without them and ``spliced`` writes the tools' JSON, written by the
+    same serializer once per session (``_tools_echo``), into each."""
 
     def __init__(self, engine: TurnEngine, req: ResponsesRequest) -> None:
         self.model = answered_as(req.model, engine.model_name)
         self.created_at = int(time.time())
         self.namespaced: Namespaced = req.namespaced_functions
         choice = req.tool_choice
+        tools, self._tools_json = _tools_echo(req.tools)
         self.echo: JSON = {
             "instructions": req.instructions,
             "metadata": req.metadata or {},
@@ -113,7 +178,7 @@ class _Frame:
             "tool_choice": choice.model_dump(exclude_none=True)
             if isinstance(choice, FunctionChoice)
             else choice or "auto",
-            "tools": [t.model_dump(exclude_none=True) for t in req.tools or ()],
+            "tools": tools,
             "temperature": 1.0 if req.temperature is None else req.temperature,
             "top_p": 1.0 if req.top_p is None else req.top_p,
             "top_logprobs": req.top_logprobs,
@@ -126,13 +191,35 @@ class _Frame:
             "prompt_cache_key": req.prompt_cache_key,
         }
 
+    def spliced(self, event: bytes) -> bytes:
+        """A lifecycle event serialized from ``response(..., echo_tools=False)``, with the
+        tools."""
+        return _with_tools(event, _NO_TOOLS_END, self._tools_json)
+
+    def whole(
+        self,
+        rid: str,
+        status: str,
+        output: list[OutputMessage | OutputFunctionCall],
+        usage: ResponseUsage,
+    ) -> ResponseObject:
+        """The response of a request not streamed, written with the tools' kept JSON."""
+        response = _EchoedResponse.build(**self.response(rid, status, output, usage).__dict__)
+        object.__setattr__(response, "__pydantic_private__", {"_tools_json": self._tools_json})
+        return response
+
     def response(
         self,
         rid: str,
         status: str,
         output: list[OutputMessage | OutputFunctionCall],
         usage: ResponseUsage | None = None,
+        *,
+        echo_tools: bool = True,
     ) -> ResponseObject:
+        """The response object; without its tools (``[]``) where not ``echo_tools``, for
+        ``spliced``."""
+        echo = self.echo if echo_tools else {**self.echo, "tools": []}
         return ResponseObject.build(
             id=rid,
             created_at=self.created_at,
@@ -141,7 +228,7 @@ class _Frame:
             output=output,
             usage=usage,
             incomplete_details=IncompleteDetails.build() if status == "incomplete" else None,
-            **self.echo,
+            **echo,
         )
 
 
@@ -190,7 +277,7 @@ class ResponsesServing:
             )
         frame = _Frame(self.engine, req)
         output += [_function_call(c, "completed", frame.namespaced) for c in result.tool_calls]
-        return frame.response(response_id(sid, result.reply), status, output, _usage(result))
+        return frame.whole(response_id(sid, result.reply), status, output, _usage(result))
 
     async def stream(
         self, session: Session, req: ResponsesRequest, agent: AgentIdentity | None = None
@@ -228,12 +315,15 @@ class _ResponsesEncoder:
         return sse_event(event.type, event)
 
     def _lifecycle(self, kind: str, response: ResponseObject) -> bytes:
-        return self._event(
-            LifecycleEvent.build(type=kind, sequence_number=self.sequence, response=response)
+        """A lifecycle event of ``response`` (made without its tools), with the tools."""
+        return self.frame.spliced(
+            self._event(
+                LifecycleEvent.build(type=kind, sequence_number=self.sequence, response=response)
+            )
         )
 
     def opening(self) -> bytes:
-        response = self.frame.response(self.id, "in_progress", [])
+        response = self.frame.response(self.id, "in_progress", [], echo_tools=False)
         return self._lifecycle("response.created", response) + self._lifecycle(
             "response.in_progress", response
         )
@@ -334,7 +424,7 @@ class _ResponsesEncoder:
                 ),
                 self._item("response.output_item.done", index, item),
             ]
-        response = self.frame.response(self.id, status, output, _usage(result))
+        response = self.frame.response(self.id, status, output, _usage(result), echo_tools=False)
         out.append(self._lifecycle(f"response.{status}", response))
         return b"".join(out)
 

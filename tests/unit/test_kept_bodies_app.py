@@ -91,6 +91,11 @@ async def test_chat_completions(tiny_model_dir: Path) -> None:
         assert_kept_items_unchanged(kept_bodies(app))
         messages += [answer.json()["choices"][0]["message"], {"role": "user", "content": "go"}]
     assert await reused(client) == 2
+    # The tools, decoded once with the kept members, were validated once (validated_once).
+    [entry] = kept_bodies(app)._kept.values()
+    assert entry.head is not None and entry.memo is not None
+    [(raw, validated)] = entry.memo.values()
+    assert raw is entry.head["tools"] and [t.raw for t in validated] == WEATHER_TOOLS
     held = kept_bodies(app).size_bytes
     assert held > len(TASK)  # the last body and its items, as the gauge says
     assert (
@@ -174,3 +179,21 @@ async def test_a_sessions_first_large_body_is_decoded_off_the_event_loop(
         on_loop.append(all(threads))
         messages += [answer.json()["choices"][0]["message"], {"role": "user", "content": "go"}]
     assert on_loop == [False, True, True]
+
+
+async def test_a_bad_tool_resent_is_refused_every_time(tiny_model_dir: Path) -> None:
+    """Only what validated is kept: tools that failed are validated (and refused) again."""
+    app, client, publisher = app_and_client(tiny_model_dir)
+    bad = [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}]
+    messages: list[Any] = [{"role": "user", "content": TASK}]
+    for _ in range(2):
+        answer = await client.post(
+            "/v1/chat/completions",
+            json={"model": "tiny", "tools": bad, "messages": messages, "max_tokens": 3},
+            headers={"X-Session-Id": "bad-tools"},
+        )
+        assert answer.status_code == 400 and "parameters" in answer.text, answer.text
+        messages += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "go"}]
+    assert await reused(client) >= 1  # the second body was decoded from the first's members
+    [entry] = kept_bodies(app)._kept.values()
+    assert entry.memo == {} and publisher.turns == []

@@ -8,6 +8,7 @@ response, echoed back verbatim or re-serialized, must be exactly the reply the t
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from collections.abc import AsyncIterator, Sequence
@@ -32,6 +33,14 @@ from gateway.metrics import GatewayMetrics
 from gateway.protocol.responses import (
     ResponsesRequest,
 )
+from gateway.protocol.responses_reply import (
+    InputTokensDetails,
+    LifecycleEvent,
+    OutputTokensDetails,
+    ResponseUsage,
+)
+from gateway.protocol.sse import sse_event
+from gateway.protocol.validated_once import KEPT_MEMO, new_memo
 from gateway.serving import TurnEngine, TurnServing
 from gateway.serving.responses_input import (
     parse_response_id,
@@ -39,7 +48,7 @@ from gateway.serving.responses_input import (
     response_id,
     responses_turn_request,
 )
-from gateway.serving.responses_service import ResponsesServing
+from gateway.serving.responses_service import ResponsesServing, _Frame
 from gateway.templates import ChatTemplate
 from gateway.tools import get_parser
 from schemas.events import SessionOpened
@@ -714,6 +723,66 @@ async def test_a_streamed_response_is_typed_events_ending_in_the_response(
         == canonical({"input": events[-1]["response"]["output"]}).messages
     )
     assert len(publisher.events) == 1
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {"tools": None},
+        # what a client sends that looks like the place the tools are written back in
+        {
+            "metadata": {"tools": "[]", "text": "x"},
+            "reasoning": {"tools": [], "text": {"format": {"type": "text"}}},
+            "instructions": '"tools":[],"text":{"format":{"type":"text"}}}}\n\n',
+        },
+    ],
+)
+def test_a_streamed_responses_tools_are_written_as_the_response_object_writes_them(
+    extra: dict[str, Any],
+) -> None:
+    """The lifecycle events are serialized without the tools and get them written back in
+    (``_Frame.spliced``, issue 40): byte for byte the event serialized with them."""
+    tool = {
+        **TOOL,
+        "description": 'Wetter \u2603 "quoted" </script>',
+        "parameters": {"type": "object", "properties": {"n": {"minimum": 1.0, "maximum": 10}}},
+    }
+    body = {**ASK, "tools": [tool, {**tool, "name": "other", "strict": True}], **extra}
+
+    class _Engine:
+        model_name = "tiny"
+
+    # As a session's turns come: the tools list decoded once, its models validated once
+    # (validated_once), their echo written once (_tools_echo); and without the memo.
+    memo = new_memo()
+    requests = [ResponsesRequest.model_validate(body, context={KEPT_MEMO: memo}) for _ in "ab"]
+    assert requests[0].tools is requests[1].tools
+    requests.append(ResponsesRequest.model_validate(body))
+    output: list[Any] = []
+    for req, status in itertools.product(requests, ("in_progress", "completed", "incomplete")):
+        frame = _Frame(_Engine(), req)  # type: ignore[arg-type]
+        assert frame.echo["tools"] == [t.model_dump(exclude_none=True) for t in req.tools or ()]
+
+        def event(echo_tools: bool, status: str = status, frame: _Frame = frame) -> bytes:
+            response = frame.response("resp_s_1", status, output, echo_tools=echo_tools)
+            kind = f"response.{status}"
+            return sse_event(
+                kind, LifecycleEvent.build(type=kind, sequence_number=3, response=response)
+            )
+
+        assert frame.spliced(event(echo_tools=False)) == event(echo_tools=True)
+        # Not streamed: the whole response, written with the kept JSON of its tools.
+        usage = ResponseUsage.build(
+            input_tokens=3,
+            input_tokens_details=InputTokensDetails.build(),
+            output_tokens=2,
+            output_tokens_details=OutputTokensDetails.build(),
+            total_tokens=5,
+        )
+        whole = frame.whole("resp_s_1", status, output, usage)
+        plain = frame.response("resp_s_1", status, output, usage)
+        assert whole.json_bytes() == plain.json_bytes() and whole.tools == plain.tools
 
 
 async def test_a_cut_reply_is_an_incomplete_response(tiny_model_dir: Path) -> None:
