@@ -18,7 +18,9 @@ A kept head's large members (``SHARED_MIN_BYTES`` of JSON or more: an agent's to
 decoded for Claude Code's 24) are shared between sessions whose bodies hold them byte for byte:
 one agent's sessions send the same tools, and each decoded its own copy (issue 40). Like the
 kept values, shared values are never changed; at most an eighth of the budget of their JSON
-is looked up that way, the least recently shared dropped first.
+is looked up that way, the least recently shared dropped first: that table (the JSON and its
+values) is held beside the budget, which each kept body's charge (counting its shared
+members too) stays within.
 
 >>> import json
 >>> from gateway.http.guard import decode_json
