@@ -11,7 +11,10 @@ text it wrote the first time, and any other value as the filter did (``json.dump
 
 Kept objects are held (their ``id`` cannot be reused while kept) and must not change: the
 gateway keeps only a kept turn's tools, which nothing changes once recorded. At most ``limit``
-objects are kept, the least recently kept dropped first.
+objects are kept, the least recently kept dropped first. Equal texts are kept once: each
+session decodes its own copy of the tools, but one agent's sessions send equal ones, and a
+text per session was ~110 KB of a Claude-Code-shaped session's memory (issue 40); at most
+``limit`` distinct texts are looked up that way (one per kept object at most).
 
 >>> import json
 >>> kept = KeptJson(limit=8)
@@ -20,6 +23,10 @@ objects are kept, the least recently kept dropped first.
 >>> kept.keep([tool])
 >>> tojson(tool) is tojson(tool), tojson(tool, indent=2) == json.dumps(tool, indent=2)
 (True, True)
+>>> twin = {"name": "Bash"}  # another session's equal tool
+>>> kept.keep([twin])
+>>> tojson(twin) is tojson(tool)
+True
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ class KeptJson:
     def __init__(self, limit: int = LIMIT) -> None:
         self.limit = limit
         self._kept: OrderedDict[int, tuple[object, dict[tuple[Any, ...], str]]] = OrderedDict()
+        self._texts: OrderedDict[str, str] = OrderedDict()  # each distinct text, once
         self._lock = threading.Lock()
 
     def keep(self, values: Iterable[object]) -> None:
@@ -68,11 +76,21 @@ class KeptJson:
             key = (args, tuple(sorted(options.items())))
             text = entry[1].get(key)
             if text is None:
-                text = entry[1][key] = tojson(value, *args, **options)
+                text = entry[1][key] = self._one(tojson(value, *args, **options))
             return text
 
         kept_tojson.kept = self  # type: ignore[attr-defined]  # found again by kept_json_of
         return kept_tojson
+
+    def _one(self, text: str) -> str:
+        """``text``, or the equal text kept before it: looked up once per kept object, when
+        its text is first written (hashing it: ~1 µs per KB, once per session's tools)."""
+        with self._lock:
+            one = self._texts.setdefault(text, text)
+            self._texts.move_to_end(one)
+            while len(self._texts) > self.limit:
+                self._texts.popitem(last=False)
+        return one
 
 
 def kept_json_of(environment: Any) -> KeptJson | None:

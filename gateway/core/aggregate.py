@@ -49,7 +49,9 @@ True
 
 The state is data only: what a turn leaves for the one that continues it (its render, the JSON
 text of its ids) is a cache the live ``Session`` holds beside the state
-(``gateway.core.session_store.ContextCache``), never written into a node.
+(``gateway.core.session_store.ContextCache``), never written into a node. One thing is
+changed in place, not copied: a kept turn's event, whose ``prompt_ids`` are pointed at their
+place in the chain's array (the same values, held once; the one event object everywhere).
 
 Turns apply in index order: a turn whose index is not the session's next one (a duplicate, or
 one past a gap) changes nothing. Events of another session are a programming error.
@@ -270,7 +272,7 @@ def turn_event(state: SessionState, draft: TurnDraft) -> TurnCompleted:
         parent_turn=-1 if node is None else parent,
         created_at=draft.created_at,
         prefix_len=delta.prefix_len,
-        prompt_ids=delta.prompt_ids,  # a copy, not a view: kept turns keep their events
+        prompt_ids=delta.prompt_ids,  # a copy, not a view of the draft; apply re-points it
         completion_ids=np.asarray(draft.completion_ids, dtype=np.int32),
         logprobs=np.asarray(draft.logprobs, dtype=np.float32),
         message_prefix_len=delta.message_prefix_len,
@@ -420,6 +422,7 @@ def _node(
     else:
         new_keys = message_keys(event.new_messages)
     inherited = None if parent is None else parent.tools
+    _view_prompt(event, ids)
     node = TurnNode(
         event,
         ids,
@@ -434,12 +437,33 @@ def _node(
             shared = ids[: len(context)]
             for turn, other in nodes.items():
                 if other.context_ids.base is context:
-                    nodes[turn] = evolved(other, context_ids=ids[: len(other.context_ids)])
+                    nodes[turn] = _viewing(other, ids)
+            _view_prompt(parent.event, shared)
         # A side request (compaction, an auxiliary call) leaves its parent the tip of its
         # conversation: the agent's next own turn continues it, a resend still finds it.
         side = event.agent.get("request_class") in SIDE_CLASSES
         parent = evolved(parent, context_ids=shared, continued=parent.continued or not side)
     return node, parent
+
+
+def _view_prompt(event: TurnCompleted, ids: np.ndarray) -> None:
+    """Points ``event.prompt_ids`` at their place in ``ids``, the turn's whole context or a
+    longer one that begins with it: a kept turn holds its prompt once, in its chain's array, not
+    again as the event's own copy (400 KB for a 100k-token first turn; issue 40).
+
+    The one impure step of ``apply``, on purpose: the event object is changed, not copied, so
+    that the kept node's event stays the very event the state's ``last_turn``, a resent
+    request's answer and the caller hold. Its values do not change; only where they live."""
+    start = event.prefix_len
+    event.prompt_ids = ids[start : start + len(event.prompt_ids)]
+
+
+def _viewing(node: TurnNode, ids: np.ndarray) -> TurnNode:
+    """``node`` with its context, and its event's prompt, views into ``ids``, a longer context
+    that begins with its own: the array it viewed is no longer held through it."""
+    own = ids[: len(node.context_ids)]
+    _view_prompt(node.event, own)
+    return evolved(node, context_ids=own)
 
 
 def _turn_images(parent: TurnNode | None, event: TurnCompleted) -> tuple[ImageRef, ...]:

@@ -70,10 +70,12 @@ _REACH_BACKOFF_S = 0.02
 class ContextCache:
     """What the turn that continues a kept turn reuses of it, built when that turn ran:
 
-    * ``text``: the text its context ids stand for, in parts (its prompt's render, any forced
-      tool-call opening, its completion decoded with special tokens: not joined, a copy of the
-      whole context saved), so that the next turn renders its conversation once and keeps the
-      ids of this text where the render starts with it (``ChatTemplate.extension_ids``);
+    * ``text``: the UTF-8 of the text its context ids stand for, in parts (its prompt's
+      render, any forced tool-call opening, its completion decoded with special tokens: not
+      joined, a copy of the whole context saved), so that the next turn renders its
+      conversation once and keeps the ids of this text where the render starts with it
+      (``ChatTemplate.extension_ids``). UTF-8, not ``str``: a byte a character where one emoji
+      in the render would make Python hold it at four (~400 KB at 100k characters);
     * ``json_head``: the JSON text of its context ids without the closing bracket
       (``b"[1,2,3"``), in parts, built when its prompt went to an HTTP backend
       (``gateway.backends.interface.Prompt``), so the next turn encodes only its new ids.
@@ -82,7 +84,7 @@ class ContextCache:
     turn that continues it, so a chain of turns holds one (a second continuation of a turn
     finds none and renders and encodes in full)."""
 
-    text: tuple[str, ...] | None = None
+    text: tuple[bytes, ...] | None = None
     json_head: tuple[bytes | memoryview, ...] = ()  # gateway.backends.interface.JsonHead
 
 

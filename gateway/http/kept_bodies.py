@@ -14,6 +14,14 @@ bytes decode to the same values, so the result is the full decode's; where any s
 hold (another prefix, a duplicate key, an error in the rest), the body is decoded in full, and
 an error is reported against the body as sent.
 
+A kept head's large members (``SHARED_MIN_BYTES`` of JSON or more: an agent's tools, ~190 KB
+decoded for Claude Code's 24) are shared between sessions whose bodies hold them byte for byte:
+one agent's sessions send the same tools, and each decoded its own copy (issue 40). Like the
+kept values, shared values are never changed; at most an eighth of the budget of their JSON
+is looked up that way, the least recently shared dropped first: that table (the JSON and its
+values) is held beside the budget, which each kept body's charge (counting its shared
+members too) stays within.
+
 >>> import json
 >>> from gateway.http.guard import decode_json
 >>> bodies = KeptBodies(1 << 20, min_bytes=0)
@@ -45,6 +53,8 @@ __all__ = ["KeptBodies"]
 
 # Below this a body decodes in ~0.1 ms or less: not worth keeping.
 MIN_BYTES = 64 * 1024
+# A head member this large (its JSON) is shared between the sessions that send it.
+SHARED_MIN_BYTES = 4096
 _WHITESPACE = frozenset(b" \t\r\n")
 _COMMA, _CLOSE = ord(","), ord("]")
 
@@ -115,6 +125,7 @@ class KeptBodies:
         self._held = held
         self._kept: OrderedDict[Hashable, _Kept] = OrderedDict()
         self._size = 0
+        self._shared = _Shared(budget_bytes // 8)
         self._lock = threading.Lock()
 
     @property
@@ -140,7 +151,7 @@ class KeptBodies:
         found = None if kept is None else _extend(kept, body, decode)
         if found is None:
             value = decode(body)
-            new = _index(body, value)
+            new = _index(body, value, self._shared)
         else:
             value, new = found
         counter = self._full if found is None else self._reused
@@ -233,7 +244,7 @@ def _shared_items(kept: _Kept, body: bytes) -> int:
     return lo
 
 
-def _index(body: bytes, value: Any) -> _Kept | None:
+def _index(body: bytes, value: Any, shared: _Shared) -> _Kept | None:
     """Where ``body``'s items end; None where it has no items array to keep."""
     try:
         shape = _ITEMS.decode(body)
@@ -254,20 +265,21 @@ def _index(body: bytes, value: Any) -> _Kept | None:
     if opening < 0 or body[opening + 1 : starts[0]].strip():
         return None
     ends = tuple(start + len(r) for start, r in zip(starts, raws, strict=True))
-    head, head_size = _head(body, opening, member, value)
+    head, head_size = _head(body, opening, member, value, shared)
     memo = None if head is None else new_memo()
     return _Kept(body, member, opening, ends, tuple(items), sizes, head, head_size, memo)
 
 
 def _head(
-    body: bytes, opening: int, member: str, value: dict[str, Any]
+    body: bytes, opening: int, member: str, value: dict[str, Any], shared: _Shared
 ) -> tuple[dict[str, Any] | None, int]:
     """The members before the items' array at ``opening``, and their bytes in memory: found
     by decoding the head's bytes closed with an empty array (the body they are part of was
     checked when decoded in full, as ``value``), their values ``value``'s own objects where no
     later member replaced them (so a session's first turn and the next share its tools); None
     where they are not a JSON object's members ending with that array, or hold more than an
-    object per 64 bytes."""
+    object per 64 bytes. A large member's value is the one ``shared`` holds for its bytes,
+    in ``value`` too (the request decoded in full uses it)."""
     try:
         head = _HEAD.decode(b"".join((memoryview(body)[: opening + 1], b"]}")))
         last = _MEMBERS.decode(body)  # each member's last occurrence, where it is
@@ -279,8 +291,37 @@ def _head(
         raw = last.get(key)
         if raw is not None and 0 <= _offset(raw, body) < opening:
             head[key] = value[key]
+            if len(raw) >= SHARED_MIN_BYTES:
+                head[key] = value[key] = shared.one(bytes(raw), value[key])
     size = _sizes([head], opening)
     return (None, 0) if size is None else (head, size[0])
+
+
+class _Shared:
+    """Decoded values by their JSON bytes, one value per distinct text, at most ``budget_bytes``
+    of text (least recently shared dropped first). Thread-safe."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget_bytes = budget_bytes
+        self._values: OrderedDict[bytes, Any] = OrderedDict()
+        self._size = 0
+        self._lock = threading.Lock()
+
+    def one(self, text: bytes, value: Any) -> Any:
+        """The value kept for ``text``, else ``value`` (a decode of ``text``), kept where it
+        fits: hashing ``text`` costs ~1 µs per KB, once per body decoded in full."""
+        if len(text) > self.budget_bytes:
+            return value
+        with self._lock:
+            kept = self._values.get(text)
+            if kept is not None:
+                self._values.move_to_end(text)
+                return kept
+            self._values[text] = value
+            self._size += len(text)
+            while self._size > self.budget_bytes:
+                self._size -= len(self._values.popitem(last=False)[0])
+        return value
 
 
 def _placed(

@@ -245,6 +245,7 @@ class TurnEngine:
         if node is not None and self._sampled_a_placeholder(node):
             node = None  # rendered from the conversation's text below: a fork at that token
         full: str | None = None
+        utf8: bytes | None = None
         if node is not None:
             # Taken: this turn's context will hold the next turn's cache (one per chain).
             cache = session.take_context(node.turn) or _NO_CACHE
@@ -255,7 +256,7 @@ class TurnEngine:
                 # template wrote once for the session (an agent's 63 KB of tools, every turn).
                 tools = node.tools
                 self.template.keep_json(tools)
-                suffix, full = self.template.extension_ids(text, messages, tools)
+                suffix, full, utf8 = self.template.extension_ids(text, messages, tools)
             rendered = suffix is not None
             if suffix is None:  # the render and the kept turn's render without this turn's
                 done = len(node.conversation)
@@ -271,14 +272,15 @@ class TurnEngine:
                     head_len=len(context) if head else 0,
                     images=self._images(ids, messages, images, node.images, len(context)),
                 )
-                said = full if rendered else None
+                said = utf8 if rendered else None
                 return ChatPrompt(prompt, node.turn, len(context), said, recorded, place.unsure)
         if full is None:
             full = self.template.render(messages, tools, generation=True)
         encoded = self.template.prompt_ids_of(full, messages)
         prompt = Prompt(encoded, images=self._images(encoded, messages, images))
         base = place.base if place.base is not None else prefix_parent(state, prompt.ids)
-        return ChatPrompt(prompt, base, None, full, recorded, place.unsure)
+        said = full.encode("utf-8") if utf8 is None else utf8
+        return ChatPrompt(prompt, base, None, said, recorded, place.unsure)
 
     def _sampled_a_placeholder(self, node: TurnNode) -> bool:
         """Whether the kept turn's completion holds the model's image placeholder, which a
@@ -483,7 +485,8 @@ class TurnEngine:
                 text_parts = None
                 if turn.prompt_text is not None:
                     sampled = self.template.decode(detok.ids, skip_special_tokens=False)
-                    text_parts = (turn.prompt_text, turn.forced_text, sampled)
+                    forced = turn.forced_text.encode("utf-8")
+                    text_parts = (turn.prompt_text, forced, sampled.encode("utf-8"))
                 head = prompt.extended_json_head(detok.ids) if prompt.encoded else ()
                 if text_parts is not None or head:
                     session.keep_context(event.turn, ContextCache(text_parts, head))

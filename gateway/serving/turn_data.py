@@ -40,7 +40,8 @@ class ChatPrompt(NamedTuple):
     prompt: Prompt
     parent: int  # the kept turn it continues, else the one sharing the longest prefix (-1: none)
     prefix_len: int | None  # a continued turn's: the parent's whole context; None: not known
-    text: str | None  # what the prompt's ids stand for (the render), where it is that exactly
+    # The UTF-8 of what the prompt's ids stand for (the render), where it is that exactly.
+    text: bytes | None
     agent: JSON  # TurnCompleted.agent: the identity and how the tokens resolved it ({}: none)
     unsure: bool = False  # a turn this copy lacks could place it otherwise (Placement.unsure)
 
@@ -69,7 +70,7 @@ class Turn:
     # the longest token prefix with the prompt, found when the event is built (completions).
     parent: int | None = None
     prefix_len: int | None = None  # ChatPrompt.prefix_len
-    prompt_text: str | None = None  # ChatPrompt.text (the forced_text follows it)
+    prompt_text: bytes | None = None  # ChatPrompt.text (the forced_text follows it)
     # message_key of each of ``messages`` (TurnRequest.keys); None: computed where needed.
     keys: Sequence[MessageKey] | None = None
     # The request's own id, every client-visible id's (TurnCompleted.reply_id): made when the

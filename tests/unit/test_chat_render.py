@@ -210,3 +210,29 @@ def test_kept_tools_render_from_their_kept_json(tiny_model_dir: Path) -> None:
     changed[0]["function"]["description"] = "Changed."
     assert "Changed." in template.render(messages, changed, generation=True)
     assert template.render(messages, copy.deepcopy(tools), generation=True) == expected
+
+
+def test_equal_kept_tools_of_two_sessions_share_one_text(tiny_model_dir: Path) -> None:
+    """Each session decodes its own copy of an agent's tools; their JSON, written once per kept
+    copy, is held once (issue 40: ~110 KB a Claude-Code-shaped session), and a changed copy
+    still gets its own text."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    template = ChatTemplate(tokenizer, max_context=4096)
+    messages = WEATHER_TRANSCRIPT[:2]
+    one, other = copy.deepcopy(WEATHER_TOOLS), copy.deepcopy(WEATHER_TOOLS)
+    changed = copy.deepcopy(WEATHER_TOOLS)
+    changed[0]["function"]["description"] = "Changed."
+    for tools in (one, other, changed):
+        template.keep_json(tools)
+        template.render(messages, tools, generation=True)
+    kept = template._kept_json
+    assert kept is not None
+
+    def texts(tools: list[Any]) -> list[str]:
+        return [text for t in tools for text in kept._kept[id(t)][1].values()]
+
+    assert texts(one) and all(a is b for a, b in zip(texts(one), texts(other), strict=True))
+    assert texts(changed)[0] != texts(one)[0] and "Changed." in texts(changed)[0]
+    assert template.render(messages, other, generation=True) == template.render(
+        messages, copy.deepcopy(WEATHER_TOOLS), generation=True
+    )

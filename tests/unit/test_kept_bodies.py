@@ -193,3 +193,26 @@ def test_the_budget_keeps_the_most_recent_bodies() -> None:
     small.decode("s", one, decode)
     small.decode("s", one, decode)
     assert small.hits == 0
+
+
+def test_sessions_sending_the_same_tools_share_one_decoded_copy() -> None:
+    """One agent's sessions send the same tools (Claude Code's: ~190 KB decoded): decoded in
+    full by each session's first body, they are one value, not one per session (issue 40);
+    other tools, and small members, are each body's own."""
+    bodies = KeptBodies(1 << 20, min_bytes=0)
+    tools = [{"name": f"t{i}", "description": "d" * 400, "input_schema": {}} for i in range(12)]
+    other = [{**tools[0], "name": "x"}, *tools[1:]]
+    hi = {"role": "user", "content": "hi"}
+    a, b, c = (
+        bodies.decode(key, body({"model": "m", "tools": t, "messages": [hi]}), decode)
+        for key, t in (("a", tools), ("b", tools), ("c", other))
+    )
+    assert a == decode(body({"model": "m", "tools": tools, "messages": [hi]}))
+    assert a["tools"] is b["tools"] and c["tools"] == other and c["tools"] is not a["tools"]
+    ok = {"role": "assistant", "content": "ok"}
+    again = bodies.decode("b", body({"model": "m", "tools": tools, "messages": [hi, ok]}), decode)
+    assert again["tools"] is a["tools"] and bodies.hits == 1
+    small = [
+        bodies.decode(k, body({"model": "m", "tools": [], "messages": [hi]}), decode) for k in "de"
+    ]
+    assert small[0]["tools"] is not small[1]["tools"]

@@ -109,7 +109,9 @@ async def test_a_linear_session_sends_each_turn_its_whole_prompt_and_caches_one_
 ) -> None:
     setup = _Setup(tiny_model_dir)
     session = await setup.session()
-    messages: list[JSON] = [{"role": "system", "content": "Be brief."}]
+    # One emoji, as in Claude Code's system text: Python would hold the whole render at 4 bytes
+    # a character; the cache keeps its UTF-8 (issue 40), and the render still extends it.
+    messages: list[JSON] = [{"role": "system", "content": "Be brief. \N{ROCKET}"}]
     renders: list[bool] = []
     render = setup.template.render
 
@@ -138,7 +140,9 @@ async def test_a_linear_session_sends_each_turn_its_whole_prompt_and_caches_one_
     tip, cache = nodes[3], session.contexts[3]
     assert cache.json_head and cache.text is not None
     assert json.loads(b"".join(cache.json_head) + b"]") == tip.context_ids.tolist()
-    text = "".join(cache.text)
+    assert all(isinstance(part, bytes) for part in cache.text)
+    text = b"".join(cache.text).decode("utf-8")
+    assert "\N{ROCKET}" in text
     assert text == setup.template.decode(tip.context_ids, skip_special_tokens=False)
 
 

@@ -137,13 +137,13 @@ def test_the_caches_live_beside_the_state_and_go_with_the_turns_they_serve() -> 
     hi = {"role": "user", "content": "hi"}
     first = turn_event(state, TurnDraft([1], [hi], None, [2], [0.0]))
     session.apply(first)
-    session.keep_context(0, ContextCache(("hi", "", "yo"), (b"[1,2",)))
-    assert session.contexts[0].text == ("hi", "", "yo")
+    session.keep_context(0, ContextCache((b"hi", b"", b"yo"), (b"[1,2",)))
+    assert session.contexts[0].text == (b"hi", b"", b"yo")
     assert not hasattr(session.state.nodes[0], "cache")  # nothing written into the node
     second = turn_event(session.state, TurnDraft([9], [hi], None, [3], [0.0]))  # a new branch
     session.apply(second)  # keeps one turn: turn 0 is forgotten, and its cache with it
     assert list(session.state.nodes) == [1] and session.contexts == {}
-    session.keep_context(0, ContextCache(("stale",)))  # a turn no longer kept holds none
+    session.keep_context(0, ContextCache((b"stale",)))  # a turn no longer kept holds none
     assert session.contexts == {}
-    session.keep_context(1, ContextCache(("x",)))
-    assert session.take_context(1) == ContextCache(("x",)) and session.take_context(1) is None
+    session.keep_context(1, ContextCache((b"x",)))
+    assert session.take_context(1) == ContextCache((b"x",)) and session.take_context(1) is None

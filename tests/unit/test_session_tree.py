@@ -362,3 +362,26 @@ def test_other_tools_continue_nothing_and_a_tie_goes_to_the_most_recent() -> Non
     assert node is not None and node.turn == twin.turn
     assert continued_turn(gateway.state, asked, None) is None
     assert continued_turn(gateway.state, asked, [*tools, *tools]) is None
+
+
+def test_a_kept_turn_holds_its_prompt_once_in_its_chains_array() -> None:
+    # A first turn's prompt is its whole context (100k tokens: 400 KB); the kept event's
+    # prompt_ids view the chain's one array instead of holding a copy beside it (issue 40),
+    # and the event stays the one object: the state's, the caller's, a resend's answer.
+    gateway = ToyGateway()
+    a = Agent(gateway, "task")
+    turns = [a.step(f"reply {i}") for i in range(4)]
+    prompts = full_contexts(gateway.events)
+    nodes = gateway.state.nodes
+    tip = nodes[turns[-1].turn].context_ids
+    for t in turns:
+        assert nodes[t.turn].event is t
+        start = t.prefix_len
+        assert t.prompt_ids.tolist() == full_prompt(prompts, t)[start:]
+        assert t.prompt_ids.base is tip and np.shares_memory(t.prompt_ids, tip)
+    assert gateway.state.last_turn is turns[-1]
+    assert gateway.turn(a.messages[:-2], "a retry") is turns[-1]  # its client resends it
+    recovered = fold(gateway.events)
+    assert recovered is not None
+    for t in turns:
+        assert recovered.nodes[t.turn].event is t
