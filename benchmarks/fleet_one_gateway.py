@@ -28,7 +28,9 @@ the latency it adds, requests timing out, and its memory per held session::
   every ``1 / arrivals_per_s`` seconds and then take turns too. Any request the client has not
   seen answered within ``CLIENT_TIMEOUT_S`` counts as a timeout (the session stops); a 503 in
   the window (the log not answering the gateway in time) is counted as ``errors_503`` (the
-  session stops); any other failure ends the run.
+  session stops); a request whose pooled connection the gateway closed as the client took it
+  (uvicorn closes one idle for 5 s) is sent again once, as the OpenAI SDK does, and counted
+  (``client_reconnects``); any other failure ends the run.
 * Figures per fleet, from the requests started in the window:
   ``fleet_added_p99_ms``: p99 of (latency - the backend's own time for a prompt this long sent
   straight to it, ``backend_direct_ms``: its ``--ttft-ms`` and reading ~100k ids of JSON, the
@@ -168,6 +170,9 @@ class FleetLoad:
         self.requests: list[Request] = []
         self.timeouts = 0
         self.errors: list[str] = []  # 503s in the window
+        # Requests sent again on a fresh connection after the server closed the pooled one
+        # (uvicorn closes a connection idle for 5 s; a think time of 2-12 s races it)
+        self.reconnects = 0
 
     def open(self, sid: str) -> Session:
         """A session whose history reaches ~``context`` tokens (a token a byte: the tiny
@@ -198,7 +203,14 @@ class FleetLoad:
         first = not session.answers
         t0 = time.perf_counter()
         try:
-            response = await client.post(self.url, content=body, headers=headers)
+            try:
+                response = await client.post(self.url, content=body, headers=headers)
+            except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError):
+                # A kept-alive connection the gateway closed as it was taken from the pool:
+                # sent again once, as the OpenAI SDK does (the gateway answers a resent
+                # request with the turn it recorded, never a second one).
+                self.reconnects += 1
+                response = await client.post(self.url, content=body, headers=headers)
         except httpx.TimeoutException:
             self.timeouts += record
             if record:
@@ -553,6 +565,7 @@ def figures_of(
         "window_s": round(window_s, 1),
         "requests": len(load.requests),
         "errors_503": len(load.errors),
+        "client_reconnects": load.reconnects,
         "first_error": load.errors[0] if load.errors else None,
         "first_turns": len(added["first"]),
         "later_turns": len(added["later"]),
