@@ -68,9 +68,10 @@ JSON = dict[str, Any]
 # event loop (and /health) stays responsive while a long prompt is built or refused: a coding
 # agent's turn at 100k tokens is ~36k characters of message text but ~100k rendered (its 63 KB
 # of tools, its tool calls' arguments), whose render took ~15 ms and whose first tokenization
-# ~65 ms on the loop when only the text was counted (issue 40: the fleet's loop stalls); a
-# 30k-token one's render ~3 ms, its first tokenization ~6 ms: more than a thread's hop costs.
-_OFF_LOOP_CHARS = 16 * 1024
+# ~65 ms on the loop when only the text was counted (issue 40: the fleet's loop stalls). Not
+# lower: a 1,000-session fleet of 30k-token turns (~25k rendered) waited longer with them on
+# the prompt thread (16k: added p99 700-740 ms against 475 ms at 32k, full runs, 2 cores).
+_OFF_LOOP_CHARS = 32 * 1024
 _OFF_LOOP_MESSAGES = 512
 _NO_CACHE = ContextCache()
 T = TypeVar("T")
