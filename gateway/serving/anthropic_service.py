@@ -169,7 +169,7 @@ class AnthropicServing:
         tools = canonical_tools(req) if choice != "none" else None
         render = self.engine.template.prompt_ids
         if renders_off_loop(messages, tools):
-            ids = await self.engine.off_loop(render, messages, tools)
+            ids = await self.engine.off_loop(render, messages, tools, first=True)
         else:
             ids = render(messages, tools)
         return TokenCountResult.build(input_tokens=len(ids))

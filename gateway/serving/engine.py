@@ -140,18 +140,25 @@ class TurnEngine:
         )
         # Streamed turns generating on their own (their client may have gone): see detach.
         self._detached: set[asyncio.Task[None]] = set()
-        # Long prompts' renders and tokenizations (``renders_off_loop``), one at a time on one
-        # thread: in Python they hold the GIL but in the tokenizer's encode, so more threads
-        # add no speed on any number of cores, only contention for the GIL with the event loop
-        # and first turns' transient token lists side by side (a 100k-token list of ints is
-        # ~3.6 MB, freed into memory the process keeps: +1.5 MB RSS a 100k session measured
-        # with asyncio's default pool; issue 40).
+        # Long prompts' renders and tokenizations (``renders_off_loop``), one at a time per
+        # queue: in Python they hold the GIL but in the tokenizer's encode, so a pool adds no
+        # speed, only contention for the GIL with the event loop and first turns' transient
+        # token lists side by side (a 100k-token list of ints is ~3.6 MB, freed into memory the
+        # process keeps: +1.5 MB RSS a 100k session with asyncio's default pool; issue 40).
+        # Two queues: a session's first prompt (a whole conversation tokenized, 65-140 ms at
+        # 100k tokens, mostly in Rust without the GIL) does not hold up the later turns of other
+        # sessions, which render and encode only what is new.
         self._prompts = ThreadPoolExecutor(max_workers=1, thread_name_prefix="turnstream-prompt")
+        self._first_prompts = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="turnstream-first-prompt"
+        )
 
-    async def off_loop(self, build: Callable[..., T], *args: Any) -> T:
-        """``build(*args)`` on the prompts' thread (in this context, as ``asyncio.to_thread``)."""
+    async def off_loop(self, build: Callable[..., T], *args: Any, first: bool = False) -> T:
+        """``build(*args)`` on a prompt thread (in this context, as ``asyncio.to_thread``):
+        ``first``, a prompt built from nothing kept (its own queue), else the later turns'."""
         run = functools.partial(contextvars.copy_context().run, build, *args)
-        return await asyncio.get_running_loop().run_in_executor(self._prompts, run)
+        queue = self._first_prompts if first else self._prompts
+        return await asyncio.get_running_loop().run_in_executor(queue, run)
 
     def detach(self, work: Awaitable[None], name: str) -> asyncio.Task[None]:
         """Run ``work`` (a streamed turn's generation and append) as its own task, outliving
@@ -170,6 +177,7 @@ class TurnEngine:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._prompts.shutdown(wait=False, cancel_futures=True)
+        self._first_prompts.shutdown(wait=False, cancel_futures=True)
 
     def check_model(self, model: str | None) -> None:
         """A 404 for a requested model name that is neither the served one nor matched by an
@@ -216,7 +224,9 @@ class TurnEngine:
         state = session.state  # immutable: the snapshot this turn is prepared from
         if renders_off_loop(messages, tools):
             return await self.off_loop(
-                self._chat_prompt, session, state, messages, tools, keys, agent, images
+                self._chat_prompt,
+                *(session, state, messages, tools, keys, agent, images),
+                first=not state.nodes,  # nothing kept: the whole conversation tokenized
             )
         return self._chat_prompt(session, state, messages, tools, keys, agent, images)
 

@@ -306,7 +306,9 @@ async def test_a_prompt_whose_tools_make_it_long_is_rendered_off_the_event_loop(
     """Where a prompt is rendered follows what the template writes, not the messages' text
     alone: a coding agent's turn is a little text, tool calls' arguments and many tools (Claude
     Code's 100k-token turn: ~36k characters of text, ~100k rendered), and its render and first
-    tokenization held the event loop for ~15 and ~65 ms when only the text was counted."""
+    tokenization held the event loop for ~15 and ~65 ms when only the text was counted. A
+    session's first prompt (all of it tokenized) queues on its own thread, apart from the later
+    turns of sessions already under way."""
     setup = _Setup(tiny_model_dir)
     threads: list[str] = []
     render = setup.template.render
@@ -321,14 +323,26 @@ async def test_a_prompt_whose_tools_make_it_long_is_rendered_off_the_event_loop(
     assert not renders_off_loop(messages, [tool])
     many = [{**tool, "function": {**tool["function"], "name": f"t{k}"}} for k in range(40)]
     assert renders_off_loop(messages, many), "40 tools: ~40k characters rendered"
-    for tools in ([tool], many):
+
+    async def rendered_on(session: Session, tools: list[JSON]) -> list[str]:
         threads.clear()
         request = ChatCompletionRequest.model_validate(
             {"messages": messages, "tools": tools, "max_tokens": 4}
         )
-        await setup.chat.complete(await setup.session(), request)
-        on_loop = threads == [threading.main_thread().name]
-        assert on_loop is (tools is not many), threads
+        await setup.chat.complete(session, request)
+        return [name.rsplit("_", 1)[0] for name in threads]
+
+    session = await setup.session()
+    assert await rendered_on(session, [tool]) == [threading.main_thread().name]
+    # The session has a turn now: its later prompts queue apart from sessions' first ones.
+    assert await rendered_on(session, many) == ["turnstream-prompt"]
+
+    async def create() -> tuple[SessionState, int]:
+        return SessionState(run="run", id="new"), 0
+
+    new = await setup.store.load(("run", "new"), create)
+    assert new is not None
+    assert await rendered_on(new, many) == ["turnstream-first-prompt"]
 
 
 def test_message_key_reads_tool_calls_and_content_alike() -> None:
