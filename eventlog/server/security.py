@@ -302,6 +302,15 @@ def _role_file(directory: Path, role: Role, password: str) -> str:
     )
 
 
+def _new_password() -> str:
+    """256 random bits a command line takes as a value: ``token_urlsafe``'s alphabet holds
+    "-", and a password starting with it (1 in 64) is read by argparse as an option, not as
+    ``--log.password``'s value (a flaky e2e test found it)."""
+    while (password := secrets.token_urlsafe(32)).startswith("-"):
+        pass
+    return password
+
+
 def _ensure_role(directory: Path, role: Role) -> RoleCredentials:
     path = directory / f"{role}.toml"
     if path.exists():
@@ -316,7 +325,7 @@ def _ensure_role(directory: Path, role: Role) -> RoleCredentials:
                 f"a new password (services using the old one must get the new file)"
             ) from exc
     else:
-        password = secrets.token_urlsafe(32)
+        password = _new_password()
     content = _role_file(directory, role, password)
     if not path.exists() or path.read_text() != content:  # e.g. the data dir moved: new CA path
         _write(path, content.encode(), 0o600)

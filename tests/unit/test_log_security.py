@@ -252,3 +252,15 @@ def test_a_role_file_edited_out_of_shape_is_an_error_naming_it(tmp_path: Path) -
     security.roles["worker"].config_file.write_text('[log]\nuser = "gateway"\npassword = "x"\n')
     with pytest.raises(LogSecurityError, match=r"worker\.toml does not hold the worker role"):
         ensure_log_security(tmp_path / "auth")
+
+
+def test_a_new_password_never_starts_with_a_dash(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A role's password is passed as ``--log.password VALUE`` on command lines: one starting
+    with "-" would be read as an option (token_urlsafe draws one in 64)."""
+    drawn = iter(["-leading-dash", "no-leading-dash"] * len(ROLES))
+    monkeypatch.setattr("eventlog.server.security.secrets.token_urlsafe", lambda n: next(drawn))
+    security = ensure_log_security(tmp_path)
+    for role in ROLES:
+        assert security.roles[role].password.get_secret_value() == "no-leading-dash"
