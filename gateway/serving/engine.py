@@ -74,6 +74,7 @@ JSON = dict[str, Any]
 _OFF_LOOP_CHARS = 32 * 1024
 _OFF_LOOP_MESSAGES = 512
 _NO_CACHE = ContextCache()
+_NO_IMAGES: Mapping[str, bytes] = {}
 T = TypeVar("T")
 
 
@@ -81,9 +82,6 @@ def renders_off_loop(messages: Sequence[JSON], tools: Sequence[JSON] | None) -> 
     """Whether a prompt of ``messages`` and ``tools`` is rendered and tokenized on a worker
     thread (``_OFF_LOOP_CHARS``)."""
     return len(messages) > _OFF_LOOP_MESSAGES or render_chars(messages, tools) > _OFF_LOOP_CHARS
-
-
-_NO_IMAGES: Mapping[str, bytes] = {}
 
 
 class TurnEngine:
